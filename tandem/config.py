@@ -1,0 +1,206 @@
+"""One config tree for Tandem: frozen dataclasses, CLI defaults are read from them.
+
+Vocabulary used everywhere in the project (defined once, here):
+
+- **root**: the last committed token, whose K/V is not yet in the cache; every draft tree
+  (a chain is a tree with one branch) hangs from it and is verified together with it.
+- **accepted tokens**: draft tokens the target agrees with, along one root-to-node path.
+- **bonus token**: the token the target itself produces after the last accepted token (in
+  greedy mode its argmax; with sampling a draw from the target or from a residual).
+- **rejected tokens**: every other draft token of that verification pass.
+- **tau**: tokens committed per target verification pass, bonus included (1.0 for `ar`).
+- **node budget N**: number of draft tokens verified in one pass (the root is extra).
+- **depth d**: number of draft expansion rounds; **width w**: leaves expanded per round.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; its message is one line that says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The subset of a Hugging Face `config.json` a decoder-only Llama-family model needs."""
+
+    family: str  # llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen copy of the HF dict
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        family = None
+        for a in archs:
+            family = SUPPORTED_ARCHITECTURES.get(a)
+            if family:
+                break
+        if family is None:
+            family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
+                hf.get("model_type", "")
+            )
+        if family is None:
+            raise ConfigError(
+                f"unsupported architecture {archs or hf.get('model_type')!r}; Tandem loads "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            heads = int(hf["num_attention_heads"])
+            hidden = int(hf["hidden_size"])
+            # transformers 5 moved rope settings into `rope_parameters`; 4.x used rope_theta + rope_scaling.
+            rope_params = hf.get("rope_parameters") or {}
+            rope_theta = float(hf.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+            scaling = hf.get("rope_scaling") or None
+            if scaling is None and rope_params.get("rope_type", "default") != "default":
+                scaling = rope_params
+            if scaling is not None:
+                rtype = scaling.get("rope_type", scaling.get("type", "default"))
+                if rtype == "default":
+                    scaling = None
+                elif rtype != "llama3":
+                    raise ConfigError(f"unsupported rope_scaling type {rtype!r}; Tandem supports 'llama3'")
+            eos = hf.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            qkv_bias = bool(hf.get("attention_bias", family == "qwen2"))
+            return cls(
+                family=family,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_hidden_layers=int(hf["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=None if scaling is None else tuple(sorted(scaling.items())),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                attention_bias=qkv_bias,
+                qk_norm=family == "qwen3",
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json is missing the key {e.args[0]!r}; is this a Hugging Face causal-LM config?") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        """A `config.json` dict that transformers loads as the matching *ForCausalLM."""
+        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.family]
+        d: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.torch_dtype,
+        }
+        if self.family in ("llama", "mistral"):
+            d["attention_bias"] = self.attention_bias
+            d["mlp_bias"] = False
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = dict(self.rope_scaling)
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            d["eos_token_id"] = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+        return d
+
+    @property
+    def num_params(self) -> int:
+        h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return L * per_layer + emb + h
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen. temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0.0) or math.isinf(self.temperature):
+            raise ConfigError(f"--temperature must be >= 0 (got {self.temperature}); use 0 for greedy decoding")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation knobs. `k` is the chain length; `nodes`, `width`, `depth` shape the best-first tree."""
+
+    method: str = "tree"  # ar | chain | tree | async
+    k: int = 5
+    nodes: int = 32  # node budget N: draft tokens verified per pass (root excluded)
+    width: int = 4  # w: leaves expanded per round
+    depth: int | None = None  # d: expansion rounds; default: enough to fill the budget
+
+    def resolved_depth(self) -> int:
+        return self.depth if self.depth is not None else max(1, min(16, math.ceil(self.nodes / self.width) + 1))
+
+    def validate(self) -> None:
+        if self.k < 1:
+            raise ConfigError(f"--k must be >= 1 (got {self.k})")
+        if self.nodes < 1:
+            raise ConfigError(f"--nodes must be >= 1 (got {self.nodes})")
+        if self.width < 1:
+            raise ConfigError(f"--width must be >= 1 (got {self.width})")
+        if self.depth is not None and self.depth < 1:
+            raise ConfigError(f"--depth must be >= 1 (got {self.depth})")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be a positive integer (got {self.max_new_tokens})")

@@ -1,0 +1,101 @@
+"""Tree-aware KV cache: per sequence the rows are `[verified prefix | tree region | free]`.
+
+SwiftSpec's invariant: the verified prefix is contiguous from row 0; the tree region right
+after it holds the K/V of draft-tree nodes (in node order) whose fate is not decided yet.
+`commit(path, keep)` moves the accepted path's rows to the end of the prefix and the kept
+subtree's rows right after them, by index gather: nothing is recomputed.
+
+The storage is a static buffer per layer (so CUDA graphs can capture reads and writes at
+fixed addresses); a paged pool can back the same interface later by mapping rows to pages.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    pass
+
+
+class KVCache:
+    """Static K/V buffers [layers, batch, kv_heads, capacity, head_dim] with a tree region.
+
+    Batch 1 is what the single-request runtime uses; the batch axis exists so a batched engine
+    can reuse the layout.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str, batch: int = 1):
+        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.prefix_len = 0  # verified rows
+        self.tree_len = 0  # rows in the tree region
+
+    @classmethod
+    def for_model(cls, model, capacity: int, batch: int = 1) -> "KVCache":
+        c = model.config
+        return cls(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity, model.dtype, model.device, batch)
+
+    @property
+    def length(self) -> int:
+        """Rows in use: prefix + tree region."""
+        return self.prefix_len + self.tree_len
+
+    # ---- used by the attention layers ---------------------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, width: int):
+        """Store new rows and return this layer's K/V columns [0, width).
+
+        slots: [B, T] row indices; k, v: [B, Hkv, T, D]. Returns two [B, Hkv, width, D] views.
+        """
+        idx = slots[:, None, :, None].expand(k.shape)
+        self.k[layer].scatter_(2, idx, k)
+        self.v[layer].scatter_(2, idx, v)
+        return self.k[layer, :, :, :width], self.v[layer, :, :, :width]
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+    def reserve(self, n: int, device=None) -> torch.Tensor:
+        """Slots [n] for n new rows appended to the tree region (counted in tree_len)."""
+        start = self.length
+        if start + n > self.capacity:
+            raise CacheFullError(f"KV cache full: {start} + {n} rows > capacity {self.capacity}")
+        self.tree_len += n
+        return torch.arange(start, start + n, device=device or self.k.device)
+
+    def append_prefix(self, n: int, device=None) -> torch.Tensor:
+        """Slots for n rows that are verified as soon as they are written (prefill, AR)."""
+        if self.tree_len:
+            raise RuntimeError("append_prefix with a live tree region; commit or drop it first")
+        slots = self.reserve(n, device)
+        self.prefix_len += n
+        self.tree_len = 0
+        return slots
+
+    def commit(self, path: torch.Tensor | list[int], keep: torch.Tensor | list[int] | None = None) -> None:
+        """Move tree rows `path` (tree-relative indices, root first) into the prefix.
+
+        `keep` (tree-relative) are rows that stay in the tree region, in the given order, right
+        after the new prefix end; every other tree row is dropped.
+        """
+        dev = self.k.device
+        path_t = torch.as_tensor(path, dtype=torch.long, device=dev).reshape(-1)
+        keep_t = torch.as_tensor(keep if keep is not None else [], dtype=torch.long, device=dev).reshape(-1)
+        n_path, n_keep = path_t.numel(), keep_t.numel()
+        if n_path + n_keep:
+            src = torch.cat([path_t, keep_t]) + self.prefix_len  # [n_path + n_keep]
+            dst = torch.arange(self.prefix_len, self.prefix_len + src.numel(), device=dev)
+            # NOTE: gather first (index_select copies), then write, so overlapping src/dst is safe.
+            self.k[:, :, :, dst] = self.k.index_select(3, src)
+            self.v[:, :, :, dst] = self.v.index_select(3, src)
+        self.prefix_len += n_path
+        self.tree_len = n_keep
+
+    def drop_tree(self) -> None:
+        self.tree_len = 0
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first n prefix rows (and no tree region)."""
+        if n > self.prefix_len:
+            raise ValueError(f"truncate({n}) beyond prefix of {self.prefix_len}")
+        self.prefix_len, self.tree_len = n, 0
