@@ -182,7 +182,7 @@ class SpecConfig:
     depth: int | None = None  # d: expansion rounds; default: enough to fill the budget
 
     def resolved_depth(self) -> int:
-        return self.depth if self.depth is not None else max(1, min(16, math.ceil(self.nodes / self.width) + 1))
+        return self.depth if self.depth is not None else max(1, min(12, math.ceil(self.nodes / self.width)))
 
     def validate(self) -> None:
         if self.k < 1:

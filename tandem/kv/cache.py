@@ -72,24 +72,23 @@ class KVCache:
         self.tree_len = 0
         return slots
 
-    def commit(self, path: torch.Tensor | list[int], keep: torch.Tensor | list[int] | None = None) -> None:
+    def commit(self, path: list[int], keep: list[int] | None = None) -> None:
         """Move tree rows `path` (tree-relative indices, root first) into the prefix.
 
         `keep` (tree-relative) are rows that stay in the tree region, in the given order, right
         after the new prefix end; every other tree row is dropped.
         """
-        dev = self.k.device
-        path_t = torch.as_tensor(path, dtype=torch.long, device=dev).reshape(-1)
-        keep_t = torch.as_tensor(keep if keep is not None else [], dtype=torch.long, device=dev).reshape(-1)
-        n_path, n_keep = path_t.numel(), keep_t.numel()
-        if n_path + n_keep:
-            src = torch.cat([path_t, keep_t]) + self.prefix_len  # [n_path + n_keep]
-            dst = torch.arange(self.prefix_len, self.prefix_len + src.numel(), device=dev)
-            # NOTE: gather first (index_select copies), then write, so overlapping src/dst is safe.
+        keep = list(keep or [])
+        src_rel = list(path) + keep
+        if src_rel != list(range(len(src_rel))):  # rows already in place need no copy
+            dev = self.k.device
+            src = torch.tensor(src_rel, dtype=torch.long, device=dev) + self.prefix_len
+            dst = torch.arange(self.prefix_len, self.prefix_len + len(src_rel), device=dev)
+            # NOTE: index_select copies first, then we write, so overlapping src/dst is safe.
             self.k[:, :, :, dst] = self.k.index_select(3, src)
             self.v[:, :, :, dst] = self.v.index_select(3, src)
-        self.prefix_len += n_path
-        self.tree_len = n_keep
+        self.prefix_len += len(path)
+        self.tree_len = len(keep)
 
     def drop_tree(self) -> None:
         self.tree_len = 0

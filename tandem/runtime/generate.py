@@ -1,0 +1,202 @@
+"""Single-request decoding: `ar`, `chain` and `tree` behind one loop.
+
+    while not done:
+        tree   = drafter.propose(...)     # a DraftTree hanging from the root (AR: the root alone)
+        result = target.verify(tree)      # one target pass; accepted path + bonus token
+        drafter.observe(result, tree)     # the draft keeps the accepted path's K/V
+        emit(result.tokens)               # cut at EOS / stop string / max_new_tokens
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
+from tandem.drafting.model_drafter import ModelDrafter
+from tandem.runtime.runner import ModelRunner
+from tandem.tree.draft_tree import DraftTree, ancestor_mask
+from tandem.verify.sampling import probs_from_logits
+from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
+
+METHODS = ("ar", "chain", "tree")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens (EOS included when generation stopped on it)
+    prompt_tokens: int
+    method: str
+    target_passes: int
+    draft_steps: int
+    accept_lengths: list[int]  # accepted draft tokens per target pass (bonus excluded)
+    seconds: float
+    ttft: float  # seconds from start to the first new token
+    finish_reason: str  # eos | length | stop
+    stop_trimmed_text: str | None = None  # text cut before the stop string, when one matched
+    per_depth: list[tuple[int, int]] = field(default_factory=list)  # (offered, accepted) per depth 1..
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per target verification pass, bonus included (1.0 for ar)."""
+        return self.new_tokens / max(1, self.target_passes)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first over the time after the first (excludes prefill)."""
+        dt = self.seconds - self.ttft
+        return (self.new_tokens - 1) / dt if dt > 0 and self.new_tokens > 1 else 0.0
+
+
+class Target:
+    """The target model's side of verification: one pass over a tree, then commit the path."""
+
+    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, generator: torch.Generator):
+        self.runner, self.sampling, self.generator = runner, sampling, generator
+
+    def verify(self, tree: DraftTree) -> VerifyResult:
+        cache = self.runner.cache
+        prefix = cache.prefix_len
+        depth = tree.depth
+        logits = self.runner.step(tree.tokens, [prefix + d for d in depth], ancestor_mask(tree.parents))  # [n, V]
+        if self.sampling.greedy:
+            result = greedy_accept(tree, logits.argmax(-1).tolist())
+        else:
+            probs = probs_from_logits(logits, self.sampling)  # [n, V]
+            if tree.q is not None and tree.q.shape[-1] != probs.shape[-1]:
+                tree.q = _pad_vocab(tree.q, probs.shape[-1])
+            result = rejection_accept(tree, probs, self.generator)
+        cache.commit(result.path)
+        return result
+
+
+def _pad_vocab(q: torch.Tensor, v: int) -> torch.Tensor:
+    out = torch.zeros(q.shape[0], v, dtype=q.dtype, device=q.device)
+    n = min(v, q.shape[-1])
+    out[:, :n] = q[:, :n]
+    return out
+
+
+class Generator:
+    """Holds a target (and optional draft) model and decodes one request at a time."""
+
+    def __init__(self, target_model, draft_model=None, tokenizer=None, use_graphs: bool | None = None):
+        self.target_model, self.draft_model, self.tokenizer = target_model, draft_model, tokenizer
+        self.use_graphs = use_graphs
+        self._runners: dict[str, ModelRunner] = {}
+
+    @property
+    def context_window(self) -> int:
+        ctx = self.target_model.config.max_position_embeddings
+        if self.draft_model is not None:
+            ctx = min(ctx, self.draft_model.config.max_position_embeddings)
+        return ctx
+
+    def _runner(self, which: str, model, capacity: int) -> ModelRunner:
+        r = self._runners.get(which)
+        if r is None or r.capacity < capacity:
+            r = ModelRunner(model, capacity, use_graphs=self.use_graphs)
+            self._runners[which] = r
+        r.cache.truncate(0)
+        return r
+
+    def generate(self, prompt_ids: list[int], method: str = "tree", spec: SpecConfig = SpecConfig(),
+                 sampling: SamplingConfig = SamplingConfig(), gen: GenerationConfig = GenerationConfig(),
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        if method not in METHODS:
+            raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        spec.validate(), sampling.validate(), gen.validate()
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty; give at least one token of text")
+        if method != "ar" and self.draft_model is None:
+            raise ConfigError(f"method {method!r} needs a draft model; pass --draft DIR or use --method ar")
+        ctx = self.context_window
+        if len(prompt_ids) >= ctx:
+            raise ConfigError(
+                f"prompt is {len(prompt_ids)} tokens but the context window is {ctx}; shorten the prompt")
+        max_new = min(gen.max_new_tokens, ctx - len(prompt_ids))
+        slack = {"ar": 1, "chain": spec.k + 1, "tree": spec.nodes + 1 + spec.width * (spec.resolved_depth() + 1)}[method]
+        capacity = len(prompt_ids) + max_new + slack + 1
+        g = torch.Generator().manual_seed(sampling.seed)
+        target = Target(self._runner("target", self.target_model, capacity), sampling, g)
+        drafter = None
+        if method != "ar":
+            drafter = ModelDrafter(self._runner("draft", self.draft_model, capacity + spec.nodes + spec.k),
+                                   sampling, g)
+            drafter.start(prompt_ids)
+        eos = set() if gen.ignore_eos else set(self.target_model.config.eos_token_ids)
+
+        t0 = time.perf_counter()
+        target.runner.passes = 0
+        target.runner.prefill(prompt_ids[:-1])
+        root = prompt_ids[-1]
+        out: list[int] = []
+        accept_lengths: list[int] = []
+        per_depth: dict[int, list[int]] = {}
+        ttft = 0.0
+        finish = "length"
+        stop_text = None
+        while len(out) < max_new:
+            tree = self._propose(drafter, method, spec, sampling, root)
+            result = target.verify(tree)
+            if drafter is not None:
+                drafter.observe(result, tree)
+            accept_lengths.append(result.accepted)
+            _count_depths(per_depth, tree, result)
+            new = result.tokens[: max_new - len(out)]
+            for i, t in enumerate(new):
+                if t in eos:
+                    new, finish = new[: i + 1], "eos"
+                    break
+            out += new
+            if not ttft:
+                ttft = time.perf_counter() - t0
+            if on_tokens is not None:
+                on_tokens(new)
+            if finish == "eos":
+                break
+            if gen.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(out)
+                hit = min((text.find(s) for s in gen.stop if s in text), default=-1)
+                if hit >= 0:
+                    finish, stop_text = "stop", text[:hit]
+                    break
+            root = result.bonus
+        if self.target_model.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        return GenerationResult(
+            token_ids=out, prompt_tokens=len(prompt_ids), method=method, target_passes=len(accept_lengths),
+            draft_steps=drafter.steps if drafter else 0, accept_lengths=accept_lengths, seconds=seconds,
+            ttft=ttft, finish_reason=finish, stop_trimmed_text=stop_text,
+            per_depth=[(v[0], v[1]) for _, v in sorted(per_depth.items())],
+        )
+
+    @staticmethod
+    def _propose(drafter: ModelDrafter | None, method: str, spec: SpecConfig, sampling: SamplingConfig,
+                 root: int) -> DraftTree:
+        if drafter is None:
+            return DraftTree.chain([root])
+        if method == "chain":
+            return drafter.propose(spec.k, 1, spec.k - 1, sampled_chain=not sampling.greedy)
+        return drafter.propose(spec.nodes, spec.width, spec.resolved_depth())
+
+
+def _count_depths(per_depth: dict[int, list[int]], tree: DraftTree, result: VerifyResult) -> None:
+    """Per-depth acceptance: at depth k, was any node offered, and was the path's node accepted."""
+    depth = tree.depth
+    offered = {depth[i] for i in range(1, len(tree))}
+    for k in offered:
+        rec = per_depth.setdefault(k, [0, 0])
+        rec[0] += 1
+        rec[1] += int(result.accepted >= k)

@@ -1,0 +1,91 @@
+"""DraftTree: a speculation tree as flat arrays, and the attention masks it implies.
+
+Node 0 is the root (the last committed token); every other node is a draft token. Nodes are
+in topological order (a parent's index is smaller than its children's), which is what both
+the best-first builder and the chain builder produce. A chain is a tree with one branch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]  # [n] token of each node; tokens[0] is the root
+    parents: list[int]  # [n] parent index; -1 for the root
+    logp: list[float]  # [n] cumulative draft log-prob of the path to the node (root 0.0)
+    # [n, vocab] probabilities the draft proposed each node from (its parent's draft distribution),
+    # for lossless rejection sampling of sampled drafts; None = nodes chosen deterministically
+    # (best-first), which verification treats as point masses.
+    q: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> list[int]:
+        d = [0] * len(self.parents)
+        for i in range(1, len(self.parents)):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    def children(self) -> list[list[int]]:
+        ch: list[list[int]] = [[] for _ in self.tokens]
+        for i in range(1, len(self.parents)):
+            ch[self.parents[i]].append(i)
+        return ch
+
+    def subset(self, keep: list[int]) -> "DraftTree":
+        """The sub-tree on node indices `keep` (sorted, prefix-closed, containing 0), re-indexed."""
+        remap = {old: new for new, old in enumerate(keep)}
+        return DraftTree(
+            tokens=[self.tokens[i] for i in keep],
+            parents=[-1 if self.parents[i] < 0 else remap[self.parents[i]] for i in keep],
+            logp=[self.logp[i] for i in keep],
+            q=None if self.q is None else self.q[keep],
+        )
+
+    @staticmethod
+    def chain(tokens: list[int], q: torch.Tensor | None = None) -> "DraftTree":
+        return DraftTree(tokens=list(tokens), parents=list(range(-1, len(tokens) - 1)), logp=[0.0] * len(tokens), q=q)
+
+
+def ancestor_mask(parents: list[int] | torch.Tensor, device=None) -> torch.Tensor:
+    """[n, n] bool: mask[i, j] is True when node j is node i or one of its ancestors.
+
+    Parents must be in topological order (parents[i] < i), parents[root] = -1.
+    """
+    p = torch.as_tensor(parents, dtype=torch.long, device=device)
+    n = p.numel()
+    mask = torch.eye(n, dtype=torch.bool, device=device)
+    idx = torch.arange(n, device=device)
+    cur = p.clone()
+    # NOTE: pointer jumping one level at a time: after step t every node has marked its
+    # t-th ancestor. A node at depth D stops at the root, so max-depth steps suffice.
+    while True:
+        live = cur >= 0
+        if not bool(live.any()):
+            return mask
+        mask[idx[live], cur[live]] = True
+        cur = torch.where(live, p[cur.clamp(min=0)], cur)
+
+
+def tree_attention_mask(prefix_len: int, tree_parents: list[int], new_rows: list[int] | None = None,
+                        width: int | None = None, device=None) -> torch.Tensor:
+    """Non-square mask [len(new_rows), width] for attending from tree nodes to the cache.
+
+    Columns are cache rows: [0, prefix_len) the verified prefix (always visible), then tree
+    node j at column prefix_len + j. `new_rows` are the node indices being fed (default: all).
+    Columns past the tree (padding up to `width`) are masked out.
+    """
+    n_tree = len(tree_parents)
+    width = width if width is not None else prefix_len + n_tree
+    anc = ancestor_mask(tree_parents, device=device)  # [n_tree, n_tree]
+    if new_rows is not None:
+        anc = anc[torch.as_tensor(new_rows, dtype=torch.long, device=device)]
+    mask = torch.zeros(anc.shape[0], width, dtype=torch.bool, device=device)
+    mask[:, :prefix_len] = True
+    mask[:, prefix_len:prefix_len + n_tree] = anc
+    return mask
