@@ -1,0 +1,168 @@
+"""Logit parity of our Transformer against Hugging Face transformers, per supported family.
+
+Reference: the same checkpoint directory loaded with `AutoModelForCausalLM.from_pretrained`.
+Covers a full forward, incremental decoding through `KVCache`, sibling tokens under a tree
+mask (plus committing one of them), and a bfloat16 load.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_FAMILIES
+from tandem.kv.cache import KVCache
+from tandem.models.layers import rope_inv_freq
+from tandem.models.loader import load_model
+
+FAMILIES = list(TINY_FAMILIES)
+EXPECTED_FAMILY = {"llama": "llama", "llama_untied": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+SEQ, PREFILL, TOL = 40, 30, 1e-4
+
+_refs: dict[str, tuple] = {}
+
+
+@pytest.fixture
+def setup(shared_tiny_checkpoint):
+    """family -> (checkpoint dir, our fp32 model, HF model, ids [2, SEQ], HF logits [2, SEQ, V]); cached."""
+
+    def get(family: str):
+        if family not in _refs:
+            from transformers import AutoModelForCausalLM
+
+            path = shared_tiny_checkpoint(family)
+            ours = load_model(path, dtype="float32")
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            g = torch.Generator().manual_seed(1234)
+            ids = torch.randint(0, ours.config.vocab_size, (2, SEQ), generator=g)
+            with torch.no_grad():
+                ref = hf(ids).logits.float()
+            _refs[family] = (path, ours, hf, ids, ref)
+        return _refs[family]
+
+    return get
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_forward_matches_transformers(setup, family):
+    path, ours, hf, ids, ref = setup(family)
+    assert ours.config.family == EXPECTED_FAMILY[family]
+    assert ours.dtype == torch.float32
+    # the reference must be non-trivial, or a parity check proves nothing
+    assert ref.std() > 0.5
+    with torch.no_grad():
+        out = ours(ids)
+    assert out.shape == (2, SEQ, ours.config.vocab_size)
+    assert _max_diff(out, ref) < TOL
+
+
+def test_family_features_are_exercised(setup):
+    """The configs really exercise what the families differ in."""
+    _, llama, llama_hf, _, _ = setup("llama")
+    c = llama.config
+    assert c.tie_word_embeddings and c.num_key_value_heads < c.num_attention_heads
+    assert llama.lm_head.weight.data_ptr() == llama.model.embed_tokens.weight.data_ptr()
+    # llama3 rope scaling changes the frequencies, and ours equal transformers'
+    assert c.rope_scaling is not None and dict(c.rope_scaling)["rope_type"] == "llama3"
+    unscaled = rope_inv_freq(type(c)(**{**c.__dict__, "rope_scaling": None}))
+    assert (llama.inv_freq - unscaled).abs().max() > 1e-3
+    assert torch.allclose(llama.inv_freq, llama_hf.model.rotary_emb.inv_freq.float(), rtol=1e-6, atol=0)
+
+    _, untied, _, _, _ = setup("llama_untied")
+    assert not untied.config.tie_word_embeddings
+    assert not torch.equal(untied.lm_head.weight, untied.model.embed_tokens.weight)
+
+    _, qwen2, qwen2_hf, _, _ = setup("qwen2")
+    assert qwen2.config.attention_bias and qwen2.model.layers[0].self_attn.q_proj.bias is not None
+    assert torch.equal(qwen2.model.layers[1].self_attn.k_proj.bias, qwen2_hf.model.layers[1].self_attn.k_proj.bias)
+    assert qwen2.model.layers[0].self_attn.k_proj.bias.abs().max() > 0.1  # random, not the zero init
+
+    _, qwen3, qwen3_hf, _, _ = setup("qwen3")
+    c3 = qwen3.config
+    assert c3.qk_norm and c3.head_dim != c3.hidden_size // c3.num_attention_heads
+    assert torch.equal(qwen3.model.layers[0].self_attn.q_norm.weight, qwen3_hf.model.layers[0].self_attn.q_norm.weight)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_incremental_decoding_matches_full_forward(setup, family):
+    _, ours, _, ids, ref = setup(family)
+    with torch.no_grad():
+        full = ours(ids)
+    for b in range(ids.shape[0]):
+        cache = KVCache.for_model(ours, capacity=64)
+        row = ids[b : b + 1]
+        slots = cache.append_prefix(PREFILL)[None]
+        mask = torch.ones(PREFILL, PREFILL, dtype=torch.bool).tril()[None, None]
+        with torch.no_grad():
+            pre = ours(row[:, :PREFILL], torch.arange(PREFILL)[None], cache, slots, mask)
+        steps = [pre]
+        for t in range(PREFILL, SEQ):
+            slots = cache.append_prefix(1)[None]
+            mask = torch.ones(1, 1, 1, cache.length, dtype=torch.bool)
+            with torch.no_grad():
+                steps.append(ours(row[:, t : t + 1], torch.tensor([[t]]), cache, slots, mask))
+        inc = torch.cat(steps, dim=1)
+        assert cache.prefix_len == SEQ and cache.tree_len == 0
+        assert _max_diff(inc, full[b : b + 1]) < TOL
+        assert _max_diff(inc, ref[b : b + 1]) < TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_mask_siblings_match_separate_forwards(setup, family):
+    """3 sibling tokens after a prefix, each seeing only the prefix and itself, then commit one."""
+    _, ours, hf, ids, _ = setup(family)
+    P = PREFILL
+    prefix = ids[:1, :P]
+    siblings = torch.tensor([[5, 77, 301]])
+    cache = KVCache.for_model(ours, capacity=64)
+    with torch.no_grad():
+        ours(prefix, torch.arange(P)[None], cache, cache.append_prefix(P)[None],
+             torch.ones(P, P, dtype=torch.bool).tril()[None, None])
+        slots = cache.reserve(3)[None]
+        mask = torch.zeros(1, 1, 3, P + 3, dtype=torch.bool)
+        mask[..., :P] = True
+        mask[0, 0, torch.arange(3), P + torch.arange(3)] = True
+        tree_logits = ours(siblings, torch.full((1, 3), P), cache, slots, mask)  # [1, 3, V]
+        for i in range(3):
+            seq = torch.cat([prefix, siblings[:, i : i + 1]], dim=1)
+            expect = hf(seq).logits[:, -1]
+            assert _max_diff(tree_logits[:, i], expect) < TOL, f"sibling {i}"
+        # siblings really differ (otherwise the mask test is vacuous)
+        assert _max_diff(tree_logits[:, 0], tree_logits[:, 2]) > 1e-2
+
+        # accept sibling 1, then decode one more token: equals the full forward of that path
+        cache.commit([1])
+        assert cache.prefix_len == P + 1 and cache.tree_len == 0
+        nxt = torch.tensor([[42]])
+        out = ours(nxt, torch.tensor([[P + 1]]), cache, cache.append_prefix(1)[None],
+                   torch.ones(1, 1, 1, P + 2, dtype=torch.bool))
+        expect = hf(torch.cat([prefix, siblings[:, 1:2], nxt], dim=1)).logits[:, -1]
+        assert _max_diff(out[:, 0], expect) < TOL
+
+
+def _check_bf16(path, ours, ids, dtype) -> None:
+    low = load_model(path, dtype=dtype)
+    assert low.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in low.parameters())
+    assert low.inv_freq.dtype == torch.float32  # RoPE frequencies stay fp32
+    with torch.no_grad():
+        a, b = low(ids).float(), ours(ids)
+    assert torch.isfinite(a).all()
+    rel = ((a - b).norm() / b.norm()).item()
+    assert rel < 5e-2, rel
+    assert rel > 1e-5  # the load really cast the weights
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_load_close_to_fp32(setup, family):
+    path, ours, _, ids, _ = setup(family)
+    _check_bf16(path, ours, ids, torch.bfloat16)
+
+
+def test_bf16_load_by_name(setup):
+    path, ours, _, ids, _ = setup("llama")
+    _check_bf16(path, ours, ids, "bfloat16")
