@@ -84,8 +84,8 @@ def score_pair(target, draft, docs_ids: list[list[int]], n_bytes: int, eot: int,
 def function_header_prompts(texts: list[str], limit: int) -> list[str]:
     """Headers of top-level functions (decorators dropped, signature possibly multi-line).
 
-    One per file, in file order, until `limit`; the header is the text from `def` up to the line
-    ending with ':' before the body.
+    One per file, in file order, until `limit`; the header is the text from `def` up to the ':'
+    that ends the signature.
     """
     out = []
     for text in texts:
@@ -109,7 +109,10 @@ def function_header_prompts(texts: list[str], limit: int) -> list[str]:
                 continue
             if not header[0].lstrip().startswith(("def ", "async def ")):
                 continue
-            out.append("\n".join(header) + "\n")
+            # NOTE: the prompt stops at the ':' - no newline: byte-level BPE merges "\n" with the
+            # next line's indentation, so a prompt ending in a bare "\n" is a token split the
+            # model never saw in training.
+            out.append("\n".join(header).rstrip())
             break
     return out
 
