@@ -1,0 +1,71 @@
+"""Loading a target/draft pair (default: the bundled pair) onto a device, with input checks."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.config import ConfigError
+from tandem.models.loader import load_model, load_tokenizer, read_config, resolve_dtype
+
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "assets" / "pair"
+BUNDLED_TARGET = BUNDLED_DIR / "target"
+BUNDLED_DRAFT = BUNDLED_DIR / "draft"
+
+
+def bundled_available() -> bool:
+    return (BUNDLED_TARGET / "config.json").is_file() and (BUNDLED_DRAFT / "config.json").is_file()
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was requested but no CUDA GPU is visible to PyTorch; use --device cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ConfigError(f"unknown device {name!r}; use cpu or cuda")
+    return torch.device(name)
+
+
+@dataclass
+class Pair:
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+    tokenizer: object
+    target_dir: Path
+    draft_dir: Path | None
+
+
+def _vocab_fingerprint(d: Path) -> dict:
+    try:
+        tok = json.loads((d / "tokenizer.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raise ConfigError(f"{d / 'tokenizer.json'} is missing or not valid JSON") from None
+    return tok.get("model", {}).get("vocab", {})
+
+
+def load_pair(target: str | Path | None = None, draft: str | Path | None = None, device: str | None = "cpu",
+              dtype: str = "float32", need_draft: bool = True) -> Pair:
+    """Load target (+ draft); without paths, the bundled pair. Raises ConfigError on bad input."""
+    dev = resolve_device(device)
+    resolve_dtype(dtype)
+    if target is None:
+        if not bundled_available():
+            raise ConfigError("no --target given and the bundled pair is missing; pass --target DIR")
+        target = BUNDLED_TARGET
+        if draft is None and need_draft:
+            draft = BUNDLED_DRAFT
+    target, draft = Path(target), (Path(draft) if draft is not None and need_draft else None)
+    read_config(target)  # the clearest error for a wrong directory comes from its config
+    tokenizer = load_tokenizer(target)
+    if draft is not None:
+        read_config(draft)
+        load_tokenizer(draft)
+        if _vocab_fingerprint(target) != _vocab_fingerprint(draft):
+            raise ConfigError(f"draft {str(draft)!r} and target {str(target)!r} use different tokenizers; "
+                              "speculative decoding needs one shared vocabulary")
+    tm = load_model(target, dev, dtype)
+    dm = load_model(draft, dev, dtype) if draft is not None else None
+    return Pair(tm, dm, tokenizer, target, draft)
