@@ -1,0 +1,68 @@
+"""Where a measurement was taken: device, library versions, git commit, date, command line."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(device: torch.device | str) -> dict[str, Any]:
+    dev = torch.device(device)
+    try:
+        import transformers
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    env: dict[str, Any] = {
+        "device": str(dev),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if dev.type == "cuda" else None,
+        "transformers": tf_version,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    }
+    return env
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, default=_jsonable) + "\n")
+
+
+def _jsonable(o: Any) -> Any:
+    if isinstance(o, Path):
+        return str(o)
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

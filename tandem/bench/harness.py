@@ -1,0 +1,562 @@
+"""`tandem bench`: methods run paired on one workload, checked token for token against `ar`.
+
+    prompts  = load_workload(...)                     # tokenized, truncated from the left
+    methods  = [ar, chain, tree@N..., hf, hf-assisted]
+    warm_up(methods, longest prompts)                 # size KV caches, capture CUDA graphs
+    for each prompt: run every method (order rotated per prompt) -> Request
+    check(requests)                                   # greedy: each method's tokens == ar's
+    summarise, paired speed ratios with bootstrap CIs, write results.json / results.md / PNGs
+
+Methods: `ar`, `chain`, `tree` (one run per node budget when `--nodes` is a comma list, named
+`tree@N`) run on Tandem's engine; `hf` is transformers' `generate(do_sample=False)` on the same
+device and dtype and `hf-assisted` the same with `assistant_model=<draft>`. Both peers get the
+same prompt token ids. `ar` is always run: it is the reference output and the speed baseline.
+
+Speed is per-request *decode* tokens/s (tokens after the first over the time after the first,
+so prefill is excluded; TTFT reports it). A speed ratio vs `ar` (and vs `hf`) is the geometric
+mean of per-prompt ratios with a seeded bootstrap 95% CI (`tandem.bench.stats`).
+
+Exit status: 0; 1 when a Tandem method's greedy output differs from `ar`'s (unless
+`--allow-mismatch`). `hf`/`hf-assisted` differences are reported as *peer mismatches* only:
+transformers may resolve near-ties differently in low precision.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from tandem.bench.workloads import Prompt, add_workload_arguments, load_workload
+from tandem.cli import add_decoding_arguments, add_model_arguments, configs_from_args
+from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
+
+TANDEM_METHODS = ("ar", "chain", "tree")
+PEER_METHODS = ("hf", "hf-assisted")
+REFERENCE = "ar"
+
+
+# ---------------------------------------------------------------------------------------------
+# Records
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str  # ar | chain | tree | tree@N | hf | hf-assisted
+    kind: str  # tandem | hf
+    method: str  # ar | chain | tree (tandem) ; hf | hf-assisted (peer)
+    spec: SpecConfig
+
+    @property
+    def is_peer(self) -> bool:
+        return self.kind == "hf"
+
+
+@dataclass
+class Request:
+    """One request of one method: its output and the per-request figures."""
+
+    method: str
+    prompt_index: int
+    token_ids: list[int]
+    seconds: float
+    ttft: float
+    finish_reason: str
+    target_passes: int | None = None  # None for peers (not observable)
+    accept_lengths: list[int] = field(default_factory=list)
+    per_depth: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tau(self) -> float | None:
+        return None if self.target_passes is None else self.new_tokens / max(1, self.target_passes)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        dt = self.seconds - self.ttft
+        return (self.new_tokens - 1) / dt if dt > 0 and self.new_tokens > 1 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(new_tokens=self.new_tokens, tau=self.tau, decode_tokens_per_s=self.decode_tokens_per_s,
+                 tokens_per_s=self.tokens_per_s)
+        d["per_depth"] = [list(x) for x in self.per_depth]
+        return d
+
+
+@dataclass(frozen=True)
+class Divergence:
+    method: str
+    prompt_index: int
+    position: int  # index into the new tokens
+    expected: int | None  # ar's token there (None: ar's output ended)
+    got: int | None  # the method's token there (None: its output ended)
+
+    def describe(self) -> str:
+        return (f"{self.method} diverges from ar on prompt {self.prompt_index} at new token {self.position}: "
+                f"expected {self.expected}, got {self.got}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Method runners: prompt ids -> Request
+Runner = Callable[[int, list[int]], Request]
+
+
+def parse_methods(text: str, node_budgets: list[int]) -> list[str]:
+    """`ar,chain,tree,hf` -> names; `tree` expands to `tree@N` per budget when several are given."""
+    names: list[str] = []
+    for raw in [t.strip() for t in text.split(",") if t.strip()]:
+        base = raw.split("@")[0]
+        if base not in TANDEM_METHODS + PEER_METHODS or ("@" in raw and base != "tree"):
+            raise ConfigError(f"unknown method {raw!r} in --methods; choose from {', '.join(TANDEM_METHODS + PEER_METHODS)}"
+                              " (tree@N for a node budget)")
+        if raw == "tree" and len(node_budgets) > 1:
+            names += [f"tree@{n}" for n in node_budgets]
+        else:
+            names.append(raw)
+    if not names:
+        raise ConfigError("--methods is empty; e.g. --methods ar,chain,tree")
+    if REFERENCE not in names:
+        names.insert(0, REFERENCE)  # the reference output and speed baseline
+    return list(dict.fromkeys(names))
+
+
+def parse_nodes(text: str | int) -> list[int]:
+    try:
+        out = [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"--nodes takes an integer or a comma list of integers (got {text!r})") from None
+    if not out or min(out) < 1:
+        raise ConfigError(f"--nodes must be >= 1 (got {text!r})")
+    return list(dict.fromkeys(out))
+
+
+def method_specs(names: list[str], spec: SpecConfig) -> list[MethodSpec]:
+    out = []
+    for n in names:
+        if n in PEER_METHODS:
+            out.append(MethodSpec(n, "hf", n, spec))
+        elif n.startswith("tree@"):
+            s = replace(spec, method="tree", nodes=int(n.split("@")[1]))
+            s.validate()
+            out.append(MethodSpec(n, "tandem", "tree", s))
+        else:
+            out.append(MethodSpec(n, "tandem", n, replace(spec, method=n)))
+    return out
+
+
+class TandemRunner:
+    """Runs one Tandem method through a shared `Generator` (runners and CUDA graphs are shared)."""
+
+    def __init__(self, engine, ms: MethodSpec, sampling: SamplingConfig, gen: GenerationConfig):
+        self.engine, self.ms, self.sampling, self.gen = engine, ms, sampling, gen
+
+    def __call__(self, prompt_index: int, ids: list[int]) -> Request:
+        r = self.engine.generate(ids, self.ms.method, self.ms.spec, self.sampling, self.gen)
+        return Request(self.ms.name, prompt_index, list(r.token_ids), r.seconds, r.ttft, r.finish_reason,
+                       r.target_passes, list(r.accept_lengths), list(r.per_depth))
+
+
+class _FirstTokenTimer:
+    """A transformers streamer that notes when the first new token arrives (its first put is the prompt)."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class HFRunner:
+    """transformers `generate` on the same device/dtype (greedy unless --temperature > 0)."""
+
+    def __init__(self, ms: MethodSpec, target_dir: Path, draft_dir: Path | None, device, dtype: str,
+                 sampling: SamplingConfig, gen: GenerationConfig, context_window: int):
+        import torch
+
+        self.torch = torch
+        self.ms, self.device, self.sampling, self.gen = ms, device, sampling, gen
+        self.context_window = context_window
+        self.model = load_hf_model(target_dir, device, dtype)
+        self.assistant = None
+        if ms.method == "hf-assisted":
+            if draft_dir is None:
+                raise ConfigError("hf-assisted needs a draft model; pass --draft DIR")
+            self.assistant = load_hf_model(draft_dir, device, dtype)
+
+    def __call__(self, prompt_index: int, ids: list[int]) -> Request:
+        torch = self.torch
+        gc = _hf_generation_config(self.model, self.gen, self.sampling,
+                                   min(self.gen.max_new_tokens, self.context_window - len(ids)))
+        x = torch.tensor([ids], device=self.device)
+        kwargs = dict(attention_mask=torch.ones_like(x), generation_config=gc)
+        if self.assistant is not None:
+            kwargs["assistant_model"] = self.assistant
+        timer = _FirstTokenTimer()
+        if self.sampling.temperature > 0:
+            torch.manual_seed(self.sampling.seed)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(x, streamer=timer, **kwargs)
+        _sync(self.device)
+        seconds = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        eos = set(gc.eos_token_id or []) if isinstance(gc.eos_token_id, list) else (
+            {gc.eos_token_id} if gc.eos_token_id is not None else set())
+        finish = "eos" if new and new[-1] in eos else "length"
+        ttft = (timer.first - t0) if timer.first is not None else seconds
+        return Request(self.ms.name, prompt_index, new, seconds, ttft, finish)
+
+
+def load_hf_model(path: Path, device, dtype: str):
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise ConfigError("the hf / hf-assisted methods need transformers; pip install 'tandem[bench]'") from None
+    from tandem.models.loader import resolve_dtype
+
+    try:
+        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype))
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        m = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=resolve_dtype(dtype))
+    return m.to(device).eval()
+
+
+def _hf_generation_config(model, gen: GenerationConfig, sampling: SamplingConfig, max_new: int):
+    import copy
+
+    gc = copy.deepcopy(model.generation_config)
+    eos = list(model.config.eos_token_id) if isinstance(model.config.eos_token_id, list) else (
+        [model.config.eos_token_id] if model.config.eos_token_id is not None else [])
+    gc.max_new_tokens = max_new
+    gc.min_new_tokens = None
+    # NOTE: to ignore EOS we drop it as a stop token rather than suppress it (min_new_tokens
+    # would forbid emitting it), so the output matches Tandem's --ignore-eos token for token.
+    gc.eos_token_id = None if gen.ignore_eos else (eos or None)
+    gc.pad_token_id = eos[0] if eos else 0
+    gc.do_sample = sampling.temperature > 0
+    if gc.do_sample:
+        gc.temperature, gc.top_p = sampling.temperature, sampling.top_p
+    else:
+        gc.temperature, gc.top_p, gc.top_k = None, None, None
+    return gc
+
+
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking
+def first_divergence(expected: list[int], got: list[int]) -> tuple[int, int | None, int | None] | None:
+    """(position, expected token, got token) of the first difference, or None when equal."""
+    for i, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return i, a, b
+    if len(expected) != len(got):
+        i = min(len(expected), len(got))
+        return i, (expected[i] if i < len(expected) else None), (got[i] if i < len(got) else None)
+    return None
+
+
+def check_outputs(outputs: dict[str, list[list[int]]], peers: set[str], greedy: bool) -> dict:
+    """Compare every method's outputs with `ar`'s, prompt by prompt.
+
+    Returns {"checked", "reference", "mismatches": {method: {...}}, "peer_mismatches": {...},
+    "mismatch_count", "peer_mismatch_count", "first_divergence"}; a method's entry has
+    "count", "prompts" (indices) and "first" (a `Divergence` as a dict, or None).
+    """
+    report: dict = {"checked": greedy, "reference": REFERENCE, "mismatches": {}, "peer_mismatches": {},
+                    "mismatch_count": 0, "peer_mismatch_count": 0, "first_divergence": None}
+    if not greedy:
+        report["note"] = "sampling (--temperature > 0): outputs legitimately differ, not checked"
+        return report
+    ref = outputs[REFERENCE]
+    for name, outs in outputs.items():
+        if name == REFERENCE:
+            continue
+        divs = []
+        for i, (e, g) in enumerate(zip(ref, outs)):
+            d = first_divergence(e, g)
+            if d is not None:
+                divs.append(Divergence(name, i, *d))
+        entry = {"count": len(divs), "prompts": [d.prompt_index for d in divs],
+                 "first": asdict(divs[0]) if divs else None}
+        key = "peer_mismatches" if name in peers else "mismatches"
+        report[key][name] = entry
+        report["peer_mismatch_count" if name in peers else "mismatch_count"] += len(divs)
+        if divs and name not in peers and report["first_divergence"] is None:
+            report["first_divergence"] = asdict(divs[0])
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Summaries
+def summarize_method(reqs: list[Request]) -> dict:
+    from tandem.bench.stats import histogram, summarize
+
+    acc = [a for r in reqs for a in r.accept_lengths]
+    passes = [r.target_passes for r in reqs if r.target_passes is not None]
+    depth: dict[int, list[int]] = {}
+    for r in reqs:
+        for k, (offered, accepted) in enumerate(r.per_depth, start=1):
+            rec = depth.setdefault(k, [0, 0])
+            rec[0] += offered
+            rec[1] += accepted
+    tokens = sum(r.new_tokens for r in reqs)
+    return {
+        "requests": len(reqs),
+        "new_tokens": tokens,
+        "decode_tokens_per_s": summarize([r.decode_tokens_per_s for r in reqs]).to_dict(),
+        "tokens_per_s": summarize([r.tokens_per_s for r in reqs]).to_dict(),
+        "ttft_s": summarize([r.ttft for r in reqs]).to_dict(),
+        # tau over the whole workload: committed tokens / target passes
+        "tau": tokens / sum(passes) if passes and len(passes) == len(reqs) and sum(passes) else None,
+        "tau_per_request": summarize([r.tau for r in reqs if r.tau is not None]).to_dict(),
+        "accept_length_hist": histogram(acc),
+        "per_depth": [{"depth": k, "offered": v[0], "accepted": v[1], "rate": v[1] / v[0] if v[0] else None}
+                      for k, v in sorted(depth.items())],
+    }
+
+
+def speedups(by_method: dict[str, list[Request]], baseline: str, seed: int, n_boot: int) -> dict:
+    from tandem.bench.stats import paired_ratio_ci
+
+    base = [r.decode_tokens_per_s for r in by_method[baseline]]
+    return {name: paired_ratio_ci([r.decode_tokens_per_s for r in reqs], base, n_boot=n_boot, seed=seed).to_dict()
+            for name, reqs in by_method.items() if name != baseline}
+
+
+def markdown_table(results: dict) -> str:
+    def f(x, nd=1):
+        return "-" if x is None else f"{x:.{nd}f}"
+
+    def ci(d):
+        if not d or d.get("geomean") is None:
+            return "-"
+        lo, hi = d["ci95"]
+        return f"{d['geomean']:.2f}x [{lo:.2f}, {hi:.2f}]"
+
+    vs_hf = results["speedup"].get("vs_hf")
+    cfg = results["config"]
+    head = ("| method | tok/s mean | median | p5 | p95 | TTFT median (ms) | tau | speedup vs ar (95% CI) |"
+            + (" vs hf (95% CI) |" if vs_hf else ""))
+    sep = "|---" * (8 + (1 if vs_hf else 0)) + "|"
+    lines = [f"# tandem bench: {cfg['workload']}, {cfg['num_prompts']} prompts, {cfg['max_new_tokens']} new tokens",
+             "", f"{results['environment']['gpu']}, {cfg['dtype']}, torch {results['environment']['torch']}, "
+             f"commit {results['environment']['git_commit']}", "", head, sep]
+    for name, s in results["summary"].items():
+        t = s["decode_tokens_per_s"]
+        ttft = s["ttft_s"]["median"]
+        row = (f"| {name} | {f(t['mean'])} | {f(t['median'])} | {f(t['p5'])} | {f(t['p95'])} | "
+               f"{f(None if ttft is None else ttft * 1000)} | {f(s['tau'], 2)} | "
+               f"{'1.00x' if name == REFERENCE else ci(results['speedup']['vs_ar'].get(name))} |")
+        if vs_hf:
+            row += f" {'1.00x' if name == 'hf' else ci(vs_hf.get(name))} |"
+        lines.append(row)
+    chk = results["check"]
+    lines.append("")
+    if not chk["checked"]:
+        lines.append(f"Output check: {chk.get('note')}")
+    else:
+        lines.append(f"Output check vs ar: {chk['mismatch_count']} mismatching request(s); "
+                     f"{chk['peer_mismatch_count']} peer (hf) mismatch(es).")
+        if chk["first_divergence"]:
+            lines.append(f"First divergence: {Divergence(**chk['first_divergence']).describe()}")
+    if results.get("tau_by_nodes"):
+        lines += ["", "| node budget N | tau |", "|---|---|"]
+        lines += [f"| {n} | {t:.3f} |" for n, t in results["tau_by_nodes"].items()]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    add_decoding_arguments(p)
+    _nodes_accepts_list(p)
+    add_workload_arguments(p)
+    p.add_argument("--methods", default="ar,chain,tree",
+                   help="comma list of ar, chain, tree, hf, hf-assisted (tree@N: a node budget); ar is always run")
+    p.add_argument("--out", default="bench-out", help="output folder for results.json, results.md and plots")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up prompts (the longest ones) run before measuring")
+    p.add_argument("--allow-mismatch", action="store_true", help="exit 0 even when a method's output differs from ar")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the speedup CI")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
+def _nodes_accepts_list(p: argparse.ArgumentParser) -> None:
+    # NOTE: the shared --nodes option is an int; bench also takes a comma list of budgets.
+    for a in p._actions:
+        if "--nodes" in a.option_strings:
+            a.type = str
+            a.help = "node budget N for tree; a comma list runs tree once per budget (tree@N)"
+
+
+def tokenize_prompts(prompts: list[Prompt], tokenizer, max_prompt_tokens: int | None) -> tuple[list[list[int]], list[dict]]:
+    ids_list, info = [], []
+    for i, p in enumerate(prompts):
+        ids = tokenizer.encode(p.text).ids
+        n = len(ids)
+        if max_prompt_tokens is not None and n > max_prompt_tokens:
+            ids = ids[-max_prompt_tokens:]
+        ids_list.append(ids)
+        info.append({"index": i, "id": p.id, "category": p.category, "prompt_tokens": len(ids),
+                     "truncated_from": n if len(ids) < n else None})
+    return ids_list, info
+
+
+def run(args: argparse.Namespace) -> int:
+    budgets = parse_nodes(args.nodes)
+    args.nodes = budgets[0]
+    spec, sampling, gen = configs_from_args(args)
+    names = parse_methods(args.methods, budgets)
+    specs = method_specs(names, spec)
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0 (got {args.warmup})")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise ConfigError(f"--max-prompt-tokens must be >= 1 (got {args.max_prompt_tokens})")
+    prompts = load_workload(args.workload, args.num_prompts, args.data_dir, args.source_lines)
+    results = run_bench(prompts, specs, sampling, gen, target=args.target, draft=args.draft, device=args.device,
+                        dtype=args.dtype, warmup=args.warmup, max_prompt_tokens=args.max_prompt_tokens,
+                        n_boot=args.bootstrap, config_extra={
+                            "workload": args.workload, "num_prompts": len(prompts), "k": spec.k, "nodes": budgets,
+                            "width": spec.width, "depth": spec.depth, "methods": names})
+    out = Path(args.out)
+    write_outputs(results, out, plots=not args.no_plots)
+    print(markdown_table(results), end="")
+    print(f"tandem bench: wrote {out / 'results.json'}, {out / 'results.md'}", file=sys.stderr)
+    chk = results["check"]
+    if chk["mismatch_count"]:
+        print(f"tandem bench: OUTPUT MISMATCH: {chk['mismatch_count']} request(s) differ from ar; first: "
+              f"{Divergence(**chk['first_divergence']).describe()}", file=sys.stderr)
+        return 0 if args.allow_mismatch else 1
+    return 0
+
+
+def run_bench(prompts: list[Prompt], specs: list[MethodSpec], sampling: SamplingConfig, gen: GenerationConfig, *,
+              target=None, draft=None, device="cpu", dtype="float32", warmup: int = 1,
+              max_prompt_tokens: int | None = None, n_boot: int = 2000, seed: int = 0,
+              config_extra: dict | None = None, progress: bool = True) -> dict:
+    """Load the pair, run every method on every prompt (interleaved), check and summarise."""
+    import torch
+    from tqdm import tqdm
+
+    from tandem.bench.env import environment
+    from tandem.runtime.generate import Generator
+    from tandem.runtime.pair import load_pair
+
+    need_draft = any(s.method in ("chain", "tree", "hf-assisted") for s in specs)
+    pair = load_pair(target, draft, device, dtype, need_draft=need_draft)
+    dev = pair.target.device
+    engine = Generator(pair.target, pair.draft, pair.tokenizer)
+    ctx = engine.context_window
+    ids_list, prompt_info = tokenize_prompts(prompts, pair.tokenizer, max_prompt_tokens)
+    for i, ids in enumerate(ids_list):
+        if not ids:
+            raise ConfigError(f"prompt {i} ({prompts[i].id}) tokenizes to nothing")
+        if len(ids) >= ctx:
+            raise ConfigError(f"prompt {i} is {len(ids)} tokens but the context window is {ctx}; "
+                              f"pass --max-prompt-tokens {max(1, ctx - gen.max_new_tokens - 1)}")
+    runners: dict[str, Runner] = {}
+    for ms in specs:
+        if ms.is_peer:
+            runners[ms.name] = HFRunner(ms, pair.target_dir, pair.draft_dir, dev, dtype, sampling, gen, ctx)
+        else:
+            runners[ms.name] = TandemRunner(engine, ms, sampling, gen)
+
+    # Warm-up on the longest prompts: sizes the shared KV caches once; on CUDA a second round
+    # captures every row bucket's graph on the final runners, so no capture lands in a measurement.
+    longest = sorted(range(len(ids_list)), key=lambda i: -len(ids_list[i]))[:warmup]
+    with torch.inference_mode():
+        for rnd in range(2 if dev.type == "cuda" and warmup else 1 if warmup else 0):
+            for i in longest:
+                for ms in specs:
+                    runners[ms.name](i, ids_list[i])
+            if dev.type == "cuda":
+                # NOTE: Generator keeps its runners in `_runners`; capture all buckets up front.
+                for r in engine._runners.values():
+                    r.warmup(r.buckets)
+
+        by_method: dict[str, list[Request]] = {ms.name: [] for ms in specs}
+        bar = tqdm(total=len(ids_list) * len(specs), desc="bench", unit="req", disable=not progress,
+                   file=sys.stderr, dynamic_ncols=True)
+        for i, ids in enumerate(ids_list):
+            # Rotate the method order per prompt (A B C, B C A, ...) so no method always runs first.
+            order = specs[i % len(specs):] + specs[:i % len(specs)]
+            for ms in order:
+                bar.set_postfix_str(ms.name)
+                by_method[ms.name].append(runners[ms.name](i, ids))
+                bar.update(1)
+        bar.close()
+
+    peers = {ms.name for ms in specs if ms.is_peer}
+    check = check_outputs({n: [r.token_ids for r in reqs] for n, reqs in by_method.items()}, peers, sampling.greedy)
+    summary = {n: summarize_method(reqs) for n, reqs in by_method.items()}
+    speed = {"metric": "decode_tokens_per_s", "vs_ar": speedups(by_method, REFERENCE, seed, n_boot)}
+    if "hf" in by_method:
+        speed["vs_hf"] = speedups(by_method, "hf", seed, n_boot)
+    tau_by_nodes = {ms.spec.nodes: summary[ms.name]["tau"] for ms in specs
+                    if ms.method == "tree" and ms.kind == "tandem" and summary[ms.name]["tau"] is not None}
+    config = {"methods": [ms.name for ms in specs], "max_new_tokens": gen.max_new_tokens,
+              "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed,
+              "ignore_eos": gen.ignore_eos, "target": str(pair.target_dir),
+              "draft": None if pair.draft_dir is None else str(pair.draft_dir), "device": str(dev), "dtype": dtype,
+              "warmup": warmup, "max_prompt_tokens": max_prompt_tokens, "context_window": ctx,
+              "method_specs": {ms.name: asdict(ms.spec) for ms in specs if not ms.is_peer},
+              "bootstrap": {"resamples": n_boot, "seed": seed, "level": 0.95}}
+    config.update(config_extra or {})
+    config.setdefault("num_prompts", len(prompts))
+    config.setdefault("workload", "custom")
+    return {
+        "environment": environment(dev),
+        "config": config,
+        "prompts": prompt_info,
+        "requests": [r.to_dict() for reqs in by_method.values() for r in reqs],
+        "summary": summary,
+        "speedup": speed,
+        "check": check,
+        "tau_by_nodes": {str(n): t for n, t in sorted(tau_by_nodes.items())} if len(tau_by_nodes) > 1 else {},
+    }
+
+
+def write_outputs(results: dict, out: Path, plots: bool = True) -> list[Path]:
+    """results.json, results.md and (unless plots=False) the PNGs; returns the paths written."""
+    from tandem.bench.env import write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "results.json", out / "results.md"]
+    if plots:
+        from tandem.bench import plots as P
+
+        by: dict[str, list[dict]] = {}
+        for r in results["requests"]:
+            by.setdefault(r["method"], []).append(r)
+        written.append(P.tokens_per_s_cdf({m: [r["decode_tokens_per_s"] for r in rs] for m, rs in by.items()},
+                                          out / "tokens_per_s_cdf.png"))
+        written.append(P.accept_length_hist({m: [a for r in rs for a in r["accept_lengths"]]
+                                             for m, rs in by.items() if m != REFERENCE and rs[0]["target_passes"]},
+                                            out / "accept_length_hist.png"))
+        if results.get("tau_by_nodes"):
+            written.append(P.tau_vs_nodes({int(n): t for n, t in results["tau_by_nodes"].items()},
+                                          out / "tau_vs_nodes.png"))
+    results["files"] = [p.name for p in written]
+    write_json(out / "results.json", results)
+    (out / "results.md").write_text(markdown_table(results))
+    return written
