@@ -80,14 +80,31 @@ class ModelConfig:
             if scaling is None and rope_params.get("rope_type", "default") != "default":
                 scaling = rope_params
             if scaling is not None:
+                if not isinstance(scaling, dict):
+                    raise ConfigError(f"rope_scaling must be a JSON object (got {scaling!r})")
                 rtype = scaling.get("rope_type", scaling.get("type", "default"))
                 if rtype == "default":
                     scaling = None
                 elif rtype != "llama3":
                     raise ConfigError(f"unsupported rope_scaling type {rtype!r}; Tandem supports 'llama3'")
+                elif "factor" not in scaling:
+                    raise ConfigError("rope_scaling of type 'llama3' lacks its 'factor'; re-export the checkpoint")
+                else:
+                    # Normalised so the 4.x (rope_scaling + rope_theta) and 5.x (rope_parameters)
+                    # spellings of one config compare equal: theta lives in `rope_theta`.
+                    scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
+                    scaling["rope_type"] = rtype
+                    float(scaling["factor"])  # a non-number is reported below
             eos = hf.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            qkv_bias = bool(hf.get("attention_bias", family == "qwen2"))
+            eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            # transformers hard-codes the biases of Qwen2 (q/k/v: always) and Mistral (never);
+            # Llama and Qwen3 read `attention_bias`, which there also puts a bias on o_proj, and
+            # Llama reads `mlp_bias`. Our layers have neither, so refuse those configs.
+            qkv_bias = {"qwen2": True, "mistral": False}.get(family, False)
+            if family in ("llama", "qwen3") and hf.get("attention_bias"):
+                raise ConfigError(f"attention_bias=true ({family} with biased q/k/v/o projections) is not supported")
+            if family == "llama" and hf.get("mlp_bias"):
+                raise ConfigError("mlp_bias=true (llama with biased MLP projections) is not supported")
             return cls(
                 family=family,
                 vocab_size=int(hf["vocab_size"]),
@@ -110,6 +127,10 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ConfigError(f"config.json is missing the key {e.args[0]!r}; is this a Hugging Face causal-LM config?") from None
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as e:  # e.g. "hidden_size": null or "abc"
+            raise ConfigError(f"config.json has a value of the wrong type ({str(e).splitlines()[0]}); re-export the checkpoint") from None
 
     def to_hf(self) -> dict[str, Any]:
         """A `config.json` dict that transformers loads as the matching *ForCausalLM."""
@@ -136,9 +157,12 @@ class ModelConfig:
             d["mlp_bias"] = False
         if self.rope_scaling is not None:
             d["rope_scaling"] = dict(self.rope_scaling)
-        if self.bos_token_id is not None:
-            d["bos_token_id"] = self.bos_token_id
-        if self.eos_token_ids:
+        # NOTE: written even when unset (null): transformers would otherwise fill in its own
+        # defaults (LlamaConfig: bos 1, eos 2), so the config would not read back the same.
+        d["bos_token_id"] = self.bos_token_id
+        if not self.eos_token_ids:
+            d["eos_token_id"] = None
+        else:
             d["eos_token_id"] = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
         return d
 

@@ -59,6 +59,11 @@ def _weight_files(d: Path) -> list[Path]:
     raise ConfigError(f"{str(d)!r} has no model.safetensors (or sharded model-*.safetensors); only safetensors checkpoints are supported")
 
 
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32") -> Transformer:
     """Build our Transformer from a checkpoint directory, weights cast to `dtype` on `device`."""
     d = Path(path)
@@ -68,14 +73,28 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
         model = Transformer(cfg)
     expected = dict(model.state_dict())
     state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
     for f in _weight_files(d):
         try:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for key in sf.keys():
-                    if key in expected:
-                        state[key] = sf.get_tensor(key).to(device=device, dtype=dt)
+            sf = safe_open(str(f), framework="pt", device="cpu")
+            keys = list(sf.keys())
         except Exception as e:  # safetensors raises its own error types for truncated files
-            raise ConfigError(f"cannot read {f}: {e}; the file is damaged or not safetensors") from None
+            raise ConfigError(f"cannot read {f}: {_first_line(e)}; the file is damaged or not safetensors") from None
+        with sf:
+            for key in keys:
+                if key in expected:
+                    try:
+                        t = sf.get_tensor(key)
+                    except Exception as e:
+                        raise ConfigError(f"cannot read tensor {key!r} from {f}: {_first_line(e)}; the file is damaged") from None
+                    # NOTE: outside the try: a bad device must not be reported as a damaged file.
+                    state[key] = t.to(device=device, dtype=dt)
+                elif not key.endswith("rotary_emb.inv_freq"):  # old exports saved this buffer
+                    unexpected.append(key)
+    if unexpected:
+        # e.g. biases the config does not announce: silently dropping them would change the logits
+        raise ConfigError(f"checkpoint {str(d)!r} has {len(unexpected)} tensor(s) its config.json does not describe, "
+                          f"first {sorted(unexpected)[0]!r}; this architecture variant is not supported")
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
