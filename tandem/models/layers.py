@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.fused import add_rmsnorm, rmsnorm_ref, rope_, silu_mul
+
 if TYPE_CHECKING:
     from tandem.config import ModelConfig
 
@@ -19,12 +21,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: normalise in fp32 and cast back before the weight, as Hugging Face does, so
-        # bf16 outputs match the reference bit-for-bit in the common case.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rmsnorm_ref(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: "ModelConfig") -> torch.Tensor:
@@ -44,20 +41,6 @@ def rope_inv_freq(cfg: "ModelConfig") -> torch.Tensor:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
     return inv.float()
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # positions: [B, T] -> cos, sin: [B, 1, T, head_dim]
-    freqs = positions.float()[..., None] * inv_freq  # [B, T, head_dim/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D] (non-interleaved halves, the Hugging Face layout)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -82,23 +65,39 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse()
+        self.qkv_bias: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, slots=None, mask=None) -> torch.Tensor:
-        # x: [B, T, hidden]; slots: [B, T] cache rows to write; mask: [B, 1, T, S] bool (True = attend)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, cache=None, slots=None,
+                mask=None) -> torch.Tensor:
+        # x: [B, T, hidden]; positions, slots: [B, T]; mask: [B, 1, T, S] bool (True = attend)
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        if self.qkv_weight is not None:  # fused projection: one GEMM instead of three
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, T, H + 2 * Hkv, D)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).view(B, T, H + 2 * Hkv, D)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qkv = torch.cat([self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + Hkv]), qkv[:, :, H + Hkv:]], dim=2)
+        rope_(qkv, positions, inv_freq, H + Hkv)  # q and k heads, in place
+        q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), T, D]
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv != self.n_heads)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=Hkv != H)
         else:
             k_all, v_all = cache.write(self.layer_idx, slots, k, v, mask.shape[-1])  # [B, Hkv, S, D]
-            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=Hkv != H)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
+
+    def fuse(self) -> None:
+        """Concatenate q/k/v weights into one matrix; the three projections become views of it."""
+        ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        self.qkv_weight = torch.cat([w.data for w in ws])
+        splits = [w.shape[0] for w in ws]
+        for proj, view in zip((self.q_proj, self.k_proj, self.v_proj), self.qkv_weight.split(splits)):
+            proj.weight.data = view
+        if self.q_proj.bias is not None:
+            self.qkv_bias = torch.cat([self.q_proj.bias.data, self.k_proj.bias.data, self.v_proj.bias.data])
 
 
 class MLP(nn.Module):
@@ -107,6 +106,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
+
+    def fuse(self) -> None:
+        self.gate_up_weight = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
+        g, u = self.gate_up_weight.split([self.gate_proj.weight.shape[0], self.up_proj.weight.shape[0]])
+        self.gate_proj.weight.data, self.up_proj.weight.data = g, u

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from tandem.config import ModelConfig
-from tandem.models.layers import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq
+from tandem.kernels.fused import add_rmsnorm
+from tandem.models.layers import MLP, Attention, RMSNorm, rope_inv_freq
 
 
 class DecoderLayer(nn.Module):
@@ -21,9 +22,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache=None, slots=None, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, positions, inv_freq, cache=None, slots=None, mask=None):
+        """x: residual stream [B, T, hidden]; delta: the previous layer's MLP output to add first.
+
+        Returns (residual, this layer's MLP output): the add is deferred so it fuses with the
+        next RMSNorm (one kernel for `x += delta; h = norm(x)`).
+        """
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        x, h = add_rmsnorm(x, delta, ln1.weight, ln1.eps)
+        a = self.self_attn(h, positions, inv_freq, cache, slots, mask)
+        x, h = add_rmsnorm(x, a, ln2.weight, ln2.eps)
+        return x, self.mlp(h)
 
 
 class Backbone(nn.Module):
@@ -54,14 +63,21 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        x, delta = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, slots, mask)
-        return self.model.norm(x)  # [B, T, hidden]
+            x, delta = layer(x, delta, positions, self.inv_freq, cache, slots, mask)
+        norm = self.model.norm
+        return add_rmsnorm(x, delta, norm.weight, norm.eps)[1]  # [B, T, hidden]
 
     def forward(self, input_ids, positions=None, cache=None, slots=None, mask=None) -> torch.Tensor:
         return self.lm_head(self.hidden_states(input_ids, positions, cache, slots, mask))  # [B, T, vocab]
+
+    def fuse_projections(self) -> "Transformer":
+        """Fuse q/k/v and gate/up weights (inference only: fewer, larger matrix products)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     @property
     def device(self) -> torch.device:

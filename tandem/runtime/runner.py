@@ -30,6 +30,7 @@ class ModelRunner:
         self.passes = 0  # forward passes run (for stats)
 
     # ------------------------------------------------------------------------------------
+    @torch.no_grad()
     def step(self, tokens: list[int], positions: list[int], tree_mask: torch.Tensor) -> torch.Tensor:
         """Feed len(tokens) rows as new tree-region rows; return their logits [T, vocab].
 
@@ -71,6 +72,7 @@ class ModelRunner:
         graph.replay()
         return buf["logits"][0, :T]
 
+    @torch.no_grad()
     def _capture(self, bucket: int) -> None:
         cap = self.capacity + 1
         dev = self.device
@@ -109,6 +111,7 @@ class ModelRunner:
                 self._capture(b)
 
     # ------------------------------------------------------------------------------------
+    @torch.no_grad()
     def prefill(self, tokens: list[int], chunk: int = 512) -> torch.Tensor | None:
         """Append tokens to the verified prefix (causal); returns the last row's logits [vocab]."""
         logits = None

@@ -1,0 +1,143 @@
+"""Fused elementwise kernels for the decode path, each beside its plain-torch reference.
+
+At batch 1 a decoder layer is a handful of matrix-vector products and a dozen elementwise
+ops; on a GPU with a slow host the elementwise ops cost more in launches than in bytes. These
+kernels fold them: residual add + RMSNorm, RoPE on q and k, SiLU(gate) * up. The torch
+versions are the semantics (and what runs on CPU); the Triton versions must match them.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton ships with CUDA builds of PyTorch only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU builds
+    triton = None
+
+
+def triton_enabled(t: torch.Tensor) -> bool:
+    # NOTE: the kernels have no backward; training (grad enabled) takes the torch path.
+    return (triton is not None and t.is_cuda and not torch.is_grad_enabled()
+            and os.environ.get("TANDEM_TRITON", "1") != "0")
+
+
+# ---- references -----------------------------------------------------------------------------
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # NOTE: normalise in fp32 and cast back before the weight, as Hugging Face does.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rmsnorm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + delta, rmsnorm(x + delta)): the residual update and the next sublayer's input."""
+    s = x + delta
+    return s, rmsnorm_ref(s, weight, eps)
+
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    # x: [B, T, H, D]; positions: [B, T]; inv_freq: [D/2] (Hugging Face non-interleaved halves)
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [B, T, 1, D]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---- Triton ---------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        m = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=m, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + row * n_cols + cols, mask=m, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)  # round like `x + delta`
+            tl.store(x_ptr + row * n_cols + cols, x, mask=m)  # residual updated in place
+        x32 = x.to(tl.float32)
+        var = tl.sum(x32 * x32, axis=0) / n_cols
+        y = (x32 * tl.rsqrt(var + eps)).to(x.dtype)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0)
+        tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=m)
+
+    @triton.jit
+    def _rope_kernel(x_ptr, pos_ptr, inv_ptr, n_heads, tok_stride, HALF: tl.constexpr):
+        # one program per (token, head) over heads [0, n_heads) of x [tokens, heads_total, 2 * HALF]
+        pid = tl.program_id(0)
+        tok = pid // n_heads
+        head = pid % n_heads
+        i = tl.arange(0, HALF)
+        pos = tl.load(pos_ptr + tok).to(tl.float32)
+        f = pos * tl.load(inv_ptr + i)
+        base = x_ptr + tok * tok_stride + head * 2 * HALF
+        x1 = tl.load(base + i)
+        x2 = tl.load(base + HALF + i)
+        c = tl.cos(f).to(x1.dtype).to(tl.float32)
+        s = tl.sin(f).to(x1.dtype).to(tl.float32)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        tl.store(base + i, (a * c - b * s).to(x1.dtype))
+        tl.store(base + HALF + i, (b * c + a * s).to(x1.dtype))
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        blk = tl.program_id(1)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        m = cols < n_cols
+        g = tl.load(gu_ptr + row * 2 * n_cols + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * n_cols + n_cols + cols, mask=m, other=0.0).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g))
+        tl.store(out_ptr + row * n_cols + cols, (y.to(gu_ptr.dtype.element_ty).to(tl.float32) * u)
+                 .to(gu_ptr.dtype.element_ty), mask=m)
+
+
+# ---- dispatch -------------------------------------------------------------------------------
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """Returns (residual, normed). With a delta the residual is x + delta (x updated in place on GPU)."""
+    if not triton_enabled(x):
+        if delta is None:
+            return x, rmsnorm_ref(x, weight, eps)
+        return add_rmsnorm_ref(x, delta, weight, eps)
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    assert x2.is_contiguous()
+    out = torch.empty_like(x2)
+    d2 = delta.reshape(-1, n).contiguous() if delta is not None else x2
+    _add_rmsnorm_kernel[(x2.shape[0],)](x2, d2, weight, out, n, eps, HAS_DELTA=delta is not None,
+                                         BLOCK=triton.next_power_of_2(n))
+    return x, out.view_as(x)
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, n_rot: int) -> None:
+    """Rotary embedding, in place, on heads [0, n_rot) of x [B, T, H_total, D] (q heads then k heads)."""
+    B, T, H, D = x.shape
+    if not triton_enabled(x):
+        x[:, :, :n_rot] = rope_ref(x[:, :, :n_rot], positions, inv_freq)
+        return
+    assert x.stride(-1) == 1 and x.stride(-2) == D and x.stride(0) == T * x.stride(1)
+    _rope_kernel[(B * T * n_rot,)](x, positions.reshape(-1), inv_freq, n_rot, x.stride(1), HALF=D // 2)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if not triton_enabled(gate_up):
+        return silu_mul_ref(gate_up)
+    n = gate_up.shape[-1] // 2
+    g2 = gate_up.reshape(-1, 2 * n)
+    out = torch.empty(g2.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
+    BLOCK = 1024
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, BLOCK))](g2, out, n, BLOCK=BLOCK)
+    return out.view(*gate_up.shape[:-1], n)
