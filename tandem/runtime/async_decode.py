@@ -1,0 +1,460 @@
+"""Method `async`: disaggregated asynchronous tree decoding (SwiftSpec s3.1, Algorithm 1).
+
+A draft worker and a target worker run at the same time. The draft loop, shared by every
+transport, reads like Algorithm 1:
+
+    tree = draft.prepare()                 # grow until the tree has N nodes, select the best N
+    while True:
+        link.submit(tree)                  # the target starts verifying [root + N nodes]
+        draft.overlap(link.ready)          # expand the w best candidates, <= d rounds, until the answer is in
+        verified = link.result()           # accepted tokens + bonus (None: generation is over)
+        draft.receive(verified)            # re-root the evolving tree cache (no K/V recomputed)
+        tree = draft.prepare()
+
+The target side verifies one tree per pass with the tree mask, accepts (greedy walk, or
+recursive rejection sampling with point-mass proposals: the best-first tree is a function of
+the draft's state only, never of the target's random numbers, so sampling stays lossless),
+commits the root and accepted path to its KV cache and answers with `VerifyResult.tokens`.
+
+Transports (one code path; only the `link` differs):
+- "inline": one process, deterministic: exactly d expansion rounds, then the verify. Tests.
+- "streams": one process, two CUDA streams. The verify is launched on the target stream and an
+  event recorded; the draft expands on its stream while `event.query()` is False.
+- "gloo" / "nccl": two processes over torch.distributed (this process is rank 0, the target;
+  a spawned process is rank 1, the draft); see tandem.runtime.workers.
+- "auto": streams on CUDA, inline on CPU.
+
+Self-tuning (SwiftSpec s3.1.3): t_target(N + 1 rows) and t_draft(w rows) are profiled with the
+runners; d = max(1, floor(t_target / t_draft)); the first passes run with d, the next with d+1,
+and the faster (tokens per second) is kept. spec.depth overrides all of this.
+
+Collapse guard (summary s8): when the last verified token of a pass is rarely a node of the
+draft tree (a sliding window of "hits"), expanding while the target verifies only competes
+with it; d drops to 0, which is the serial tree loop (grow to N nodes after each answer),
+and comes back when hits recover.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
+from tandem.runtime.generate import GenerationResult
+from tandem.runtime.runner import ModelRunner
+from tandem.tree.draft_tree import DraftTree, ancestor_mask
+from tandem.tree.evolving import EvolvingTree
+from tandem.verify.sampling import probs_from_logits
+from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
+
+TRANSPORTS = ("auto", "inline", "streams", "gloo", "nccl")
+
+
+@dataclass
+class AsyncGenerationResult(GenerationResult):
+    """GenerationResult plus the async timeline (`stats`: depth choice, hits, reuse, waits)."""
+
+    stats: dict = field(default_factory=dict)
+
+
+# ---- depth control: self-tuning and the collapse guard ------------------------------------
+@dataclass
+class DepthController:
+    """d, the expansion rounds the draft may run while one target pass is in flight."""
+
+    depth: int
+    fixed: bool = False  # spec.depth given: no trial
+    candidates: tuple[int, ...] = ()
+    trial_passes: int = 6
+    window: int = 8  # passes in the collapse detector's window
+    low: float = 0.25  # collapse when the hit rate over the window falls below this
+    high: float = 0.5  # ... and recover when it comes back to this
+    verbose: bool = False
+    collapsed: bool = False
+    events: list[str] = field(default_factory=list)
+    _trial: dict[int, list] = field(default_factory=dict)  # d -> [tokens, seconds, passes]
+    _chosen: bool = False
+    _hits: deque = field(default_factory=deque)
+    _saved: int = 0
+
+    @classmethod
+    def tuned(cls, t_target: float, t_draft: float, depth: int | None = None, verbose: bool = False,
+              **kw) -> "DepthController":
+        if depth is not None:
+            return cls(depth=depth, fixed=True, verbose=verbose, **kw)
+        d = max(1, math.floor(t_target / max(t_draft, 1e-9)))
+        ctl = cls(depth=d, candidates=(d, d + 1), verbose=verbose, **kw)
+        ctl._say(f"t_target={t_target * 1e3:.3f} ms, t_draft={t_draft * 1e3:.3f} ms -> trying d={d} and d={d + 1}")
+        return ctl
+
+    def observe(self, tokens: int, seconds: float, hit: bool) -> None:
+        """One target pass answered: `tokens` committed, `seconds` since the previous answer."""
+        if self.candidates and not self.fixed and not self.collapsed and not self._chosen:
+            rec = self._trial.setdefault(self.depth, [0.0, 0.0, 0])  # tokens, seconds, passes
+            rec[0] += tokens
+            rec[1] += seconds
+            rec[2] += 1
+            if rec[2] >= self.trial_passes:
+                nxt = [d for d in self.candidates if d not in self._trial]
+                if nxt:
+                    self.depth = nxt[0]
+                else:
+                    rate = {d: r[0] / max(r[1], 1e-9) for d, r in self._trial.items()}
+                    self.depth = max(self.candidates, key=lambda d: (rate[d], -d))
+                    self._chosen = True
+                    self._say("trial " + ", ".join(f"d={d}: {rate[d]:.1f} tok/s" for d in self.candidates)
+                              + f" -> d={self.depth}")
+        self._hits.append(bool(hit))
+        if len(self._hits) > self.window:
+            self._hits.popleft()
+        if len(self._hits) == self.window:
+            rate = sum(self._hits) / self.window
+            if not self.collapsed and rate < self.low:
+                self.collapsed, self._saved, self.depth = True, self.depth, 0
+                self._say(f"collapse: the verified token was in the draft tree in {rate:.0%} of the last "
+                          f"{self.window} passes; falling back to the serial tree loop (d=0)")
+                self._hits.clear()
+            elif self.collapsed and rate >= self.high:
+                self.collapsed, self.depth = False, max(1, self._saved)
+                self._say(f"recovered: hit rate {rate:.0%}; d={self.depth}")
+                self._hits.clear()
+
+    def _say(self, msg: str) -> None:
+        self.events.append(msg)
+        if self.verbose:
+            print(f"tandem async: {msg}", file=sys.stderr)
+
+    def summary(self) -> dict:
+        return {"depth": self.depth, "fixed": self.fixed, "candidates": list(self.candidates),
+                "collapsed": self.collapsed, "events": list(self.events)}
+
+
+# ---- profiling ------------------------------------------------------------------------------
+def time_step(runner: ModelRunner, rows: int, repeats: int = 5) -> float:
+    """Median seconds of one runner step of `rows` rows; the cache is left as it was."""
+    cache = runner.cache
+    saved = cache.tree_len
+    times = []
+    for i in range(repeats + 2):
+        base = cache.tree_len
+        mask = torch.zeros(rows, base + rows, dtype=torch.bool)
+        mask[:, base:] = torch.ones(rows, rows, dtype=torch.bool).tril()
+        pos = list(range(cache.length, cache.length + rows))
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        runner.step([0] * rows, pos, mask)
+        _sync(runner.device)
+        if i >= 2:  # the first two warm up (graph capture, allocator)
+            times.append(time.perf_counter() - t0)
+        cache.tree_len = saved  # NOTE: drop the profiling rows; they are overwritten later
+    runner.passes = 0
+    return sorted(times)[len(times) // 2]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- the two workers --------------------------------------------------------------------------
+class DraftWorker:
+    """The draft side of Algorithm 1 around an EvolvingTree (the evolving tree cache)."""
+
+    def __init__(self, runner: ModelRunner, spec: SpecConfig, tree_rows: int, inline: bool = False,
+                 stream: torch.cuda.Stream | None = None):
+        self.tree = EvolvingTree(runner, spec.width, max_rows=tree_rows)
+        self.nodes = spec.nodes
+        self.inline = inline  # exactly d rounds per pass (deterministic), no readiness polling
+        self.stream = stream
+        self.ctl: DepthController | None = None
+        self.rounds: list[int] = []  # expansion rounds run while each pass was in flight
+        self.hits = 0
+        self.reused: list[int] = []  # fed nodes kept by each re-root
+        self.wait_s = 0.0  # time blocked on the answer after expanding
+        self._last = 0.0
+
+    def ctx(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
+    def start(self, prompt: list[int]) -> float:
+        """Feed the prompt; returns t_draft(w), the profiled time of one expansion round."""
+        with self.ctx():
+            self.tree.start(prompt)
+            self.tree.feed_pending()
+            return time_step(self.tree.runner, self.tree.width)
+
+    def prepare(self) -> DraftTree:
+        """Grow while the tree has too few nodes, then select the best N-node subtree."""
+        with self.ctx():
+            self.tree.grow(self.nodes)
+            tree = self.tree.select(self.nodes)
+        self._last = self._last or time.perf_counter()
+        return tree
+
+    def overlap(self, ready: Callable[[], bool]) -> None:
+        """Expand the w most probable candidates, round after round, while the target verifies."""
+        d = self.ctl.depth if self.ctl else 0
+        n = 0
+        with self.ctx():
+            while n < d and (self.inline or not ready()):
+                if not self.tree.expand():
+                    break
+                n += 1
+        self.rounds.append(n)
+
+    def receive(self, verified: list[int]) -> None:
+        now = time.perf_counter()
+        with self.ctx():
+            r = self.tree.reroot(verified)
+        self.hits += r.hit
+        self.reused.append(r.reused)
+        if self.ctl is not None:
+            self.ctl.observe(len(verified), now - self._last, r.hit)
+        self._last = now
+
+    def stats(self) -> dict:
+        n = max(1, len(self.rounds))
+        return {"draft_steps": self.tree.steps, "rounds": self.rounds, "mean_rounds": sum(self.rounds) / n,
+                "hit_rate": self.hits / max(1, len(self.reused)), "reused": self.reused,
+                "mean_reused": sum(self.reused) / max(1, len(self.reused)), "draft_wait_s": self.wait_s,
+                "controller": self.ctl.summary() if self.ctl else None}
+
+
+@dataclass
+class _Launch:
+    tree: DraftTree
+    out: torch.Tensor | None  # [n] argmax (greedy) or [n, vocab] probs; None: not run yet (inline)
+    event: torch.cuda.Event | None
+
+
+class TargetWorker:
+    """Verifies one tree per pass: one target step with the tree mask, accept, commit the path.
+
+    NOTE (tensor parallelism): the target is one ModelRunner on one device. A TP group would
+    plug in here: rank 0 of the group runs this worker and broadcasts each received tree to
+    the other TP ranks, every rank runs `runner.step` on its shard (column/row-parallel linear
+    layers with an all-reduce after attention and after the MLP), and only rank 0 accepts and
+    answers the draft. Missing today: sharded linear layers in tandem.models, a sharded loader,
+    the broadcast of the tree inside the group, and CUDA-graph capture of the collectives.
+    """
+
+    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, generator: torch.Generator,
+                 stream: torch.cuda.Stream | None = None, deferred: bool = False):
+        self.runner, self.sampling, self.generator = runner, sampling, generator
+        self.stream = stream
+        self.deferred = deferred  # inline: run the pass in finish(), after the draft's rounds
+
+    def ctx(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
+    def launch(self, tree: DraftTree, now: bool = False) -> _Launch:
+        if self.deferred and not now:
+            return _Launch(tree, None, None)
+        cache = self.runner.cache
+        with self.ctx():
+            depth = tree.depth
+            logits = self.runner.step(tree.tokens, [cache.prefix_len + d for d in depth],
+                                      ancestor_mask(tree.parents))  # [n, vocab]
+            out = logits.argmax(-1) if self.sampling.greedy else probs_from_logits(logits, self.sampling)
+            event = None
+            if self.stream is not None:
+                if self.sampling.greedy:
+                    out = out.to("cpu", non_blocking=True)  # read only after the event
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        return _Launch(tree, out, event)
+
+    def ready(self, launch: _Launch) -> bool:
+        return launch.event is None or launch.event.query()
+
+    def finish(self, launch: _Launch) -> VerifyResult:
+        if launch.out is None:
+            launch = self.launch(launch.tree, now=True)
+        if launch.event is not None:
+            launch.event.synchronize()
+        with self.ctx():
+            if self.sampling.greedy:
+                result = greedy_accept(launch.tree, launch.out.tolist())
+            else:
+                result = rejection_accept(launch.tree, launch.out, self.generator)
+            self.runner.cache.commit(result.path)
+        return result
+
+    def verify(self, tree: DraftTree) -> VerifyResult:
+        return self.finish(self.launch(tree))
+
+    def profile(self, nodes: int) -> float:
+        with self.ctx():
+            return time_step(self.runner, nodes + 1)
+
+
+# ---- output bookkeeping (target side) ---------------------------------------------------------
+class Emitter:
+    """Cuts committed tokens at EOS / stop string / max_new_tokens and records per-pass stats."""
+
+    def __init__(self, max_new: int, eos: set[int], gen: GenerationConfig, tokenizer, on_tokens, t0: float):
+        self.max_new, self.eos, self.gen, self.tokenizer, self.on_tokens, self.t0 = \
+            max_new, eos, gen, tokenizer, on_tokens, t0
+        self.out: list[int] = []
+        self.accept_lengths: list[int] = []
+        self.per_depth: dict[int, list[int]] = {}
+        self.ttft = 0.0
+        self.finish = "length"
+        self.stop_text: str | None = None
+
+    def emit(self, tree: DraftTree, result: VerifyResult) -> bool:
+        """Record one pass; returns True when generation is over."""
+        self.accept_lengths.append(result.accepted)
+        depth = tree.depth
+        for k in {depth[i] for i in range(1, len(tree))}:
+            rec = self.per_depth.setdefault(k, [0, 0])
+            rec[0] += 1
+            rec[1] += int(result.accepted >= k)
+        new = result.tokens[: self.max_new - len(self.out)]
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new, self.finish = new[: i + 1], "eos"
+                break
+        self.out += new
+        if not self.ttft:
+            self.ttft = time.perf_counter() - self.t0
+        if self.on_tokens is not None:
+            self.on_tokens(new)
+        if self.finish == "eos":
+            return True
+        if self.gen.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(self.out)
+            hit = min((text.find(s) for s in self.gen.stop if s in text), default=-1)
+            if hit >= 0:
+                self.finish, self.stop_text = "stop", text[:hit]
+                return True
+        return len(self.out) >= self.max_new
+
+
+# ---- in-process links ------------------------------------------------------------------------
+class LocalLink:
+    """The draft's view of a target in the same process (inline and streams)."""
+
+    def __init__(self, target: TargetWorker, emitter: Emitter):
+        self.target, self.emitter = target, emitter
+        self._launch: _Launch | None = None
+        self.target_busy_s = 0.0
+
+    def submit(self, tree: DraftTree) -> None:
+        self._launch = self.target.launch(tree)
+
+    def ready(self) -> bool:
+        return self._launch is not None and self.target.ready(self._launch)
+
+    def result(self) -> list[int] | None:
+        launch, self._launch = self._launch, None
+        result = self.target.finish(launch)
+        return None if self.emitter.emit(launch.tree, result) else result.tokens
+
+
+def draft_loop(draft: DraftWorker, link) -> None:
+    """Algorithm 1, the same for every transport (`link`: submit / ready / result)."""
+    tree = draft.prepare()
+    while True:
+        link.submit(tree)
+        draft.overlap(link.ready)
+        t0 = time.perf_counter()
+        verified = link.result()
+        draft.wait_s += time.perf_counter() - t0
+        if verified is None:
+            return
+        draft.receive(verified)
+        tree = draft.prepare()
+
+
+# ---- entry point -------------------------------------------------------------------------------
+def plan_capacity(prompt_len: int, max_new: int, spec: SpecConfig) -> tuple[int, int, int]:
+    """(target rows, draft rows, draft tree-region rows)."""
+    tree_rows = max(2 * spec.nodes, spec.nodes + 16 * spec.width) + spec.width
+    target = prompt_len + max_new + spec.nodes + 2
+    return target, target + tree_rows + 1, tree_rows
+
+
+def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecConfig, sampling: SamplingConfig,
+                   gen: GenerationConfig, eos_ids: set[int], transport: str = "auto",
+                   on_tokens: Callable[[list[int]], None] | None = None, tokenizer=None, *,
+                   verbose: bool = True, use_graphs: bool | None = None, draft_device: str | None = None,
+                   timeout_s: float = 300.0) -> AsyncGenerationResult:
+    """Decode one request with method `async`; the output matches the serial loop's contract.
+
+    Greedy output is token-identical to `ar`; with sampling every committed token is distributed
+    as sampling from the target (per seed the tokens can differ between transports, since the
+    tree sent depends on how far the draft got while the target was busy).
+    """
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+    spec.validate(), sampling.validate(), gen.validate()
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty; give at least one token of text")
+    if draft_model is None:
+        raise ConfigError("method 'async' needs a draft model; pass --draft DIR or use --method ar")
+    on_cuda = target_model.device.type == "cuda"
+    if transport == "auto":
+        transport = "streams" if on_cuda else "inline"
+    if transport == "streams" and not (on_cuda and draft_model.device.type == "cuda"):
+        raise ConfigError("transport 'streams' needs both models on CUDA; use inline or gloo on CPU")
+    ctx_len = min(target_model.config.max_position_embeddings, draft_model.config.max_position_embeddings)
+    if len(prompt_ids) >= ctx_len:
+        raise ConfigError(f"prompt is {len(prompt_ids)} tokens but the context window is {ctx_len}; shorten the prompt")
+    max_new = min(gen.max_new_tokens, ctx_len - len(prompt_ids))
+    eos = set() if gen.ignore_eos else set(eos_ids)
+    t_rows, d_rows, tree_rows = plan_capacity(len(prompt_ids), max_new, spec)
+    generator = torch.Generator().manual_seed(sampling.seed)
+
+    with torch.inference_mode():
+        if transport in ("gloo", "nccl"):
+            from tandem.runtime.workers import run_process_pair
+
+            return run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen, eos, max_new,
+                                    transport, on_tokens, tokenizer, generator, (t_rows, d_rows, tree_rows),
+                                    verbose=verbose, use_graphs=use_graphs, draft_device=draft_device,
+                                    timeout_s=timeout_s)
+        streams = transport == "streams"
+        t_stream = torch.cuda.Stream(device=target_model.device) if streams else None
+        d_stream = torch.cuda.Stream(device=draft_model.device) if streams else None
+        target = TargetWorker(ModelRunner(target_model, t_rows, use_graphs=use_graphs), sampling, generator,
+                              stream=t_stream, deferred=not streams)
+        draft = DraftWorker(ModelRunner(draft_model, d_rows, use_graphs=use_graphs), spec, tree_rows,
+                            inline=not streams, stream=d_stream)
+        t0 = time.perf_counter()
+        if len(prompt_ids) > 1:
+            with target.ctx():
+                target.runner.prefill(prompt_ids[:-1])
+        t_target = target.profile(spec.nodes)
+        t_draft = draft.start(prompt_ids)
+        if streams:
+            _warm_buckets(target.runner, draft.tree.runner, spec)
+        draft.ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose)
+        emitter = Emitter(max_new, eos, gen, tokenizer, on_tokens, t0)
+        link = LocalLink(target, emitter)
+        draft_loop(draft, link)
+        _sync(target_model.device)
+        seconds = time.perf_counter() - t0
+        stats = {"transport": transport, "t_target_s": t_target, "t_draft_s": t_draft, **draft.stats()}
+        return _result(emitter, len(prompt_ids), seconds, stats)
+
+
+def _warm_buckets(target_runner: ModelRunner, draft_runner: ModelRunner, spec: SpecConfig) -> None:
+    """Capture every CUDA graph the loop will need before the two streams run concurrently."""
+    target_runner.warmup((spec.nodes + 1,))
+    draft_runner.warmup((1, 2, spec.width))
+
+
+def _result(emitter: Emitter, prompt_len: int, seconds: float, stats: dict) -> AsyncGenerationResult:
+    return AsyncGenerationResult(
+        token_ids=emitter.out, prompt_tokens=prompt_len, method="async", target_passes=len(emitter.accept_lengths),
+        draft_steps=int(stats.get("draft_steps", 0)), accept_lengths=emitter.accept_lengths, seconds=seconds,
+        ttft=emitter.ttft, finish_reason=emitter.finish, stop_trimmed_text=emitter.stop_text,
+        per_depth=[(v[0], v[1]) for _, v in sorted(emitter.per_depth.items())], stats=stats,
+    )
