@@ -1,9 +1,14 @@
-"""Realistic model shapes with random weights, for profiling without downloading checkpoints."""
+"""Realistic model shapes with random weights, for profiling without downloading checkpoints.
+
+Cost depends only on shapes, so the published configs with N(0, 0.02) weights time like the
+real models. `random_model` builds the module on the meta device, casts it to the target dtype
+there (free), then materialises it directly on the device: an 8B model never exists in fp32.
+"""
 from __future__ import annotations
 
 import torch
 
-from tandem.config import ModelConfig
+from tandem.config import ConfigError, ModelConfig
 
 _LLAMA3_ROPE = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
                 ("original_max_position_embeddings", 8192), ("rope_type", "llama3"))
@@ -35,16 +40,37 @@ def random_model(name_or_cfg: str | ModelConfig, device: str | torch.device = "c
     from tandem.models.layers import rope_inv_freq
     from tandem.models.transformer import Transformer
 
-    cfg = PRESETS[name_or_cfg] if isinstance(name_or_cfg, str) else name_or_cfg
+    cfg = preset_config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    # NOTE: cast on meta first (free), so the weights are born in `dtype` on `device`.
+    model = model.to(dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty materialises shared parameters separately
+        model.lm_head.weight = model.model.embed_tokens.weight
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=g)
     model.inv_freq = rope_inv_freq(cfg).to(device)
     return model.eval().requires_grad_(False)
+
+
+# The natural small draft for each target preset (the same tokenizer family where one exists).
+DEFAULT_DRAFT = {"llama3-8b": "llama3.2-1b", "qwen2.5-7b": "qwen2.5-0.5b", "llama3.2-1b": "tiny",
+                 "qwen2.5-0.5b": "tiny", "tiny": "tiny"}
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's unique parameters: what one batch-1 forward pass must read."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
