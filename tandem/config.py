@@ -45,7 +45,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen copy of the HF dict
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = 2048  # capped at a sliding window, see from_hf
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
@@ -105,6 +105,16 @@ class ModelConfig:
                 raise ConfigError(f"attention_bias=true ({family} with biased q/k/v/o projections) is not supported")
             if family == "llama" and hf.get("mlp_bias"):
                 raise ConfigError("mlp_bias=true (llama with biased MLP projections) is not supported")
+            # Our attention is always full. A model with sliding-window layers (Mistral v0.1;
+            # Qwen2/3 with use_sliding_window) computes exactly the same while the context fits
+            # in the window, so the usable context is capped there instead of being wrong beyond.
+            max_pos = int(hf.get("max_position_embeddings", 2048))
+            window = None
+            if family == "mistral" or hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
+                # a Mistral config without the key gets transformers' default window, 4096
+                window = hf.get("sliding_window", 4096 if family == "mistral" else None)
+            if window is not None:
+                max_pos = min(max_pos, int(window))
             return cls(
                 family=family,
                 vocab_size=int(hf["vocab_size"]),
@@ -117,7 +127,7 @@ class ModelConfig:
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=None if scaling is None else tuple(sorted(scaling.items())),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                max_position_embeddings=max_pos,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=qkv_bias,
                 qk_norm=family == "qwen3",
@@ -155,6 +165,8 @@ class ModelConfig:
         if self.family in ("llama", "mistral"):
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
+        if self.family == "mistral":
+            d["sliding_window"] = None  # full attention (MistralConfig's default is a 4096 window)
         if self.rope_scaling is not None:
             d["rope_scaling"] = dict(self.rope_scaling)
         # NOTE: written even when unset (null): transformers would otherwise fill in its own

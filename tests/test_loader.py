@@ -256,3 +256,14 @@ def test_to_hf_round_trip_and_autoconfig(shared_tiny_checkpoint, tmp_path, which
     assert rope["rope_type"] == ("default" if cfg.rope_scaling is None else "llama3")
     # what transformers made of it reads back as the same ModelConfig
     assert ModelConfig.from_hf(auto.to_dict()) == cfg
+
+
+def test_mistral_context_is_capped_at_its_sliding_window(tiny_checkpoint):
+    d = tiny_checkpoint("mistral", tokenizer=False)
+    _edit_config(d, max_position_embeddings=32768, sliding_window=4096)  # Mistral-7B-v0.1
+    assert read_config(d).max_position_embeddings == 4096
+    _edit_config(d, sliding_window=_DELETE)  # transformers' default window applies
+    assert read_config(d).max_position_embeddings == 4096
+    _edit_config(d, sliding_window=None)  # v0.2+: full attention
+    assert read_config(d).max_position_embeddings == 32768
+    assert ModelConfig.from_hf(read_config(d).to_hf()).max_position_embeddings == 32768

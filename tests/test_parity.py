@@ -166,3 +166,22 @@ def test_bf16_load_close_to_fp32(setup, family):
 def test_bf16_load_by_name(setup):
     path, ours, _, ids, _ = setup("llama")
     _check_bf16(path, ours, ids, "bfloat16")
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("mistral", dict(sliding_window=8)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+])
+def test_sliding_window_models_are_capped_at_the_window(tiny_checkpoint, family, overrides):
+    """Our attention is full; it equals sliding-window attention up to the window, and the
+    usable context (max_position_embeddings) is capped there."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint(family, tokenizer=False, **overrides)
+    ours = load_model(path)
+    assert ours.config.max_position_embeddings == 8
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 320, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert _max_diff(ours(ids), hf(ids).logits) < TOL
