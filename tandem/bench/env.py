@@ -16,11 +16,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10,
+                             check=False)
         if out.returncode != 0:
             return None
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=10)
+                               capture_output=True, text=True, timeout=10, check=False)
         return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -43,9 +44,14 @@ def environment(device: torch.device | str) -> dict[str, Any]:
         "python": platform.python_version(),
         "git_commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "command": " ".join([_prog()] + sys.argv[1:]),
     }
     return env
+
+
+def _prog() -> str:
+    name = Path(sys.argv[0]).name
+    return "tandem" if name in ("__main__.py", "tandem", "-m") else name
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -25,15 +25,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 from tandem.bench.workloads import Prompt, add_workload_arguments, load_workload
 from tandem.cli import add_decoding_arguments, add_model_arguments, configs_from_args
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 
-TANDEM_METHODS = ("ar", "chain", "tree")
+TANDEM_METHODS = ("ar", "chain", "tree")  # the engine's methods (see `tandem_methods()`)
 PEER_METHODS = ("hf", "hf-assisted")
 REFERENCE = "ar"
 
@@ -112,10 +112,11 @@ Runner = Callable[[int, list[int]], Request]
 def parse_methods(text: str, node_budgets: list[int]) -> list[str]:
     """`ar,chain,tree,hf` -> names; `tree` expands to `tree@N` per budget when several are given."""
     names: list[str] = []
+    known = tandem_methods() + PEER_METHODS
     for raw in [t.strip() for t in text.split(",") if t.strip()]:
         base = raw.split("@")[0]
-        if base not in TANDEM_METHODS + PEER_METHODS or ("@" in raw and base != "tree"):
-            raise ConfigError(f"unknown method {raw!r} in --methods; choose from {', '.join(TANDEM_METHODS + PEER_METHODS)}"
+        if base not in known or ("@" in raw and base != "tree"):
+            raise ConfigError(f"unknown method {raw!r} in --methods; choose from {', '.join(known)}"
                               " (tree@N for a node budget)")
         if raw == "tree" and len(node_budgets) > 1:
             names += [f"tree@{n}" for n in node_budgets]
@@ -126,6 +127,15 @@ def parse_methods(text: str, node_budgets: list[int]) -> list[str]:
     if REFERENCE not in names:
         names.insert(0, REFERENCE)  # the reference output and speed baseline
     return list(dict.fromkeys(names))
+
+
+def tandem_methods() -> tuple[str, ...]:
+    """The engine's methods (`Generator` accepts them all); new ones are benchmarked as they land."""
+    try:
+        from tandem.runtime.generate import METHODS
+    except ImportError:
+        return TANDEM_METHODS
+    return tuple(METHODS)
 
 
 def parse_nodes(text: str | int) -> list[int]:
@@ -201,7 +211,7 @@ class HFRunner:
         gc = _hf_generation_config(self.model, self.gen, self.sampling,
                                    min(self.gen.max_new_tokens, self.context_window - len(ids)))
         x = torch.tensor([ids], device=self.device)
-        kwargs = dict(attention_mask=torch.ones_like(x), generation_config=gc)
+        kwargs = {"attention_mask": torch.ones_like(x), "generation_config": gc}
         if self.assistant is not None:
             kwargs["assistant_model"] = self.assistant
         timer = _FirstTokenTimer()
@@ -359,8 +369,8 @@ def markdown_table(results: dict) -> str:
             + (" vs hf (95% CI) |" if vs_hf else ""))
     sep = "|---" * (8 + (1 if vs_hf else 0)) + "|"
     lines = [f"# tandem bench: {cfg['workload']}, {cfg['num_prompts']} prompts, {cfg['max_new_tokens']} new tokens",
-             "", f"{results['environment']['gpu']}, {cfg['dtype']}, torch {results['environment']['torch']}, "
-             f"commit {results['environment']['git_commit']}", "", head, sep]
+             "", (f"{results['environment']['gpu']}, {cfg['dtype']}, torch {results['environment']['torch']}, "
+                  f"commit {results['environment']['git_commit']}"), "", head, sep]
     for name, s in results["summary"].items():
         t = s["decode_tokens_per_s"]
         ttft = s["ttft_s"]["median"]
@@ -489,10 +499,9 @@ def run_bench(prompts: list[Prompt], specs: list[MethodSpec], sampling: Sampling
             for i in longest:
                 for ms in specs:
                     runners[ms.name](i, ids_list[i])
-            if dev.type == "cuda":
-                # NOTE: Generator keeps its runners in `_runners`; capture all buckets up front.
-                for r in engine._runners.values():
-                    r.warmup(r.buckets)
+            # NOTE: Generator keeps its runners in `_runners`; capture every graph up front.
+            for r in engine._runners.values():
+                precapture_graphs(r)
 
         by_method: dict[str, list[Request]] = {ms.name: [] for ms in specs}
         bar = tqdm(total=len(ids_list) * len(specs), desc="bench", unit="req", disable=not progress,
@@ -534,6 +543,23 @@ def run_bench(prompts: list[Prompt], specs: list[MethodSpec], sampling: Sampling
         "check": check,
         "tau_by_nodes": {str(n): t for n, t in sorted(tau_by_nodes.items())} if len(tau_by_nodes) > 1 else {},
     }
+
+
+def precapture_graphs(runner) -> None:
+    """Capture a runner's CUDA graphs for every row bucket (and attention-width bucket) now,
+    so that no capture lands inside a measured request. No effect without graphs."""
+    import inspect
+
+    if not getattr(runner, "use_graphs", False):
+        return
+    if "widths" in inspect.signature(runner.warmup).parameters:
+        # The runner keys graphs by (row bucket, attention width); widths are powers of two
+        # from 256, capped at the cache capacity (+1 scratch row).
+        cap = runner.capacity + 1
+        widths = sorted({min(cap, 256 << i) for i in range(24) if (256 << i) >> 1 < cap})
+        runner.warmup(runner.buckets, widths=tuple(widths))
+    else:
+        runner.warmup(runner.buckets)
 
 
 def write_outputs(results: dict, out: Path, plots: bool = True) -> list[Path]:

@@ -13,7 +13,8 @@ rounds of width w after the root's, as `SpecConfig.resolved_depth`), given a tau
 
 Models are presets with random weights (`tandem.bench.presets`): cost depends on shapes only.
 Steps run through `ModelRunner` (CUDA graphs on GPU, its buckets extended to every requested
-N) and are timed with CUDA events (perf_counter on CPU); each figure is a median.
+N; the untimed warm-up runs capture them) and are timed with CUDA events (perf_counter on
+CPU); each figure is a median.
 The AR step is also compared with its bandwidth floor: weight bytes / the measured bandwidth
 of a large device-to-device copy (read + write bytes counted).
 
@@ -29,8 +30,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from tandem.cli import add_model_arguments
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
@@ -254,7 +255,6 @@ def run(args: argparse.Namespace) -> int:
         if args.fuse:
             target.fuse_projections()
         runner = prefilled_runner(target, args.context, measured_rows[-1], buckets, args.seed)
-        runner.warmup(measured_rows)
         t_target = time_target_steps(runner, args.context, measured_rows, iters, measure)
         del runner, target
         if device.type == "cuda":
@@ -264,7 +264,6 @@ def run(args: argparse.Namespace) -> int:
         if args.fuse:
             draft.fuse_projections()
         druns = prefilled_runner(draft, args.context, max(widths), buckets, args.seed + 1)
-        druns.warmup(widths)
         t_draft = time_draft_expansions(druns, args.context, widths, iters, measure)
         del druns, draft
 
@@ -310,11 +309,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(r: dict) -> str:
-    lines = [f"{r['config']['preset']} (draft {r['config']['draft_preset']}) on {r['environment']['gpu']}, "
-             f"{r['config']['dtype']}, context {r['config']['context']}",
-             f"AR step {r['ar_step_ms']:.3f} ms; bandwidth floor {r['ar_floor_ms']:.3f} ms "
-             f"({r['target']['weight_bytes'] / 1e9:.2f} GB at {r['bandwidth_gb_s']:.0f} GB/s): "
-             f"{r['ar_vs_floor']:.2f}x the floor", "",
+    lines = [(f"{r['config']['preset']} (draft {r['config']['draft_preset']}) on {r['environment']['gpu']}, "
+              f"{r['config']['dtype']}, context {r['config']['context']}"),
+             (f"AR step {r['ar_step_ms']:.3f} ms; bandwidth floor {r['ar_floor_ms']:.3f} ms "
+              f"({r['target']['weight_bytes'] / 1e9:.2f} GB at {r['bandwidth_gb_s']:.0f} GB/s): "
+              f"{r['ar_vs_floor']:.2f}x the floor"), "",
              f"{'N':>5} {'T_target ms':>12} {'c(N)':>7}"]
     for n, ms in r["t_target_ms"].items():
         lines.append(f"{n:>5} {ms:12.3f} {r['c'][n]:7.2f}")
