@@ -117,19 +117,15 @@ def function_header_prompts(texts: list[str], limit: int) -> list[str]:
     return out
 
 
-class _PassThroughCache:
-    """Lets a cache-less full forward take an explicit attention mask (left-padded batches)."""
-
-    def write(self, layer_idx, slots, k, v, n_cols):
-        return k, v
-
-
 @torch.no_grad()
 def greedy_generate(model, prompts: list[list[int]], max_new: int, eot: int, device: torch.device,
                     batch_size: int = 32) -> list[list[int]]:
-    """Plain greedy decoding, full forward each step, left-padded batches with an exact mask."""
+    """Plain greedy decoding: a cache-less full causal forward each step, batched exactly.
+
+    Rows are right-padded: under causal attention a row's real tokens never see the padding
+    after them, so each row's next token is the argmax at its own last real position.
+    """
     outs: list[list[int]] = []
-    cache = _PassThroughCache()
     for i in range(0, len(prompts), batch_size):
         seqs = [list(p) for p in prompts[i:i + batch_size]]
         done = [False] * len(seqs)
@@ -137,17 +133,12 @@ def greedy_generate(model, prompts: list[list[int]], max_new: int, eot: int, dev
         for _ in range(max_new):
             L = max(len(s) for s in seqs)
             x = torch.full((len(seqs), L), eot, dtype=torch.long)
-            real = torch.zeros((len(seqs), L), dtype=torch.bool)
             for r, s in enumerate(seqs):
-                x[r, L - len(s):] = torch.tensor(s)
-                real[r, L - len(s):] = True
-            x, real = x.to(device), real.to(device)
-            pos = (real.long().cumsum(-1) - 1).clamp(min=0)
-            causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
-            mask = (causal[None] & real[:, None, :]) | torch.eye(L, dtype=torch.bool, device=device)[None]
+                x[r, :len(s)] = torch.tensor(s)
+            last = torch.tensor([len(s) - 1 for s in seqs], device=device)
             with autocast_ctx(device):
-                logits = model(x, positions=pos, cache=cache, mask=mask[:, None])
-            nxt = logits[:, -1].float().argmax(-1).tolist()
+                logits = model(x.to(device))
+            nxt = logits[torch.arange(len(seqs), device=device), last].float().argmax(-1).tolist()
             for r, t in enumerate(nxt):
                 if done[r]:
                     continue
@@ -188,7 +179,8 @@ def ast_parse_eval(model, tok, texts: list[str], n_prompts: int, max_new: int, e
     for (p, _), g in zip(pairs, gens):
         completion = p + tok.decode(g, skip_special_tokens=False)
         trimmed = trim_to_complete_lines(completion)
-        good = parses(trimmed)
+        # a completion that never finished a line past the header has nothing to parse: a failure
+        good = len(trimmed) > len(p) + 1 and parses(trimmed)
         ok += good
         if len(samples) < 3:
             samples.append({"prompt": p, "completion": completion, "parses": good})
