@@ -93,6 +93,39 @@ if triton is not None:
         tl.store(base + HALF + i, (b * c + a * s).to(x1.dtype))
 
     @triton.jit
+    def _rope_store_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_ptr, k_ptr, v_ptr, T, n_q, n_kv, tok_stride,
+                              cache_b_stride, cache_h_stride, HALF: tl.constexpr):
+        # grid (B * T, n_q + 2 * n_kv): q heads rotated in place, k heads rotated into the
+        # cache row `slot`, v heads copied into it. One launch replaces RoPE + two scatters.
+        tok = tl.program_id(0)
+        head = tl.program_id(1)
+        b = tok // T
+        i = tl.arange(0, HALF)
+        base = qkv_ptr + tok * tok_stride + head * 2 * HALF
+        x1 = tl.load(base + i)
+        x2 = tl.load(base + HALF + i)
+        slot = tl.load(slot_ptr + tok)
+        if head < n_q + n_kv:
+            pos = tl.load(pos_ptr + tok).to(tl.float32)
+            f = pos * tl.load(inv_ptr + i)
+            c = tl.cos(f).to(x1.dtype).to(tl.float32)
+            s = tl.sin(f).to(x1.dtype).to(tl.float32)
+            a, bb = x1.to(tl.float32), x2.to(tl.float32)
+            y1 = (a * c - bb * s).to(x1.dtype)
+            y2 = (bb * c + a * s).to(x1.dtype)
+            if head < n_q:
+                tl.store(base + i, y1)
+                tl.store(base + HALF + i, y2)
+            else:
+                dst = k_ptr + b * cache_b_stride + (head - n_q) * cache_h_stride + slot * 2 * HALF
+                tl.store(dst + i, y1)
+                tl.store(dst + HALF + i, y2)
+        else:
+            dst = v_ptr + b * cache_b_stride + (head - n_q - n_kv) * cache_h_stride + slot * 2 * HALF
+            tl.store(dst + i, x1)
+            tl.store(dst + HALF + i, x2)
+
+    @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         blk = tl.program_id(1)
@@ -130,6 +163,29 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, n_ro
         return
     assert x.stride(-1) == 1 and x.stride(-2) == D and x.stride(0) == T * x.stride(1)
     _rope_kernel[(B * T * n_rot,)](x, positions.reshape(-1), inv_freq, n_rot, x.stride(1), HALF=D // 2)
+
+
+def rope_store_kv_ref(qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots) -> None:
+    """qkv [B, T, n_q + 2 n_kv, D]: RoPE on q (in place) and k; k and v stored at cache rows `slots` [B, T].
+
+    k_cache, v_cache: one layer's [B, n_kv, capacity, D] buffers.
+    """
+    rope_(qkv, positions, inv_freq, n_q + n_kv)
+    k = qkv[:, :, n_q:n_q + n_kv].transpose(1, 2)  # [B, n_kv, T, D]
+    v = qkv[:, :, n_q + n_kv:].transpose(1, 2)
+    idx = slots[:, None, :, None].expand(k.shape)
+    k_cache.scatter_(2, idx, k)
+    v_cache.scatter_(2, idx, v)
+
+
+def rope_store_kv(qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots) -> None:
+    if not triton_enabled(qkv):
+        return rope_store_kv_ref(qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots)
+    B, T, Ht, D = qkv.shape
+    assert qkv.stride(-1) == 1 and qkv.stride(-2) == D and qkv.stride(0) == T * qkv.stride(1)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    _rope_store_kv_kernel[(B * T, Ht)](qkv, positions.reshape(-1), slots.reshape(-1), inv_freq, k_cache, v_cache,
+                                       T, n_q, n_kv, qkv.stride(1), k_cache.stride(0), k_cache.stride(1), HALF=D // 2)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

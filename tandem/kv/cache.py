@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.kernels.fused import rope_store_kv
+
 
 class CacheFullError(RuntimeError):
     pass
@@ -44,14 +46,14 @@ class KVCache:
         return self.prefix_len + self.tree_len
 
     # ---- used by the attention layers ---------------------------------------------------
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, width: int):
-        """Store new rows and return this layer's K/V columns [0, width).
+    def store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, n_q: int,
+              slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE the new rows' q (in place) and k, store k/v at `slots`; return K/V columns [0, width).
 
-        slots: [B, T] row indices; k, v: [B, Hkv, T, D]. Returns two [B, Hkv, width, D] views.
+        qkv: [B, T, n_q + 2 n_kv, D]; positions, slots: [B, T]. Returns two [B, Hkv, width, D] views.
         """
-        idx = slots[:, None, :, None].expand(k.shape)
-        self.k[layer].scatter_(2, idx, k)
-        self.v[layer].scatter_(2, idx, v)
+        n_kv = self.k.shape[2]
+        rope_store_kv(qkv, positions, inv_freq, n_q, n_kv, self.k[layer], self.v[layer], slots)
         return self.k[layer, :, :, :width], self.v[layer, :, :, :width]
 
     # ---- bookkeeping ----------------------------------------------------------------------

@@ -79,13 +79,14 @@ class Attention(nn.Module):
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).view(B, T, H + 2 * Hkv, D)
         if self.q_norm is not None:
             qkv = torch.cat([self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + Hkv]), qkv[:, :, H + Hkv:]], dim=2)
-        rope_(qkv, positions, inv_freq, H + Hkv)  # q and k heads, in place
-        q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), T, D]
         if cache is None:
+            rope_(qkv, positions, inv_freq, H + Hkv)  # q and k heads, in place
+            q, k, v = (t.transpose(1, 2) for t in qkv.split([H, Hkv, Hkv], dim=2))  # [B, H(kv), T, D]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=Hkv != H)
         else:
-            k_all, v_all = cache.write(self.layer_idx, slots, k, v, mask.shape[-1])  # [B, Hkv, S, D]
+            # mask: [B, 1, T, S] additive (0 / -inf) or bool; S = cache columns attended
+            k_all, v_all = cache.store(self.layer_idx, qkv, positions, inv_freq, H, slots, mask.shape[-1])
+            q = qkv[:, :, :H].transpose(1, 2)  # [B, H, T, D], rotated in place by store()
             out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=Hkv != H)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
 

@@ -64,6 +64,9 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x, delta = self.model.embed_tokens(input_ids), None
+        if mask is not None and mask.dtype == torch.bool:
+            # NOTE: convert once per pass, not once per layer inside attention.
+            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
         for layer in self.model.layers:
             x, delta = layer(x, delta, positions, self.inv_freq, cache, slots, mask)
         norm = self.model.norm

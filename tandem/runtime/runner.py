@@ -21,6 +21,7 @@ class ModelRunner:
         self.device = model.device
         # +1: the last row is a scratch row that padded (bucket-filling) rows write to.
         self.cache = KVCache.for_model(model, capacity + 1)
+        self.cache.capacity = capacity  # the scratch row is never handed out
         self.capacity = capacity
         self.scratch = capacity
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
@@ -38,11 +39,14 @@ class ModelRunner:
         which occupy its last T columns. The verified prefix is always visible.
         """
         T = len(tokens)
-        slots = self.cache.reserve(T)  # [T]
+        start = self.cache.length
+        self.cache.reserve(T, device="cpu")
         prefix, tree_len = self.cache.prefix_len, self.cache.tree_len
         assert tree_mask.shape == (T, tree_len), (tree_mask.shape, T, tree_len)
         self.passes += 1
-        bucket = next((b for b in self.buckets if b >= T), None) if self.use_graphs else None
+        bucket = None
+        if self.use_graphs and tree_len <= 2 * self.buckets[-1] + 2:
+            bucket = next((b for b in self.buckets if b >= T), None)
         if bucket is None:
             width = prefix + tree_len
             mask = torch.zeros(T, width, dtype=torch.bool, device=self.device)
@@ -50,65 +54,77 @@ class ModelRunner:
             mask[:, prefix:] = tree_mask.to(self.device)
             ids = torch.tensor([tokens], device=self.device)
             pos = torch.tensor([positions], device=self.device)
-            return self.model(ids, pos, self.cache, slots[None], mask[None, None])[0]
-        return self._graph_step(bucket, tokens, positions, slots, prefix, tree_len, tree_mask)
+            slots = torch.arange(start, start + T, device=self.device)[None]
+            return self.model(ids, pos, self.cache, slots, mask[None, None])[0]
+        # Attention reads the cache up to a width bucket, not the whole capacity.
+        width = min(self.capacity + 1, max(256, 1 << (prefix + tree_len - 1).bit_length()))
+        return self._graph_step(bucket, width, tokens, positions, start, prefix, tree_len, tree_mask)
 
     # ------------------------------------------------------------------------------------
-    def _graph_step(self, bucket, tokens, positions, slots, prefix, tree_len, tree_mask):
-        if bucket not in self._graphs:
-            self._capture(bucket)
-        graph, buf = self._graphs[bucket]
+    def _graph_step(self, bucket, width, tokens, positions, start, prefix, tree_len, tree_mask):
+        key = (bucket, width)
+        if key not in self._graphs:
+            self._capture(bucket, width)
+        graph, buf = self._graphs[key]
         T = len(tokens)
-        # Host-built inputs travel in one pinned copy each; the mask is built on the device.
-        host = torch.tensor([tokens + [0] * (bucket - T), positions + [0] * (bucket - T)], dtype=torch.long)
-        dev = host.to(self.device, non_blocking=True)
-        buf["ids"][0].copy_(dev[0])
-        buf["pos"][0].copy_(dev[1])
-        buf["slots"][0, :T].copy_(slots)
-        buf["slots"][0, T:].fill_(self.scratch)
-        m = buf["mask"][0, 0]  # [bucket, capacity + 1]
+        # Host-built inputs travel in one pinned copy; the mask is assembled on the device.
+        host = buf["host"]
+        host[0, :T] = torch.tensor(tokens)
+        host[1, :T] = torch.tensor(positions)
+        host[2, :T] = torch.arange(start, start + T)
+        host[2, T:] = self.scratch
+        hmask = buf["host_mask"]
+        hmask[:T, :tree_len] = tree_mask
+        dev = buf["dev"]
+        dev.copy_(host, non_blocking=True)
+        dmask = buf["dev_mask"]
+        dmask[:T, :tree_len].copy_(hmask[:T, :tree_len], non_blocking=True)
+        m = buf["mask"][0, 0]  # [bucket, width]
         m[:T].copy_(buf["cols"] < prefix)
-        m[:T, prefix:prefix + tree_len] = tree_mask.to(self.device, non_blocking=True)
+        m[:T, prefix:prefix + tree_len] = dmask[:T, :tree_len]
+        m[T:].zero_()
+        m[T:, 0] = True  # padded rows (writing the scratch row) see column 0 only: no empty softmax row
         graph.replay()
         return buf["logits"][0, :T]
 
     @torch.no_grad()
-    def _capture(self, bucket: int) -> None:
-        cap = self.capacity + 1
+    def _capture(self, bucket: int, width: int) -> None:
         dev = self.device
+        host = torch.zeros(3, bucket, dtype=torch.long).pin_memory()
+        host[2] = self.scratch
         buf = {
-            "ids": torch.zeros(1, bucket, dtype=torch.long, device=dev),
-            "pos": torch.zeros(1, bucket, dtype=torch.long, device=dev),
-            "slots": torch.full((1, bucket), self.scratch, dtype=torch.long, device=dev),
-            "mask": torch.zeros(1, 1, bucket, cap, dtype=torch.bool, device=dev),
-            "cols": torch.arange(cap, device=dev),
+            "host": host,
+            "dev": torch.zeros(3, bucket, dtype=torch.long, device=dev),
+            "host_mask": torch.zeros(bucket, self.buckets[-1] * 2 + 2, dtype=torch.bool).pin_memory(),
+            "dev_mask": torch.zeros(bucket, self.buckets[-1] * 2 + 2, dtype=torch.bool, device=dev),
+            "mask": torch.zeros(1, 1, bucket, width, dtype=torch.bool, device=dev),
+            "cols": torch.arange(width, device=dev),
         }
-        # Padded rows see only the scratch row, so no row of the softmax is empty.
-        buf["mask"][0, 0, :, self.scratch] = True
+        buf["dev"][2] = self.scratch
+        buf["mask"][0, 0, :, 0] = True
+        ids, pos, slots = buf["dev"][0:1], buf["dev"][1:2], buf["dev"][2:3]
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            for _ in range(2):  # warm-up outside capture (cuBLAS handles, autotuning)
-                self.model(buf["ids"], buf["pos"], self.cache, buf["slots"], buf["mask"])
+            for _ in range(2):  # warm-up outside capture (cuBLAS handles, Triton compilation)
+                self.model(ids, pos, self.cache, slots, buf["mask"])
         torch.cuda.current_stream().wait_stream(s)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            buf["logits"] = self.model(buf["ids"], buf["pos"], self.cache, buf["slots"], buf["mask"])
-        # Reset the padded-row pattern the warm-up may have seen, then keep it for replays.
-        buf["mask"][0, 0].zero_()
-        buf["mask"][0, 0, :, self.scratch] = True
-        self._graphs[bucket] = (graph, buf)
+            buf["logits"] = self.model(ids, pos, self.cache, slots, buf["mask"])
+        self._graphs[(bucket, width)] = (graph, buf)
 
-    def warmup(self, sizes=(1,)) -> None:
+    def warmup(self, sizes=(1,), widths: tuple[int, ...] = ()) -> None:
         """Capture the graphs for these row counts ahead of time (no effect on CPU)."""
         if not self.use_graphs:
             return
         for T in sizes:
             b = next((b for b in self.buckets if b >= T), None)
-            if b is not None and b not in self._graphs:
-                self._capture(b)
+            for w in widths or (self.capacity + 1,):
+                if b is not None and (b, w) not in self._graphs:
+                    self._capture(b, w)
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
