@@ -210,3 +210,11 @@ def test_jsonl_workload_and_errors(tmp_path):
         workloads.load_workload(str(bad), 1)
     with pytest.raises(ConfigError, match="--data-dir"):
         workloads.load_workload("gsm8k", 1, data_dir=tmp_path)
+
+
+def test_source_workload_takes_heldout_heads():
+    pytest.importorskip("tandem.train.corpus")
+    ps = workloads.load_workload("source", 2, source_lines=5)
+    assert 1 <= len(ps) <= 2
+    for p in ps:
+        assert p.id.startswith(("stdlib/", "site/")) and p.text.count("\n") <= 5

@@ -74,3 +74,20 @@ def test_load_tau_json_formats(tmp_path):
     f.write_text(json.dumps({"tau_by_nodes": {}}))
     with pytest.raises(Exception, match="no tau table"):
         profile.load_tau_json(str(f))
+
+
+def test_measure_tau_on_a_pair(tmp_path):
+    from conftest import save_tiny_checkpoint
+
+    pair = save_tiny_checkpoint(tmp_path / "pair", "llama_untied")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
+    rc = cli.main(["profile", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "16",
+                   "--rows", "1", "--widths", "1", "--width", "2", "--iters", "1", "--no-plots", "--measure-tau",
+                   "--target", str(pair), "--draft", str(pair), "--workload", str(prompts), "--tau-nodes", "2,4",
+                   "--tau-prompts", "1", "--tau-max-new-tokens", "8", "--out", str(tmp_path / "p")])
+    assert rc == 0
+    rep = json.loads((tmp_path / "p" / "profile.json").read_text())
+    assert rep["tau_source"] == "measured" and set(rep["tau"]) == {"2", "4"}
+    assert all(t >= 1.0 for t in rep["tau"].values())  # draft == target: most drafts are accepted
+    assert [p["nodes"] for p in rep["prediction"]] == [2, 4]

@@ -26,6 +26,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -219,7 +220,7 @@ class HFRunner:
             torch.manual_seed(self.sampling.seed)
         _sync(self.device)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), _quiet_transformers():
             out = self.model.generate(x, streamer=timer, **kwargs)
         _sync(self.device)
         seconds = time.perf_counter() - t0
@@ -229,6 +230,19 @@ class HFRunner:
         finish = "eos" if new and new[-1] in eos else "length"
         ttft = (timer.first - t0) if timer.first is not None else seconds
         return Request(self.ms.name, prompt_index, new, seconds, ttft, finish)
+
+
+@contextmanager
+def _quiet_transformers():
+    """Silence transformers' per-call deprecation chatter (assisted generation emits some)."""
+    from transformers.utils import logging as tf_logging
+
+    level = tf_logging.get_verbosity()
+    tf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        tf_logging.set_verbosity(level)
 
 
 def load_hf_model(path: Path, device, dtype: str):

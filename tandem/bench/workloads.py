@@ -138,14 +138,24 @@ def _source(num_prompts: int, lines: int) -> list[Prompt]:
         raise ConfigError(f"--source-lines must be >= 1 (got {lines})")
     out: list[Prompt] = []
     # Some files are too short or blank at the top; ask for a few more than needed.
-    for path in heldout_files(limit=2 * num_prompts + 8):
+    limit = 2 * num_prompts + 8
+    files = heldout_files(limit=limit)
+    try:  # machine-independent ids ("stdlib/json/decoder.py") where the corpus offers them
+        from tandem.train.corpus import heldout_keys
+
+        keys = heldout_keys(limit=limit)
+    except ImportError:
+        keys = []
+    if len(keys) != len(files):
+        keys = [str(f) for f in files]
+    for key, path in zip(keys, files):
         try:
             text = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
         head = "".join(text.splitlines(keepends=True)[:lines])
         if len(head.strip()) >= 40:
-            out.append(Prompt(str(path), head))
+            out.append(Prompt(key, head))
         if len(out) >= num_prompts:
             break
     if not out:
