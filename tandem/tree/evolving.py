@@ -85,7 +85,7 @@ class EvolvingTree:
     def root_fed(self) -> bool:
         return not self.pending
 
-    def feed_pending(self) -> None:
+    def feed_pending(self, add_children: bool = True) -> None:
         """Feed the pending verified tokens into the prefix (causal); the root gets its children."""
         if not self.pending:
             return
@@ -94,7 +94,8 @@ class EvolvingTree:
         logits = self.runner.prefill(self.pending)  # [vocab] after the root
         self.prefix_tokens += self.pending
         self.pending = []
-        self._add_children([0], logits[None])
+        if add_children:
+            self._add_children([0], logits[None])
 
     def expand(self) -> int:
         """One expansion round: feed the `width` most probable candidates. Returns nodes fed."""

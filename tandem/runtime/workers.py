@@ -1,0 +1,327 @@
+"""Method `async` over two processes (transports "gloo" and "nccl").
+
+Rank 0 is the calling process: it keeps the target model (already loaded, CUDA graphs and
+`on_tokens` streaming stay where the caller is) and runs the target loop. Rank 1 is spawned
+(torch.multiprocessing, "spawn" context) with the draft model and runs the same `draft_loop`
+as the in-process transports, with a `ProcessLink` whose `ready()` is a non-blocking
+`irecv(...).is_completed()`: the draft keeps expanding while the target verifies.
+
+Messages are small fixed-size int64 tensors (CPU for gloo, the rank's GPU for nccl):
+
+    hello  target -> draft   [t_target_ns]
+    tree   draft  -> target  [n, tokens[0:n], parents[0:n], 0...]        n = -1: the draft failed
+    reply  target -> draft   [status, m, tokens[0:m], 0...]              status 0 go on, 1 done, -1 abort
+
+Shutdown: the draft ignores SIGINT (the caller owns the interrupt) and polls its parent's
+liveness while it waits; on any error in the target loop (an exception, KeyboardInterrupt,
+the draft's abort message or its death) rank 0 terminates the draft process, joins it and
+destroys the process group before re-raising, so no process outlives the call.
+
+NOTE: rank 0 calls `init_process_group` on the default group, so the caller must not have
+one already. A tensor-parallel target would add ranks 2.. to the world and a `new_group` of
+the target ranks (see TargetWorker's docstring for what is missing).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tandem.config import ConfigError, SpecConfig
+from tandem.runtime.async_decode import (
+    AsyncGenerationResult, DepthController, DraftWorker, Emitter, TargetWorker, _result, draft_loop,
+)
+from tandem.runtime.runner import ModelRunner
+from tandem.tree.draft_tree import DraftTree
+
+TARGET, DRAFT = 0, 1
+GO, DONE, ABORT = 0, 1, -1
+
+
+class DraftWorkerError(RuntimeError):
+    """The draft process failed; the message carries its traceback."""
+
+
+class _Aborted(Exception):
+    """The other side asked us to stop."""
+
+
+class Channel:
+    """Fixed-size message buffers and polled, non-blocking send/recv to the peer rank."""
+
+    def __init__(self, rank: int, max_nodes: int, device: torch.device, peer_alive, timeout_s: float):
+        self.peer = 1 - rank
+        self.n = max_nodes  # nodes per tree, root included
+        self.device = device
+        self.peer_alive = peer_alive
+        self.timeout_s = timeout_s
+
+    def _buf(self, size: int) -> torch.Tensor:
+        return torch.zeros(size, dtype=torch.long, device=self.device)
+
+    # ---- primitives ---------------------------------------------------------------------
+    def wait(self, work: "_Pending", what: str) -> None:
+        """Wait for `work`, checking the peer is alive (never blocks forever)."""
+        deadline = time.monotonic() + self.timeout_s
+        spins = 0
+        while not work.is_completed(0.02 if spins > 1000 else 0.0):
+            spins += 1
+            if spins > 1000 and spins % 8 == 0:
+                if not self.peer_alive():
+                    raise _PeerGone(f"peer process ended while waiting for {what}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no {what} from the peer within {self.timeout_s:.0f} s")
+        work.finish()
+
+    def send(self, t: torch.Tensor, what: str) -> None:
+        self.wait(_Pending(dist.isend(t, dst=self.peer), self.device.type != "cuda"), what)
+
+    def post(self, size: int):
+        buf = self._buf(size)
+        return buf, _Pending(dist.irecv(buf, src=self.peer), self.device.type != "cuda")
+
+    # ---- messages -------------------------------------------------------------------------
+    def send_tree(self, tree: DraftTree | None) -> None:
+        msg = self._buf(1 + 2 * self.n)
+        if tree is None:
+            msg[0] = -1
+        else:
+            n = len(tree)
+            msg[0] = n
+            msg[1:1 + n] = torch.tensor(tree.tokens)
+            msg[1 + self.n:1 + self.n + n] = torch.tensor(tree.parents)
+        self.send(msg, "tree")
+
+    def recv_tree(self) -> DraftTree:
+        buf, work = self.post(1 + 2 * self.n)
+        self.wait(work, "a draft tree")
+        msg = buf.tolist()
+        n = msg[0]
+        if n < 0:
+            raise _Aborted("the draft worker failed")
+        return DraftTree(tokens=msg[1:1 + n], parents=msg[1 + self.n:1 + self.n + n], logp=[0.0] * n)
+
+    def send_reply(self, status: int, tokens: list[int]) -> None:
+        msg = self._buf(2 + self.n)
+        msg[0], msg[1] = status, len(tokens)
+        if tokens:
+            msg[2:2 + len(tokens)] = torch.tensor(tokens)
+        self.send(msg, "reply")
+
+    def post_reply(self):
+        return self.post(2 + self.n)
+
+
+class _PeerGone(RuntimeError):
+    pass
+
+
+class _Pending:
+    """A posted isend/irecv whose completion can be polled without blocking.
+
+    NOTE: gloo's send/recv work only completes inside `wait()` (`is_completed()` stays False
+    until then), so for gloo a daemon thread blocks in `wait()` (it releases the GIL) and sets
+    an event. NCCL work is polled with `is_completed()` (a CUDA event query).
+    """
+
+    def __init__(self, work, threaded: bool):
+        self.work = work
+        self.error: BaseException | None = None
+        self.done = threading.Event() if threaded else None
+        if threaded:
+            threading.Thread(target=self._run, daemon=True, name="tandem-p2p-wait").start()
+
+    def _run(self) -> None:
+        try:
+            self.work.wait()
+        except BaseException as e:  # reported by finish() in the calling thread
+            self.error = e
+        self.done.set()
+
+    def is_completed(self, timeout: float = 0.0) -> bool:
+        if self.done is None:
+            return self.work.is_completed()
+        return self.done.wait(timeout) if timeout > 0 else self.done.is_set()
+
+    def finish(self) -> None:
+        if self.done is None:
+            self.work.wait()
+        elif self.error is not None:
+            raise self.error
+
+
+class ProcessLink:
+    """The draft's view of the target across processes (same interface as LocalLink)."""
+
+    def __init__(self, chan: Channel):
+        self.chan = chan
+        self._buf = self._work = None
+
+    def submit(self, tree: DraftTree) -> None:
+        self._buf, self._work = self.chan.post_reply()  # posted first: the answer can land any time
+        self.chan.send_tree(tree)
+
+    def ready(self) -> bool:
+        return self._work.is_completed()
+
+    def result(self) -> list[int] | None:
+        self.chan.wait(self._work, "the target's answer")
+        msg = self._buf.tolist()
+        if msg[0] == ABORT:
+            raise _Aborted("the target stopped")
+        if msg[0] == DONE:
+            return None
+        return msg[2:2 + msg[1]]
+
+
+# ---- rank 1: the draft process -------------------------------------------------------------
+def draft_process_main(init_file: str, backend: str, model, device: str, prompt: list[int], spec: SpecConfig,
+                       rows: tuple[int, int], use_graphs, verbose: bool, timeout_s: float, threads: int,
+                       out: "mp.Queue") -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller (rank 0) owns Ctrl-C and stops us
+    torch.set_num_threads(threads)
+    parent = mp.parent_process()
+    alive = (lambda: parent.is_alive()) if parent is not None else (lambda: True)
+    chan = None
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=DRAFT, world_size=2,
+                                timeout=timedelta(seconds=timeout_s))
+        chan = Channel(DRAFT, spec.nodes + 1, dev if backend == "nccl" else torch.device("cpu"), alive, timeout_s)
+        with torch.inference_mode():
+            model = model.to(dev)
+            draft = DraftWorker(ModelRunner(model, rows[0], use_graphs=use_graphs), spec, rows[1])
+            t_draft = draft.profile()
+            buf, work = chan.post(1)
+            chan.wait(work, "the target's hello")
+            t_target = buf.item() * 1e-9
+            draft.ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose)
+            draft.start(prompt)
+            draft_loop(draft, ProcessLink(chan))
+        out.put(("ok", {**draft.stats(), "t_draft_s": t_draft}))
+    except _Aborted:
+        out.put(("aborted", None))
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+        if chan is not None:
+            try:  # tell the target, which is (or will be) waiting for a tree
+                chan.timeout_s = min(timeout_s, 10.0)
+                chan.send_tree(None)
+            except BaseException:
+                pass
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---- rank 0: the target loop in the calling process ---------------------------------------------
+def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen, eos, max_new, transport,
+                     on_tokens, tokenizer, generator, rows, *, verbose, use_graphs, draft_device,
+                     timeout_s) -> AsyncGenerationResult:
+    t_rows, d_rows, tree_rows = rows
+    if dist.is_available() is False:
+        raise ConfigError("torch.distributed is not available in this PyTorch build; use --transport inline")
+    if dist.is_initialized():
+        raise ConfigError(f"transport {transport!r} needs its own process group, but one is already initialized")
+    t_dev = target_model.device
+    if transport == "nccl":
+        if t_dev.type != "cuda" or torch.cuda.device_count() < 2:
+            raise ConfigError("transport 'nccl' needs the target on CUDA and a second GPU for the draft; "
+                              "use 'streams' on one GPU")
+        draft_device = draft_device or f"cuda:{(t_dev.index or 0) + 1}"
+    draft_device = draft_device or str(draft_model.device)
+    tmp = tempfile.mkdtemp(prefix="tandem-async-")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(
+        target=draft_process_main, daemon=True, name="tandem-draft",
+        args=(os.path.join(tmp, "rendezvous"), transport, draft_model, draft_device, list(prompt_ids), spec,
+              (d_rows, tree_rows), use_graphs, verbose, timeout_s, torch.get_num_threads(), out))
+    t_start = time.perf_counter()
+    proc.start()
+    ok = False
+    try:
+        if t_dev.type == "cuda":
+            torch.cuda.set_device(t_dev)
+        dist.init_process_group(transport, init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=TARGET,
+                                world_size=2, timeout=timedelta(seconds=timeout_s))
+        chan = Channel(TARGET, spec.nodes + 1, t_dev if transport == "nccl" else torch.device("cpu"),
+                       proc.is_alive, timeout_s)
+        target = TargetWorker(ModelRunner(target_model, t_rows, use_graphs=use_graphs), sampling, generator)
+        t_target = target.profile(spec.nodes)
+        hello = torch.tensor([int(t_target * 1e9)], dtype=torch.long, device=chan.device)
+        chan.send(hello, "hello")
+        startup = time.perf_counter() - t_start
+        t0 = time.perf_counter()
+        if len(prompt_ids) > 1:
+            target.runner.prefill(prompt_ids[:-1])
+        emitter = Emitter(max_new, eos, gen, tokenizer, on_tokens, t0)
+        wait_s = 0.0
+        while True:
+            tw = time.perf_counter()
+            try:
+                tree = chan.recv_tree()
+            except (_Aborted, _PeerGone) as e:
+                raise DraftWorkerError(_draft_error(out, proc, str(e))) from None
+            wait_s += time.perf_counter() - tw
+            result = target.verify(tree)
+            done = emitter.emit(tree, result)
+            chan.send_reply(DONE if done else GO, result.tokens)
+            if done:
+                break
+        seconds = time.perf_counter() - t0
+        status, payload = _get(out, proc, timeout_s)
+        if status != "ok":
+            raise DraftWorkerError(payload or f"draft worker ended with {status!r}")
+        ok = True
+        stats = {"transport": transport, "t_target_s": t_target, "startup_s": startup, "target_wait_s": wait_s,
+                 **payload}
+        return _result(emitter, len(prompt_ids), seconds, stats)
+    finally:
+        _stop(proc, graceful=ok)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _get(out, proc, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return out.get(timeout=0.2)
+        except queue.Empty:
+            if not proc.is_alive():
+                try:
+                    return out.get(timeout=0.5)
+                except queue.Empty:
+                    return "error", f"draft worker exited with code {proc.exitcode} and no report"
+            if time.monotonic() > deadline:
+                return "error", "draft worker did not report"
+
+
+def _draft_error(out, proc, why: str) -> str:
+    status, payload = _get(out, proc, 10.0)
+    return f"draft worker failed ({why}):\n{payload}" if payload else f"draft worker failed ({why})"
+
+
+def _stop(proc, graceful: bool) -> None:
+    """Join the draft process; terminate (then kill) it if it does not end by itself."""
+    proc.join(timeout=10.0 if graceful else 0.2)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout=5.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=5.0)
