@@ -194,18 +194,20 @@ class HFRunner:
     """transformers `generate` on the same device/dtype (greedy unless --temperature > 0)."""
 
     def __init__(self, ms: MethodSpec, target_dir: Path, draft_dir: Path | None, device, dtype: str,
-                 sampling: SamplingConfig, gen: GenerationConfig, context_window: int):
+                 sampling: SamplingConfig, gen: GenerationConfig, context_window: int,
+                 loaded: dict[str, object] | None = None):
         import torch
 
         self.torch = torch
         self.ms, self.device, self.sampling, self.gen = ms, device, sampling, gen
         self.context_window = context_window
-        self.model = load_hf_model(target_dir, device, dtype)
+        loaded = {} if loaded is None else loaded  # path -> model, shared by hf and hf-assisted
+        self.model = _cached(loaded, target_dir, device, dtype)
         self.assistant = None
         if ms.method == "hf-assisted":
             if draft_dir is None:
                 raise ConfigError("hf-assisted needs a draft model; pass --draft DIR")
-            self.assistant = load_hf_model(draft_dir, device, dtype)
+            self.assistant = _cached(loaded, draft_dir, device, dtype)
 
     def __call__(self, prompt_index: int, ids: list[int]) -> Request:
         torch = self.torch
@@ -245,6 +247,13 @@ def _quiet_transformers():
         tf_logging.set_verbosity(level)
 
 
+def _cached(loaded: dict, path: Path, device, dtype: str):
+    key = str(Path(path).resolve())
+    if key not in loaded:
+        loaded[key] = load_hf_model(path, device, dtype)
+    return loaded[key]
+
+
 def load_hf_model(path: Path, device, dtype: str):
     try:
         from transformers import AutoModelForCausalLM
@@ -260,23 +269,23 @@ def load_hf_model(path: Path, device, dtype: str):
 
 
 def _hf_generation_config(model, gen: GenerationConfig, sampling: SamplingConfig, max_new: int):
-    import copy
+    """A fresh config (nothing inherited from the checkpoint's generation_config.json)."""
+    from transformers import GenerationConfig as HFGenerationConfig
 
-    gc = copy.deepcopy(model.generation_config)
     eos = list(model.config.eos_token_id) if isinstance(model.config.eos_token_id, list) else (
         [model.config.eos_token_id] if model.config.eos_token_id is not None else [])
-    gc.max_new_tokens = max_new
-    gc.min_new_tokens = None
-    # NOTE: to ignore EOS we drop it as a stop token rather than suppress it (min_new_tokens
-    # would forbid emitting it), so the output matches Tandem's --ignore-eos token for token.
-    gc.eos_token_id = None if gen.ignore_eos else (eos or None)
-    gc.pad_token_id = eos[0] if eos else 0
-    gc.do_sample = sampling.temperature > 0
-    if gc.do_sample:
-        gc.temperature, gc.top_p = sampling.temperature, sampling.top_p
-    else:
-        gc.temperature, gc.top_p, gc.top_k = None, None, None
-    return gc
+    sample = sampling.temperature > 0
+    return HFGenerationConfig(
+        max_new_tokens=max_new,
+        # NOTE: to ignore EOS we drop it as a stop token rather than suppress it (min_new_tokens
+        # would forbid emitting it), so the output matches Tandem's --ignore-eos token for token.
+        eos_token_id=None if gen.ignore_eos else (eos or None),
+        pad_token_id=eos[0] if eos else 0,
+        do_sample=sample,
+        temperature=sampling.temperature if sample else None,
+        top_p=sampling.top_p if sample else None,
+        top_k=None,
+    )
 
 
 def _sync(device) -> None:
@@ -486,7 +495,7 @@ def run_bench(prompts: list[Prompt], specs: list[MethodSpec], sampling: Sampling
     from tandem.runtime.generate import Generator
     from tandem.runtime.pair import load_pair
 
-    need_draft = any(s.method in ("chain", "tree", "hf-assisted") for s in specs)
+    need_draft = any(s.method not in ("ar", "hf") for s in specs)
     pair = load_pair(target, draft, device, dtype, need_draft=need_draft)
     dev = pair.target.device
     engine = Generator(pair.target, pair.draft, pair.tokenizer)
@@ -499,9 +508,10 @@ def run_bench(prompts: list[Prompt], specs: list[MethodSpec], sampling: Sampling
             raise ConfigError(f"prompt {i} is {len(ids)} tokens but the context window is {ctx}; "
                               f"pass --max-prompt-tokens {max(1, ctx - gen.max_new_tokens - 1)}")
     runners: dict[str, Runner] = {}
+    hf_models: dict[str, object] = {}
     for ms in specs:
         if ms.is_peer:
-            runners[ms.name] = HFRunner(ms, pair.target_dir, pair.draft_dir, dev, dtype, sampling, gen, ctx)
+            runners[ms.name] = HFRunner(ms, pair.target_dir, pair.draft_dir, dev, dtype, sampling, gen, ctx, hf_models)
         else:
             runners[ms.name] = TandemRunner(engine, ms, sampling, gen)
 
