@@ -91,3 +91,34 @@ def test_measure_tau_on_a_pair(tmp_path):
     assert rep["tau_source"] == "measured" and set(rep["tau"]) == {"2", "4"}
     assert all(t >= 1.0 for t in rep["tau"].values())  # draft == target: most drafts are accepted
     assert [p["nodes"] for p in rep["prediction"]] == [2, 4]
+
+
+def test_replay_retimes_recorded_acceptance(tmp_path):
+    trace = tmp_path / "results.json"
+    trace.write_text(json.dumps({
+        "config": {"method_specs": {"ar": {"method": "ar", "k": 3, "nodes": 4, "width": 2, "depth": None},
+                                    "chain": {"method": "chain", "k": 3, "nodes": 4, "width": 2, "depth": None},
+                                    "tree@4": {"method": "tree", "k": 3, "nodes": 4, "width": 2, "depth": None}}},
+        "speedup": {"vs_ar": {"chain": {"geomean": 1.5}, "tree@4": {"geomean": 1.7}}},
+        "requests": [{"method": "ar", "new_tokens": 8, "target_passes": 8},
+                     {"method": "chain", "new_tokens": 8, "target_passes": 3},
+                     {"method": "tree@4", "new_tokens": 8, "target_passes": 2}],
+    }))
+    rc = cli.main(["profile", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "16",
+                   "--rows", "1", "--widths", "1", "--iters", "1", "--no-plots", "--replay", str(trace),
+                   "--out", str(tmp_path / "p")])
+    assert rc == 0
+    rep = json.loads((tmp_path / "p" / "profile.json").read_text())
+    # chain verifies k + 1 = 4 rows, tree@4 verifies 5; both were measured for the replay
+    assert {"4", "5"} <= set(rep["t_target_ms"]) and "2" in rep["t_draft_ms"]
+    m = rep["replay"]["methods"]
+    assert set(m) == {"ar", "chain", "tree@4"}
+    assert m["ar"]["predicted_speedup_vs_ar"] == pytest.approx(1.0)
+    assert (m["chain"]["rows"], m["chain"]["draft_steps_per_pass"], m["chain"]["tau"]) == (4, 3, 8 / 3)
+    assert (m["tree@4"]["rows"], m["tree@4"]["draft_steps_per_pass"]) == (5, 3)  # depth ceil(4/2) = 2, +1
+    t = rep["t_target_ms"]
+    d = rep["t_draft_ms"]
+    pass_ms = t["5"] + d["1"] + 2 * d["2"]
+    assert m["tree@4"]["pass_ms"] == pytest.approx(pass_ms)
+    assert m["tree@4"]["predicted_speedup_vs_ar"] == pytest.approx(8 * t["1"] / (2 * pass_ms))
+    assert m["tree@4"]["measured_speedup_vs_ar"] == 1.7

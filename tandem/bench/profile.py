@@ -21,7 +21,16 @@ of a large device-to-device copy (read + write bytes counted).
 profile.json keys: environment, config, target {preset, num_params, weight_bytes},
 draft {...}, bandwidth_gb_s, ar_step_ms, ar_floor_ms, ar_vs_floor, t_target_ms {N: ms},
 c {N: c(N)}, t_draft_ms {w: ms}, tau {n: tau} | null, tau_source, prediction [{nodes, rows,
-depth, tau, c, draft_term, predicted_speedup}], best_nodes, best_predicted_speedup, files.
+depth, tau, c, draft_term, predicted_speedup}], best_nodes, best_predicted_speedup, files,
+and with --replay: replay {source, methods: {name: {...}}}.
+
+Acceptance replay (`--replay results.json` from `tandem bench`): every recorded target pass
+of every Tandem request is re-timed with this profile's step costs: a pass of a method that
+verifies R rows (1 for ar, k + 1 for chain, N + 1 for tree) costs T_target(R) plus its draft
+steps, T_draft(1) for the first (it feeds the one or two pending tokens) and T_draft(w) for
+each expansion round (k - 1 rounds of width 1 for chain, d rounds of width w for tree). The
+predicted speedup over ar, tokens * T_AR / replayed time, is the geometric mean over prompts
+of the recorded acceptance on these shapes and this device, beside the measured one.
 """
 from __future__ import annotations
 
@@ -72,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tau-max-new-tokens", type=int, default=64, help="new tokens per prompt for --measure-tau")
     p.add_argument("--workload", default="source", help="workload for --measure-tau (as tandem bench)")
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--replay", default=None,
+                   help="re-time a bench results.json's recorded acceptance with these step costs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="profile-out", help="folder for profile.json and cost_model.png")
     p.add_argument("--no-plots", action="store_true")
@@ -200,6 +211,53 @@ def measure_tau(args, budgets: list[int]) -> dict[int, float]:
 
 
 # ---------------------------------------------------------------------------------------------
+def load_replay(path: str) -> dict:
+    """A bench results.json's Tandem requests and, per method, (rows, first-step rows, width, rounds)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read --replay {path!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--replay {path!r} is not valid JSON ({e.msg})") from None
+    specs = (data.get("config") or {}).get("method_specs") if isinstance(data, dict) else None
+    if not specs or not data.get("requests"):
+        raise ConfigError(f"--replay {path!r} is not a tandem bench results.json (no config.method_specs/requests)")
+    shapes = {}
+    for name, sp in specs.items():
+        kind = sp.get("method", name)
+        if kind == "ar":
+            shapes[name] = (1, 0, 1, 0)
+        elif kind == "chain":
+            shapes[name] = (sp["k"] + 1, 1, 1, sp["k"] - 1)
+        elif kind == "tree":
+            depth = SpecConfig(nodes=sp["nodes"], width=sp["width"], depth=sp.get("depth")).resolved_depth()
+            shapes[name] = (sp["nodes"] + 1, 1, sp["width"], depth)
+    reqs = [r for r in data["requests"] if r["method"] in shapes and r.get("target_passes")]
+    measured = {m: v.get("geomean") for m, v in (data.get("speedup") or {}).get("vs_ar", {}).items()}
+    return {"source": str(path), "shapes": shapes, "requests": reqs, "measured": measured}
+
+
+def replay(trace: dict, t_target: dict[int, float], t_draft: dict[int, float]) -> dict:
+    import math
+
+    t_ar = t_target[1]
+    out = {}
+    for name, (rows, first, width, rounds) in trace["shapes"].items():
+        reqs = [r for r in trace["requests"] if r["method"] == name]
+        if not reqs:
+            continue
+        per_pass = t_target[rows] + first * t_draft[1] + rounds * t_draft[width]
+        passes = sum(r["target_passes"] for r in reqs)
+        tokens = sum(r["new_tokens"] for r in reqs)
+        logs = [math.log(r["new_tokens"] * t_ar / (r["target_passes"] * per_pass)) for r in reqs if r["new_tokens"]]
+        out[name] = {"requests": len(reqs), "passes": passes, "tokens": tokens, "tau": tokens / passes,
+                     "rows": rows, "draft_steps_per_pass": first + rounds, "pass_ms": 1e3 * per_pass,
+                     "predicted_tokens_per_s": tokens / (passes * per_pass),
+                     "predicted_speedup_vs_ar": math.exp(sum(logs) / len(logs)) if logs else None,
+                     "measured_speedup_vs_ar": 1.0 if name == "ar" else trace["measured"].get(name)}
+    return {"source": trace["source"], "methods": out}
+
+
 def predict(tau: dict[int, float], t_target: dict[int, float], t_draft: dict[int, float], width: int) -> list[dict]:
     t_ar = t_target[1]
     rows = []
@@ -241,7 +299,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.measure_tau:
         tau = measure_tau(args, _int_list(args.tau_nodes, "--tau-nodes"))
         tau_source = "measured"
-    measured_rows = sorted(set(rows) | {1} | ({n + 1 for n in tau} if tau else set()))
+    replay_trace = load_replay(args.replay) if args.replay else None
+    if replay_trace:
+        widths = sorted(set(widths) | {w for _, _, w, _ in replay_trace["shapes"].values()})
+    measured_rows = sorted(set(rows) | {1} | ({n + 1 for n in tau} if tau else set())
+                           | ({r for r, _, _, _ in replay_trace["shapes"].values()} if replay_trace else set()))
     for cfg, name, need in ((tcfg, args.preset, measured_rows[-1]), (dcfg, draft_name, max(widths))):
         if args.context + need + 1 > cfg.max_position_embeddings:
             raise ConfigError(f"--context {args.context} + {need} rows exceeds {name}'s {cfg.max_position_embeddings} positions")
@@ -291,6 +353,8 @@ def run(args: argparse.Namespace) -> int:
         "best_nodes": best["nodes"] if best else None,
         "best_predicted_speedup": best["predicted_speedup"] if best else None,
     }
+    if replay_trace:
+        report["replay"] = replay(replay_trace, t_target, t_draft)
     out = Path(args.out)
     files = ["profile.json"]
     if not args.no_plots:
@@ -319,6 +383,13 @@ def format_table(r: dict) -> str:
         lines.append(f"{n:>5} {ms:12.3f} {r['c'][n]:7.2f}")
     lines += ["", f"{'w':>5} {'T_draft ms':>12}"]
     lines += [f"{w:>5} {ms:12.3f}" for w, ms in r["t_draft_ms"].items()]
+    if r.get("replay"):
+        lines += ["", f"replay of {r['replay']['source']}:",
+                  f"{'method':>10} {'rows':>5} {'tau':>6} {'pred tok/s':>11} {'pred x':>7} {'measured x':>10}"]
+        for name, m in r["replay"]["methods"].items():
+            meas = "-" if m["measured_speedup_vs_ar"] is None else f"{m['measured_speedup_vs_ar']:.2f}"
+            lines.append(f"{name:>10} {m['rows']:>5} {m['tau']:6.2f} {m['predicted_tokens_per_s']:11.1f} "
+                         f"{m['predicted_speedup_vs_ar']:7.2f} {meas:>10}")
     if r["prediction"]:
         lines += ["", f"{'nodes':>5} {'d':>3} {'tau':>6} {'c':>6} {'draft':>6} {'speedup':>8}"]
         for p in r["prediction"]:
