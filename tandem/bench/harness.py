@@ -515,8 +515,9 @@ def run_bench(prompts: list[Prompt], specs: list[MethodSpec], sampling: Sampling
         else:
             runners[ms.name] = TandemRunner(engine, ms, sampling, gen)
 
-    # Warm-up on the longest prompts: sizes the shared KV caches once; on CUDA a second round
-    # captures every row bucket's graph on the final runners, so no capture lands in a measurement.
+    # Warm-up on the longest prompts: the first round sizes the shared KV caches for good (a
+    # runner is rebuilt only when a request needs more rows), then every graph is captured on
+    # those final runners, so no capture lands in a measurement; CUDA gets a second warm round.
     longest = sorted(range(len(ids_list)), key=lambda i: -len(ids_list[i]))[:warmup]
     with torch.inference_mode():
         for rnd in range(2 if dev.type == "cuda" and warmup else 1 if warmup else 0):
