@@ -303,6 +303,12 @@ def _run(a: argparse.Namespace) -> int:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str) + "\n")
     if errors:
         return 1
+    try:
+        from tandem.train.card import write_model_card
+
+        write_model_card(out / "metrics.json", out / "MODEL_CARD.md")
+    except Exception as e:  # noqa: BLE001 - the card is a convenience
+        _log(f"warning: MODEL_CARD.md not written ({type(e).__name__}: {e})")
     q = quality
     _log(f"target: {q['target_bits_per_byte']:.4f} bits/byte ({q['target_loss_nats_per_token']:.3f} nats/token), "
          f"top-1 acc {q['target_top1_accuracy']:.3f}; draft: {q['draft_bits_per_byte']:.4f} bits/byte, "
