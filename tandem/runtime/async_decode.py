@@ -28,9 +28,9 @@ Self-tuning (SwiftSpec s3.1.3): t_target(N + 1 rows) and t_draft(w rows) are pro
 runners; d = max(1, floor(t_target / t_draft)); the first passes run with d, the next with d+1,
 and the faster (tokens per second) is kept. spec.depth overrides all of this.
 
-Collapse guard (summary s8): when the last verified token of a pass is rarely a node of the
-draft tree (a sliding window of "hits"), expanding while the target verifies only competes
-with it; d drops to 0, which is the serial tree loop (grow to N nodes after each answer),
+Collapse guard (summary s8): when few verified tokens are found in the draft tree (a sliding
+window over passes of tokens-in-tree / tokens-verified), the tree grown while the target
+verifies is wasted and, on one GPU, competes with the target; d drops to 0, which is the serial tree loop (grow to N nodes after each answer),
 and comes back when hits recover.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ class DepthController:
     candidates: tuple[int, ...] = ()
     trial_passes: int = 6
     window: int = 8  # passes in the collapse detector's window
-    low: float = 0.25  # collapse when the hit rate over the window falls below this
+    low: float = 0.25  # collapse when the in-tree rate over the window falls below this
     high: float = 0.5  # ... and recover when it comes back to this
     verbose: bool = False
     collapsed: bool = False
@@ -93,8 +93,10 @@ class DepthController:
         ctl._say(f"t_target={t_target * 1e3:.3f} ms, t_draft={t_draft * 1e3:.3f} ms -> trying d={d} and d={d + 1}")
         return ctl
 
-    def observe(self, tokens: int, seconds: float, hit: bool) -> None:
-        """One target pass answered: `tokens` committed, `seconds` since the previous answer."""
+    def observe(self, tokens: int, seconds: float, in_tree: int) -> None:
+        """One target pass answered: `tokens` verified, `in_tree` of them found along the draft
+        tree (accepted tokens, and the bonus when the draft had grown it), `seconds` since the
+        previous answer."""
         if self.candidates and not self.fixed and not self.collapsed and not self._chosen:
             rec = self._trial.setdefault(self.depth, [0.0, 0.0, 0])  # tokens, seconds, passes
             rec[0] += tokens
@@ -110,19 +112,19 @@ class DepthController:
                     self._chosen = True
                     self._say("trial " + ", ".join(f"d={d}: {rate[d]:.1f} tok/s" for d in self.candidates)
                               + f" -> d={self.depth}")
-        self._hits.append(bool(hit))
+        self._hits.append((in_tree, tokens))
         if len(self._hits) > self.window:
             self._hits.popleft()
         if len(self._hits) == self.window:
-            rate = sum(self._hits) / self.window
+            rate = sum(h for h, _ in self._hits) / max(1, sum(t for _, t in self._hits))
             if not self.collapsed and rate < self.low:
                 self.collapsed, self._saved, self.depth = True, self.depth, 0
-                self._say(f"collapse: the verified token was in the draft tree in {rate:.0%} of the last "
-                          f"{self.window} passes; falling back to the serial tree loop (d=0)")
+                self._say(f"collapse: only {rate:.0%} of the tokens verified in the last {self.window} passes "
+                          f"were in the draft tree; falling back to the serial tree loop (d=0)")
                 self._hits.clear()
             elif self.collapsed and rate >= self.high:
                 self.collapsed, self.depth = False, max(1, self._saved)
-                self._say(f"recovered: hit rate {rate:.0%}; d={self.depth}")
+                self._say(f"recovered: in-tree rate {rate:.0%}; d={self.depth}")
                 self._hits.clear()
 
     def _say(self, msg: str) -> None:
@@ -182,12 +184,16 @@ class DraftWorker:
     def ctx(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
-    def start(self, prompt: list[int]) -> float:
-        """Feed the prompt; returns t_draft(w), the profiled time of one expansion round."""
+    def profile(self) -> float:
+        """t_draft(w): seconds of one expansion round (w rows)."""
+        with self.ctx():
+            return time_step(self.tree.runner, self.tree.width)
+
+    def start(self, prompt: list[int]) -> None:
+        """Feed the prompt; its last token is the root."""
         with self.ctx():
             self.tree.start(prompt)
             self.tree.feed_pending()
-            return time_step(self.tree.runner, self.tree.width)
 
     def prepare(self) -> DraftTree:
         """Grow while the tree has too few nodes, then select the best N-node subtree."""
@@ -215,7 +221,7 @@ class DraftWorker:
         self.hits += r.hit
         self.reused.append(r.reused)
         if self.ctl is not None:
-            self.ctl.observe(len(verified), now - self._last, r.hit)
+            self.ctl.observe(len(verified), now - self._last, r.matched)
         self._last = now
 
     def stats(self) -> dict:
@@ -427,15 +433,18 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
                               stream=t_stream, deferred=not streams)
         draft = DraftWorker(ModelRunner(draft_model, d_rows, use_graphs=use_graphs), spec, tree_rows,
                             inline=not streams, stream=d_stream)
+        # NOTE: profiling and graph capture happen before the clock starts, as the serial loop
+        # builds its runners before its clock; a server would do both once, not per request.
+        if streams:
+            _warm_buckets(target.runner, draft.tree.runner, spec)
+        # spec.depth given: nothing to tune, so nothing to profile
+        t_target, t_draft = (target.profile(spec.nodes), draft.profile()) if spec.depth is None else (0.0, 0.0)
+        draft.ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose)
         t0 = time.perf_counter()
         if len(prompt_ids) > 1:
             with target.ctx():
                 target.runner.prefill(prompt_ids[:-1])
-        t_target = target.profile(spec.nodes)
-        t_draft = draft.start(prompt_ids)
-        if streams:
-            _warm_buckets(target.runner, draft.tree.runner, spec)
-        draft.ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose)
+        draft.start(prompt_ids)
         emitter = Emitter(max_new, eos, gen, tokenizer, on_tokens, t0)
         link = LocalLink(target, emitter)
         draft_loop(draft, link)

@@ -1,0 +1,221 @@
+"""Method `async` (tandem.runtime.async_decode, tandem.runtime.workers) on tiny CPU models.
+
+Models: a random fp32 target with a scaled lm_head (peaky logits) and a draft that is the
+target plus small weight noise, so the draft agrees often and trees get accepted deeply.
+Covered: greedy output == `ar` (inline and gloo), the first-token distribution under sampling,
+the depth controller (self-tuning and the collapse guard with a draft that never agrees),
+and clean shutdown of the draft process on a draft error and on an interrupt.
+"""
+from __future__ import annotations
+
+import copy
+import multiprocessing
+import signal
+import time
+
+import pytest
+import torch
+
+from tandem.config import ConfigError, GenerationConfig, ModelConfig, SamplingConfig, SpecConfig
+from tandem.models.transformer import Transformer
+from tandem.runtime.async_decode import DepthController, generate_async
+from tandem.runtime.generate import Generator
+from tandem.runtime.workers import DraftWorkerError
+
+
+def tiny(vocab: int = 96, seed: int = 0, head_scale: float = 4.0) -> Transformer:
+    cfg = ModelConfig(family="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    m = Transformer(cfg).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        m.lm_head.weight.mul_(head_scale)
+    return m
+
+
+def noisy_copy(m: Transformer, scale: float = 0.02, seed: int = 1) -> Transformer:
+    d = copy.deepcopy(m)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return d
+
+
+TARGET = tiny()
+DRAFT = noisy_copy(TARGET)
+GREEDY = SamplingConfig()
+
+
+def ar_tokens(prompt: list[int], n: int) -> list[int]:
+    return Generator(TARGET).generate(prompt, "ar", gen=GenerationConfig(max_new_tokens=n, ignore_eos=True)).token_ids
+
+
+def prompts(k: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 96, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(k)]
+
+
+@pytest.fixture
+def alarm():
+    """Fail (instead of hanging) when a process test runs past its budget."""
+    def on_alarm(*_):
+        raise TimeoutError("test ran past its time budget")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    yield lambda s: signal.alarm(s)
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+# ---- greedy equality -----------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", [SpecConfig(nodes=8, width=2, depth=3), SpecConfig(nodes=4, width=1, depth=1),
+                                  SpecConfig(nodes=12, width=3, depth=2)], ids=["n8w2d3", "n4w1d1", "n12w3d2"])
+def test_inline_greedy_equals_ar(spec):
+    taus = []
+    for prompt in prompts(6):
+        want = ar_tokens(prompt, 40)
+        r = generate_async(TARGET, DRAFT, prompt, spec, GREEDY, GenerationConfig(max_new_tokens=40, ignore_eos=True),
+                           set(), transport="inline", verbose=False)
+        assert r.token_ids == want and r.method == "async" and r.finish_reason == "length"
+        assert sum(r.accept_lengths) + r.target_passes == len(want) + _overshoot(r)
+        taus.append(r.tau)
+    assert sum(taus) / len(taus) > 1.5  # the draft agrees often: speculation does work
+
+
+def _overshoot(r) -> int:
+    """Tokens the last pass committed beyond max_new_tokens (cut from the output)."""
+    return sum(r.accept_lengths) + r.target_passes - len(r.token_ids)
+
+
+def test_inline_stops_at_eos_and_self_tunes():
+    prompt = [3, 14, 15, 92, 65]
+    want = ar_tokens(prompt, 60)
+    eos = want[25]
+    cut = want[: want.index(eos) + 1]
+    r = generate_async(TARGET, DRAFT, prompt, SpecConfig(nodes=8, width=2), GREEDY,
+                       GenerationConfig(max_new_tokens=60), {eos}, transport="auto", verbose=False)
+    assert r.token_ids == cut and r.finish_reason == "eos"
+    ctl = r.stats["controller"]
+    assert r.stats["transport"] == "inline" and not ctl["fixed"]
+    d0 = ctl["candidates"][0]
+    assert ctl["candidates"] == [d0, d0 + 1] and d0 >= 1
+
+
+def test_streams_needs_cuda():
+    with pytest.raises(ConfigError):
+        generate_async(TARGET, DRAFT, [1, 2], SpecConfig(), GREEDY, GenerationConfig(), set(), transport="streams")
+
+
+def test_gloo_greedy_equals_ar(alarm):
+    alarm(80)
+    prompt = [7, 1, 42, 42, 5, 60]
+    want = ar_tokens(prompt, 48)
+    r = generate_async(TARGET, DRAFT, prompt, SpecConfig(nodes=8, width=2, depth=2), GREEDY,
+                       GenerationConfig(max_new_tokens=48, ignore_eos=True), set(), transport="gloo", verbose=False,
+                       timeout_s=60)
+    assert r.token_ids == want and r.tau > 1.5
+    assert r.stats["transport"] == "gloo" and r.stats["draft_steps"] > 0
+    assert multiprocessing.active_children() == []
+
+
+# ---- sampling ----------------------------------------------------------------------------------
+def test_sampling_first_token_distribution_matches_ar():
+    """Async's first token over 400 seeds vs ar's exact first-token distribution.
+
+    With V = 12 and this target's entropy the expected total variation of 400 exact draws is
+    ~0.04; the test allows 0.08. The draft (a noisy copy) makes the first token an accepted
+    draft token about half of the time, so acceptance and the residual path both matter.
+    """
+    V = 12
+    target = tiny(vocab=V, seed=3, head_scale=1.5)
+    draft = noisy_copy(target, 0.05)
+    prompt = [1, 5, 7]
+    sampling = SamplingConfig(temperature=1.0)
+    with torch.no_grad():
+        p = torch.softmax(target(torch.tensor([prompt]))[0, -1].float(), -1)
+    counts = torch.zeros(V)
+    accepted = 0
+    n = 400
+    for seed in range(n):
+        r = generate_async(target, draft, prompt, SpecConfig(nodes=4, width=2, depth=1),
+                           SamplingConfig(temperature=1.0, seed=seed), GenerationConfig(max_new_tokens=1, ignore_eos=True),
+                           set(), transport="inline", verbose=False)
+        counts[r.token_ids[0]] += 1
+        accepted += r.accept_lengths[0] > 0
+    tv = 0.5 * (counts / n - p).abs().sum().item()
+    assert tv < 0.08, (tv, counts, p)
+    assert 0.2 * n < accepted < n  # both the accept and the residual branch were exercised
+    assert sampling.temperature == 1.0
+
+
+# ---- depth control -----------------------------------------------------------------------------
+def test_collapse_detector_fires_with_a_draft_that_never_agrees():
+    bad = copy.deepcopy(TARGET)
+    with torch.no_grad():
+        bad.lm_head.weight.neg_()  # the draft's top tokens are the target's least likely ones
+    prompt = [9, 8, 7, 6]
+    want = ar_tokens(prompt, 30)
+    r = generate_async(TARGET, bad, prompt, SpecConfig(nodes=8, width=2, depth=3), GREEDY,
+                       GenerationConfig(max_new_tokens=30, ignore_eos=True), set(), transport="inline", verbose=False)
+    assert r.token_ids == want
+    ctl = r.stats["controller"]
+    assert ctl["collapsed"] and ctl["depth"] == 0 and any("collapse" in e for e in ctl["events"])
+    assert r.stats["rounds"][-1] == 0 and r.stats["rounds"][0] == 3  # no expansion once collapsed
+    good = generate_async(TARGET, DRAFT, prompt, SpecConfig(nodes=8, width=2, depth=3), GREEDY,
+                          GenerationConfig(max_new_tokens=30, ignore_eos=True), set(), transport="inline",
+                          verbose=False)
+    assert not good.stats["controller"]["collapsed"]
+
+
+def test_depth_controller_trial_keeps_the_faster_depth_and_recovers():
+    ctl = DepthController.tuned(t_target=0.010, t_draft=0.004)
+    assert ctl.depth == 2 and ctl.candidates == (2, 3)
+    for _ in range(ctl.trial_passes):
+        ctl.observe(tokens=3, seconds=0.01, in_tree=3)  # d=2: 300 tok/s
+    assert ctl.depth == 3
+    for _ in range(ctl.trial_passes):
+        ctl.observe(tokens=4, seconds=0.01, in_tree=4)  # d=3: 400 tok/s
+    assert ctl.depth == 3 and any("-> d=3" in e for e in ctl.events)
+    for _ in range(ctl.window):
+        ctl.observe(tokens=1, seconds=0.01, in_tree=0)
+    assert ctl.collapsed and ctl.depth == 0
+    for _ in range(ctl.window):
+        ctl.observe(tokens=3, seconds=0.01, in_tree=2)
+    assert not ctl.collapsed and ctl.depth == 3
+    assert DepthController.tuned(0.001, 0.004).depth == 1  # at least one round
+    assert DepthController.tuned(0.001, 0.004, depth=5).depth == 5
+
+
+# ---- process shutdown ----------------------------------------------------------------------------
+def test_draft_process_error_shuts_down_cleanly(alarm):
+    alarm(60)
+    small_draft = tiny(vocab=64, seed=5)  # token 80 is a bad id for it, a fine one for the target
+    t0 = time.monotonic()
+    with pytest.raises(DraftWorkerError, match="IndexError|index out of range"):
+        generate_async(TARGET, small_draft, [3, 80, 4], SpecConfig(nodes=4, width=2, depth=1), GREEDY,
+                       GenerationConfig(max_new_tokens=20), set(), transport="gloo", verbose=False, timeout_s=30)
+    assert time.monotonic() - t0 < 45
+    assert multiprocessing.active_children() == []
+
+
+def test_interrupt_shuts_down_the_draft_process(alarm):
+    alarm(60)
+    seen = []
+
+    def on_tokens(toks):
+        seen.append(toks)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_async(TARGET, DRAFT, [5, 6, 7], SpecConfig(nodes=8, width=2, depth=2), GREEDY,
+                       GenerationConfig(max_new_tokens=200, ignore_eos=True), set(), transport="gloo",
+                       on_tokens=on_tokens, verbose=False, timeout_s=30)
+    assert len(seen) == 3
+    assert multiprocessing.active_children() == []
