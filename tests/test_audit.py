@@ -47,7 +47,7 @@ def test_correct_method_passes(pair, method):
     assert rep["candidate"]["tokens"] == rep["ar"]["tokens"] == 16 * len(PROMPTS)
     assert rep["candidate"]["large_events"] == 0
     assert rep["delta"] == 0.125  # fp32 on CPU: ar agrees with the scorer everywhere
-    assert all(o["ar"] == o[method] for o in rep["outputs"])
+    assert all(o["ar"] == o[method] for o in rep["outputs"]) and rep["outputs_differing_from_ar"] == 0
 
 
 @pytest.mark.parametrize("method", ["chain", "tree"])

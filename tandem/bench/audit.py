@@ -171,6 +171,7 @@ def run_audit(prompt_ids: list[list[int]], method: str, spec: SpecConfig, gen: G
         "rate_tolerance_pp": rate_tolerance_pp,
         "passed": not reasons,
         "reasons": reasons,
+        "outputs_differing_from_ar": sum(o["ar"] != o[method] for o in outputs),
         "fault_bias": list(fault_bias) if fault_bias is not None else None,
         "outputs": outputs,
     }
