@@ -1,0 +1,41 @@
+"""Tiny random models for end-to-end method tests (built in memory, fp32, seeded).
+
+Logits are made peaky (scaled lm_head) so greedy argmaxes are far from ties, and a draft can be
+a noisy copy of the target (high agreement) or an unrelated model (low agreement).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tandem.config import ModelConfig
+from tandem.models.transformer import Transformer
+
+
+def tiny_config(vocab: int = 96, hidden: int = 64, layers: int = 2, family: str = "llama", **kw) -> ModelConfig:
+    return ModelConfig(family=family, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=hidden // 4, max_position_embeddings=512, eos_token_ids=(vocab - 1,),
+                       attention_bias=family == "qwen2", qk_norm=family == "qwen3", **kw)
+
+
+def tiny_model(seed: int = 0, scale: float = 6.0, **kw) -> Transformer:
+    torch.manual_seed(seed)
+    m = Transformer(tiny_config(**kw)).eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+        m.lm_head.weight.mul_(scale)
+    return m
+
+
+def noisy_copy(model: Transformer, noise: float, seed: int = 1) -> Transformer:
+    """A draft that agrees with `model` often but not always."""
+    g = torch.Generator().manual_seed(seed)
+    d = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+    return d
