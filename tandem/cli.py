@@ -82,7 +82,8 @@ def _generate(args) -> int:
         sys.stdout.flush()
         printed[0] = len(safe)
 
-    res = engine.generate(ids, args.method, spec, sampling, gen, on_tokens=None if args.json else stream)
+    res = engine.generate(ids, args.method, spec, sampling, gen, on_tokens=None if args.json else stream,
+                          transport=args.transport)
     text = res.stop_trimmed_text if res.stop_trimmed_text is not None else pair.tokenizer.decode(res.token_ids)
     if args.json:
         print(json.dumps({
@@ -109,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt", nargs="?", default=None)
     g.add_argument("--prompt-file", default=None)
-    g.add_argument("--method", default="tree", choices=["ar", "chain", "tree"])
+    g.add_argument("--method", default="tree", choices=["ar", "chain", "tree", "async"])
+    g.add_argument("--transport", default="auto", choices=["auto", "inline", "streams", "gloo", "nccl"],
+                   help="async only: how draft and target workers talk (auto: streams on CUDA, inline on CPU)")
     add_model_arguments(g)
     add_decoding_arguments(g)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")

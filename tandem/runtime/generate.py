@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,7 +22,7 @@ from tandem.tree.draft_tree import DraftTree, ancestor_mask
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
 
-METHODS = ("ar", "chain", "tree")
+METHODS = ("ar", "chain", "tree", "async")
 
 
 @dataclass
@@ -112,7 +113,7 @@ class Generator:
 
     def generate(self, prompt_ids: list[int], method: str = "tree", spec: SpecConfig = SpecConfig(),
                  sampling: SamplingConfig = SamplingConfig(), gen: GenerationConfig = GenerationConfig(),
-                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+                 on_tokens: Callable[[list[int]], None] | None = None, transport: str = "auto") -> GenerationResult:
         if method not in METHODS:
             raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         spec.validate(), sampling.validate(), gen.validate()
@@ -125,6 +126,13 @@ class Generator:
             raise ConfigError(
                 f"prompt is {len(prompt_ids)} tokens but the context window is {ctx}; shorten the prompt")
         max_new = min(gen.max_new_tokens, ctx - len(prompt_ids))
+        eos = set() if gen.ignore_eos else set(self.target_model.config.eos_token_ids)
+        if method == "async":  # SwiftSpec: draft and target as separate workers (runtime/async_decode.py)
+            from tandem.runtime.async_decode import generate_async
+
+            return generate_async(self.target_model, self.draft_model, prompt_ids, spec, sampling,
+                                  dataclasses.replace(gen, max_new_tokens=max_new), eos, transport=transport,
+                                  on_tokens=on_tokens, tokenizer=self.tokenizer, use_graphs=self.use_graphs)
         slack = {"ar": 1, "chain": spec.k + 1, "tree": spec.nodes + 1 + spec.width * (spec.resolved_depth() + 1)}[method]
         capacity = len(prompt_ids) + max_new + slack + 1
         g = torch.Generator().manual_seed(sampling.seed)
@@ -134,7 +142,6 @@ class Generator:
             drafter = ModelDrafter(self._runner("draft", self.draft_model, capacity + spec.nodes + spec.k),
                                    sampling, g)
             drafter.start(prompt_ids)
-        eos = set() if gen.ignore_eos else set(self.target_model.config.eos_token_ids)
 
         t0 = time.perf_counter()
         target.runner.passes = 0
