@@ -218,3 +218,17 @@ def test_source_workload_takes_heldout_heads():
     assert 1 <= len(ps) <= 2
     for p in ps:
         assert p.id.startswith(("stdlib/", "site/")) and p.text.count("\n") <= 5
+
+
+def test_async_method_is_benchmarked_and_checked(tiny_pair, tmp_path):
+    pytest.importorskip("tandem.runtime.async_decode")
+    out = tmp_path / "async"
+    rc = cli.main(["bench", "--target", str(tiny_pair), "--draft", str(tiny_pair), "--workload",
+                   str(_prompts_file(tmp_path)), "--num-prompts", "2", "--max-new-tokens", "12", "--ignore-eos",
+                   "--methods", "async", "--nodes", "6", "--async-transport", "inline", "--warmup", "0",
+                   "--no-plots", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["methods"] == ["ar", "async"]
+    assert res["check"]["mismatches"]["async"]["count"] == 0
+    assert res["summary"]["async"]["tau"] >= 1.0

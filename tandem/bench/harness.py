@@ -131,7 +131,26 @@ def parse_methods(text: str, node_budgets: list[int]) -> list[str]:
 
 
 def tandem_methods() -> tuple[str, ...]:
-    """The engine's methods (`Generator` accepts them all); new ones are benchmarked as they land."""
+    """The engine's methods: what `Generator` accepts, plus `async` (`generate_async`) when present."""
+    try:
+        from tandem.runtime.generate import METHODS
+    except ImportError:
+        METHODS = TANDEM_METHODS
+    out = tuple(METHODS)
+    if "async" not in out and _generate_async() is not None:
+        out += ("async",)
+    return out
+
+
+def _generate_async():
+    try:
+        from tandem.runtime.async_decode import generate_async
+    except ImportError:
+        return None
+    return generate_async
+
+
+def _generator_methods() -> tuple[str, ...]:
     try:
         from tandem.runtime.generate import METHODS
     except ImportError:
@@ -171,6 +190,22 @@ class TandemRunner:
 
     def __call__(self, prompt_index: int, ids: list[int]) -> Request:
         r = self.engine.generate(ids, self.ms.method, self.ms.spec, self.sampling, self.gen)
+        return Request(self.ms.name, prompt_index, list(r.token_ids), r.seconds, r.ttft, r.finish_reason,
+                       r.target_passes, list(r.accept_lengths), list(r.per_depth))
+
+
+class AsyncRunner:
+    """Method `async` through `tandem.runtime.async_decode.generate_async` (its own runners;
+    profiling and graph capture happen before its clock starts)."""
+
+    def __init__(self, pair, ms: MethodSpec, sampling: SamplingConfig, gen: GenerationConfig, transport: str):
+        self.pair, self.ms, self.sampling, self.gen, self.transport = pair, ms, sampling, gen, transport
+        self.fn = _generate_async()
+
+    def __call__(self, prompt_index: int, ids: list[int]) -> Request:
+        t = self.pair.target
+        r = self.fn(t, self.pair.draft, ids, self.ms.spec, self.sampling, self.gen, set(t.config.eos_token_ids),
+                    transport=self.transport, tokenizer=self.pair.tokenizer, verbose=False)
         return Request(self.ms.name, prompt_index, list(r.token_ids), r.seconds, r.ttft, r.finish_reason,
                        r.target_passes, list(r.accept_lengths), list(r.per_depth))
 
@@ -426,12 +461,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _nodes_accepts_list(p)
     add_workload_arguments(p)
     p.add_argument("--methods", default="ar,chain,tree",
-                   help="comma list of ar, chain, tree, hf, hf-assisted (tree@N: a node budget); ar is always run")
+                   help="comma list of ar, chain, tree, async, hf, hf-assisted (tree@N: a node budget); "
+                        "ar is always run")
     p.add_argument("--out", default="bench-out", help="output folder for results.json, results.md and plots")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts (the longest ones) run before measuring")
     p.add_argument("--allow-mismatch", action="store_true", help="exit 0 even when a method's output differs from ar")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the speedup CI")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--async-transport", default="auto",
+                   help="transport of method async: auto | inline | streams | gloo | nccl")
 
 
 def _nodes_accepts_list(p: argparse.ArgumentParser) -> None:
@@ -468,7 +506,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_workload(args.workload, args.num_prompts, args.data_dir, args.source_lines)
     results = run_bench(prompts, specs, sampling, gen, target=args.target, draft=args.draft, device=args.device,
                         dtype=args.dtype, warmup=args.warmup, max_prompt_tokens=args.max_prompt_tokens,
-                        n_boot=args.bootstrap, config_extra={
+                        n_boot=args.bootstrap, async_transport=args.async_transport, config_extra={
                             "workload": args.workload, "num_prompts": len(prompts), "k": spec.k, "nodes": budgets,
                             "width": spec.width, "depth": spec.depth, "methods": names})
     out = Path(args.out)
@@ -486,7 +524,7 @@ def run(args: argparse.Namespace) -> int:
 def run_bench(prompts: list[Prompt], specs: list[MethodSpec], sampling: SamplingConfig, gen: GenerationConfig, *,
               target=None, draft=None, device="cpu", dtype="float32", warmup: int = 1,
               max_prompt_tokens: int | None = None, n_boot: int = 2000, seed: int = 0,
-              config_extra: dict | None = None, progress: bool = True) -> dict:
+              config_extra: dict | None = None, progress: bool = True, async_transport: str = "auto") -> dict:
     """Load the pair, run every method on every prompt (interleaved), check and summarise."""
     import torch
     from tqdm import tqdm
@@ -512,6 +550,8 @@ def run_bench(prompts: list[Prompt], specs: list[MethodSpec], sampling: Sampling
     for ms in specs:
         if ms.is_peer:
             runners[ms.name] = HFRunner(ms, pair.target_dir, pair.draft_dir, dev, dtype, sampling, gen, ctx, hf_models)
+        elif ms.method == "async" and "async" not in _generator_methods():
+            runners[ms.name] = AsyncRunner(pair, ms, sampling, gen, async_transport)
         else:
             runners[ms.name] = TandemRunner(engine, ms, sampling, gen)
 
