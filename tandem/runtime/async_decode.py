@@ -391,12 +391,16 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
                    gen: GenerationConfig, eos_ids: set[int], transport: str = "auto",
                    on_tokens: Callable[[list[int]], None] | None = None, tokenizer=None, *,
                    verbose: bool = True, use_graphs: bool | None = None, draft_device: str | None = None,
-                   timeout_s: float = 300.0) -> AsyncGenerationResult:
+                   timeout_s: float = 300.0, runners: dict | None = None) -> AsyncGenerationResult:
     """Decode one request with method `async`; the output matches the serial loop's contract.
 
     Greedy output is token-identical to `ar`; with sampling every committed token is distributed
     as sampling from the target (per seed the tokens can differ between transports, since the
     tree sent depends on how far the draft got while the target was busy).
+
+    Keyword-only extras: `verbose` prints the depth choice to stderr; `runners` is a dict the
+    caller keeps between calls so the in-process transports reuse runners and CUDA graphs;
+    `draft_device` / `timeout_s` are for the process transports.
     """
     if transport not in TRANSPORTS:
         raise ConfigError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
@@ -429,14 +433,14 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
         streams = transport == "streams"
         t_stream = torch.cuda.Stream(device=target_model.device) if streams else None
         d_stream = torch.cuda.Stream(device=draft_model.device) if streams else None
-        target = TargetWorker(ModelRunner(target_model, t_rows, use_graphs=use_graphs), sampling, generator,
+        target = TargetWorker(_runner(runners, "target", target_model, t_rows, use_graphs), sampling, generator,
                               stream=t_stream, deferred=not streams)
-        draft = DraftWorker(ModelRunner(draft_model, d_rows, use_graphs=use_graphs), spec, tree_rows,
+        draft = DraftWorker(_runner(runners, "draft", draft_model, d_rows, use_graphs), spec, tree_rows,
                             inline=not streams, stream=d_stream)
         # NOTE: profiling and graph capture happen before the clock starts, as the serial loop
         # builds its runners before its clock; a server would do both once, not per request.
-        if streams:
-            _warm_buckets(target.runner, draft.tree.runner, spec)
+        if on_cuda:
+            _warm_buckets(target.runner, draft.tree.runner, spec, len(prompt_ids))
         # spec.depth given: nothing to tune, so nothing to profile
         t_target, t_draft = (target.profile(spec.nodes), draft.profile()) if spec.depth is None else (0.0, 0.0)
         draft.ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose)
@@ -454,10 +458,22 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
         return _result(emitter, len(prompt_ids), seconds, stats)
 
 
-def _warm_buckets(target_runner: ModelRunner, draft_runner: ModelRunner, spec: SpecConfig) -> None:
-    """Capture every CUDA graph the loop will need before the two streams run concurrently."""
-    target_runner.warmup((spec.nodes + 1,))
-    draft_runner.warmup((1, 2, spec.width))
+def _runner(cache: dict | None, key: str, model, rows: int, use_graphs: bool | None) -> ModelRunner:
+    r = None if cache is None else cache.get(key)
+    if r is None or r.model is not model or r.capacity < rows:
+        r = ModelRunner(model, rows, use_graphs=use_graphs)
+        if cache is not None:
+            cache[key] = r
+    r.cache.truncate(0)
+    r.passes = 0
+    return r
+
+
+def _warm_buckets(target_runner: ModelRunner, draft_runner: ModelRunner, spec: SpecConfig, prompt_len: int) -> None:
+    """Capture every CUDA graph the loop will need before the clock starts (and before the two
+    streams run concurrently): prefill, verify of up to N + 1 rows, draft steps of 1..w rows."""
+    target_runner.warmup([max(1, prompt_len - 1)] + list(range(1, spec.nodes + 2)))
+    draft_runner.warmup([prompt_len] + list(range(1, max(2, spec.width) + 1)))
 
 
 def _result(emitter: Emitter, prompt_len: int, seconds: float, stats: dict) -> AsyncGenerationResult:
