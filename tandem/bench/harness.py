@@ -8,7 +8,7 @@
     summarise, paired speed ratios with bootstrap CIs, write results.json / results.md / PNGs
 
 Methods: `ar`, `chain`, `tree` (one run per node budget when `--nodes` is a comma list, named
-`tree@N`) run on Tandem's engine; `hf` is transformers' `generate(do_sample=False)` on the same
+`tree@N`) and `async` (`tandem.runtime.async_decode`, `--async-transport`) run on Tandem's engine; `hf` is transformers' `generate(do_sample=False)` on the same
 device and dtype and `hf-assisted` the same with `assistant_model=<draft>`. Both peers get the
 same prompt token ids. `ar` is always run: it is the reference output and the speed baseline.
 
@@ -438,6 +438,11 @@ def markdown_table(results: dict) -> str:
         if vs_hf:
             row += f" {'1.00x' if name == 'hf' else ci(vs_hf.get(name))} |"
         lines.append(row)
+    depth_rows = [(name, s["per_depth"]) for name, s in results["summary"].items() if s["per_depth"]]
+    if depth_rows:
+        lines += ["", "Per-depth acceptance (accepted / offered passes):"]
+        lines += [f"- {name}: " + ", ".join(f"d{d['depth']} {f(d['rate'], 2)}" for d in rows[:12])
+                  for name, rows in depth_rows]
     chk = results["check"]
     lines.append("")
     if not chk["checked"]:
