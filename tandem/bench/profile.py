@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-preset", default=None, choices=list(PRESETS),
                    help="draft shapes (default: the target preset's natural draft)")
     add_model_arguments(p, dtype_default="bfloat16")
+    for a in p._actions:  # NOTE: real shapes are for a GPU; the shared --device defaults to cpu
+        if "--device" in a.option_strings:
+            a.default, a.help = "auto", "cpu | cuda | auto (default: auto, cuda when visible)"
     p.add_argument("--context", type=int, default=512, help="verified prefix length the steps attend to")
     p.add_argument("--rows", default=DEFAULT_ROWS, help="N values for T_target(N) (rows verified per step)")
     p.add_argument("--widths", default=DEFAULT_WIDTHS, help="w values for T_draft(w)")
