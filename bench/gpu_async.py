@@ -36,9 +36,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tandem.config import GenerationConfig, SamplingConfig, SpecConfig  # noqa: E402
-from tandem.runtime.async_decode import generate_async  # noqa: E402
-from tandem.runtime.generate import Generator  # noqa: E402
+from tandem.config import GenerationConfig, SamplingConfig, SpecConfig
+from tandem.runtime.async_decode import generate_async
+from tandem.runtime.generate import Generator
 
 PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

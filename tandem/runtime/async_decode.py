@@ -39,9 +39,9 @@ import math
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -85,7 +85,7 @@ class DepthController:
 
     @classmethod
     def tuned(cls, t_target: float, t_draft: float, depth: int | None = None, verbose: bool = False,
-              **kw) -> "DepthController":
+              **kw) -> DepthController:
         if depth is not None:
             return cls(depth=depth, fixed=True, verbose=verbose, **kw)
         d = max(1, math.floor(t_target / max(t_draft, 1e-9)))

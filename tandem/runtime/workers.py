@@ -39,7 +39,13 @@ import torch.multiprocessing as mp
 
 from tandem.config import ConfigError, SpecConfig
 from tandem.runtime.async_decode import (
-    AsyncGenerationResult, DepthController, DraftWorker, Emitter, TargetWorker, _result, draft_loop,
+    AsyncGenerationResult,
+    DepthController,
+    DraftWorker,
+    Emitter,
+    TargetWorker,
+    _result,
+    draft_loop,
 )
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree
@@ -70,7 +76,7 @@ class Channel:
         return torch.zeros(size, dtype=torch.long, device=self.device)
 
     # ---- primitives ---------------------------------------------------------------------
-    def wait(self, work: "_Pending", what: str) -> None:
+    def wait(self, work: _Pending, what: str) -> None:
         """Wait for `work`, checking the peer is alive (never blocks forever)."""
         deadline = time.monotonic() + self.timeout_s
         spins = 0
@@ -144,7 +150,7 @@ class _Pending:
     def _run(self) -> None:
         try:
             self.work.wait()
-        except BaseException as e:  # reported by finish() in the calling thread
+        except BaseException as e:  # noqa: BLE001 - reported by finish() in the calling thread
             self.error = e
         self.done.set()
 
@@ -187,7 +193,7 @@ class ProcessLink:
 # ---- rank 1: the draft process -------------------------------------------------------------
 def draft_process_main(init_file: str, backend: str, model, device: str, prompt: list[int], spec: SpecConfig,
                        rows: tuple[int, int], use_graphs, verbose: bool, timeout_s: float, threads: int,
-                       out: "mp.Queue") -> None:
+                       out: mp.Queue) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller (rank 0) owns Ctrl-C and stops us
     torch.set_num_threads(threads)
     parent = mp.parent_process()
@@ -213,13 +219,13 @@ def draft_process_main(init_file: str, backend: str, model, device: str, prompt:
         out.put(("ok", {**draft.stats(), "t_draft_s": t_draft}))
     except _Aborted:
         out.put(("aborted", None))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure is reported to rank 0, then we exit
         out.put(("error", traceback.format_exc()))
         if chan is not None:
             try:  # tell the target, which is (or will be) waiting for a tree
                 chan.timeout_s = min(timeout_s, 10.0)
                 chan.send_tree(None)
-            except BaseException:
+            except BaseException:  # noqa: BLE001, S110 - best effort; rank 0 also watches our liveness
                 pass
     finally:
         if dist.is_initialized():
@@ -312,7 +318,7 @@ def _get(out, proc, timeout_s: float):
 
 
 def _draft_error(out, proc, why: str) -> str:
-    status, payload = _get(out, proc, 10.0)
+    _, payload = _get(out, proc, 10.0)
     return f"draft worker failed ({why}):\n{payload}" if payload else f"draft worker failed ({why})"
 
 
