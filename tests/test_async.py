@@ -75,7 +75,8 @@ def alarm():
 
 # ---- greedy equality -----------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", [SpecConfig(nodes=8, width=2, depth=3), SpecConfig(nodes=4, width=1, depth=1),
-                                  SpecConfig(nodes=12, width=3, depth=2)], ids=["n8w2d3", "n4w1d1", "n12w3d2"])
+                                  SpecConfig(nodes=12, width=3, depth=2), SpecConfig(nodes=4, width=3, depth=9)],
+                         ids=["n8w2d3", "n4w1d1", "n12w3d2", "n4w3d9"])
 def test_inline_greedy_equals_ar(spec):
     taus = []
     for prompt in prompts(6):

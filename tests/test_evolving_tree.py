@@ -181,6 +181,16 @@ def test_select_is_prefix_closed_and_best_first():
         assert chosen == rest[:n]
 
 
+def test_expansion_respects_the_row_cap():
+    tree = EvolvingTree(ModelRunner(MODEL, CAP, use_graphs=False), width=3, max_rows=7)
+    tree.start([1, 2])
+    tree.grow(100)
+    while tree.expand():
+        pass
+    assert tree.cache.tree_len == 7 and tree.expand() == 0
+    _assert_matches_recompute(tree)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     width=st.integers(1, 3),
