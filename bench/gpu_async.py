@@ -72,13 +72,13 @@ def load(args):
     if args.target:
         from tandem.runtime.pair import load_pair
 
-        pair = load_pair(args.target, args.draft, device="cuda", dtype=args.dtype, need_draft=args.draft is not None)
+        pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype, need_draft=args.draft is not None)
         target, draft, tok = pair.target, pair.draft, pair.tokenizer
         name = os.path.basename(os.path.normpath(args.target))
     else:
         from tandem.bench.presets import random_model
 
-        target, tok = random_model(args.preset, "cuda", dtype, seed=0), None
+        target, tok = random_model(args.preset, args.device, dtype, seed=0), None
         draft = None
         name = args.preset
     if args.draft_layers:
@@ -86,7 +86,7 @@ def load(args):
     elif draft is None:
         from tandem.bench.presets import random_model
 
-        draft = random_model(args.draft_preset, "cuda", dtype, seed=1)
+        draft = random_model(args.draft_preset, args.device, dtype, seed=1)
         name = f"{name}-{args.draft_preset}"
     return target, draft, tok, name
 
@@ -117,9 +117,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--inline", action="store_true", help="also run async with the inline transport")
     ap.add_argument("--process", choices=["nccl", "gloo"], help="also run async over two processes")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script (inline transport only)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "this benchmark needs a GPU"
+    cuda = args.device == "cuda"
+    assert not cuda or torch.cuda.is_available(), "this benchmark needs a GPU (or --device cpu for a dry run)"
     torch.backends.cuda.matmul.allow_tf32 = True
 
     target, draft, tok, name = load(args)
@@ -128,19 +130,21 @@ def main() -> None:
     aspec = dataclasses.replace(spec, method="async", depth=args.depth)
     gen = GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True)
     greedy = SamplingConfig()
-    g = Generator(target, draft, tok, use_graphs=True)
+    g = Generator(target, draft, tok, use_graphs=cuda)
     runners: dict = {}
 
     def run(method: str, prompt: list[int]):
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         if method in ("ar", "tree"):
             return g.generate(prompt, method, spec=spec, sampling=greedy, gen=gen)
         transport = method.split(":")[1]
-        return generate_async(target, draft, prompt, aspec, greedy, gen, set(), transport=transport,
+        return generate_async(target, draft, prompt, aspec, greedy, gen, set(), transport=transport, use_graphs=cuda,
                               runners=runners if transport != "nccl" and transport != "gloo" else None,
                               timeout_s=600)
 
-    methods = ["ar", "tree", "async:streams"] + (["async:inline"] if args.inline else []) + \
+    methods = ["ar", "tree", "async:streams" if cuda else "async:inline"] + \
+        (["async:inline"] if args.inline and cuda else []) + \
         ([f"async:{args.process}"] if args.process else [])
     prompts = [encode(tok, PROMPTS[i % len(PROMPTS)], vocab, i) for i in range(args.prompts)]
     # warm-up: graphs, allocator, cuBLAS (one short run per method)
@@ -182,7 +186,7 @@ def main() -> None:
             ratios = [r["decode_tok_s"] / b["decode_tok_s"] for r in mine for b in rows
                       if b["method"] == base and b["prompt"] == r["prompt"] and b["decode_tok_s"] > 0]
             summary[m][f"speedup_vs_{base}_median"] = statistics.median(ratios) if ratios else None
-    report = {"name": name, "device": torch.cuda.get_device_name(), "nodes": args.nodes, "width": args.width,
+    report = {"name": name, "device": torch.cuda.get_device_name() if cuda else "cpu", "nodes": args.nodes, "width": args.width,
               "depth": args.depth, "new_tokens": args.new_tokens, "summary": summary, "rows": rows}
     print(json.dumps(summary, indent=1))
     os.makedirs(args.out, exist_ok=True)

@@ -470,10 +470,21 @@ def _runner(cache: dict | None, key: str, model, rows: int, use_graphs: bool | N
 
 
 def _warm_buckets(target_runner: ModelRunner, draft_runner: ModelRunner, spec: SpecConfig, prompt_len: int) -> None:
-    """Capture every CUDA graph the loop will need before the clock starts (and before the two
-    streams run concurrently): prefill, verify of up to N + 1 rows, draft steps of 1..w rows."""
-    target_runner.warmup([max(1, prompt_len - 1)] + list(range(1, spec.nodes + 2)))
-    draft_runner.warmup([prompt_len] + list(range(1, max(2, spec.width) + 1)))
+    """Capture the CUDA graphs the loop will need before the clock starts and before the two
+    streams run concurrently: prefill, the verify of N + 1 rows and draft steps of 1..w rows,
+    at every attention width the cache can reach.
+
+    NOTE: the widths mirror ModelRunner.step's rule (powers of two from 256, capped at the
+    capacity + 1); if that rule changes, a missed graph is captured lazily (slower, still correct).
+    """
+    for runner, sizes in ((target_runner, [max(1, prompt_len - 1), spec.nodes + 1]),
+                          (draft_runner, [prompt_len] + list(range(1, spec.width + 1)))):
+        cap, widths, w = runner.capacity + 1, set(), 256
+        while w < cap:
+            widths.add(w)
+            w *= 2
+        widths.add(cap)
+        runner.warmup(sizes, tuple(sorted(widths)))
 
 
 def _result(emitter: Emitter, prompt_len: int, seconds: float, stats: dict) -> AsyncGenerationResult:
