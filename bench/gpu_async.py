@@ -170,6 +170,9 @@ def main() -> None:
                         "target_wait_s", "startup_s", "draft_steps")
                 row.update({k: st[k] for k in keep if k in st})
                 row["controller"] = st.get("controller")
+                for k in ("expand_s", "pass_wait_s"):  # per pass: draft expanding / blocked on the answer
+                    if st.get(k):
+                        row[f"mean_{k[:-2]}_ms"] = 1e3 * statistics.mean(st[k])
             rows.append(row)
             print(json.dumps(row), flush=True)
 

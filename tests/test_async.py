@@ -200,6 +200,7 @@ def test_collapse_detector_fires_with_a_draft_that_never_agrees():
 def test_depth_controller_trial_keeps_the_faster_depth_and_recovers():
     ctl = DepthController.tuned(t_target=0.010, t_draft=0.004)
     assert ctl.depth == 2 and ctl.candidates == (2, 3)
+    ctl.observe(tokens=1, seconds=1.0, in_tree=1)  # the first pass is not a trial sample
     for _ in range(ctl.trial_passes):
         ctl.observe(tokens=3, seconds=0.01, in_tree=3)  # d=2: 300 tok/s
     assert ctl.depth == 3

@@ -80,6 +80,7 @@ class DepthController:
     events: list[str] = field(default_factory=list)
     _trial: dict[int, list] = field(default_factory=dict)  # d -> [tokens, seconds, passes]
     _chosen: bool = False
+    _seen: int = 0
     _hits: deque = field(default_factory=deque)
     _saved: int = 0
 
@@ -97,7 +98,9 @@ class DepthController:
         """One target pass answered: `tokens` verified, `in_tree` of them found along the draft
         tree (accepted tokens, and the bonus when the draft had grown it), `seconds` since the
         previous answer."""
-        if self.candidates and not self.fixed and not self.collapsed and not self._chosen:
+        self._seen += 1
+        # NOTE: the first pass also paid for growing the first tree from nothing; not a trial sample.
+        if self.candidates and not self.fixed and not self.collapsed and not self._chosen and self._seen > 1:
             rec = self._trial.setdefault(self.depth, [0.0, 0.0, 0])  # tokens, seconds, passes
             rec[0] += tokens
             rec[1] += seconds
@@ -179,6 +182,8 @@ class DraftWorker:
         self.hits = 0
         self.reused: list[int] = []  # fed nodes kept by each re-root
         self.wait_s = 0.0  # time blocked on the answer after expanding
+        self.expand_s: list[float] = []  # per pass: seconds spent expanding while the target verified
+        self.pass_wait_s: list[float] = []  # per pass: seconds blocked on the answer afterwards
         self._last = 0.0
 
     def ctx(self):
@@ -207,12 +212,14 @@ class DraftWorker:
         """Expand the w most probable candidates, round after round, while the target verifies."""
         d = self.ctl.depth if self.ctl else 0
         n = 0
+        t0 = time.perf_counter()
         with self.ctx():
             while n < d and (self.inline or not ready()):
                 if not self.tree.expand():
                     break
                 n += 1
         self.rounds.append(n)
+        self.expand_s.append(time.perf_counter() - t0)
 
     def receive(self, verified: list[int]) -> None:
         now = time.perf_counter()
@@ -229,6 +236,7 @@ class DraftWorker:
         return {"draft_steps": self.tree.steps, "rounds": self.rounds, "mean_rounds": sum(self.rounds) / n,
                 "hit_rate": self.hits / max(1, len(self.reused)), "reused": self.reused,
                 "mean_reused": sum(self.reused) / max(1, len(self.reused)), "draft_wait_s": self.wait_s,
+                "expand_s": self.expand_s, "pass_wait_s": self.pass_wait_s,
                 "controller": self.ctl.summary() if self.ctl else None}
 
 
@@ -373,6 +381,7 @@ def draft_loop(draft: DraftWorker, link) -> None:
         t0 = time.perf_counter()
         verified = link.result()
         draft.wait_s += time.perf_counter() - t0
+        draft.pass_wait_s.append(time.perf_counter() - t0)
         if verified is None:
             return
         draft.receive(verified)
