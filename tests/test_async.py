@@ -127,6 +127,27 @@ def test_polled_link_path_equals_ar():
     assert emitter.out == ar_tokens(prompt, n)
     assert set(draft.rounds) == {0}  # a CPU verify is done at submit: the draft never waits for it
 
+    class SlowLink(LocalLink):
+        """The answer shows up only at the second poll after each submit (a slow verify)."""
+
+        def submit(self, tree):
+            self.polls = 0
+            super().submit(tree)
+
+        def ready(self):
+            self.polls += 1
+            return self.polls > 1
+
+    target = TargetWorker(ModelRunner(TARGET, t_rows), GREEDY, torch.Generator(), deferred=False)
+    draft = DraftWorker(ModelRunner(DRAFT, d_rows), spec, tree_rows, inline=False)
+    draft.ctl = DepthController.tuned(0.0, 0.0, spec.depth)
+    target.runner.prefill(prompt[:-1])
+    draft.start(prompt)
+    emitter = Emitter(n, set(), GenerationConfig(max_new_tokens=n), None, None, time.perf_counter())
+    draft_loop(draft, SlowLink(target, emitter))
+    assert emitter.out == ar_tokens(prompt, n)
+    assert set(draft.rounds) == {1}  # expanded while not ready, stopped as soon as the answer was in
+
 
 def test_streams_needs_cuda():
     with pytest.raises(ConfigError):
