@@ -110,8 +110,15 @@ def test_inline_stops_at_eos_and_self_tunes():
 
 def test_polled_link_path_equals_ar():
     """The streams transport's code path (launch at submit, poll ready(), finish) on CPU workers."""
-    from tandem.runtime.async_decode import (DepthController, DraftWorker, Emitter, LocalLink, TargetWorker,
-                                             draft_loop, plan_capacity)
+    from tandem.runtime.async_decode import (
+        DepthController,
+        DraftWorker,
+        Emitter,
+        LocalLink,
+        TargetWorker,
+        draft_loop,
+        plan_capacity,
+    )
     from tandem.runtime.runner import ModelRunner
 
     prompt, n = [11, 12, 13], 30
