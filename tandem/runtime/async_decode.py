@@ -448,8 +448,7 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
                             inline=not streams, stream=d_stream)
         # NOTE: profiling and graph capture happen before the clock starts, as the serial loop
         # builds its runners before its clock; a server would do both once, not per request.
-        if on_cuda:
-            _warm_buckets(target.runner, draft.tree.runner, spec, len(prompt_ids))
+        _warm_buckets(target.runner, draft.tree.runner, spec, len(prompt_ids))
         # spec.depth given: nothing to tune, so nothing to profile
         t_target, t_draft = (target.profile(spec.nodes), draft.profile()) if spec.depth is None else (0.0, 0.0)
         draft.ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose)
@@ -478,16 +477,19 @@ def _runner(cache: dict | None, key: str, model, rows: int, use_graphs: bool | N
     return r
 
 
-def _warm_buckets(target_runner: ModelRunner, draft_runner: ModelRunner, spec: SpecConfig, prompt_len: int) -> None:
+def _warm_buckets(target_runner: ModelRunner | None, draft_runner: ModelRunner | None, spec: SpecConfig,
+                  prompt_len: int) -> None:
     """Capture the CUDA graphs the loop will need before the clock starts and before the two
     streams run concurrently: prefill, the verify of N + 1 rows and draft steps of 1..w rows,
-    at every attention width the cache can reach.
+    at every attention width the cache can reach. No effect on CPU.
 
     NOTE: the widths mirror ModelRunner.step's rule (powers of two from 256, capped at the
     capacity + 1); if that rule changes, a missed graph is captured lazily (slower, still correct).
     """
     for runner, sizes in ((target_runner, [max(1, prompt_len - 1), spec.nodes + 1]),
                           (draft_runner, [prompt_len] + list(range(1, spec.width + 1)))):
+        if runner is None or not runner.use_graphs:
+            continue
         cap, widths, w = runner.capacity + 1, set(), 256
         while w < cap:
             widths.add(w)

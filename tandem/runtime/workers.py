@@ -45,6 +45,7 @@ from tandem.runtime.async_decode import (
     Emitter,
     TargetWorker,
     _result,
+    _warm_buckets,
     draft_loop,
 )
 from tandem.runtime.runner import ModelRunner
@@ -209,6 +210,7 @@ def draft_process_main(init_file: str, backend: str, model, device: str, prompt:
         with torch.inference_mode():
             model = model.to(dev)
             draft = DraftWorker(ModelRunner(model, rows[0], use_graphs=use_graphs), spec, rows[1])
+            _warm_buckets(None, draft.tree.runner, spec, len(prompt))
             t_draft = draft.profile() if spec.depth is None else 0.0
             buf, work = chan.post(1)
             chan.wait(work, "the target's hello")
@@ -266,6 +268,7 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
         chan = Channel(TARGET, spec.nodes + 1, t_dev if transport == "nccl" else torch.device("cpu"),
                        proc.is_alive, timeout_s)
         target = TargetWorker(ModelRunner(target_model, t_rows, use_graphs=use_graphs), sampling, generator)
+        _warm_buckets(target.runner, None, spec, len(prompt_ids))
         t_target = target.profile(spec.nodes) if spec.depth is None else 0.0
         hello = torch.tensor([int(t_target * 1e9)], dtype=torch.long, device=chan.device)
         chan.send(hello, "hello")
