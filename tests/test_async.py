@@ -272,3 +272,12 @@ def test_interrupt_shuts_down_the_draft_process(alarm):
                        on_tokens=on_tokens, verbose=False, timeout_s=30)
     assert len(seen) == 3
     assert multiprocessing.active_children() == []
+
+
+def test_target_error_shuts_down_the_draft_process(alarm):
+    alarm(60)
+    big_draft = tiny(vocab=128, seed=6)  # token 100 is fine for the draft, a bad id for the target
+    with pytest.raises((IndexError, RuntimeError)):
+        generate_async(TARGET, big_draft, [3, 100, 4], SpecConfig(nodes=4, width=2, depth=1), GREEDY,
+                       GenerationConfig(max_new_tokens=20), set(), transport="gloo", verbose=False, timeout_s=30)
+    assert multiprocessing.active_children() == []
