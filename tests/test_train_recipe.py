@@ -126,3 +126,25 @@ def test_padded_greedy_generation_matches_one_by_one():
     batched = greedy_generate(model, prompts, 8, 0, torch.device("cpu"))
     single = [greedy_generate(model, [p], 8, 0, torch.device("cpu"))[0] for p in prompts]
     assert batched == single
+
+
+def test_bundled_pair_loads_in_tandem_and_transformers():
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    from tandem.models.loader import load_model, load_tokenizer
+
+    root = Path(__file__).resolve().parents[1] / "tandem" / "assets" / "pair"
+    if not (root / "target" / "model.safetensors").is_file():
+        pytest.skip("no bundled pair in this checkout")
+    ids = torch.randint(0, 8192, (1, 48), generator=torch.Generator().manual_seed(1))
+    sizes = {}
+    for who in ("target", "draft"):
+        ours = load_model(root / who, "cpu", "float32")
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(root / who), dtype=torch.float32).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=1e-4, rtol=1e-4)
+        sizes[who] = sum(p.numel() for p in ours.parameters())
+        assert load_tokenizer(root / who).get_vocab_size() == ours.config.vocab_size
+    assert (root / "target" / "tokenizer.json").read_bytes() == (root / "draft" / "tokenizer.json").read_bytes()
+    assert 10e6 <= sizes["target"] <= 20e6 and 1e6 <= sizes["draft"] <= 4e6

@@ -16,25 +16,27 @@ from pathlib import Path
 PRESETS: dict[str, dict] = {
     # One H200: under 9 minutes end to end (corpus + tokenizer ~1 min, target 5, draft 2.2,
     # eval/export < 1); the target's budget shrinks if preparation runs long (deadline_minutes).
-    "full": dict(
-        encode_max_seconds=90.0, kinds="stdlib,site", corpus_mb=200.0, tokenizer_mb=20.0, vocab_size=8192, ctx=512, batch_size=128,
-        target_hidden=384, target_layers=8, target_heads=6, target_kv_heads=2, target_intermediate=1024,
-        draft_hidden=192, draft_layers=4, draft_heads=3, draft_kv_heads=1, draft_intermediate=640,
-        target_lr=1.5e-3, draft_lr=3e-3, target_warmup=150, draft_warmup=100, weight_decay=0.1, min_lr_frac=0.1,
-        target_minutes=5.0, draft_minutes=2.2, target_steps=None, draft_steps=None, draft_ce_weight=0.1,
-        eval_mb=3.0, eval_batch=32, ast_prompts=64, ast_new_tokens=64, save_dtype="bfloat16", compile="auto",
-        deadline_minutes=8.8, reserve_minutes=0.6, threads=None,
-    ),
+    "full": {
+        "encode_max_seconds": 90.0, "kinds": "stdlib,site", "corpus_mb": 200.0, "tokenizer_mb": 20.0,
+        "vocab_size": 8192, "ctx": 512, "batch_size": 128, "target_hidden": 384, "target_layers": 8,
+        "target_heads": 6, "target_kv_heads": 2, "target_intermediate": 1024, "draft_hidden": 192, "draft_layers": 4,
+        "draft_heads": 3, "draft_kv_heads": 1, "draft_intermediate": 640, "target_lr": 0.0015, "draft_lr": 0.003,
+        "target_warmup": 150, "draft_warmup": 100, "weight_decay": 0.1, "min_lr_frac": 0.1, "target_minutes": 5.0,
+        "draft_minutes": 2.2, "target_steps": None, "draft_steps": None, "draft_ce_weight": 0.1, "eval_mb": 3.0,
+        "eval_batch": 32, "ast_prompts": 64, "ast_new_tokens": 64, "save_dtype": "bfloat16", "compile": "auto",
+        "deadline_minutes": 8.8, "reserve_minutes": 0.6, "threads": None,
+    },
     # CPU, seconds: a tiny stdlib subset, vocab 512, two small models, fixed step counts.
-    "tiny": dict(
-        encode_max_seconds=0.0, kinds="stdlib", corpus_mb=0.3, tokenizer_mb=0.2, vocab_size=512, ctx=64, batch_size=8,
-        target_hidden=64, target_layers=2, target_heads=4, target_kv_heads=2, target_intermediate=128,
-        draft_hidden=32, draft_layers=1, draft_heads=2, draft_kv_heads=1, draft_intermediate=64,
-        target_lr=3e-3, draft_lr=3e-3, target_warmup=5, draft_warmup=5, weight_decay=0.1, min_lr_frac=0.1,
-        target_minutes=None, draft_minutes=None, target_steps=30, draft_steps=20, draft_ce_weight=0.1,
-        eval_mb=0.1, eval_batch=16, ast_prompts=4, ast_new_tokens=16, save_dtype="float32", compile="off",
-        deadline_minutes=None, reserve_minutes=0.0, threads=1,
-    ),
+    "tiny": {
+        "encode_max_seconds": 0.0, "kinds": "stdlib", "corpus_mb": 0.3, "tokenizer_mb": 0.2, "vocab_size": 512,
+        "ctx": 64, "batch_size": 8, "target_hidden": 64, "target_layers": 2, "target_heads": 4, "target_kv_heads": 2,
+        "target_intermediate": 128, "draft_hidden": 32, "draft_layers": 1, "draft_heads": 2, "draft_kv_heads": 1,
+        "draft_intermediate": 64, "target_lr": 0.003, "draft_lr": 0.003, "target_warmup": 5, "draft_warmup": 5,
+        "weight_decay": 0.1, "min_lr_frac": 0.1, "target_minutes": None, "draft_minutes": None, "target_steps": 30,
+        "draft_steps": 20, "draft_ce_weight": 0.1, "eval_mb": 0.1, "eval_batch": 16, "ast_prompts": 4,
+        "ast_new_tokens": 16, "save_dtype": "float32", "compile": "off", "deadline_minutes": None,
+        "reserve_minutes": 0.0, "threads": 1,
+    },
 }
 
 
@@ -130,8 +132,7 @@ def _run(a: argparse.Namespace) -> int:
     from tandem.train.evaluate import ast_parse_eval, score_pair
     from tandem.train.export import export_hf, parity_check
     from tandem.train.tokenizer import EOT, encode_texts, train_tokenizer
-    from tandem.train.trainer import (distill_loss_fn, init_weights, lm_loss_fn, make_config, TokenStream,
-                                      train_loop)
+    from tandem.train.trainer import TokenStream, distill_loss_fn, init_weights, lm_loss_fn, make_config, train_loop
 
     t_start = time.time()
     out = Path(a.out)
@@ -197,7 +198,8 @@ def _run(a: argparse.Namespace) -> int:
     held_ids = encode_texts(tok, corp.heldout_texts)
     held_bytes = corp.heldout_bytes
     with gzip.open(out / "corpus_manifest.txt.gz", "wt") as f:
-        f.write("# train\n" + "\n".join(corp.train_keys) + "\n# heldout (evaluated)\n" + "\n".join(corp.heldout_keys) + "\n")
+        f.write("# train\n" + "\n".join(corp.train_keys) + "\n")
+        f.write("# heldout (evaluated)\n" + "\n".join(corp.heldout_keys) + "\n")
 
     # 4. target
     target_cfg = make_config(vocab, a.target_hidden, a.target_layers, a.target_heads, a.target_kv_heads,
@@ -277,7 +279,7 @@ def _run(a: argparse.Namespace) -> int:
         "quality": quality,
         "corpus": {
             "kinds": list(kinds), "candidate_files": corp.candidates,
-            "train_files": len(corp.train_texts), "train_bytes": train_bytes, "train_tokens": int(len(stream)),
+            "train_files": len(corp.train_texts), "train_bytes": train_bytes, "train_tokens": len(stream),
             "heldout_files_evaluated": len(corp.heldout_texts), "heldout_bytes_evaluated": held_bytes,
             "heldout_percent": corpus_mod.HELDOUT_PERCENT, "skipped_unreadable": corp.skipped_unreadable,
             "skipped_duplicate": corp.skipped_duplicate,

@@ -169,7 +169,7 @@ def train_loop(name: str, model: torch.nn.Module, loss_fn, stream: TokenStream, 
         try:
             loss, aux = fn(x, y)
             loss.backward()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if not compiled or step > 0:
                 raise
             log(f"{name}: compiled step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
