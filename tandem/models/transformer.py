@@ -78,8 +78,9 @@ class Transformer(nn.Module):
     def fuse_projections(self) -> "Transformer":
         """Fuse q/k/v and gate/up weights (inference only: fewer, larger matrix products)."""
         for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            if layer.self_attn.qkv_weight is None:
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
         return self
 
     @property
