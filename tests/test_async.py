@@ -281,3 +281,31 @@ def test_target_error_shuts_down_the_draft_process(alarm):
         generate_async(TARGET, big_draft, [3, 100, 4], SpecConfig(nodes=4, width=2, depth=1), GREEDY,
                        GenerationConfig(max_new_tokens=20), set(), transport="gloo", verbose=False, timeout_s=30)
     assert multiprocessing.active_children() == []
+
+
+def test_stop_survives_an_interrupt_while_joining():
+    from tandem.runtime.workers import _stop
+
+    class Proc:  # join() is interrupted once; the process ends only when terminated
+        def __init__(self):
+            self.calls, self.alive = [], True
+
+        def join(self, timeout=None):
+            self.calls.append("join")
+            if len(self.calls) == 1:
+                raise KeyboardInterrupt
+
+        def is_alive(self):
+            return self.alive
+
+        def terminate(self):
+            self.calls.append("terminate")
+            self.alive = False
+
+        def kill(self):
+            self.calls.append("kill")
+
+    p = Proc()
+    with pytest.raises(KeyboardInterrupt):
+        _stop(p, graceful=True)
+    assert p.calls == ["join", "terminate", "join"] and not p.alive

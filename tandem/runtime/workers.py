@@ -258,9 +258,9 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
         args=(os.path.join(tmp, "rendezvous"), transport, draft_model, draft_device, list(prompt_ids), spec,
               (d_rows, tree_rows), use_graphs, verbose, timeout_s, torch.get_num_threads(), out))
     t_start = time.perf_counter()
-    proc.start()
     ok = False
     try:
+        proc.start()  # inside the try: an interrupt during the spawn still stops the child
         if t_dev.type == "cuda":
             torch.cuda.set_device(t_dev)
         dist.init_process_group(transport, init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=TARGET,
@@ -299,10 +299,13 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
                  **payload}
         return _result(emitter, len(prompt_ids), seconds, stats)
     finally:
-        _stop(proc, graceful=ok)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            if proc.pid is not None:
+                _stop(proc, graceful=ok)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _get(out, proc, timeout_s: float):
@@ -326,11 +329,20 @@ def _draft_error(out, proc, why: str) -> str:
 
 
 def _stop(proc, graceful: bool) -> None:
-    """Join the draft process; terminate (then kill) it if it does not end by itself."""
-    proc.join(timeout=10.0 if graceful else 0.2)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(timeout=5.0)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(timeout=5.0)
+    """Join the draft process; terminate (then kill) it if it does not end by itself.
+
+    An interrupt while waiting does not leave the process behind: stopping goes on and the
+    interrupt is re-raised at the end.
+    """
+    pending: BaseException | None = None
+    for step in ("join", "terminate", "kill"):
+        if step != "join":
+            if not proc.is_alive():
+                break
+            getattr(proc, step)()
+        try:
+            proc.join(timeout=(10.0 if graceful else 0.2) if step == "join" else 5.0)
+        except KeyboardInterrupt as e:
+            pending = e
+    if pending is not None:
+        raise pending
