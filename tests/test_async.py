@@ -242,6 +242,13 @@ def test_depth_controller_trial_keeps_the_faster_depth_and_recovers():
         ctl.observe(tokens=3, seconds=0.01, in_tree=2)
     assert not ctl.collapsed and ctl.depth == 3
     assert DepthController.tuned(0.001, 0.004).depth == 1  # at least one round
+    guarded = DepthController.tuned(0.010, 0.004, serial_guard=True)
+    assert guarded.candidates == (2, 3, 0)
+    for d, rate in ((2, 3), (3, 3), (0, 4)):  # overlapping does not pay: keep the serial loop
+        assert guarded.depth == d
+        for _ in range(guarded.trial_passes + (d == 2)):
+            guarded.observe(tokens=rate, seconds=0.01, in_tree=rate)
+    assert guarded.depth == 0 and not guarded.collapsed
     assert DepthController.tuned(0.001, 0.004, depth=5).depth == 5
 
 

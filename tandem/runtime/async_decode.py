@@ -26,7 +26,8 @@ Transports (one code path; only the `link` differs):
 
 Self-tuning (SwiftSpec s3.1.3): t_target(N + 1 rows) and t_draft(w rows) are profiled with the
 runners; d = max(1, floor(t_target / t_draft)); the first passes run with d, the next with d+1,
-and the faster (tokens per second) is kept. spec.depth overrides all of this.
+and the faster (tokens per second) is kept. The concurrent transports also try d = 0 (the
+serial tree loop) so that overlapping is kept only where it pays. spec.depth overrides all this.
 
 Collapse guard (summary s8): when few verified tokens are found in the draft tree (a sliding
 window over passes of tokens-in-tree / tokens-verified), the tree grown while the target
@@ -86,12 +87,18 @@ class DepthController:
 
     @classmethod
     def tuned(cls, t_target: float, t_draft: float, depth: int | None = None, verbose: bool = False,
-              **kw) -> DepthController:
+              serial_guard: bool = False, **kw) -> DepthController:
+        """d = max(1, floor(t_target / t_draft)); the trial tries d, d + 1 and, with
+        `serial_guard` (concurrent transports), also d = 0: no expansion while the target
+        verifies, i.e. the serial tree loop, kept if overlapping does not pay (one GPU shared
+        by both streams can make it so)."""
         if depth is not None:
             return cls(depth=depth, fixed=True, verbose=verbose, **kw)
         d = max(1, math.floor(t_target / max(t_draft, 1e-9)))
-        ctl = cls(depth=d, candidates=(d, d + 1), verbose=verbose, **kw)
-        ctl._say(f"t_target={t_target * 1e3:.3f} ms, t_draft={t_draft * 1e3:.3f} ms -> trying d={d} and d={d + 1}")
+        cands = (d, d + 1, 0) if serial_guard else (d, d + 1)
+        ctl = cls(depth=d, candidates=cands, verbose=verbose, **kw)
+        ctl._say(f"t_target={t_target * 1e3:.3f} ms, t_draft={t_draft * 1e3:.3f} ms -> trying "
+                 + ", ".join(f"d={c}" for c in cands))
         return ctl
 
     def observe(self, tokens: int, seconds: float, in_tree: int) -> None:
@@ -126,7 +133,7 @@ class DepthController:
                           f"were in the draft tree; falling back to the serial tree loop (d=0)")
                 self._hits.clear()
             elif self.collapsed and rate >= self.high:
-                self.collapsed, self.depth = False, max(1, self._saved)
+                self.collapsed, self.depth = False, self._saved
                 self._say(f"recovered: in-tree rate {rate:.0%}; d={self.depth}")
                 self._hits.clear()
 
@@ -451,7 +458,7 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
         _warm_buckets(target.runner, draft.tree.runner, spec, len(prompt_ids))
         # spec.depth given: nothing to tune, so nothing to profile
         t_target, t_draft = (target.profile(spec.nodes), draft.profile()) if spec.depth is None else (0.0, 0.0)
-        draft.ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose)
+        draft.ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose, serial_guard=streams)
         t0 = time.perf_counter()
         if len(prompt_ids) > 1:
             with target.ctx():
