@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import platform
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def git_commit() -> str | None:
+    """HEAD (with -dirty), or $TANDEM_COMMIT where the tree travels without .git (the GPU machine)."""
+    if os.environ.get("TANDEM_COMMIT"):
+        return os.environ["TANDEM_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10,
                              check=False)

@@ -132,7 +132,8 @@ class Generator:
 
             return generate_async(self.target_model, self.draft_model, prompt_ids, spec, sampling,
                                   dataclasses.replace(gen, max_new_tokens=max_new), eos, transport=transport,
-                                  on_tokens=on_tokens, tokenizer=self.tokenizer, use_graphs=self.use_graphs)
+                                  on_tokens=on_tokens, tokenizer=self.tokenizer, use_graphs=self.use_graphs,
+                                  runners=self._runners)
         slack = {"ar": 1, "chain": spec.k + 1, "tree": spec.nodes + 1 + spec.width * (spec.resolved_depth() + 1)}[method]
         capacity = len(prompt_ids) + max_new + slack + 1
         g = torch.Generator().manual_seed(sampling.seed)
