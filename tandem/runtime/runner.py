@@ -70,6 +70,10 @@ class ModelRunner:
         graph, buf = self._graphs[key]
         T = len(tokens)
         # Host-built inputs travel in one pinned copy; the mask is assembled on the device.
+        # NOTE: the copy is asynchronous, so before the host buffers are rewritten the previous
+        # copy out of them must have run (callers may queue several steps without a sync).
+        if buf["staged"] is not None:
+            buf["staged"].synchronize()
         host = buf["host"]
         host[0, :T] = torch.tensor(tokens)
         host[1, :T] = torch.tensor(positions)
@@ -81,6 +85,8 @@ class ModelRunner:
         dev.copy_(host, non_blocking=True)
         dmask = buf["dev_mask"]
         dmask[:T, :tree_len].copy_(hmask[:T, :tree_len], non_blocking=True)
+        buf["staged"] = torch.cuda.Event()
+        buf["staged"].record()
         m = buf["mask"][0, 0]  # [bucket, width]
         m[:T].copy_(buf["cols"] < prefix)
         m[:T, prefix:prefix + tree_len] = dmask[:T, :tree_len]
@@ -101,6 +107,7 @@ class ModelRunner:
             "dev_mask": torch.zeros(bucket, self.buckets[-1] * 2 + 2, dtype=torch.bool, device=dev),
             "mask": torch.zeros(1, 1, bucket, width, dtype=torch.bool, device=dev),
             "cols": torch.arange(width, device=dev),
+            "staged": None,  # event recorded after the last host-to-device copy of the inputs
         }
         buf["dev"][2] = self.scratch
         buf["mask"][0, 0, :, 0] = True
