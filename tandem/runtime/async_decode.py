@@ -438,7 +438,7 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
     t_rows, d_rows, tree_rows = plan_capacity(len(prompt_ids), max_new, spec)
     generator = torch.Generator().manual_seed(sampling.seed)
 
-    with torch.inference_mode():
+    with torch.no_grad():  # NOTE: not inference_mode: runners (and their caches) outlive this call
         if transport in ("gloo", "nccl"):
             from tandem.runtime.workers import run_process_pair
 

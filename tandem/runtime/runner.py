@@ -8,6 +8,8 @@ launch instead of hundreds of kernel launches from a slow host CPU.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tandem.kv.cache import KVCache
@@ -26,7 +28,9 @@ class ModelRunner:
         self.cache.capacity = capacity  # the scratch row is never handed out
         self.capacity = capacity
         self.scratch = capacity
-        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        if use_graphs is None:  # TANDEM_CUDA_GRAPHS=0 turns capture off (debugging, A/B timing)
+            use_graphs = self.device.type == "cuda" and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
+        self.use_graphs = use_graphs
         self.buckets = tuple(sorted(buckets))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._pool = None
