@@ -391,7 +391,8 @@ def summarize_method(reqs: list[Request]) -> dict:
     return {
         "requests": len(reqs),
         "new_tokens": tokens,
-        "decode_tokens_per_s": summarize([r.decode_tokens_per_s for r in reqs]).to_dict(),
+        # NOTE: a request that stopped after one token has no decode phase; it has no rate to average
+        "decode_tokens_per_s": summarize([r.decode_tokens_per_s for r in reqs if r.new_tokens > 1]).to_dict(),
         "tokens_per_s": summarize([r.tokens_per_s for r in reqs]).to_dict(),
         "ttft_s": summarize([r.ttft for r in reqs]).to_dict(),
         # tau over the whole workload: committed tokens / target passes
