@@ -235,3 +235,36 @@ def test_async_method_is_benchmarked_and_checked(tiny_pair, tmp_path):
     assert res["config"]["methods"] == ["ar", "async"]
     assert res["check"]["mismatches"]["async"]["count"] == 0
     assert res["summary"]["async"]["tau"] >= 1.0
+
+
+def test_acceptance_replay_times_methods_at_preset_shapes_with_the_recorded_accepts(tiny_pair, tmp_path, capsys):
+    trace_dir, out = tmp_path / "trace", tmp_path / "replay"
+    rc = cli.main(["bench", *_pair_args(tiny_pair, prefer_bundled=True), "--workload", str(_prompts_file(tmp_path)),
+                   "--num-prompts", "2", "--max-new-tokens", "16", "--methods", "ar,chain,tree", "--k", "3",
+                   "--nodes", "8", "--warmup", "0", "--no-plots", "--out", str(trace_dir)])
+    assert rc == 0, capsys.readouterr().err
+    rc = cli.main(["bench", "--preset", "tiny", "--replay", str(trace_dir / "results.json"), "--methods", "ar,chain,tree",
+                   "--no-plots", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads((out / "results.json").read_text())
+    trace = json.loads((trace_dir / "results.json").read_text())
+    assert "simulated acceptance" in res["acceptance"] and "simulated acceptance" in (out / "results.md").read_text()
+    assert res["check"]["checked"] is False
+    assert set(res["summary"]) == {"ar", "chain", "tree"} and res["config"]["preset"] == "tiny"
+    recorded = {(r["method"], r["prompt_index"]): r for r in trace["requests"]}
+    for r in res["requests"]:
+        rec = recorded[(r["method"], r["prompt_index"])]
+        assert r["new_tokens"] == max(1, rec["new_tokens"])
+        if r["method"] == "chain":  # a chain of k always has room for the recorded accept count
+            assert r["accept_lengths"] == rec["accept_lengths"]
+
+
+def test_replay_needs_a_preset_and_a_real_trace(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    assert cli.main(["bench", "--replay", str(bad)]) == 2
+    assert "--replay needs --preset" in capsys.readouterr().err
+    assert cli.main(["bench", "--preset", "tiny", "--replay", str(bad)]) == 2
+    assert "no per-request records" in capsys.readouterr().err
+    assert cli.main(["bench", "--preset", "tiny"]) == 2
+    assert "need --replay" in capsys.readouterr().err

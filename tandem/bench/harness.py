@@ -476,6 +476,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--async-transport", default="auto",
                    help="transport of method async: auto | inline | streams | gloo | nccl")
+    p.add_argument("--replay", default=None, metavar="TRACE",
+                   help="acceptance replay: a results.json recorded with a real pair; time its methods at "
+                        "--preset shapes with random weights (labelled simulated acceptance)")
+    p.add_argument("--preset", default=None, help="with --replay: target shapes (llama3-8b, qwen2.5-7b, ...)")
+    p.add_argument("--draft-preset", default=None, help="with --replay: draft shapes (default: the preset's usual draft)")
 
 
 def _nodes_accepts_list(p: argparse.ArgumentParser) -> None:
@@ -500,6 +505,13 @@ def tokenize_prompts(prompts: list[Prompt], tokenizer, max_prompt_tokens: int | 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replay is not None:
+        from tandem.bench.replay import run_replay
+
+        return run_replay(args)
+    if args.preset is not None or args.draft_preset is not None:
+        raise ConfigError("--preset/--draft-preset need --replay TRACE (random weights only make sense with "
+                          "recorded acceptance)")
     budgets = parse_nodes(args.nodes)
     args.nodes = budgets[0]
     spec, sampling, gen = configs_from_args(args)

@@ -20,7 +20,7 @@ from tandem.drafting.model_drafter import ModelDrafter
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree, ancestor_mask
 from tandem.verify.sampling import probs_from_logits
-from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
+from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept, replay_accept
 
 METHODS = ("ar", "chain", "tree", "async")
 
@@ -65,12 +65,15 @@ class Target:
     def __init__(self, runner: ModelRunner, sampling: SamplingConfig, generator: torch.Generator):
         self.runner, self.sampling, self.generator = runner, sampling, generator
 
-    def verify(self, tree: DraftTree) -> VerifyResult:
+    def verify(self, tree: DraftTree, forced_accept: int | None = None) -> VerifyResult:
+        """One pass over the tree; `forced_accept` replays a recorded acceptance (simulated)."""
         cache = self.runner.cache
         prefix = cache.prefix_len
         depth = tree.depth
         logits = self.runner.step(tree.tokens, [prefix + d for d in depth], ancestor_mask(tree.parents))  # [n, V]
-        if self.sampling.greedy:
+        if forced_accept is not None:
+            result = replay_accept(tree, logits.argmax(-1).tolist(), forced_accept)
+        elif self.sampling.greedy:
             result = greedy_accept(tree, logits.argmax(-1).tolist())
         else:
             probs = probs_from_logits(logits, self.sampling)  # [n, V]
@@ -113,7 +116,11 @@ class Generator:
 
     def generate(self, prompt_ids: list[int], method: str = "tree", spec: SpecConfig = SpecConfig(),
                  sampling: SamplingConfig = SamplingConfig(), gen: GenerationConfig = GenerationConfig(),
-                 on_tokens: Callable[[list[int]], None] | None = None, transport: str = "auto") -> GenerationResult:
+                 on_tokens: Callable[[list[int]], None] | None = None, transport: str = "auto",
+                 forced_accepts: list[int] | None = None) -> GenerationResult:
+        """Decode one request. `forced_accepts` (acceptance replay): the accepted-token count of
+        each target pass comes from this recorded list instead of the target (simulated acceptance;
+        the tokens are meaningless, the costs real)."""
         if method not in METHODS:
             raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         spec.validate(), sampling.validate(), gen.validate()
@@ -156,7 +163,10 @@ class Generator:
         stop_text = None
         while len(out) < max_new:
             tree = self._propose(drafter, method, spec, sampling, root)
-            result = target.verify(tree)
+            forced = None
+            if forced_accepts is not None:
+                forced = forced_accepts[len(accept_lengths) % len(forced_accepts)] if forced_accepts else 0
+            result = target.verify(tree, forced)
             if drafter is not None:
                 drafter.observe(result, tree)
             accept_lengths.append(result.accepted)

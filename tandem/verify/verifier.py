@@ -93,3 +93,20 @@ def rejection_accept(tree: DraftTree, target_probs: torch.Tensor, generator: tor
             return VerifyResult(path=path, tokens=tokens, num_draft=len(tree) - 1)
         path.append(nxt)
         node = nxt
+
+
+def replay_accept(tree: DraftTree, target_argmax: list[int], accept: int) -> VerifyResult:
+    """Acceptance replay (simulated acceptance, for timing realistic shapes with random weights).
+
+    The decision comes from a recorded trace instead of the target: `accept` draft tokens are
+    taken along the draft's most probable path (as deep as the tree allows), then the bonus is
+    the target's argmax after the last of them. The target pass itself really runs, so costs are
+    real; the tokens are not a decoding of anything and are never checked against `ar`.
+    """
+    children = tree.children()
+    path, node = [0], 0
+    while len(path) - 1 < accept and children[node]:
+        node = max(children[node], key=lambda c: (tree.logp[c], -c))
+        path.append(node)
+    tokens = [tree.tokens[i] for i in path[1:]] + [target_argmax[node]]
+    return VerifyResult(path=path, tokens=tokens, num_draft=len(tree) - 1)
