@@ -216,7 +216,6 @@ def test_jsonl_workload_and_errors(tmp_path):
 
 
 def test_source_workload_takes_heldout_heads():
-    pytest.importorskip("tandem.train.corpus")
     ps = workloads.load_workload("source", 2, source_lines=5)
     assert 1 <= len(ps) <= 2
     for p in ps:
@@ -224,7 +223,6 @@ def test_source_workload_takes_heldout_heads():
 
 
 def test_async_method_is_benchmarked_and_checked(tiny_pair, tmp_path):
-    pytest.importorskip("tandem.runtime.async_decode")
     out = tmp_path / "async"
     rc = cli.main(["bench", "--target", str(tiny_pair), "--draft", str(tiny_pair), "--workload",
                    str(_prompts_file(tmp_path)), "--num-prompts", "2", "--max-new-tokens", "12", "--ignore-eos",
