@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels.fused import add_rmsnorm, rmsnorm_ref, rope_, silu_mul
+from tandem.kernels.fused import rmsnorm_ref, rope_, silu_mul
 
 if TYPE_CHECKING:
     from tandem.config import ModelConfig

@@ -48,12 +48,11 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
-from tandem.runtime.generate import GenerationResult
+from tandem.runtime.generate import GenerationResult, Launch, Target
 from tandem.runtime.runner import ModelRunner
-from tandem.tree.draft_tree import DraftTree, ancestor_mask
+from tandem.tree.draft_tree import DraftTree
 from tandem.tree.evolving import EvolvingTree
-from tandem.verify.sampling import probs_from_logits
-from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
+from tandem.verify.verifier import VerifyResult
 
 TRANSPORTS = ("auto", "inline", "streams", "gloo", "nccl")
 
@@ -248,15 +247,8 @@ class DraftWorker:
                 "controller": self.ctl.summary() if self.ctl else None}
 
 
-@dataclass
-class _Launch:
-    tree: DraftTree
-    out: torch.Tensor | None  # [n] argmax (greedy) or [n, vocab] probs; None: not run yet (inline)
-    event: torch.cuda.Event | None
-
-
-class TargetWorker:
-    """Verifies one tree per pass: one target step with the tree mask, accept, commit the path.
+class TargetWorker(Target):
+    """Verifies one tree per pass (generate.Target: launch / ready / finish), plus profiling.
 
     NOTE (tensor parallelism): the target is one ModelRunner on one device. A TP group would
     plug in here: rank 0 of the group runs this worker and broadcasts each received tree to
@@ -265,51 +257,6 @@ class TargetWorker:
     answers the draft. Missing today: sharded linear layers in tandem.models, a sharded loader,
     the broadcast of the tree inside the group, and CUDA-graph capture of the collectives.
     """
-
-    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, generator: torch.Generator,
-                 stream: torch.cuda.Stream | None = None, deferred: bool = False):
-        self.runner, self.sampling, self.generator = runner, sampling, generator
-        self.stream = stream
-        self.deferred = deferred  # inline: run the pass in finish(), after the draft's rounds
-
-    def ctx(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
-
-    def launch(self, tree: DraftTree, now: bool = False) -> _Launch:
-        if self.deferred and not now:
-            return _Launch(tree, None, None)
-        cache = self.runner.cache
-        with self.ctx():
-            depth = tree.depth
-            logits = self.runner.step(tree.tokens, [cache.prefix_len + d for d in depth],
-                                      ancestor_mask(tree.parents))  # [n, vocab]
-            out = logits.argmax(-1) if self.sampling.greedy else probs_from_logits(logits, self.sampling)
-            event = None
-            if self.stream is not None:
-                if self.sampling.greedy:
-                    out = out.to("cpu", non_blocking=True)  # read only after the event
-                event = torch.cuda.Event()
-                event.record(self.stream)
-        return _Launch(tree, out, event)
-
-    def ready(self, launch: _Launch) -> bool:
-        return launch.event is None or launch.event.query()
-
-    def finish(self, launch: _Launch) -> VerifyResult:
-        if launch.out is None:
-            launch = self.launch(launch.tree, now=True)
-        if launch.event is not None:
-            launch.event.synchronize()
-        with self.ctx():
-            if self.sampling.greedy:
-                result = greedy_accept(launch.tree, launch.out.tolist())
-            else:
-                result = rejection_accept(launch.tree, launch.out, self.generator)
-            self.runner.cache.commit(result.path)
-        return result
-
-    def verify(self, tree: DraftTree) -> VerifyResult:
-        return self.finish(self.launch(tree))
 
     def profile(self, nodes: int) -> float:
         with self.ctx():
@@ -365,7 +312,7 @@ class LocalLink:
 
     def __init__(self, target: TargetWorker, emitter: Emitter):
         self.target, self.emitter = target, emitter
-        self._launch: _Launch | None = None
+        self._launch: Launch | None = None
         self.target_busy_s = 0.0
 
     def submit(self, tree: DraftTree) -> None:

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -59,29 +60,73 @@ class GenerationResult:
         return (self.new_tokens - 1) / dt if dt > 0 and self.new_tokens > 1 else 0.0
 
 
-class Target:
-    """The target model's side of verification: one pass over a tree, then commit the path."""
+@dataclass
+class Launch:
+    """A target pass in flight: the tree, its per-node output, and the event marking its end."""
 
-    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, generator: torch.Generator):
+    tree: DraftTree
+    out: torch.Tensor | None  # [n] argmax (greedy, replay) or [n, vocab] probs; None: not run yet
+    event: torch.cuda.Event | None = None
+    forced: int | None = None  # acceptance replay: accept count taken from a trace
+
+
+class Target:
+    """The target model's side of verification: one pass over a tree, accept, commit the path.
+
+    `verify(tree)` is `finish(launch(tree))`. The split serves the async workers: on a CUDA
+    `stream` the pass is queued and an event marks its end (`ready` polls it) while the draft
+    keeps working; `deferred` queues nothing until `finish` (the deterministic inline transport).
+    """
+
+    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, generator: torch.Generator,
+                 stream: torch.cuda.Stream | None = None, deferred: bool = False):
         self.runner, self.sampling, self.generator = runner, sampling, generator
+        self.stream, self.deferred = stream, deferred
+
+    def ctx(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def launch(self, tree: DraftTree, now: bool = False, forced: int | None = None) -> Launch:
+        if self.deferred and not now:
+            return Launch(tree, None, forced=forced)
+        prefix = self.runner.cache.prefix_len
+        with self.ctx():
+            logits = self.runner.step(tree.tokens, [prefix + d for d in tree.depth],
+                                      ancestor_mask(tree.parents))  # [n, vocab]
+            greedy = self.sampling.greedy or forced is not None
+            out = logits.argmax(-1) if greedy else probs_from_logits(logits, self.sampling)  # [n] | [n, V]
+            event = None
+            if self.stream is not None:
+                if greedy:
+                    out = out.to("cpu", non_blocking=True)  # read only after the event
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        return Launch(tree, out, event, forced)
+
+    def ready(self, launch: Launch) -> bool:
+        return launch.event is None or launch.event.query()
+
+    def finish(self, launch: Launch) -> VerifyResult:
+        if launch.out is None:
+            launch = self.launch(launch.tree, now=True, forced=launch.forced)
+        if launch.event is not None:
+            launch.event.synchronize()
+        tree = launch.tree
+        with self.ctx():
+            if launch.forced is not None:
+                result = replay_accept(tree, launch.out.tolist(), launch.forced)
+            elif self.sampling.greedy:
+                result = greedy_accept(tree, launch.out.tolist())
+            else:
+                if tree.q is not None and tree.q.shape[-1] != launch.out.shape[-1]:
+                    tree.q = _pad_vocab(tree.q, launch.out.shape[-1])
+                result = rejection_accept(tree, launch.out, self.generator)
+            self.runner.cache.commit(result.path)
+        return result
 
     def verify(self, tree: DraftTree, forced_accept: int | None = None) -> VerifyResult:
         """One pass over the tree; `forced_accept` replays a recorded acceptance (simulated)."""
-        cache = self.runner.cache
-        prefix = cache.prefix_len
-        depth = tree.depth
-        logits = self.runner.step(tree.tokens, [prefix + d for d in depth], ancestor_mask(tree.parents))  # [n, V]
-        if forced_accept is not None:
-            result = replay_accept(tree, logits.argmax(-1).tolist(), forced_accept)
-        elif self.sampling.greedy:
-            result = greedy_accept(tree, logits.argmax(-1).tolist())
-        else:
-            probs = probs_from_logits(logits, self.sampling)  # [n, V]
-            if tree.q is not None and tree.q.shape[-1] != probs.shape[-1]:
-                tree.q = _pad_vocab(tree.q, probs.shape[-1])
-            result = rejection_accept(tree, probs, self.generator)
-        cache.commit(result.path)
-        return result
+        return self.finish(self.launch(tree, now=True, forced=forced_accept))
 
 
 def _pad_vocab(q: torch.Tensor, v: int) -> torch.Tensor:
