@@ -18,7 +18,11 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
 class ModelRunner:
-    def __init__(self, model, capacity: int, use_graphs: bool | None = None, buckets=DEFAULT_BUCKETS):
+    """`use_graphs`: None = CUDA graphs on CUDA; "emulate" = the same bucketed, padded, width-
+    bucketed path on any device with an eager call in place of the replay (tests the graph path's
+    bookkeeping on the CPU)."""
+
+    def __init__(self, model, capacity: int, use_graphs: bool | str | None = None, buckets=DEFAULT_BUCKETS):
         self.model = model
         self.device = model.device
         if hasattr(model, "fuse_projections"):
@@ -32,7 +36,8 @@ class ModelRunner:
         self.scratch = capacity
         if use_graphs is None:  # TANDEM_CUDA_GRAPHS=0 turns capture off (debugging, A/B timing)
             use_graphs = self.device.type == "cuda" and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
-        self.use_graphs = use_graphs
+        self.emulate = use_graphs == "emulate"
+        self.use_graphs = bool(use_graphs)
         self.buckets = tuple(sorted(buckets))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._pool = None
@@ -80,6 +85,7 @@ class ModelRunner:
         # copy out of them must have run (callers may queue several steps without a sync).
         if buf["staged"] is not None:
             buf["staged"].synchronize()
+        pin = not self.emulate
         host = buf["host"]
         host[0, :T] = torch.tensor(tokens)
         host[1, :T] = torch.tensor(positions)
@@ -88,28 +94,33 @@ class ModelRunner:
         hmask = buf["host_mask"]
         hmask[:T, :tree_len] = tree_mask
         dev = buf["dev"]
-        dev.copy_(host, non_blocking=True)
+        dev.copy_(host, non_blocking=pin)
         dmask = buf["dev_mask"]
-        dmask[:T, :tree_len].copy_(hmask[:T, :tree_len], non_blocking=True)
-        buf["staged"] = torch.cuda.Event()
-        buf["staged"].record()
+        dmask[:T, :tree_len].copy_(hmask[:T, :tree_len], non_blocking=pin)
+        if pin:
+            buf["staged"] = torch.cuda.Event()
+            buf["staged"].record()
         m = buf["mask"][0, 0]  # [bucket, width]
         m[:T].copy_(buf["cols"] < prefix)
         m[:T, prefix:prefix + tree_len] = dmask[:T, :tree_len]
         m[T:].zero_()
         m[T:, 0] = True  # padded rows (writing the scratch row) see column 0 only: no empty softmax row
-        graph.replay()
+        if graph is None:  # emulation: the captured call, run eagerly on the same static buffers
+            buf["logits"] = self.model(dev[0:1], dev[1:2], self.cache, dev[2:3], buf["mask"])
+        else:
+            graph.replay()
         return buf["logits"][0, :T]
 
     @torch.no_grad()
     def _capture(self, bucket: int, width: int) -> None:
         dev = self.device
-        host = torch.zeros(3, bucket, dtype=torch.long).pin_memory()
+        pinned = (lambda t: t) if self.emulate else (lambda t: t.pin_memory())
+        host = pinned(torch.zeros(3, bucket, dtype=torch.long))
         host[2] = self.scratch
         buf = {
             "host": host,
             "dev": torch.zeros(3, bucket, dtype=torch.long, device=dev),
-            "host_mask": torch.zeros(bucket, self.buckets[-1] * 2 + 2, dtype=torch.bool).pin_memory(),
+            "host_mask": pinned(torch.zeros(bucket, self.buckets[-1] * 2 + 2, dtype=torch.bool)),
             "dev_mask": torch.zeros(bucket, self.buckets[-1] * 2 + 2, dtype=torch.bool, device=dev),
             "mask": torch.zeros(1, 1, bucket, width, dtype=torch.bool, device=dev),
             "cols": torch.arange(width, device=dev),
@@ -118,6 +129,9 @@ class ModelRunner:
         buf["dev"][2] = self.scratch
         buf["mask"][0, 0, :, 0] = True
         ids, pos, slots = buf["dev"][0:1], buf["dev"][1:2], buf["dev"][2:3]
+        if self.emulate:
+            self._graphs[(bucket, width)] = (None, buf)
+            return
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
