@@ -54,3 +54,17 @@ def test_subset_reindexes_parents():
     assert s.tokens == [5, 6, 8, 9]
     assert s.parents == [-1, 0, 1, 2]
     assert s.depth == [0, 1, 2, 3]
+
+
+def test_ancestor_mask_matches_the_definition_on_random_trees():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        n = int(torch.randint(1, 90, (), generator=g))
+        parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, n)]
+        mask = ancestor_mask(parents)
+        for i in range(n):
+            chain, j = set(), i
+            while j >= 0:
+                chain.add(j)
+                j = parents[j]
+            assert mask[i].tolist() == [k in chain for k in range(n)]
