@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import platform
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tandem.config import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,6 +58,16 @@ def environment(device: torch.device | str) -> dict[str, Any]:
 def _prog() -> str:
     name = Path(sys.argv[0]).name
     return "tandem" if name in ("__main__.py", "tandem", "-m") else name
+
+
+def read_json(path: str | Path, flag: str) -> Any:
+    """The JSON document at `path`, given on the command line as `flag`; ConfigError otherwise."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {flag} {str(path)!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} {str(path)!r} is not valid JSON ({e.msg})") from None
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -35,13 +35,13 @@ of the recorded acceptance on these shapes and this device, beside the measured 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tandem.bench.env import read_json
 from tandem.cli import add_model_arguments
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 
@@ -171,12 +171,7 @@ def prefilled_runner(model, context: int, max_rows: int, buckets: tuple[int, ...
 # ---------------------------------------------------------------------------------------------
 # tau tables
 def load_tau_json(path: str) -> dict[int, float]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read --tau-json {path!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--tau-json {path!r} is not valid JSON ({e.msg})") from None
+    data = read_json(path, "--tau-json")
     table = data.get("tau_by_nodes", data.get("tau", data)) if isinstance(data, dict) else None
     if not isinstance(table, dict) or not table:
         raise ConfigError(f"--tau-json {path!r} has no tau table; give a bench results.json run with "
@@ -216,15 +211,10 @@ def measure_tau(args, budgets: list[int]) -> dict[int, float]:
 # ---------------------------------------------------------------------------------------------
 def load_replay(path: str) -> dict:
     """A bench results.json's Tandem requests and, per method, (rows, first-step rows, width, rounds)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read --replay {path!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--replay {path!r} is not valid JSON ({e.msg})") from None
-    specs = (data.get("config") or {}).get("method_specs") if isinstance(data, dict) else None
-    if not specs or not data.get("requests"):
-        raise ConfigError(f"--replay {path!r} is not a tandem bench results.json (no config.method_specs/requests)")
+    from tandem.bench.replay import load_trace
+
+    data = load_trace(path)
+    specs = data["config"]["method_specs"]
     shapes = {}
     for name, sp in specs.items():
         kind = sp.get("method", name)

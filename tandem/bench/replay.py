@@ -11,7 +11,6 @@ checked against `ar`.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -24,12 +23,10 @@ SHARPEN = 64.0  # gain on the random draft's final RMSNorm (see run_replay)
 
 
 def load_trace(path: str | Path) -> dict:
-    try:
-        trace = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read --replay {str(path)!r}: {e.strerror}") from None
-    except json.JSONDecodeError:
-        raise ConfigError(f"--replay {str(path)!r} is not JSON; pass a results.json written by tandem bench") from None
+    """A `tandem bench` results.json with its per-request records (the acceptance trace)."""
+    from tandem.bench.env import read_json
+
+    trace = read_json(path, "--replay")
     if not isinstance(trace, dict) or not trace.get("requests") or "method_specs" not in trace.get("config", {}):
         raise ConfigError(f"--replay {str(path)!r} has no per-request records; pass a results.json written by tandem bench")
     return trace
@@ -37,8 +34,7 @@ def load_trace(path: str | Path) -> dict:
 
 def run_replay(args) -> int:
     from tandem.bench.env import environment
-    from tandem.bench.harness import (REFERENCE, Request, markdown_table, speedups, summarize_method,
-                                      write_outputs)
+    from tandem.bench.harness import REFERENCE, Request, markdown_table, speedups, summarize_method, write_outputs
     from tandem.bench.presets import DEFAULT_DRAFT, PRESETS, random_model
     from tandem.models.loader import resolve_dtype
     from tandem.runtime.generate import Generator
