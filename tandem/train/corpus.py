@@ -207,17 +207,25 @@ def build_corpus(
     held = [f for f in files if is_heldout(f.key)]
     train = [f for f in files if not is_heldout(f.key)]
     hashes: set[str] = set()
-    held_total = 0
-    for f in held:  # key order
+
+    def read_new(f) -> str | None:
+        """The file's text unless unreadable or a copy of a text already taken (counted in c)."""
         text = read_source(f.path)
         if text is None:
             c.skipped_unreadable += 1
-            continue
+            return None
         h = content_hash(text)
         if h in hashes:
             c.skipped_duplicate += 1
+            return None
+        hashes.add(h)
+        return text
+
+    held_total = 0
+    for f in held:  # key order; every held-out hash is recorded, so a training copy is excluded below
+        text = read_new(f)
+        if text is None:
             continue
-        hashes.add(h)  # always: a training copy of any held-out text is excluded below
         if max_heldout_bytes is None or held_total < max_heldout_bytes:
             c.heldout_keys.append(f.key)
             c.heldout_texts.append(text)
@@ -227,15 +235,9 @@ def build_corpus(
     for f in sorted(train, key=lambda f: (stable_hash(f.key), f.key)):
         if total >= max_train_bytes:
             break
-        text = read_source(f.path)
+        text = read_new(f)
         if text is None:
-            c.skipped_unreadable += 1
             continue
-        h = content_hash(text)
-        if h in hashes:
-            c.skipped_duplicate += 1
-            continue
-        hashes.add(h)
         picked.append((f.key, text))
         total += len(text.encode("utf-8"))
     picked.sort()
