@@ -57,12 +57,17 @@ class KVCache:
         return self.k[layer, :, :, :width], self.v[layer, :, :, :width]
 
     # ---- bookkeeping ----------------------------------------------------------------------
-    def reserve(self, n: int, device=None) -> torch.Tensor:
-        """Slots [n] for n new rows appended to the tree region (counted in tree_len)."""
+    def reserve_rows(self, n: int) -> int:
+        """Append n rows to the tree region (counted in tree_len); returns the first row's index."""
         start = self.length
         if start + n > self.capacity:
             raise CacheFullError(f"KV cache full: {start} + {n} rows > capacity {self.capacity}")
         self.tree_len += n
+        return start
+
+    def reserve(self, n: int, device=None) -> torch.Tensor:
+        """`reserve_rows`, returning the slots [n] as a tensor (what the attention layers take)."""
+        start = self.reserve_rows(n)
         return torch.arange(start, start + n, device=device or self.k.device)
 
     def append_prefix(self, n: int, device=None) -> torch.Tensor:

@@ -52,8 +52,7 @@ class ModelRunner:
         which occupy its last T columns. The verified prefix is always visible.
         """
         T = len(tokens)
-        start = self.cache.length
-        self.cache.reserve(T, device="cpu")
+        start = self.cache.reserve_rows(T)
         prefix, tree_len = self.cache.prefix_len, self.cache.tree_len
         assert tree_mask.shape == (T, tree_len), (tree_mask.shape, T, tree_len)
         self.passes += 1
