@@ -39,3 +39,19 @@ def noisy_copy(model: Transformer, noise: float, seed: int = 1) -> Transformer:
         for p in d.parameters():
             p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
     return d
+
+
+def unit_scaled_model(vocab: int = 96, seed: int = 0, head_scale: float = 4.0, max_positions: int = 256) -> Transformer:
+    """A 2-layer, 32-wide Llama whose weights are N(0, 1/fan_in) (norm gains near 1), seeded;
+    `head_scale` sharpens its logits. Used by the async and evolving-tree tests."""
+    cfg = ModelConfig(family="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=max_positions)
+    torch.manual_seed(seed)
+    m = Transformer(cfg).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        m.lm_head.weight.mul_(head_scale)
+    return m

@@ -16,7 +16,8 @@ import time
 import pytest
 import torch
 
-from tandem.config import ConfigError, GenerationConfig, ModelConfig, SamplingConfig, SpecConfig
+from models_for_tests import unit_scaled_model
+from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.models.transformer import Transformer
 from tandem.runtime.async_decode import DepthController, generate_async
 from tandem.runtime.generate import Generator
@@ -24,17 +25,7 @@ from tandem.runtime.workers import DraftWorkerError
 
 
 def tiny(vocab: int = 96, seed: int = 0, head_scale: float = 4.0) -> Transformer:
-    cfg = ModelConfig(family="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
-    torch.manual_seed(seed)
-    m = Transformer(cfg).eval().requires_grad_(False)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
-                    else torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        m.lm_head.weight.mul_(head_scale)
-    return m
+    return unit_scaled_model(vocab, seed, head_scale, max_positions=256)
 
 
 def noisy_copy(m: Transformer, scale: float = 0.02, seed: int = 1) -> Transformer:
@@ -124,15 +115,20 @@ def test_polled_link_path_equals_ar():
     prompt, n = [11, 12, 13], 30
     spec = SpecConfig(nodes=6, width=2, depth=2)
     t_rows, d_rows, tree_rows = plan_capacity(len(prompt), n, spec)
-    target = TargetWorker(ModelRunner(TARGET, t_rows), GREEDY, torch.Generator(), deferred=False)
-    draft = DraftWorker(ModelRunner(DRAFT, d_rows), spec, tree_rows, inline=False)
-    draft.ctl = DepthController.tuned(0.0, 0.0, spec.depth)
-    target.runner.prefill(prompt[:-1])
-    draft.start(prompt)
-    emitter = Emitter(n, set(), GenerationConfig(max_new_tokens=n), None, None, time.perf_counter())
-    draft_loop(draft, LocalLink(target, emitter))
-    assert emitter.out == ar_tokens(prompt, n)
-    assert set(draft.rounds) == {0}  # a CPU verify is done at submit: the draft never waits for it
+    def run(link_class):
+        """The polled (streams) loop on the CPU through `link_class`; returns (tokens, rounds per pass)."""
+        target = TargetWorker(ModelRunner(TARGET, t_rows), GREEDY, torch.Generator(), deferred=False)
+        draft = DraftWorker(ModelRunner(DRAFT, d_rows), spec, tree_rows, inline=False)
+        draft.ctl = DepthController.tuned(0.0, 0.0, spec.depth)
+        target.runner.prefill(prompt[:-1])
+        draft.start(prompt)
+        emitter = Emitter(n, set(), GenerationConfig(max_new_tokens=n), None, None, time.perf_counter())
+        draft_loop(draft, link_class(target, emitter))
+        return emitter.out, set(draft.rounds)
+
+    out, rounds = run(LocalLink)
+    assert out == ar_tokens(prompt, n)
+    assert rounds == {0}  # a CPU verify is done at submit: the draft never waits for it
 
     class SlowLink(LocalLink):
         """The answer shows up only at the second poll after each submit (a slow verify)."""
@@ -145,15 +141,9 @@ def test_polled_link_path_equals_ar():
             self.polls += 1
             return self.polls > 1
 
-    target = TargetWorker(ModelRunner(TARGET, t_rows), GREEDY, torch.Generator(), deferred=False)
-    draft = DraftWorker(ModelRunner(DRAFT, d_rows), spec, tree_rows, inline=False)
-    draft.ctl = DepthController.tuned(0.0, 0.0, spec.depth)
-    target.runner.prefill(prompt[:-1])
-    draft.start(prompt)
-    emitter = Emitter(n, set(), GenerationConfig(max_new_tokens=n), None, None, time.perf_counter())
-    draft_loop(draft, SlowLink(target, emitter))
-    assert emitter.out == ar_tokens(prompt, n)
-    assert set(draft.rounds) == {1}  # expanded while not ready, stopped as soon as the answer was in
+    out, rounds = run(SlowLink)
+    assert out == ar_tokens(prompt, n)
+    assert rounds == {1}  # expanded while not ready, stopped as soon as the answer was in
 
 
 def test_streams_needs_cuda():

@@ -29,7 +29,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.config import ModelConfig
+from models_for_tests import unit_scaled_model
 from tandem.models.transformer import Transformer
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.evolving import EvolvingTree
@@ -39,16 +39,7 @@ CAP = 160
 
 
 def _model(seed: int = 0) -> Transformer:
-    cfg = ModelConfig(family="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
-    torch.manual_seed(seed)
-    m = Transformer(cfg).eval().requires_grad_(False)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
-                    else torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    return m
+    return unit_scaled_model(V, seed, head_scale=1.0, max_positions=512)
 
 
 MODEL = _model()
