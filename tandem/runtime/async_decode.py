@@ -165,7 +165,6 @@ def time_step(runner: ModelRunner, rows: int, repeats: int = 5) -> float:
         if i >= 2:  # the first two warm up (graph capture, allocator)
             times.append(time.perf_counter() - t0)
         cache.tree_len = saved  # NOTE: drop the profiling rows; they are overwritten later
-    runner.passes = 0
     return sorted(times)[len(times) // 2]
 
 
@@ -435,7 +434,6 @@ def _runner(cache: dict | None, key: str, model, rows: int, use_graphs: bool | N
         if cache is not None:
             cache[key] = r
     r.cache.truncate(0)
-    r.passes = 0
     return r
 
 

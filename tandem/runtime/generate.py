@@ -197,7 +197,6 @@ class Generator:
             drafter.start(prompt_ids)
 
         t0 = time.perf_counter()
-        target.runner.passes = 0
         target.runner.prefill(prompt_ids[:-1])
         root = prompt_ids[-1]
         out: list[int] = []

@@ -41,7 +41,6 @@ class ModelRunner:
         self.buckets = tuple(sorted(buckets))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._pool = None
-        self.passes = 0  # forward passes run (for stats)
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -55,7 +54,6 @@ class ModelRunner:
         start = self.cache.reserve_rows(T)
         prefix, tree_len = self.cache.prefix_len, self.cache.tree_len
         assert tree_mask.shape == (T, tree_len), (tree_mask.shape, T, tree_len)
-        self.passes += 1
         bucket = None
         if self.use_graphs and tree_len <= 2 * self.buckets[-1] + 2:
             bucket = next((b for b in self.buckets if b >= T), None)
