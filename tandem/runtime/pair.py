@@ -1,7 +1,6 @@
 """Loading a target/draft pair (default: the bundled pair) onto a device, with input checks."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,14 +37,6 @@ class Pair:
     draft_dir: Path | None
 
 
-def _vocab_fingerprint(d: Path) -> dict:
-    try:
-        tok = json.loads((d / "tokenizer.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        raise ConfigError(f"{d / 'tokenizer.json'} is missing or not valid JSON") from None
-    return tok.get("model", {}).get("vocab", {})
-
-
 def load_pair(target: str | Path | None = None, draft: str | Path | None = None, device: str | None = "cpu",
               dtype: str = "float32", need_draft: bool = True) -> Pair:
     """Load target (+ draft); without paths, the bundled pair. Raises ConfigError on bad input."""
@@ -62,8 +53,7 @@ def load_pair(target: str | Path | None = None, draft: str | Path | None = None,
     tokenizer = load_tokenizer(target)
     if draft is not None:
         read_config(draft)
-        load_tokenizer(draft)
-        if _vocab_fingerprint(target) != _vocab_fingerprint(draft):
+        if load_tokenizer(draft).get_vocab() != tokenizer.get_vocab():
             raise ConfigError(f"draft {str(draft)!r} and target {str(target)!r} use different tokenizers; "
                               "speculative decoding needs one shared vocabulary")
     tm = load_model(target, dev, dtype)
