@@ -41,6 +41,12 @@ class ModelRunner:
         self.buckets = tuple(sorted(buckets))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._pool = None
+        # NOTE: each runner captures on its own stream. cuBLAS keys its workspace by (handle,
+        # stream), and a graph keeps the workspace of the stream it was captured on; with torch's
+        # shared default capture stream, the target's and the draft's graphs used one workspace
+        # and corrupted each other's GEMMs when replayed concurrently on two streams (async on
+        # the H200 diverged from ar until this).
+        self._capture_stream = None
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -129,7 +135,9 @@ class ModelRunner:
         if self.emulate:
             self._graphs[(bucket, width)] = (None, buf)
             return
-        s = torch.cuda.Stream()
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(device=dev)
+        s = self._capture_stream
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):  # warm-up outside capture (cuBLAS handles, Triton compilation)
@@ -138,7 +146,7 @@ class ModelRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=s):
             buf["logits"] = self.model(ids, pos, self.cache, slots, buf["mask"])
         self._graphs[(bucket, width)] = (graph, buf)
 
