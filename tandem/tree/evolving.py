@@ -111,11 +111,14 @@ class EvolvingTree:
         self.feed(leaves)
         return n
 
-    def grow(self, nodes: int, max_rounds: int = 64) -> None:
-        """Feed pending tokens, then expand until the tree offers `nodes` draft nodes."""
+    def grow(self, nodes: int, fed: int = 0, max_rounds: int = 64) -> None:
+        """Feed pending tokens, then expand until the tree offers `nodes` draft nodes and `fed` of
+        its nodes are fed (expanded). The serial best-first drafter feeds depth x width nodes per
+        tree; asking for as many keeps async's trees as deep as the serial tree's (candidates
+        alone reach N nodes after two rounds, and a tree that shallow halves acceptance)."""
         self.feed_pending()
         for _ in range(max_rounds):
-            if len(self.tokens) - 1 >= nodes or not self.expand():
+            if (len(self.tokens) - 1 >= nodes and self.cache.tree_len >= fed) or not self.expand():
                 break
 
     def select(self, nodes: int) -> DraftTree:
