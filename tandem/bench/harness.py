@@ -34,7 +34,6 @@ from tandem.bench.workloads import Prompt, add_workload_arguments, load_workload
 from tandem.cli import add_decoding_arguments, add_model_arguments, configs_from_args
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 
-TANDEM_METHODS = ("ar", "chain", "tree")  # the engine's methods (see `tandem_methods()`)
 PEER_METHODS = ("hf", "hf-assisted")
 REFERENCE = "ar"
 
@@ -66,6 +65,7 @@ class Request:
     target_passes: int | None = None  # None for peers (not observable)
     accept_lengths: list[int] = field(default_factory=list)
     per_depth: list[tuple[int, int]] = field(default_factory=list)
+    timeline: dict | None = None  # async only: busy seconds of each worker and the draft's choices
 
     @property
     def new_tokens(self) -> int:
@@ -131,30 +131,9 @@ def parse_methods(text: str, node_budgets: list[int]) -> list[str]:
 
 
 def tandem_methods() -> tuple[str, ...]:
-    """The engine's methods: what `Generator` accepts, plus `async` (`generate_async`) when present."""
-    try:
-        from tandem.runtime.generate import METHODS
-    except ImportError:
-        METHODS = TANDEM_METHODS
-    out = tuple(METHODS)
-    if "async" not in out and _generate_async() is not None:
-        out += ("async",)
-    return out
+    """The engine's methods (what `Generator.generate` accepts)."""
+    from tandem.runtime.generate import METHODS
 
-
-def _generate_async():
-    try:
-        from tandem.runtime.async_decode import generate_async
-    except ImportError:
-        return None
-    return generate_async
-
-
-def _generator_methods() -> tuple[str, ...]:
-    try:
-        from tandem.runtime.generate import METHODS
-    except ImportError:
-        return TANDEM_METHODS
     return tuple(METHODS)
 
 
@@ -185,29 +164,27 @@ def method_specs(names: list[str], spec: SpecConfig) -> list[MethodSpec]:
 class TandemRunner:
     """Runs one Tandem method through a shared `Generator` (runners and CUDA graphs are shared)."""
 
-    def __init__(self, engine, ms: MethodSpec, sampling: SamplingConfig, gen: GenerationConfig):
-        self.engine, self.ms, self.sampling, self.gen = engine, ms, sampling, gen
+    def __init__(self, engine, ms: MethodSpec, sampling: SamplingConfig, gen: GenerationConfig,
+                 transport: str = "auto"):
+        self.engine, self.ms, self.sampling, self.gen, self.transport = engine, ms, sampling, gen, transport
 
     def __call__(self, prompt_index: int, ids: list[int]) -> Request:
-        r = self.engine.generate(ids, self.ms.method, self.ms.spec, self.sampling, self.gen)
+        r = self.engine.generate(ids, self.ms.method, self.ms.spec, self.sampling, self.gen, transport=self.transport)
         return Request(self.ms.name, prompt_index, list(r.token_ids), r.seconds, r.ttft, r.finish_reason,
-                       r.target_passes, list(r.accept_lengths), list(r.per_depth))
+                       r.target_passes, list(r.accept_lengths), list(r.per_depth), timeline_of(r))
 
 
-class AsyncRunner:
-    """Method `async` through `tandem.runtime.async_decode.generate_async` (its own runners;
-    profiling and graph capture happen before its clock starts)."""
-
-    def __init__(self, pair, ms: MethodSpec, sampling: SamplingConfig, gen: GenerationConfig, transport: str):
-        self.pair, self.ms, self.sampling, self.gen, self.transport = pair, ms, sampling, gen, transport
-        self.fn = _generate_async()
-
-    def __call__(self, prompt_index: int, ids: list[int]) -> Request:
-        t = self.pair.target
-        r = self.fn(t, self.pair.draft, ids, self.ms.spec, self.sampling, self.gen, set(t.config.eos_token_ids),
-                    transport=self.transport, tokenizer=self.pair.tokenizer, verbose=False)
-        return Request(self.ms.name, prompt_index, list(r.token_ids), r.seconds, r.ttft, r.finish_reason,
-                       r.target_passes, list(r.accept_lengths), list(r.per_depth))
+def timeline_of(result) -> dict | None:
+    """The async timeline of one request (None for other methods): each worker's busy seconds
+    over the request's seconds, expansion rounds run while the target verified, re-root hits."""
+    st = getattr(result, "stats", None)
+    if not st or "target_busy_s" not in st:
+        return None
+    ctl = st.get("controller") or {}
+    return {"seconds": st.get("seconds", result.seconds), "target_busy_s": st["target_busy_s"],
+            "draft_busy_s": st.get("draft_busy_s"), "passes": result.target_passes,
+            "overlap_rounds": sum(st.get("rounds", [])), "hit_rate": st.get("hit_rate"),
+            "mean_reused": st.get("mean_reused"), "depth": ctl.get("depth"), "collapsed": ctl.get("collapsed")}
 
 
 class _FirstTokenTimer:
@@ -401,7 +378,25 @@ def summarize_method(reqs: list[Request]) -> dict:
         "accept_length_hist": histogram(acc),
         "per_depth": [{"depth": k, "offered": v[0], "accepted": v[1], "rate": v[1] / v[0] if v[0] else None}
                       for k, v in sorted(depth.items())],
+        "timeline": summarize_timeline([r.timeline for r in reqs if r.timeline]),
     }
+
+
+def summarize_timeline(tl: list[dict]) -> dict | None:
+    """Async: target / draft busy as % of the summed request time, rounds hidden per pass."""
+    if not tl:
+        return None
+    secs = sum(t["seconds"] for t in tl) or 1e-12
+    passes = sum(t["passes"] or 0 for t in tl) or 1
+    depths: dict[str, int] = {}
+    for t in tl:
+        depths[str(t["depth"])] = depths.get(str(t["depth"]), 0) + 1
+    return {"target_busy_pct": 100 * sum(t["target_busy_s"] for t in tl) / secs,
+            "draft_busy_pct": 100 * sum(t["draft_busy_s"] or 0 for t in tl) / secs,
+            "overlap_rounds_per_pass": sum(t["overlap_rounds"] for t in tl) / passes,
+            "hit_rate": sum(t["hit_rate"] or 0 for t in tl) / len(tl),
+            "reused_per_reroot": sum(t["mean_reused"] or 0 for t in tl) / len(tl),
+            "depth_chosen": depths, "collapsed_requests": sum(bool(t["collapsed"]) for t in tl)}
 
 
 def speedups(by_method: dict[str, list[Request]], baseline: str, seed: int, n_boot: int) -> dict:
@@ -444,6 +439,15 @@ def markdown_table(results: dict) -> str:
         lines += ["", "Per-depth acceptance (accepted / offered passes):"]
         lines += [f"- {name}: " + ", ".join(f"d{d['depth']} {f(d['rate'], 2)}" for d in rows[:12])
                   for name, rows in depth_rows]
+    tl_rows = [(name, s["timeline"]) for name, s in results["summary"].items() if s.get("timeline")]
+    if tl_rows:
+        lines += ["", "Async timeline (busy time as a share of request time; d = rounds the draft may expand "
+                  "while the target verifies):"]
+        lines += [f"- {name}: target busy {t['target_busy_pct']:.0f}%, draft busy {t['draft_busy_pct']:.0f}%, "
+                  f"{t['overlap_rounds_per_pass']:.2f} expansion rounds during each verify, bonus in tree "
+                  f"{100 * t['hit_rate']:.0f}% of passes, {t['reused_per_reroot']:.1f} K/V rows reused per re-root, "
+                  f"d chosen (requests) {t['depth_chosen']}, collapse in {t['collapsed_requests']} request(s)"
+                  for name, t in tl_rows]
     chk = results["check"]
     lines.append("")
     if not chk["checked"]:
@@ -568,10 +572,8 @@ def run_bench(prompts: list[Prompt], specs: list[MethodSpec], sampling: Sampling
     for ms in specs:
         if ms.is_peer:
             runners[ms.name] = HFRunner(ms, pair.target_dir, pair.draft_dir, dev, dtype, sampling, gen, ctx, hf_models)
-        elif ms.method == "async" and "async" not in _generator_methods():
-            runners[ms.name] = AsyncRunner(pair, ms, sampling, gen, async_transport)
         else:
-            runners[ms.name] = TandemRunner(engine, ms, sampling, gen)
+            runners[ms.name] = TandemRunner(engine, ms, sampling, gen, async_transport)
 
     # Warm-up on the longest prompts: the first round sizes the shared KV caches for good (a
     # runner is rebuilt only when a request needs more rows), then every graph is captured on

@@ -34,7 +34,8 @@ def load_trace(path: str | Path) -> dict:
 
 def run_replay(args) -> int:
     from tandem.bench.env import environment
-    from tandem.bench.harness import REFERENCE, Request, markdown_table, speedups, summarize_method, write_outputs
+    from tandem.bench.harness import (REFERENCE, Request, markdown_table, speedups, summarize_method, timeline_of,
+                                      write_outputs)
     from tandem.bench.presets import DEFAULT_DRAFT, PRESETS, random_model
     from tandem.models.loader import resolve_dtype
     from tandem.runtime.generate import Generator
@@ -78,7 +79,7 @@ def run_replay(args) -> int:
         forced = None if s["method"] == "ar" else list(rec["accept_lengths"])
         r = engine.generate(ids, s["method"], spec, gen=gen, forced_accepts=forced)
         return Request(method, rec["prompt_index"], list(r.token_ids), r.seconds, r.ttft, r.finish_reason,
-                       r.target_passes, list(r.accept_lengths), list(r.per_depth))
+                       r.target_passes, list(r.accept_lengths), list(r.per_depth), timeline_of(r))
 
     warm_ids = torch.randint(0, vocab, (prompt_len.get(indices[0], 32),), generator=g).tolist()
     for m in methods:  # warm-up: capture graphs, size caches

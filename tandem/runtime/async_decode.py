@@ -195,6 +195,12 @@ class DraftWorker:
         self.wait_s = 0.0  # time blocked on the answer after expanding
         self.expand_s: list[float] = []  # per pass: seconds spent expanding while the target verified
         self.pass_wait_s: list[float] = []  # per pass: seconds blocked on the answer afterwards
+        self.busy_s = 0.0  # host seconds in draft work: growing, expanding, re-rooting
+        # acceptance replay (simulated acceptance): the target's bonus token is meaningless, so
+        # `receive` swaps it for the draft's most probable unsent child of the last accepted node
+        # when there is one (see `replay_bonus`): the best case for tree reuse, reported as such
+        self.replay = False
+        self._sent: DraftTree | None = None
         self._last = 0.0
 
     def ctx(self):
@@ -213,10 +219,13 @@ class DraftWorker:
 
     def prepare(self) -> DraftTree:
         """Grow while the tree has too few nodes, then select the best N-node subtree."""
+        t0 = time.perf_counter()
         with self.ctx():
             self.tree.grow(self.nodes, self.fed)
             tree = self.tree.select(self.nodes)
         self._last = self._last or time.perf_counter()
+        self._sent = tree
+        self.busy_s += time.perf_counter() - t0
         return tree
 
     def overlap(self, ready: Callable[[], bool]) -> None:
@@ -231,11 +240,15 @@ class DraftWorker:
                 n += 1
         self.rounds.append(n)
         self.expand_s.append(time.perf_counter() - t0)
+        self.busy_s += time.perf_counter() - t0
 
     def receive(self, verified: list[int]) -> None:
         now = time.perf_counter()
+        if self.replay:
+            verified = replay_bonus(self.tree, self._sent, verified)
         with self.ctx():
             r = self.tree.reroot(verified)
+        self.busy_s += time.perf_counter() - now
         self.hits += r.hit
         self.reused.append(r.reused)
         if self.ctl is not None:
@@ -247,8 +260,29 @@ class DraftWorker:
         return {"draft_steps": self.tree.steps, "rounds": self.rounds, "mean_rounds": sum(self.rounds) / n,
                 "hit_rate": self.hits / max(1, len(self.reused)), "reused": self.reused,
                 "mean_reused": sum(self.reused) / max(1, len(self.reused)), "draft_wait_s": self.wait_s,
-                "expand_s": self.expand_s, "pass_wait_s": self.pass_wait_s,
+                "expand_s": self.expand_s, "pass_wait_s": self.pass_wait_s, "draft_busy_s": self.busy_s,
                 "controller": self.ctl.summary() if self.ctl else None}
+
+
+def replay_bonus(tree: EvolvingTree, sent: DraftTree | None, verified: list[int]) -> list[int]:
+    """Acceptance replay: `verified` with its bonus replaced by the draft's most probable child
+    of the last accepted node that was not sent to the target (a real target's bonus can only
+    hit the tree there: a sent child would have been accepted); unchanged if there is none."""
+    if sent is None:
+        return verified
+    node, snode = 0, 0
+    children, schildren = tree.children(), sent.children()
+    for t in verified[:-1]:
+        node = next((c for c in children[node] if tree.tokens[c] == t), -1)
+        snode = next((c for c in schildren[snode] if sent.tokens[c] == t), -1)
+        if node < 0 or snode < 0:
+            return verified
+    offered = {sent.tokens[c] for c in schildren[snode]}
+    unsent = [c for c in children[node] if tree.tokens[c] not in offered]
+    if not unsent:
+        return verified
+    best = max(unsent, key=lambda c: (tree.logp[c], -c))
+    return verified[:-1] + [tree.tokens[best]]
 
 
 class TargetWorker(Target):
@@ -314,13 +348,16 @@ class Emitter:
 class LocalLink:
     """The draft's view of a target in the same process (inline and streams)."""
 
-    def __init__(self, target: TargetWorker, emitter: Emitter):
-        self.target, self.emitter = target, emitter
+    def __init__(self, target: TargetWorker, emitter: Emitter, forced_accepts: list[int] | None = None):
+        self.target, self.emitter, self.forced_accepts = target, emitter, forced_accepts
         self._launch: Launch | None = None
-        self.target_busy_s = 0.0
 
     def submit(self, tree: DraftTree) -> None:
-        self._launch = self.target.launch(tree)
+        forced = None
+        if self.forced_accepts is not None:  # acceptance replay: the pass's accept count from a trace
+            n = len(self.emitter.accept_lengths)
+            forced = self.forced_accepts[n % len(self.forced_accepts)] if self.forced_accepts else 0
+        self._launch = self.target.launch(tree, forced=forced)
 
     def ready(self) -> bool:
         return self._launch is not None and self.target.ready(self._launch)
@@ -359,7 +396,8 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
                    gen: GenerationConfig, eos_ids: set[int], transport: str = "auto",
                    on_tokens: Callable[[list[int]], None] | None = None, tokenizer=None, *,
                    verbose: bool = True, use_graphs: bool | None = None, draft_device: str | None = None,
-                   timeout_s: float = 300.0, runners: dict | None = None) -> AsyncGenerationResult:
+                   timeout_s: float = 300.0, runners: dict | None = None,
+                   forced_accepts: list[int] | None = None) -> AsyncGenerationResult:
     """Decode one request with method `async`; the output matches the serial loop's contract.
 
     Greedy output is token-identical to `ar`; with sampling every committed token is distributed
@@ -368,7 +406,8 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
 
     Keyword-only extras: `verbose` prints the depth choice to stderr; `runners` is a dict the
     caller keeps between calls so the in-process transports reuse runners and CUDA graphs;
-    `draft_device` / `timeout_s` are for the process transports.
+    `draft_device` / `timeout_s` are for the process transports; `forced_accepts` is acceptance
+    replay (in-process transports; see Generator.generate and `replay_bonus`).
     """
     if transport not in TRANSPORTS:
         raise ConfigError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
@@ -392,6 +431,8 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
 
     with torch.no_grad():  # NOTE: not inference_mode: runners (and their caches) outlive this call
         if transport in ("gloo", "nccl"):
+            if forced_accepts is not None:
+                raise ConfigError(f"acceptance replay runs with the in-process transports; not {transport!r}")
             from tandem.runtime.workers import run_process_pair
 
             return run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen, eos, max_new,
@@ -417,11 +458,13 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
                 target.runner.prefill(prompt_ids[:-1])
         draft.start(prompt_ids)
         emitter = Emitter(max_new, eos, gen, tokenizer, on_tokens, t0)
-        link = LocalLink(target, emitter)
+        draft.replay = forced_accepts is not None
+        link = LocalLink(target, emitter, forced_accepts)
         draft_loop(draft, link)
         _sync(target_model.device)
         seconds = time.perf_counter() - t0
-        stats = {"transport": transport, "t_target_s": t_target, "t_draft_s": t_draft, **draft.stats()}
+        stats = {"transport": transport, "t_target_s": t_target, "t_draft_s": t_draft, "seconds": seconds,
+                 "target_busy_s": target.busy_s, **draft.stats()}
         return _result(emitter, len(prompt_ids), seconds, stats)
 
 

@@ -68,6 +68,7 @@ class Launch:
     out: torch.Tensor | None  # [n] argmax (greedy, replay) or [n, vocab] probs; None: not run yet
     event: torch.cuda.Event | None = None
     forced: int | None = None  # acceptance replay: accept count taken from a trace
+    start: torch.cuda.Event | None = None  # recorded before the pass on the stream (busy time)
 
 
 class Target:
@@ -82,6 +83,9 @@ class Target:
                  stream: torch.cuda.Stream | None = None, deferred: bool = False):
         self.runner, self.sampling, self.generator = runner, sampling, generator
         self.stream, self.deferred = stream, deferred
+        # seconds the target was busy verifying: stream time between two events on a CUDA
+        # stream, host time of the pass and the accept otherwise (the async timeline)
+        self.busy_s = 0.0
 
     def ctx(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -90,7 +94,11 @@ class Target:
         if self.deferred and not now:
             return Launch(tree, None, forced=forced)
         prefix = self.runner.cache.prefix_len
+        start = None
         with self.ctx():
+            if self.stream is not None:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.stream)
             logits = self.runner.step(tree.tokens, [prefix + d for d in tree.depth],
                                       ancestor_mask(tree.parents))  # [n, vocab]
             greedy = self.sampling.greedy or forced is not None
@@ -99,18 +107,22 @@ class Target:
             if self.stream is not None:
                 if greedy:
                     out = out.to("cpu", non_blocking=True)  # read only after the event
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(self.stream)
-        return Launch(tree, out, event, forced)
+        return Launch(tree, out, event, forced, start)
 
     def ready(self, launch: Launch) -> bool:
         return launch.event is None or launch.event.query()
 
     def finish(self, launch: Launch) -> VerifyResult:
+        t0 = time.perf_counter()
         if launch.out is None:
             launch = self.launch(launch.tree, now=True, forced=launch.forced)
         if launch.event is not None:
             launch.event.synchronize()
+        if launch.start is not None:
+            self.busy_s += launch.start.elapsed_time(launch.event) / 1e3
+            t0 = time.perf_counter()  # the pass itself was timed on the stream
         tree = launch.tree
         with self.ctx():
             if launch.forced is not None:
@@ -122,6 +134,7 @@ class Target:
                     tree.q = _pad_vocab(tree.q, launch.out.shape[-1])
                 result = rejection_accept(tree, launch.out, self.generator)
             self.runner.cache.commit(result.path)
+        self.busy_s += time.perf_counter() - t0
         return result
 
     def verify(self, tree: DraftTree, forced_accept: int | None = None) -> VerifyResult:
@@ -185,7 +198,7 @@ class Generator:
             return generate_async(self.target_model, self.draft_model, prompt_ids, spec, sampling,
                                   dataclasses.replace(gen, max_new_tokens=max_new), eos, transport=transport,
                                   on_tokens=on_tokens, tokenizer=self.tokenizer, use_graphs=self.use_graphs,
-                                  runners=self._runners)
+                                  runners=self._runners, forced_accepts=forced_accepts)
         slack = {"ar": 1, "chain": spec.k + 1, "tree": spec.nodes + 1 + spec.width * (spec.resolved_depth() + 1)}[method]
         capacity = len(prompt_ids) + max_new + slack + 1
         g = torch.Generator().manual_seed(sampling.seed)

@@ -296,7 +296,7 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
             raise DraftWorkerError(payload or f"draft worker ended with {status!r}")
         ok = True
         stats = {"transport": transport, "t_target_s": t_target, "startup_s": startup, "target_wait_s": wait_s,
-                 **payload}
+                 "seconds": seconds, "target_busy_s": target.busy_s, **payload}
         return _result(emitter, len(prompt_ids), seconds, stats)
     finally:
         try:
