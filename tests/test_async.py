@@ -119,6 +119,7 @@ def test_polled_link_path_equals_ar():
         """The polled (streams) loop on the CPU through `link_class`; returns (tokens, rounds per pass)."""
         target = TargetWorker(ModelRunner(TARGET, t_rows), GREEDY, torch.Generator(), deferred=False)
         draft = DraftWorker(ModelRunner(DRAFT, d_rows), spec, tree_rows, inline=False)
+        draft.tree.device_rounds = False  # polling between rounds is the host path's (device rounds queue all d)
         draft.ctl = DepthController.tuned(0.0, 0.0, spec.depth)
         target.runner.prefill(prompt[:-1])
         draft.start(prompt)

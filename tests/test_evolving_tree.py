@@ -25,6 +25,7 @@ the property test covers model-driven expansion.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -210,3 +211,44 @@ def test_reroot_invariant_and_kv_equal_recomputation(width, prompt, steps):
         assert tree.tokens[0] == verified[-1]
         assert tree.cache.prefix_len + len(tree.pending) == before + len(verified)
         _assert_matches_recompute(tree)
+
+
+@pytest.mark.parametrize("use_graphs", [False, "emulate"])
+def test_device_rounds_build_the_host_rounds_tree(use_graphs):
+    """tandem.drafting.device_rounds: R rounds as tensor code (one read-back) grow the tree the
+    host loop grows round by round, with equal K/V rows, before and after a re-root."""
+    def build(device_rounds: bool) -> EvolvingTree:
+        t = EvolvingTree(ModelRunner(MODEL, CAP, use_graphs=use_graphs), width=3, max_rows=40,
+                         device_rounds=device_rounds)
+        t.start([5, 9, 2, 7])
+        t.feed_pending()
+        return t
+
+    host, dev = build(False), build(True)
+    for _ in range(4):
+        assert host.expand() == 3
+    assert dev.expand_rounds(4) == 4
+    for t in (host, dev):
+        _assert_matches_recompute(t)
+    assert (dev.tokens, dev.parents, dev.depth, dev.row) == (host.tokens, host.parents, host.depth, host.row)
+    assert max(abs(a - b) for a, b in zip(dev.logp, host.logp)) < 1e-5
+    assert dev.steps == host.steps
+    L = host.cache.length
+    # (not bit-equal: the device round attends over a width bucket, the host step over exactly L)
+    assert (dev.cache.k[:, :, :, :L] - host.cache.k[:, :, :, :L]).abs().max() < 1e-5
+    # accept the most probable fed grandchild's path; its fed subtree survives the re-root
+    best = max((i for i in range(1, len(host)) if host.row[i] >= 0 and host.depth[i] == 2),
+               key=lambda i: host.logp[i])
+    verified = [host.tokens[host.parents[best]], host.tokens[best]]
+    assert host.reroot(verified) == dev.reroot(verified)
+    for _ in range(2):
+        host.expand()
+    assert dev.expand_rounds(2) == 2
+    _assert_matches_recompute(dev)
+    assert (dev.tokens, dev.parents, dev.row) == (host.tokens, host.parents, host.row)
+    # the row cap: 40 rows hold 13 rounds of 3; what is left goes through the host path
+    assert dev.expand_rounds(100) >= 1
+    while dev.expand_rounds(1):
+        pass
+    assert dev.cache.tree_len == 40
+    _assert_matches_recompute(dev)

@@ -234,10 +234,15 @@ class DraftWorker:
         n = 0
         t0 = time.perf_counter()
         with self.ctx():
-            while n < d and (self.inline or not ready()):
-                if not self.tree.expand():
-                    break
-                n += 1
+            if self.tree.device_rounds:
+                # all d rounds at once on the draft's stream, one sync at the end: on a GPU they
+                # run beside the target's pass instead of waiting on the host between rounds
+                n = self.tree.expand_rounds(d)
+            else:
+                while n < d and (self.inline or not ready()):
+                    if not self.tree.expand():
+                        break
+                    n += 1
         self.rounds.append(n)
         self.expand_s.append(time.perf_counter() - t0)
         self.busy_s += time.perf_counter() - t0

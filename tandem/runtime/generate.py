@@ -18,6 +18,7 @@ import torch
 
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.drafting.model_drafter import ModelDrafter
+from tandem.drafting.tree_drafter import TreeDrafter, tree_rows
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree, ancestor_mask
 from tandem.verify.sampling import probs_from_logits
@@ -205,8 +206,8 @@ class Generator:
         target = Target(self._runner("target", self.target_model, capacity), sampling, g)
         drafter = None
         if method != "ar":
-            drafter = ModelDrafter(self._runner("draft", self.draft_model, capacity + spec.nodes + spec.k),
-                                   sampling, g)
+            draft_runner = self._runner("draft", self.draft_model, capacity + spec.nodes + spec.k + tree_rows(spec))
+            drafter = TreeDrafter(draft_runner, spec) if method == "tree" else ModelDrafter(draft_runner, sampling, g)
             drafter.start(prompt_ids)
 
         t0 = time.perf_counter()
@@ -258,13 +259,13 @@ class Generator:
         )
 
     @staticmethod
-    def _propose(drafter: ModelDrafter | None, method: str, spec: SpecConfig, sampling: SamplingConfig,
+    def _propose(drafter: ModelDrafter | TreeDrafter | None, method: str, spec: SpecConfig, sampling: SamplingConfig,
                  root: int) -> DraftTree:
         if drafter is None:
             return DraftTree.chain([root])
         if method == "chain":
             return drafter.propose(spec.k, 1, spec.k - 1, sampled_chain=not sampling.greedy)
-        return drafter.propose(spec.nodes, spec.width, spec.resolved_depth())
+        return drafter.propose()
 
 
 def _count_depths(per_depth: dict[int, list[int]], tree: DraftTree, result: VerifyResult) -> None:

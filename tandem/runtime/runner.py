@@ -72,9 +72,25 @@ class ModelRunner:
             pos = torch.tensor([positions], device=self.device)
             slots = torch.arange(start, start + T, device=self.device)[None]
             return self.model(ids, pos, self.cache, slots, mask[None, None])[0]
-        # Attention reads the cache up to a width bucket, not the whole capacity.
-        width = min(self.capacity + 1, max(256, 1 << (prefix + tree_len - 1).bit_length()))
+        width = self.width_for(prefix + tree_len)
         return self._graph_step(bucket, width, tokens, positions, start, prefix, tree_len, tree_mask)
+
+    def width_for(self, rows: int) -> int:
+        """Attention reads the cache up to a width bucket (powers of two from 256), not the whole
+        capacity: the bucket that covers `rows` used rows."""
+        return min(self.capacity + 1, max(256, 1 << (rows - 1).bit_length()))
+
+    def capture_stream(self) -> torch.cuda.Stream:
+        """This runner's capture stream (see the NOTE in __init__); other graphs that use this
+        runner's model and cache (tandem.drafting.device_rounds) capture on it too."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(device=self.device)
+        return self._capture_stream
+
+    def graph_pool(self):
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     # ------------------------------------------------------------------------------------
     def _graph_step(self, bucket, width, tokens, positions, start, prefix, tree_len, tree_mask):
@@ -135,18 +151,14 @@ class ModelRunner:
         if self.emulate:
             self._graphs[(bucket, width)] = (None, buf)
             return
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(device=dev)
-        s = self._capture_stream
+        s = self.capture_stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):  # warm-up outside capture (cuBLAS handles, Triton compilation)
                 self.model(ids, pos, self.cache, slots, buf["mask"])
         torch.cuda.current_stream().wait_stream(s)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=s):
+        with torch.cuda.graph(graph, pool=self.graph_pool(), stream=s):
             buf["logits"] = self.model(ids, pos, self.cache, slots, buf["mask"])
         self._graphs[(bucket, width)] = (graph, buf)
 

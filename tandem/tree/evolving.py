@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.drafting.device_rounds import DeviceRounds
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree
 
@@ -65,6 +66,10 @@ class EvolvingTree:
     pending: list[int] = field(default_factory=list)  # verified tokens not fed yet; the root last
     prefix_tokens: list[int] = field(default_factory=list)  # tokens whose K/V are the prefix rows
     steps: int = 0  # draft forward passes
+    # expansion rounds on the device, many per host sync (tandem.drafting.device_rounds);
+    # False: every round on the host (`expand`), one sync each
+    device_rounds: bool = True
+    _dev: DeviceRounds | None = field(default=None, repr=False)
 
     @property
     def cache(self):
@@ -111,19 +116,47 @@ class EvolvingTree:
         self.feed(leaves)
         return n
 
+    def expand_rounds(self, rounds: int) -> int:
+        """Up to `rounds` expansion rounds; returns how many ran. On the device path all of them
+        cost one host sync; the host path (`expand`) covers what the device path cannot (fewer
+        than w candidates, or room for less than a full round)."""
+        assert self.root_fed, "feed_pending() before expanding"
+        dev = self._device()
+        if dev is not None and rounds > 0 and self.num_candidates() >= self.width:
+            r = min(rounds, dev.rounds_possible(self))
+            if r > 0:
+                dev.load(self)
+                dev.run(self, r)
+                dev.fetch(self, r)
+                return r
+        n = 0
+        while n < rounds and self.expand():
+            n += 1
+        return n
+
     def grow(self, nodes: int, fed: int = 0, max_rounds: int = 64) -> None:
         """Feed pending tokens, then expand until the tree offers `nodes` draft nodes and `fed` of
         its nodes are fed (expanded). The serial best-first drafter feeds depth x width nodes per
         tree; asking for as many keeps async's trees as deep as the serial tree's (candidates
         alone reach N nodes after two rounds, and a tree that shallow halves acceptance)."""
         self.feed_pending()
+        w = self.width
         for _ in range(max_rounds):
-            if (len(self.tokens) - 1 >= nodes and self.cache.tree_len >= fed) or not self.expand():
+            need_nodes = nodes - (len(self.tokens) - 1)  # a round adds w * w nodes
+            need_fed = fed - self.cache.tree_len  # ... and feeds w
+            if need_nodes <= 0 and need_fed <= 0:
                 break
+            if not self.expand_rounds(max(-(-need_nodes // (w * w)), -(-need_fed // w), 1)):
+                break
+
+    def num_candidates(self) -> int:
+        return sum(1 for r in self.row[1:] if r < 0)
 
     def select(self, nodes: int) -> DraftTree:
         """The `nodes` most probable draft nodes under the root, prefix-closed, as a DraftTree."""
-        ranked = sorted(range(1, len(self.tokens)), key=lambda i: (-self.logp[i], i))[:nodes]
+        # NOTE: device rounds keep children of probability 0 as nodes (log-prob -inf); never send them
+        ranked = sorted((i for i in range(1, len(self.tokens)) if self.logp[i] > float("-inf")),
+                        key=lambda i: (-self.logp[i], i))[:nodes]
         keep = [0] + sorted(ranked)
         return DraftTree(tokens=list(self.tokens), parents=list(self.parents), logp=list(self.logp)).subset(keep)
 
@@ -230,6 +263,14 @@ class EvolvingTree:
         assert len(sib) == n - 1, "two siblings share a token"
 
     # ---- internals ------------------------------------------------------------------------
+    def _device(self) -> DeviceRounds | None:
+        if not self.device_rounds:
+            return None
+        if self._dev is None:
+            rows = self.max_rows if self.max_rows is not None else self.runner.capacity
+            self._dev = DeviceRounds(self.runner, self.width, max_nodes=1 + self.width * (rows + 2), max_rows=rows)
+        return self._dev
+
     def _new_tree(self, root_token: int) -> None:
         self.tokens, self.parents, self.logp, self.depth, self.row = [int(root_token)], [-1], [0.0], [0], [-1]
 
