@@ -99,6 +99,26 @@ def test_inline_stops_at_eos_and_self_tunes():
     assert ctl["candidates"] == [d0, d0 + 1] and d0 >= 1
 
 
+def test_self_tuning_is_paid_once_per_engine():
+    """The depth controller lives in the caller's `runners` dict: a second request neither
+    profiles again nor restarts the trial, and its output is still ar's."""
+    runners: dict = {}
+    spec = SpecConfig(nodes=8, width=2)
+    first, second = prompts(2, seed=3)
+    r1 = generate_async(TARGET, DRAFT, first, spec, GREEDY, GenerationConfig(max_new_tokens=8, ignore_eos=True),
+                        set(), transport="inline", verbose=False, runners=runners)
+    ctl = next(v for k, v in runners.items() if isinstance(k, tuple) and k[0] == "depth-controller")
+    samples = sum(rec[2] for rec in ctl._trial.values())
+    # the first pass is no sample, and the last answer ends the loop before the draft observes it
+    assert r1.stats["t_target_s"] > 0 and samples == r1.target_passes - 2 < ctl.trial_passes
+    r2 = generate_async(TARGET, DRAFT, second, spec, GREEDY, GenerationConfig(max_new_tokens=30, ignore_eos=True),
+                        set(), transport="inline", verbose=False, runners=runners)
+    assert r2.stats["t_target_s"] == 0.0  # not profiled again
+    assert r2.token_ids == ar_tokens(second, 30)
+    # the same trial went on where the first request left it, and ended in a choice
+    assert ctl._chosen and sum(rec[2] for rec in ctl._trial.values()) == 2 * ctl.trial_passes
+
+
 def test_polled_link_path_equals_ar():
     """The streams transport's code path (launch at submit, poll ready(), finish) on CPU workers."""
     from tandem.runtime.async_decode import (

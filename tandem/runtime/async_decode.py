@@ -81,9 +81,9 @@ class DepthController:
     events: list[str] = field(default_factory=list)
     _trial: dict[int, list] = field(default_factory=dict)  # d -> [tokens, seconds, passes]
     _chosen: bool = False
-    _seen: int = 0
     _hits: deque = field(default_factory=deque)
     _saved: int = 0
+    _skip: bool = True
 
     @classmethod
     def tuned(cls, t_target: float, t_draft: float, depth: int | None = None, verbose: bool = False,
@@ -101,13 +101,17 @@ class DepthController:
                  + ", ".join(f"d={c}" for c in cands))
         return ctl
 
+    def new_request(self) -> None:
+        """The controller outlives requests (the trial is a start-up cost, paid once per engine);
+        a request's first pass also grows the first tree from nothing, so it is no trial sample."""
+        self._skip = True
+
     def observe(self, tokens: int, seconds: float, in_tree: int) -> None:
         """One target pass answered: `tokens` verified, `in_tree` of them found along the draft
         tree (accepted tokens, and the bonus when the draft had grown it), `seconds` since the
         previous answer."""
-        self._seen += 1
-        # NOTE: the first pass also paid for growing the first tree from nothing; not a trial sample.
-        if self.candidates and not self.fixed and not self.collapsed and not self._chosen and self._seen > 1:
+        skip, self._skip = self._skip, False
+        if self.candidates and not self.fixed and not self.collapsed and not self._chosen and not skip:
             rec = self._trial.setdefault(self.depth, [0.0, 0.0, 0])  # tokens, seconds, passes
             rec[0] += tokens
             rec[1] += seconds
@@ -454,9 +458,19 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
         # NOTE: profiling and graph capture happen before the clock starts, as the serial loop
         # builds its runners before its clock; a server would do both once, not per request.
         _warm_buckets(target.runner, draft.tree.runner, spec, len(prompt_ids))
-        # spec.depth given: nothing to tune, so nothing to profile
-        t_target, t_draft = (target.profile(spec.nodes), draft.profile()) if spec.depth is None else (0.0, 0.0)
-        draft.ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose, serial_guard=streams)
+        # Self-tuning once per engine: the controller (and its trial) lives in `runners` beside the
+        # runners it measured; spec.depth given: nothing to tune, so nothing to profile.
+        key = ("depth-controller", transport, spec.nodes, spec.width, spec.depth)
+        ctl = runners.get(key) if runners is not None else None
+        t_target = t_draft = 0.0
+        if ctl is None:
+            if spec.depth is None:
+                t_target, t_draft = target.profile(spec.nodes), draft.profile()
+            ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose, serial_guard=streams)
+            if runners is not None:
+                runners[key] = ctl
+        ctl.new_request()
+        draft.ctl = ctl
         t0 = time.perf_counter()
         if len(prompt_ids) > 1:
             with target.ctx():
