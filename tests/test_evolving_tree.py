@@ -252,3 +252,25 @@ def test_device_rounds_build_the_host_rounds_tree(use_graphs):
         pass
     assert dev.cache.tree_len == 40
     _assert_matches_recompute(dev)
+
+
+def test_grow_with_deferred_root_children_matches_the_host_path():
+    """grow() leaves the root's children to the device rounds (no host read of the root's
+    logits); the trees, selections and re-roots still match the host path's."""
+    trees = [EvolvingTree(ModelRunner(MODEL, CAP, use_graphs="emulate"), width=2, max_rows=30, device_rounds=d)
+             for d in (False, True)]
+    for t in trees:
+        t.start([4, 8, 15, 16])
+    for verified in ([None], [None, 3], [7]):
+        sent = []
+        for t in trees:
+            t.grow(nodes=10, fed=8)
+            _assert_matches_recompute(t)
+            sent.append(t.select(10))
+        host, dev = trees
+        assert (dev.tokens, dev.parents, dev.row) == (host.tokens, host.parents, host.row)
+        assert sent[0].tokens == sent[1].tokens and sent[0].parents == sent[1].parents
+        # accept the best child of the root (then a bonus in or out of the tree)
+        best = max(host.children()[0], key=lambda c: host.logp[c])
+        v = [host.tokens[best] if x is None else x for x in verified]
+        assert host.reroot(v) == dev.reroot(v)

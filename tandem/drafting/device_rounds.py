@@ -47,8 +47,11 @@ class DeviceRounds:
         self._use_graphs = runner.use_graphs and not runner.emulate
 
     # ---- host <-> device --------------------------------------------------------------------
-    def load(self, tree) -> None:
-        """Upload the host tree (an EvolvingTree with a fed root and no pending tokens)."""
+    def load(self, tree, root_logits: torch.Tensor | None = None) -> None:
+        """Upload the host tree (an EvolvingTree with a fed root and no pending tokens).
+
+        root_logits: [vocab] the root's logits when its children are not added yet (the tree is
+        the root alone): they are added here, on the device, as the host would add them."""
         n, cache, F = len(tree.tokens), tree.cache, self.f
         anc = np.zeros((F + 1, F), dtype=bool)
         ints = np.zeros((5, self.nc), dtype=np.int64)
@@ -68,20 +71,32 @@ class DeviceRounds:
         self.ints.copy_(torch.from_numpy(ints))
         self.flts.copy_(torch.from_numpy(flts))
         self.anc.copy_(torch.from_numpy(anc))
+        if root_logits is not None:
+            assert n == 1, "deferred root children with a grown tree"
+            w = self.w
+            clp, ctok = torch.log_softmax(root_logits.float(), dim=-1).topk(w)  # [w] each
+            self.tok[1:1 + w] = ctok
+            self.par[1:1 + w] = 0
+            self.dep[1:1 + w] = 1
+            self.lp[1:1 + w] = clp
+            self.score[1:1 + w] = clp
+            self.counters[2] = 1 + w
 
-    def fetch(self, tree, rounds: int) -> None:
-        """Write `rounds` device rounds back into the host tree and its cache's tree_len."""
-        n1 = len(tree.tokens) + rounds * self.w * self.w
+    def fetch(self, tree, rounds: int, extra: int = 0) -> None:
+        """Write `rounds` device rounds (and `extra` nodes added by `load`) back into the host
+        tree and its cache's tree_len."""
+        n1 = len(tree.tokens) + extra + rounds * self.w * self.w
         tree.tokens, tree.parents, tree.depth, tree.row = self.ints[:4, :n1].tolist()  # the sync
         tree.logp = self.lp[:n1].tolist()
         tree.cache.tree_len += rounds * self.w
         tree.steps += rounds
 
     # ---- the round -----------------------------------------------------------------------------
-    def rounds_possible(self, tree) -> int:
-        """How many rounds fit in the node slots, the row cap and the cache."""
+    def rounds_possible(self, tree, extra: int = 0) -> int:
+        """How many rounds fit in the node slots (`extra` of them taken by `load`), the row cap
+        and the cache."""
         w, cache = self.w, tree.cache
-        by_nodes = (self.nc - len(tree.tokens)) // (w * w)
+        by_nodes = (self.nc - len(tree.tokens) - extra) // (w * w)
         by_rows = (self.f - cache.tree_len) // w
         by_cache = (self.runner.capacity - cache.length) // w
         return max(0, min(by_nodes, by_rows, by_cache))
@@ -98,7 +113,7 @@ class DeviceRounds:
                 self._round(width)
             return
         if width not in self._graphs:
-            self._capture(width, tree)
+            self._capture(width)
         graph = self._graphs[width]
         for _ in range(rounds):
             graph.replay()
@@ -131,10 +146,11 @@ class DeviceRounds:
         self.score.index_copy_(0, new, child_lp)
         self.counters[1:3] += self._incr
 
-    def _capture(self, width: int, tree) -> None:
+    def _capture(self, width: int) -> None:
         """Capture one round at this attention width. The warm-up round really runs, on the
         loaded state: it writes the K/V rows just past the cache's length (free rows, as `run`'s
-        caller checked) and node slots past the tree; `load` then restores the state."""
+        caller checked) and node slots past the tree; the state is restored afterwards."""
+        saved = [t.clone() for t in (self.ints, self.flts, self.anc)]
         s = self.runner.capture_stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -144,4 +160,5 @@ class DeviceRounds:
         with torch.cuda.graph(graph, pool=self.runner.graph_pool(), stream=s):
             self._round(width)
         self._graphs[width] = graph
-        self.load(tree)
+        for t, v in zip((self.ints, self.flts, self.anc), saved):
+            t.copy_(v)

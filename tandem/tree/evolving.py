@@ -70,6 +70,7 @@ class EvolvingTree:
     # False: every round on the host (`expand`), one sync each
     device_rounds: bool = True
     _dev: DeviceRounds | None = field(default=None, repr=False)
+    _root_logits: torch.Tensor | None = field(default=None, repr=False)  # [vocab], see feed_pending
 
     @property
     def cache(self):
@@ -90,8 +91,12 @@ class EvolvingTree:
     def root_fed(self) -> bool:
         return not self.pending
 
-    def feed_pending(self, add_children: bool = True) -> None:
-        """Feed the pending verified tokens into the prefix (causal); the root gets its children."""
+    def feed_pending(self, add_children: bool = True, defer: bool = False) -> None:
+        """Feed the pending verified tokens into the prefix (causal); the root gets its children.
+
+        `defer`: keep the root's logits on the device and let the next device rounds add its
+        children (saves the host sync of reading them); `_settle` adds them on the host if no
+        device round comes first."""
         if not self.pending:
             return
         assert self.cache.tree_len == 0, "pending tokens with a live tree region"
@@ -100,11 +105,15 @@ class EvolvingTree:
         self.prefix_tokens += self.pending
         self.pending = []
         if add_children:
-            self._add_children([0], logits[None])
+            if defer:
+                self._root_logits = logits.clone()  # the runner's output buffer is reused by its next step
+            else:
+                self._add_children([0], logits[None])
 
     def expand(self) -> int:
         """One expansion round: feed the `width` most probable candidates. Returns nodes fed."""
         assert self.root_fed, "feed_pending() before expanding"
+        self._settle()
         cand = [i for i in range(1, len(self.tokens)) if self.row[i] < 0]
         room = self.runner.capacity - self.cache.length
         if self.max_rows is not None:
@@ -122,13 +131,17 @@ class EvolvingTree:
         than w candidates, or room for less than a full round)."""
         assert self.root_fed, "feed_pending() before expanding"
         dev = self._device()
-        if dev is not None and rounds > 0 and self.num_candidates() >= self.width:
-            r = min(rounds, dev.rounds_possible(self))
+        deferred = self._root_logits is not None  # the root's children are still to be added
+        if dev is not None and rounds > 0 and (deferred or self.num_candidates() >= self.width):
+            extra = self.width if deferred else 0
+            r = min(rounds, dev.rounds_possible(self, extra))
             if r > 0:
-                dev.load(self)
+                dev.load(self, self._root_logits)
+                self._root_logits = None
                 dev.run(self, r)
-                dev.fetch(self, r)
+                dev.fetch(self, r, extra)
                 return r
+        self._settle()
         n = 0
         while n < rounds and self.expand():
             n += 1
@@ -139,21 +152,24 @@ class EvolvingTree:
         its nodes are fed (expanded). The serial best-first drafter feeds depth x width nodes per
         tree; asking for as many keeps async's trees as deep as the serial tree's (candidates
         alone reach N nodes after two rounds, and a tree that shallow halves acceptance)."""
-        self.feed_pending()
+        self.feed_pending(defer=self._device() is not None)
         w = self.width
         for _ in range(max_rounds):
-            need_nodes = nodes - (len(self.tokens) - 1)  # a round adds w * w nodes
+            deferred = w if self._root_logits is not None else 0
+            need_nodes = nodes - (len(self.tokens) - 1 + deferred)  # a round adds w * w nodes
             need_fed = fed - self.cache.tree_len  # ... and feeds w
             if need_nodes <= 0 and need_fed <= 0:
                 break
             if not self.expand_rounds(max(-(-need_nodes // (w * w)), -(-need_fed // w), 1)):
                 break
+        self._settle()
 
     def num_candidates(self) -> int:
         return sum(1 for r in self.row[1:] if r < 0)
 
     def select(self, nodes: int) -> DraftTree:
         """The `nodes` most probable draft nodes under the root, prefix-closed, as a DraftTree."""
+        self._settle()
         # NOTE: device rounds keep children of probability 0 as nodes (log-prob -inf); never send them
         ranked = sorted((i for i in range(1, len(self.tokens)) if self.logp[i] > float("-inf")),
                         key=lambda i: (-self.logp[i], i))[:nodes]
@@ -206,6 +222,7 @@ class EvolvingTree:
     def reroot(self, verified: list[int]) -> Reroot:
         """Advance past `verified` (the target's accepted tokens then its bonus token)."""
         assert self.root_fed and verified, "re-root needs a fed root and at least the bonus token"
+        self._settle()
         children = self.children()
         path: list[int] = []
         node = 0
@@ -243,6 +260,7 @@ class EvolvingTree:
 
     def check(self) -> None:
         """Assert the invariants (used by tests): topology, depths, rows <-> tree region."""
+        self._settle()
         n = len(self.tokens)
         assert len(self.parents) == len(self.logp) == len(self.depth) == len(self.row) == n >= 1
         assert self.parents[0] == -1 and self.depth[0] == 0 and self.logp[0] == 0.0 and self.row[0] == -1
@@ -263,6 +281,12 @@ class EvolvingTree:
         assert len(sib) == n - 1, "two siblings share a token"
 
     # ---- internals ------------------------------------------------------------------------
+    def _settle(self) -> None:
+        """Add the root's deferred children on the host (see feed_pending)."""
+        if self._root_logits is not None:
+            logits, self._root_logits = self._root_logits, None
+            self._add_children([0], logits[None])
+
     def _device(self) -> DeviceRounds | None:
         if not self.device_rounds:
             return None
