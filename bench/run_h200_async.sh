@@ -37,4 +37,4 @@ timeout 220 python3 -m tandem bench --device cuda --dtype bfloat16 --preset llam
   --replay "$OUT/bench_mbpp/results.json" --methods ar,tree,async --num-prompts 6 \
   --no-plots --out "$OUT/replay_llama3-8b" 2>&1 | grep -v -e "it/s" -e "^tandem bench (sim" -e "^tandem async: trial" | tail -16
 # one archive: the device tool brings back a limited number of files
-tar -czf "$OUT/results.tar.gz" -C "$OUT" --exclude results.tar.gz . && find "$OUT" -mindepth 1 ! -name results.tar.gz -delete
+tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"

@@ -31,8 +31,9 @@ serial tree loop) so that overlapping is kept only where it pays. spec.depth ove
 
 Collapse guard (summary s8): when few verified tokens are found in the draft tree (a sliding
 window over passes of tokens-in-tree / tokens-verified), the tree grown while the target
-verifies is wasted and, on one GPU, competes with the target; d drops to 0, which is the serial tree loop (grow to N nodes after each answer),
-and comes back when hits recover.
+verifies is wasted and, on one GPU, competes with the target: d drops to 0 and the tree shrinks
+to the root's w children (one draft step per pass instead of depth + 1), and both come back
+when hits recover.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class DepthController:
     depth: int
     fixed: bool = False  # spec.depth given: no trial
     candidates: tuple[int, ...] = ()
-    trial_passes: int = 6
+    trial_passes: int = 16  # per candidate; accept lengths vary a lot from pass to pass
     window: int = 8  # passes in the collapse detector's window
     low: float = 0.25  # collapse when the in-tree rate over the window falls below this
     high: float = 0.5  # ... and recover when it comes back to this
@@ -200,6 +201,7 @@ class DraftWorker:
         self.expand_s: list[float] = []  # per pass: seconds spent expanding while the target verified
         self.pass_wait_s: list[float] = []  # per pass: seconds blocked on the answer afterwards
         self.busy_s = 0.0  # host seconds in draft work: growing, expanding, re-rooting
+        self.sent: list[int] = []  # draft nodes in each tree sent to the target
         # acceptance replay (simulated acceptance): the target's bonus token is meaningless, so
         # `receive` swaps it for the draft's most probable unsent child of the last accepted node
         # when there is one (see `replay_bonus`): the best case for tree reuse, reported as such
@@ -224,9 +226,15 @@ class DraftWorker:
     def prepare(self) -> DraftTree:
         """Grow while the tree has too few nodes, then select the best N-node subtree."""
         t0 = time.perf_counter()
+        nodes, fed = self.nodes, self.fed
+        if self.ctl is not None and self.ctl.collapsed:
+            # drafting fails: offer only the root's w children (no expansion round), which costs
+            # one draft step per pass, and watch for the hits that end the collapse
+            nodes, fed = self.tree.width, 0
         with self.ctx():
-            self.tree.grow(self.nodes, self.fed)
-            tree = self.tree.select(self.nodes)
+            self.tree.grow(nodes, fed)
+            tree = self.tree.select(nodes)
+        self.sent.append(len(tree) - 1)
         self._last = self._last or time.perf_counter()
         self._sent = tree
         self.busy_s += time.perf_counter() - t0
@@ -270,6 +278,7 @@ class DraftWorker:
                 "hit_rate": self.hits / max(1, len(self.reused)), "reused": self.reused,
                 "mean_reused": sum(self.reused) / max(1, len(self.reused)), "draft_wait_s": self.wait_s,
                 "expand_s": self.expand_s, "pass_wait_s": self.pass_wait_s, "draft_busy_s": self.busy_s,
+                "sent_nodes": self.sent,
                 "controller": self.ctl.summary() if self.ctl else None}
 
 
