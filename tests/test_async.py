@@ -263,6 +263,12 @@ def test_depth_controller_trial_keeps_the_faster_depth_and_recovers():
         for _ in range(guarded.trial_passes + (d == 2)):
             guarded.observe(tokens=rate, seconds=0.01, in_tree=rate)
     assert guarded.depth == 0 and not guarded.collapsed
+    close = DepthController.tuned(0.010, 0.004, serial_guard=True)  # d=3 is 3% faster than d=0: keep 0
+    close.observe(tokens=1, seconds=1.0, in_tree=1)
+    for rate in (100, 103, 100):
+        for _ in range(close.trial_passes):
+            close.observe(tokens=rate, seconds=1.0, in_tree=rate)
+    assert close.depth == 0 and close._chosen
     assert DepthController.tuned(0.001, 0.004, depth=5).depth == 5
 
 

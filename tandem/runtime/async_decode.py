@@ -74,6 +74,7 @@ class DepthController:
     fixed: bool = False  # spec.depth given: no trial
     candidates: tuple[int, ...] = ()
     trial_passes: int = 16  # per candidate; accept lengths vary a lot from pass to pass
+    margin: float = 0.05  # a larger d must be this much faster to be chosen
     window: int = 8  # passes in the collapse detector's window
     low: float = 0.25  # collapse when the in-tree rate over the window falls below this
     high: float = 0.5  # ... and recover when it comes back to this
@@ -123,7 +124,10 @@ class DepthController:
                     self.depth = nxt[0]
                 else:
                     rate = {d: r[0] / max(r[1], 1e-9) for d, r in self._trial.items()}
-                    self.depth = max(self.candidates, key=lambda d: (rate[d], -d))
+                    # NOTE: per-pass token counts vary a lot, so the trial's rates are noisy; the
+                    # smallest d within `margin` of the best wins (fewer rounds, less contention)
+                    best = max(rate.values())
+                    self.depth = min(d for d in self.candidates if rate[d] * (1 + self.margin) >= best)
                     self._chosen = True
                     self._say("trial " + ", ".join(f"d={d}: {rate[d]:.1f} tok/s" for d in self.candidates)
                               + f" -> d={self.depth}")
