@@ -83,7 +83,7 @@ def _generate(args) -> int:
         printed[0] = len(safe)
 
     res = engine.generate(ids, args.method, spec, sampling, gen, on_tokens=None if args.json else stream,
-                          transport=args.transport)
+                          transport=args.transport, tensor_parallel_size=args.tensor_parallel_size)
     text = res.stop_trimmed_text if res.stop_trimmed_text is not None else pair.tokenizer.decode(res.token_ids)
     if args.json:
         print(json.dumps({
@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default="tree", choices=["ar", "chain", "tree", "async"])
     g.add_argument("--transport", default="auto", choices=["auto", "inline", "streams", "gloo", "nccl"],
                    help="async only: how draft and target workers talk (auto: streams on CUDA, inline on CPU)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="async with --transport gloo|nccl: shard the target over this many processes (GPUs with "
+                        "nccl: the target on GPUs 0..n-1 from its device, the draft on the next)")
     add_model_arguments(g)
     add_decoding_arguments(g)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")

@@ -5,6 +5,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -67,6 +68,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.qkv_weight: torch.Tensor | None = None  # set by fuse()
         self.qkv_bias: torch.Tensor | None = None
+        self.tp_group = None  # a process group when sharded (tandem.parallel.tensor_parallel)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, cache=None, slots=None,
                 mask=None) -> torch.Tensor:
@@ -88,7 +90,10 @@ class Attention(nn.Module):
             k_all, v_all = cache.store(self.layer_idx, qkv, positions, inv_freq, H, slots, mask.shape[-1])
             q = qkv[:, :, :H].transpose(1, 2)  # [B, H, T, D], rotated in place by store()
             out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=Hkv != H)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
+        out = self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
+        if self.tp_group is not None:  # tensor parallel: each rank holds some heads (tandem.parallel)
+            dist.all_reduce(out, group=self.tp_group)
+        return out
 
     def fuse(self) -> None:
         """Concatenate q/k/v weights into one matrix; the three projections become views of it."""
@@ -108,11 +113,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+        self.tp_group = None  # a process group when sharded (tandem.parallel.tensor_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            out = self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
+        if self.tp_group is not None:  # tensor parallel: each rank holds a slice of the columns
+            dist.all_reduce(out, group=self.tp_group)
+        return out
 
     def fuse(self) -> None:
         self.gate_up_weight = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])

@@ -51,7 +51,7 @@ from tandem.runtime.async_decode import (
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree
 
-TARGET, DRAFT = 0, 1
+TARGET = 0  # the target leader; a tensor-parallel target adds ranks 1 .. tp-1, and the draft is rank tp
 GO, DONE, ABORT = 0, 1, -1
 
 
@@ -66,8 +66,8 @@ class _Aborted(Exception):
 class Channel:
     """Fixed-size message buffers and polled, non-blocking send/recv to the peer rank."""
 
-    def __init__(self, rank: int, max_nodes: int, device: torch.device, peer_alive, timeout_s: float):
-        self.peer = 1 - rank
+    def __init__(self, peer: int, max_nodes: int, device: torch.device, peer_alive, timeout_s: float):
+        self.peer = peer  # the other side's rank: the draft's for the target leader, 0 for the draft
         self.n = max_nodes  # nodes per tree, root included
         self.device = device
         self.peer_alive = peer_alive
@@ -194,7 +194,7 @@ class ProcessLink:
 # ---- rank 1: the draft process -------------------------------------------------------------
 def draft_process_main(init_file: str, backend: str, model, device: str, prompt: list[int], spec: SpecConfig,
                        rows: tuple[int, int], use_graphs, verbose: bool, timeout_s: float, threads: int,
-                       out: mp.Queue) -> None:
+                       out: mp.Queue, tp: int = 1) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller (rank 0) owns Ctrl-C and stops us
     torch.set_num_threads(threads)
     parent = mp.parent_process()
@@ -204,9 +204,10 @@ def draft_process_main(init_file: str, backend: str, model, device: str, prompt:
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=DRAFT, world_size=2,
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=tp, world_size=tp + 1,
                                 timeout=timedelta(seconds=timeout_s))
-        chan = Channel(DRAFT, spec.nodes + 1, dev if backend == "nccl" else torch.device("cpu"), alive, timeout_s)
+        target_group(tp)  # every rank takes part in creating the target's group
+        chan = Channel(TARGET, spec.nodes + 1, dev if backend == "nccl" else torch.device("cpu"), alive, timeout_s)
         with torch.inference_mode():
             model = model.to(dev)
             draft = DraftWorker(ModelRunner(model, rows[0], use_graphs=use_graphs), spec, rows[1])
@@ -234,40 +235,134 @@ def draft_process_main(init_file: str, backend: str, model, device: str, prompt:
             dist.destroy_process_group()
 
 
+# ---- ranks 1 .. tp-1: the other shards of a tensor-parallel target -------------------------------
+def target_group(tp: int):
+    """The target's tensor-parallel group (ranks 0 .. tp-1); None without tensor parallelism.
+    NOTE: new_group is collective over the whole world, so the draft calls it too."""
+    return dist.new_group(list(range(tp))) if tp > 1 else None
+
+
+def _target_shard(model, rank: int, tp: int, group, device: torch.device):
+    if tp == 1:
+        return model
+    from tandem.parallel.tensor_parallel import shard_model
+
+    return shard_model(model, rank, tp, group).to(device)
+
+
+class TreeBroadcast:
+    """The target leader hands every tree to the other shards (one broadcast in the target
+    group); a tree of n = -1 nodes ends their loop."""
+
+    def __init__(self, group, max_nodes: int, device: torch.device):
+        self.group, self.n, self.device = group, max_nodes, device
+
+    def send(self, tree: DraftTree | None) -> None:
+        msg = torch.zeros(1 + 2 * self.n, dtype=torch.long)
+        msg[0] = -1 if tree is None else len(tree)
+        if tree is not None:
+            msg[1:1 + len(tree)] = torch.tensor(tree.tokens)
+            msg[1 + self.n:1 + self.n + len(tree)] = torch.tensor(tree.parents)
+        dist.broadcast(msg.to(self.device), src=TARGET, group=self.group)
+
+    def recv(self) -> DraftTree | None:
+        buf = torch.zeros(1 + 2 * self.n, dtype=torch.long, device=self.device)
+        dist.broadcast(buf, src=TARGET, group=self.group)
+        msg = buf.tolist()
+        n = msg[0]
+        if n < 0:
+            return None
+        return DraftTree(tokens=msg[1:1 + n], parents=msg[1 + self.n:1 + self.n + n], logp=[0.0] * n)
+
+
+def target_shard_main(init_file: str, backend: str, rank: int, tp: int, model, device: str, prompt: list[int],
+                      spec: SpecConfig, sampling, seed_state: torch.Tensor, t_rows: int, use_graphs,
+                      timeout_s: float, threads: int, out: mp.Queue) -> None:
+    """Rank `rank` of the target: the same verify loop as the leader on its shard (SPMD: every
+    shard computes the same logits after the all-reduces, so each one accepts the same path
+    and commits it; only the leader talks to the draft)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=tp + 1,
+                                timeout=timedelta(seconds=timeout_s))
+        group = target_group(tp)
+        with torch.inference_mode():
+            generator = torch.Generator()
+            generator.set_state(seed_state)
+            target = TargetWorker(ModelRunner(_target_shard(model, rank, tp, group, dev), t_rows,
+                                              use_graphs=use_graphs), sampling, generator)
+            _warm_buckets(target.runner, None, spec, len(prompt))
+            if spec.depth is None:
+                target.profile(spec.nodes)
+            if len(prompt) > 1:
+                target.runner.prefill(prompt[:-1])
+            trees = TreeBroadcast(group, spec.nodes + 1, dev if backend == "nccl" else torch.device("cpu"))
+            while (tree := trees.recv()) is not None:
+                target.verify(tree)
+        out.put(("ok", rank))
+    except BaseException:  # noqa: BLE001 - reported to rank 0, which stops everything
+        out.put(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 # ---- rank 0: the target loop in the calling process ---------------------------------------------
 def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen, eos, max_new, transport,
                      on_tokens, tokenizer, generator, rows, *, verbose, use_graphs, draft_device,
-                     timeout_s) -> AsyncGenerationResult:
+                     timeout_s, tp: int = 1) -> AsyncGenerationResult:
+    """Rank 0 of `tp` target shards + 1 draft process (see the module docstring)."""
     t_rows, d_rows, tree_rows = rows
     if dist.is_available() is False:
         raise ConfigError("torch.distributed is not available in this PyTorch build; use --transport inline")
     if dist.is_initialized():
         raise ConfigError(f"transport {transport!r} needs its own process group, but one is already initialized")
+    if tp < 1:
+        raise ConfigError(f"--tensor-parallel-size must be >= 1 (got {tp})")
     t_dev = target_model.device
+    shard_devices = [str(t_dev)] * tp
     if transport == "nccl":
-        if t_dev.type != "cuda" or torch.cuda.device_count() < 2:
-            raise ConfigError("transport 'nccl' needs the target on CUDA and a second GPU for the draft; "
+        first = t_dev.index or 0
+        if t_dev.type != "cuda" or torch.cuda.device_count() < first + tp + 1:
+            raise ConfigError(f"transport 'nccl' with a {tp}-way target needs {tp + 1} GPUs from the target's on "
+                              f"(the draft takes the next one; {torch.cuda.device_count()} visible); "
                               "use 'streams' on one GPU")
-        draft_device = draft_device or f"cuda:{(t_dev.index or 0) + 1}"
+        shard_devices = [f"cuda:{first + r}" for r in range(tp)]
+        draft_device = draft_device or f"cuda:{first + tp}"
     draft_device = draft_device or str(draft_model.device)
     tmp = tempfile.mkdtemp(prefix="tandem-async-")
+    init_file = os.path.join(tmp, "rendezvous")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(
+    procs = [ctx.Process(
         target=draft_process_main, daemon=True, name="tandem-draft",
-        args=(os.path.join(tmp, "rendezvous"), transport, draft_model, draft_device, list(prompt_ids), spec,
-              (d_rows, tree_rows), use_graphs, verbose, timeout_s, torch.get_num_threads(), out))
+        args=(init_file, transport, draft_model, draft_device, list(prompt_ids), spec, (d_rows, tree_rows),
+              use_graphs, verbose, timeout_s, torch.get_num_threads(), out, tp))]
+    procs += [ctx.Process(
+        target=target_shard_main, daemon=True, name=f"tandem-target-{r}",
+        args=(init_file, transport, r, tp, target_model, shard_devices[r], list(prompt_ids), spec, sampling,
+              generator.get_state(), t_rows, use_graphs, timeout_s, torch.get_num_threads(), out))
+        for r in range(1, tp)]
+    draft_proc = procs[0]
     t_start = time.perf_counter()
     ok = False
     try:
-        proc.start()  # inside the try: an interrupt during the spawn still stops the child
+        for proc in procs:
+            proc.start()  # inside the try: an interrupt during the spawn still stops the children
         if t_dev.type == "cuda":
             torch.cuda.set_device(t_dev)
-        dist.init_process_group(transport, init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=TARGET,
-                                world_size=2, timeout=timedelta(seconds=timeout_s))
-        chan = Channel(TARGET, spec.nodes + 1, t_dev if transport == "nccl" else torch.device("cpu"),
-                       proc.is_alive, timeout_s)
-        target = TargetWorker(ModelRunner(target_model, t_rows, use_graphs=use_graphs), sampling, generator)
+        dist.init_process_group(transport, init_method=f"file://{init_file}", rank=TARGET, world_size=tp + 1,
+                                timeout=timedelta(seconds=timeout_s))
+        group = target_group(tp)
+        msg_dev = t_dev if transport == "nccl" else torch.device("cpu")
+        chan = Channel(tp, spec.nodes + 1, msg_dev, lambda: all(p.is_alive() for p in procs), timeout_s)
+        shard = _target_shard(target_model, TARGET, tp, group, t_dev)
+        target = TargetWorker(ModelRunner(shard, t_rows, use_graphs=use_graphs), sampling, generator)
+        trees = TreeBroadcast(group, spec.nodes + 1, msg_dev) if tp > 1 else None
         _warm_buckets(target.runner, None, spec, len(prompt_ids))
         t_target = target.profile(spec.nodes) if spec.depth is None else 0.0
         hello = torch.tensor([int(t_target * 1e9)], dtype=torch.long, device=chan.device)
@@ -283,25 +378,34 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
             try:
                 tree = chan.recv_tree()
             except (_Aborted, _PeerGone) as e:
-                raise DraftWorkerError(_draft_error(out, proc, str(e))) from None
+                raise DraftWorkerError(_draft_error(out, draft_proc, str(e))) from None
             wait_s += time.perf_counter() - tw
+            if trees is not None:
+                trees.send(tree)
             result = target.verify(tree)
             done = emitter.emit(tree, result)
             chan.send_reply(DONE if done else GO, result.tokens)
             if done:
                 break
+        if trees is not None:
+            trees.send(None)
         seconds = time.perf_counter() - t0
-        status, payload = _get(out, proc, timeout_s)
-        if status != "ok":
-            raise DraftWorkerError(payload or f"draft worker ended with {status!r}")
+        payload = None
+        for _ in procs:  # one report per child: the draft's stats, the shards' "ok"
+            status, got = _get(out, draft_proc, timeout_s)
+            if status != "ok":
+                raise DraftWorkerError(got or f"a worker process ended with {status!r}")
+            if isinstance(got, dict):
+                payload = got
         ok = True
-        stats = {"transport": transport, "t_target_s": t_target, "startup_s": startup, "target_wait_s": wait_s,
-                 "seconds": seconds, "target_busy_s": target.busy_s, **payload}
+        stats = {"transport": transport, "tensor_parallel_size": tp, "t_target_s": t_target, "startup_s": startup,
+                 "target_wait_s": wait_s, "seconds": seconds, "target_busy_s": target.busy_s, **(payload or {})}
         return _result(emitter, len(prompt_ids), seconds, stats)
     finally:
         try:
-            if proc.pid is not None:
-                _stop(proc, graceful=ok)
+            for proc in procs:
+                if proc.pid is not None:
+                    _stop(proc, graceful=ok)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
