@@ -96,7 +96,7 @@ def test_inline_stops_at_eos_and_self_tunes():
     ctl = r.stats["controller"]
     assert r.stats["transport"] == "inline" and not ctl["fixed"]
     d0 = ctl["candidates"][0]
-    assert ctl["candidates"] == [d0, d0 + 1] and d0 >= 1
+    assert ctl["candidates"] == [d0, d0 + 1, 0] and d0 >= 1
 
 
 def test_self_tuning_is_paid_once_per_engine():
@@ -111,14 +111,14 @@ def test_self_tuning_is_paid_once_per_engine():
     samples = sum(rec[2] for rec in ctl._trial.values())
     # the first pass is no sample, and the last answer ends the loop before the draft observes it
     assert r1.stats["t_target_s"] > 0 and samples == r1.target_passes - 2 < ctl.trial_passes
-    for _ in range(4):  # the same trial goes on where the previous request left it
+    for _ in range(8):  # the same trial goes on where the previous request left it
         r2 = generate_async(TARGET, DRAFT, second, spec, GREEDY, GenerationConfig(max_new_tokens=60, ignore_eos=True),
                             set(), transport="inline", verbose=False, runners=runners)
         assert r2.stats["t_target_s"] == 0.0  # not profiled again
         assert r2.token_ids == ar_tokens(second, 60)
         if ctl._chosen:
             break
-    assert ctl._chosen and sum(rec[2] for rec in ctl._trial.values()) == 2 * ctl.trial_passes
+    assert ctl._chosen and sum(rec[2] for rec in ctl._trial.values()) == len(ctl.candidates) * ctl.trial_passes
 
 
 def test_polled_link_path_equals_ar():
@@ -240,7 +240,7 @@ def test_collapse_detector_fires_with_a_draft_that_never_agrees():
 
 
 def test_depth_controller_trial_keeps_the_faster_depth_and_recovers():
-    ctl = DepthController.tuned(t_target=0.010, t_draft=0.004)
+    ctl = DepthController.tuned(t_target=0.010, t_draft=0.004, serial_guard=False)
     assert ctl.depth == 2 and ctl.candidates == (2, 3)
     ctl.observe(tokens=1, seconds=1.0, in_tree=1)  # the first pass is not a trial sample
     for _ in range(ctl.trial_passes):

@@ -20,14 +20,16 @@ Transports (one code path; only the `link` differs):
 - "inline": one process, deterministic: exactly d expansion rounds, then the verify. Tests.
 - "streams": one process, two CUDA streams. The verify is launched on the target stream and an
   event recorded; the draft expands on its stream while `event.query()` is False.
-- "gloo" / "nccl": two processes over torch.distributed (this process is rank 0, the target;
-  a spawned process is rank 1, the draft); see tandem.runtime.workers.
+- "gloo" / "nccl": processes over torch.distributed (this process is rank 0, the target's
+  leader; with --tensor-parallel-size X, ranks 1..X-1 hold the other target shards and rank X is
+  the draft); see tandem.runtime.workers.
 - "auto": streams on CUDA, inline on CPU.
 
 Self-tuning (SwiftSpec s3.1.3): t_target(N + 1 rows) and t_draft(w rows) are profiled with the
-runners; d = max(1, floor(t_target / t_draft)); the first passes run with d, the next with d+1,
-and the faster (tokens per second) is kept. The concurrent transports also try d = 0 (the
-serial tree loop) so that overlapping is kept only where it pays. spec.depth overrides all this.
+runners; d = max(1, floor(t_target / t_draft)); the trial runs 16 passes with d, 16 with d + 1
+and 16 with d = 0 (the serial tree loop), and keeps the smallest d within 5% of the fastest
+(tokens per second), so overlapping is kept only where it pays. The trial is paid once per engine
+(the controller lives beside the runners). spec.depth overrides all this.
 
 Collapse guard (summary s8): when few verified tokens are found in the draft tree (a sliding
 window over passes of tokens-in-tree / tokens-verified), the tree grown while the target
@@ -89,11 +91,11 @@ class DepthController:
 
     @classmethod
     def tuned(cls, t_target: float, t_draft: float, depth: int | None = None, verbose: bool = False,
-              serial_guard: bool = False, **kw) -> DepthController:
+              serial_guard: bool = True, **kw) -> DepthController:
         """d = max(1, floor(t_target / t_draft)); the trial tries d, d + 1 and, with
-        `serial_guard` (concurrent transports), also d = 0: no expansion while the target
-        verifies, i.e. the serial tree loop, kept if overlapping does not pay (one GPU shared
-        by both streams can make it so)."""
+        `serial_guard`, also d = 0: no expansion while the target verifies, i.e. the serial tree
+        loop, kept if overlapping does not pay (one GPU shared by both streams can make it so;
+        inline, the rounds are never hidden)."""
         if depth is not None:
             return cls(depth=depth, fixed=True, verbose=verbose, **kw)
         d = max(1, math.floor(t_target / max(t_draft, 1e-9)))
@@ -484,7 +486,7 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
         if ctl is None:
             if spec.depth is None:
                 t_target, t_draft = target.profile(spec.nodes), draft.profile()
-            ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose, serial_guard=streams)
+            ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose)
             if runners is not None:
                 runners[key] = ctl
         ctl.new_request()

@@ -216,7 +216,7 @@ def draft_process_main(init_file: str, backend: str, model, device: str, prompt:
             buf, work = chan.post(1)
             chan.wait(work, "the target's hello")
             t_target = buf.item() * 1e-9
-            draft.ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose, serial_guard=True)
+            draft.ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose)
             draft.start(prompt)
             draft_loop(draft, ProcessLink(chan))
         out.put(("ok", {**draft.stats(), "t_draft_s": t_draft}))
