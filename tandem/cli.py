@@ -83,7 +83,8 @@ def _generate(args) -> int:
         printed[0] = len(safe)
 
     res = engine.generate(ids, args.method, spec, sampling, gen, on_tokens=None if args.json else stream,
-                          transport=args.transport, tensor_parallel_size=args.tensor_parallel_size)
+                          transport=args.transport, tensor_parallel_size=args.tensor_parallel_size,
+                          draft_tensor_parallel_size=args.draft_tensor_parallel_size)
     text = res.stop_trimmed_text if res.stop_trimmed_text is not None else pair.tokenizer.decode(res.token_ids)
     if args.json:
         print(json.dumps({
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="async with --transport gloo|nccl: shard the target over this many processes (GPUs with "
                         "nccl: the target on GPUs 0..n-1 from its device, the draft on the next)")
+    g.add_argument("--draft-tensor-parallel-size", type=int, default=1,
+                   help="async with --transport gloo|nccl: shard the draft over this many processes (with nccl "
+                        "the GPUs after the target's: SwiftSpec's x : k-x split)")
     add_model_arguments(g)
     add_decoding_arguments(g)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")

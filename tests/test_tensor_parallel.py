@@ -127,10 +127,13 @@ def test_async_with_a_tensor_parallel_target_equals_ar():
     prompt = [4, 8, 15, 16, 23]
     gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     want = Generator(target).generate(prompt, "ar", gen=gen).token_ids
-    r = generate_async(target, draft, prompt, SpecConfig(nodes=6, width=2), SamplingConfig(), gen, set(),
-                       transport="gloo", verbose=False, tensor_parallel_size=2, timeout_s=120)
-    assert r.token_ids == want
-    assert r.stats["tensor_parallel_size"] == 2 and r.tau > 1.0
+    for tp, dp in ((2, 1), (1, 2), (2, 2)):  # SwiftSpec's x : k-x splits of 3 and 4 processes
+        r = generate_async(target, draft, prompt, SpecConfig(nodes=6, width=2), SamplingConfig(), gen, set(),
+                           transport="gloo", verbose=False, tensor_parallel_size=tp, draft_tensor_parallel_size=dp,
+                           timeout_s=120)
+        assert r.token_ids == want, (tp, dp)
+        assert (r.stats["tensor_parallel_size"], r.stats["draft_tensor_parallel_size"]) == (tp, dp)
+        assert r.tau > 1.0 and r.stats["draft_steps"] > 0
 
 
 def test_tensor_parallel_size_needs_async_over_processes():
@@ -139,7 +142,9 @@ def test_tensor_parallel_size_needs_async_over_processes():
 
     m = model_with(4, 2, 32)
     g = Generator(m, model_with(4, 2, 32, seed=4))
-    with pytest.raises(ConfigError, match="works with --method async"):
+    with pytest.raises(ConfigError, match="work with --method async"):
         g.generate([1, 2], "tree", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="use --transport gloo"):
         g.generate([1, 2], "async", transport="inline", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="use --transport gloo"):
+        g.generate([1, 2], "async", transport="inline", draft_tensor_parallel_size=2)

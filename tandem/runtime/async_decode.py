@@ -421,7 +421,8 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
                    on_tokens: Callable[[list[int]], None] | None = None, tokenizer=None, *,
                    verbose: bool = True, use_graphs: bool | None = None, draft_device: str | None = None,
                    timeout_s: float = 300.0, runners: dict | None = None,
-                   forced_accepts: list[int] | None = None, tensor_parallel_size: int = 1) -> AsyncGenerationResult:
+                   forced_accepts: list[int] | None = None, tensor_parallel_size: int = 1,
+                   draft_tensor_parallel_size: int = 1) -> AsyncGenerationResult:
     """Decode one request with method `async`; the output matches the serial loop's contract.
 
     Greedy output is token-identical to `ar`; with sampling every committed token is distributed
@@ -432,8 +433,8 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
     caller keeps between calls so the in-process transports reuse runners and CUDA graphs;
     `draft_device` / `timeout_s` are for the process transports; `forced_accepts` is acceptance
     replay (in-process transports; see Generator.generate and `replay_bonus`);
-    `tensor_parallel_size` shards the target over that many processes (gloo / nccl transports;
-    tandem.parallel.tensor_parallel).
+    `tensor_parallel_size` / `draft_tensor_parallel_size` shard the target / the draft over that
+    many processes (gloo / nccl transports; tandem.parallel.tensor_parallel).
     """
     if transport not in TRANSPORTS:
         raise ConfigError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
@@ -445,9 +446,10 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
     on_cuda = target_model.device.type == "cuda"
     if transport == "auto":
         transport = "streams" if on_cuda else "inline"
-    if tensor_parallel_size != 1 and transport not in ("gloo", "nccl"):
-        raise ConfigError(f"a tensor-parallel target (--tensor-parallel-size {tensor_parallel_size}) runs in "
-                          f"processes; use --transport gloo (CPU) or nccl (GPUs), not {transport!r}")
+    if (tensor_parallel_size, draft_tensor_parallel_size) != (1, 1) and transport not in ("gloo", "nccl"):
+        raise ConfigError(f"tensor parallelism (--tensor-parallel-size {tensor_parallel_size}, "
+                          f"--draft-tensor-parallel-size {draft_tensor_parallel_size}) runs in processes; "
+                          f"use --transport gloo (CPU) or nccl (GPUs), not {transport!r}")
     if transport == "streams" and not (on_cuda and draft_model.device.type == "cuda"):
         raise ConfigError("transport 'streams' needs both models on CUDA; use inline or gloo on CPU")
     ctx_len = min(target_model.config.max_position_embeddings, draft_model.config.max_position_embeddings)
@@ -467,7 +469,7 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
             return run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen, eos, max_new,
                                     transport, on_tokens, tokenizer, generator, (t_rows, d_rows, tree_rows),
                                     verbose=verbose, use_graphs=use_graphs, draft_device=draft_device,
-                                    timeout_s=timeout_s, tp=tensor_parallel_size)
+                                    timeout_s=timeout_s, tp=tensor_parallel_size, dp=draft_tensor_parallel_size)
         streams = transport == "streams"
         t_stream = torch.cuda.Stream(device=target_model.device) if streams else None
         d_stream = torch.cuda.Stream(device=draft_model.device) if streams else None

@@ -176,7 +176,8 @@ class Generator:
     def generate(self, prompt_ids: list[int], method: str = "tree", spec: SpecConfig = SpecConfig(),
                  sampling: SamplingConfig = SamplingConfig(), gen: GenerationConfig = GenerationConfig(),
                  on_tokens: Callable[[list[int]], None] | None = None, transport: str = "auto",
-                 forced_accepts: list[int] | None = None, tensor_parallel_size: int = 1) -> GenerationResult:
+                 forced_accepts: list[int] | None = None, tensor_parallel_size: int = 1,
+                 draft_tensor_parallel_size: int = 1) -> GenerationResult:
         """Decode one request. `forced_accepts` (acceptance replay): the accepted-token count of
         each target pass comes from this recorded list instead of the target (simulated acceptance;
         the tokens are meaningless, the costs real)."""
@@ -187,9 +188,9 @@ class Generator:
             raise ConfigError("the prompt is empty; give at least one token of text")
         if method != "ar" and self.draft_model is None:
             raise ConfigError(f"method {method!r} needs a draft model; pass --draft DIR or use --method ar")
-        if tensor_parallel_size != 1 and method != "async":
-            raise ConfigError(f"--tensor-parallel-size works with --method async (its process transports), "
-                              f"not {method!r}")
+        if (tensor_parallel_size, draft_tensor_parallel_size) != (1, 1) and method != "async":
+            raise ConfigError(f"--tensor-parallel-size / --draft-tensor-parallel-size work with --method async "
+                              f"(its process transports), not {method!r}")
         ctx = self.context_window
         if len(prompt_ids) >= ctx:
             raise ConfigError(
@@ -203,7 +204,8 @@ class Generator:
                                   dataclasses.replace(gen, max_new_tokens=max_new), eos, transport=transport,
                                   on_tokens=on_tokens, tokenizer=self.tokenizer, use_graphs=self.use_graphs,
                                   runners=self._runners, forced_accepts=forced_accepts,
-                                  tensor_parallel_size=tensor_parallel_size)
+                                  tensor_parallel_size=tensor_parallel_size,
+                                  draft_tensor_parallel_size=draft_tensor_parallel_size)
         slack = {"ar": 1, "chain": spec.k + 1, "tree": spec.nodes + 1 + spec.width * (spec.resolved_depth() + 1)}[method]
         capacity = len(prompt_ids) + max_new + slack + 1
         g = torch.Generator().manual_seed(sampling.seed)

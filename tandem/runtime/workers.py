@@ -194,9 +194,14 @@ class ProcessLink:
 # ---- rank 1: the draft process -------------------------------------------------------------
 def draft_process_main(init_file: str, backend: str, model, device: str, prompt: list[int], spec: SpecConfig,
                        rows: tuple[int, int], use_graphs, verbose: bool, timeout_s: float, threads: int,
-                       out: mp.Queue, tp: int = 1) -> None:
+                       out: mp.Queue, tp: int = 1, dp: int = 1, rank: int | None = None) -> None:
+    """A draft process: rank tp is the draft's leader (it talks to the target); with a
+    tensor-parallel draft (dp > 1) ranks tp+1 .. tp+dp-1 are its other shards, which run the
+    same draft loop on their slice (SPMD) and learn what the leader learns through `DraftSync`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller (rank 0) owns Ctrl-C and stops us
     torch.set_num_threads(threads)
+    rank = tp if rank is None else rank
+    leader = rank == tp
     parent = mp.parent_process()
     alive = (lambda: parent.is_alive()) if parent is not None else (lambda: True)
     chan = None
@@ -204,22 +209,31 @@ def draft_process_main(init_file: str, backend: str, model, device: str, prompt:
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=tp, world_size=tp + 1,
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=tp + dp,
                                 timeout=timedelta(seconds=timeout_s))
-        target_group(tp)  # every rank takes part in creating the target's group
-        chan = Channel(TARGET, spec.nodes + 1, dev if backend == "nccl" else torch.device("cpu"), alive, timeout_s)
+        target_group(tp)  # every rank takes part in creating both groups
+        group = draft_group(tp, dp)
+        msg_dev = dev if backend == "nccl" else torch.device("cpu")
+        if leader:
+            chan = Channel(TARGET, spec.nodes + 1, msg_dev, alive, timeout_s)
         with torch.inference_mode():
-            model = model.to(dev)
-            draft = DraftWorker(ModelRunner(model, rows[0], use_graphs=use_graphs), spec, rows[1])
+            shard = _shard(model, rank - tp, dp, group, dev)
+            draft = DraftWorker(ModelRunner(shard, rows[0], use_graphs=use_graphs), spec, rows[1])
             _warm_buckets(None, draft.tree.runner, spec, len(prompt))
             t_draft = draft.profile() if spec.depth is None else 0.0
-            buf, work = chan.post(1)
-            chan.wait(work, "the target's hello")
-            t_target = buf.item() * 1e-9
-            draft.ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose)
+            t_target = 0.0
+            if leader:
+                buf, work = chan.post(1)
+                chan.wait(work, "the target's hello")
+                t_target = buf.item() * 1e-9
+            draft.ctl = DepthController.tuned(t_target, t_draft, spec.depth, verbose=verbose and leader)
             draft.start(prompt)
-            draft_loop(draft, ProcessLink(chan))
-        out.put(("ok", {**draft.stats(), "t_draft_s": t_draft}))
+            sync = DraftSync(group, tp, spec.nodes + 1, msg_dev) if dp > 1 else None
+            if leader:
+                draft_loop(draft, ProcessLink(chan) if sync is None else sync.leading(ProcessLink(chan), draft))
+            else:
+                sync.follow(draft)
+        out.put(("ok", {**draft.stats(), "t_draft_s": t_draft} if leader else rank))
     except _Aborted:
         out.put(("aborted", None))
     except BaseException:  # noqa: BLE001 - any failure is reported to rank 0, then we exit
@@ -235,6 +249,53 @@ def draft_process_main(init_file: str, backend: str, model, device: str, prompt:
             dist.destroy_process_group()
 
 
+class DraftSync:
+    """A tensor-parallel draft: its shards compute the same logits, so they grow the same trees,
+    but two things reach only the leader: d for each pass (the trial is timed, so shards could
+    disagree) and the target's answer. The leader broadcasts both in the draft group; every
+    shard then makes the same collective calls in the same order."""
+
+    def __init__(self, group, leader_rank: int, max_nodes: int, device: torch.device):
+        self.group, self.src, self.n, self.device = group, leader_rank, max_nodes, device
+
+    def _bcast(self, values: list[int] | None = None) -> list[int]:
+        buf = torch.zeros(2 + self.n, dtype=torch.long)
+        if values is not None:
+            buf[:len(values)] = torch.tensor(values)
+        buf = buf.to(self.device)
+        dist.broadcast(buf, src=self.src, group=self.group)
+        return buf.tolist()
+
+    def leading(self, link, draft: DraftWorker):
+        sync = self
+
+        class Leading:
+            def submit(self, tree):
+                link.submit(tree)
+                sync._bcast([draft.ctl.depth])
+
+            def ready(self):
+                return link.ready()
+
+            def result(self):
+                verified = link.result()
+                sync._bcast([DONE, 0] if verified is None else [GO, len(verified), *verified])
+                return verified
+
+        return Leading()
+
+    def follow(self, draft: DraftWorker) -> None:
+        draft.prepare()
+        while True:
+            draft.ctl.depth = self._bcast()[0]  # the leader's d for this pass
+            draft.overlap(lambda: False)  # device rounds: exactly d, as on the leader
+            msg = self._bcast()
+            if msg[0] == DONE:
+                return
+            draft.receive(msg[2:2 + msg[1]])
+            draft.prepare()
+
+
 # ---- ranks 1 .. tp-1: the other shards of a tensor-parallel target -------------------------------
 def target_group(tp: int):
     """The target's tensor-parallel group (ranks 0 .. tp-1); None without tensor parallelism.
@@ -242,12 +303,18 @@ def target_group(tp: int):
     return dist.new_group(list(range(tp))) if tp > 1 else None
 
 
-def _target_shard(model, rank: int, tp: int, group, device: torch.device):
-    if tp == 1:
-        return model
+def draft_group(tp: int, dp: int):
+    """The draft's tensor-parallel group (ranks tp .. tp+dp-1); None for a one-process draft."""
+    return dist.new_group(list(range(tp, tp + dp))) if dp > 1 else None
+
+
+def _shard(model, rank: int, size: int, group, device: torch.device):
+    """This rank's slice of `model` in a `size`-way group (the whole model when size is 1)."""
+    if size == 1:
+        return model.to(device)
     from tandem.parallel.tensor_parallel import shard_model
 
-    return shard_model(model, rank, tp, group).to(device)
+    return shard_model(model, rank, size, group).to(device)
 
 
 class TreeBroadcast:
@@ -277,7 +344,7 @@ class TreeBroadcast:
 
 def target_shard_main(init_file: str, backend: str, rank: int, tp: int, model, device: str, prompt: list[int],
                       spec: SpecConfig, sampling, seed_state: torch.Tensor, t_rows: int, use_graphs,
-                      timeout_s: float, threads: int, out: mp.Queue) -> None:
+                      timeout_s: float, threads: int, out: mp.Queue, dp: int = 1) -> None:
     """Rank `rank` of the target: the same verify loop as the leader on its shard (SPMD: every
     shard computes the same logits after the all-reduces, so each one accepts the same path
     and commits it; only the leader talks to the draft)."""
@@ -287,13 +354,14 @@ def target_shard_main(init_file: str, backend: str, rank: int, tp: int, model, d
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=tp + 1,
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=tp + dp,
                                 timeout=timedelta(seconds=timeout_s))
         group = target_group(tp)
+        draft_group(tp, dp)
         with torch.inference_mode():
             generator = torch.Generator()
             generator.set_state(seed_state)
-            target = TargetWorker(ModelRunner(_target_shard(model, rank, tp, group, dev), t_rows,
+            target = TargetWorker(ModelRunner(_shard(model, rank, tp, group, dev), t_rows,
                                               use_graphs=use_graphs), sampling, generator)
             _warm_buckets(target.runner, None, spec, len(prompt))
             if spec.depth is None:
@@ -314,38 +382,39 @@ def target_shard_main(init_file: str, backend: str, rank: int, tp: int, model, d
 # ---- rank 0: the target loop in the calling process ---------------------------------------------
 def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen, eos, max_new, transport,
                      on_tokens, tokenizer, generator, rows, *, verbose, use_graphs, draft_device,
-                     timeout_s, tp: int = 1) -> AsyncGenerationResult:
-    """Rank 0 of `tp` target shards + 1 draft process (see the module docstring)."""
+                     timeout_s, tp: int = 1, dp: int = 1) -> AsyncGenerationResult:
+    """Rank 0 of `tp` target shards; `dp` draft shards follow (see the module docstring)."""
     t_rows, d_rows, tree_rows = rows
     if dist.is_available() is False:
         raise ConfigError("torch.distributed is not available in this PyTorch build; use --transport inline")
     if dist.is_initialized():
         raise ConfigError(f"transport {transport!r} needs its own process group, but one is already initialized")
-    if tp < 1:
-        raise ConfigError(f"--tensor-parallel-size must be >= 1 (got {tp})")
+    if tp < 1 or dp < 1:
+        raise ConfigError(f"--tensor-parallel-size and --draft-tensor-parallel-size must be >= 1 (got {tp}, {dp})")
     t_dev = target_model.device
     shard_devices = [str(t_dev)] * tp
+    draft_devices = [draft_device or str(draft_model.device)] * dp
     if transport == "nccl":
         first = t_dev.index or 0
-        if t_dev.type != "cuda" or torch.cuda.device_count() < first + tp + 1:
-            raise ConfigError(f"transport 'nccl' with a {tp}-way target needs {tp + 1} GPUs from the target's on "
-                              f"(the draft takes the next one; {torch.cuda.device_count()} visible); "
-                              "use 'streams' on one GPU")
+        if t_dev.type != "cuda" or torch.cuda.device_count() < first + tp + dp:
+            raise ConfigError(f"transport 'nccl' with a {tp}-way target and a {dp}-way draft needs {tp + dp} GPUs "
+                              f"from the target's on ({torch.cuda.device_count()} visible); use 'streams' on one GPU")
         shard_devices = [f"cuda:{first + r}" for r in range(tp)]
-        draft_device = draft_device or f"cuda:{first + tp}"
-    draft_device = draft_device or str(draft_model.device)
+        draft_devices = [f"cuda:{first + tp + r}" for r in range(dp)] if draft_device is None or dp > 1 \
+            else [draft_device]
     tmp = tempfile.mkdtemp(prefix="tandem-async-")
     init_file = os.path.join(tmp, "rendezvous")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(
-        target=draft_process_main, daemon=True, name="tandem-draft",
-        args=(init_file, transport, draft_model, draft_device, list(prompt_ids), spec, (d_rows, tree_rows),
-              use_graphs, verbose, timeout_s, torch.get_num_threads(), out, tp))]
+        target=draft_process_main, daemon=True, name=f"tandem-draft-{j}",
+        args=(init_file, transport, draft_model, draft_devices[j], list(prompt_ids), spec, (d_rows, tree_rows),
+              use_graphs, verbose, timeout_s, torch.get_num_threads(), out, tp, dp, tp + j))
+        for j in range(dp)]
     procs += [ctx.Process(
         target=target_shard_main, daemon=True, name=f"tandem-target-{r}",
         args=(init_file, transport, r, tp, target_model, shard_devices[r], list(prompt_ids), spec, sampling,
-              generator.get_state(), t_rows, use_graphs, timeout_s, torch.get_num_threads(), out))
+              generator.get_state(), t_rows, use_graphs, timeout_s, torch.get_num_threads(), out, dp))
         for r in range(1, tp)]
     draft_proc = procs[0]
     t_start = time.perf_counter()
@@ -355,12 +424,13 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
             proc.start()  # inside the try: an interrupt during the spawn still stops the children
         if t_dev.type == "cuda":
             torch.cuda.set_device(t_dev)
-        dist.init_process_group(transport, init_method=f"file://{init_file}", rank=TARGET, world_size=tp + 1,
+        dist.init_process_group(transport, init_method=f"file://{init_file}", rank=TARGET, world_size=tp + dp,
                                 timeout=timedelta(seconds=timeout_s))
         group = target_group(tp)
+        draft_group(tp, dp)
         msg_dev = t_dev if transport == "nccl" else torch.device("cpu")
         chan = Channel(tp, spec.nodes + 1, msg_dev, lambda: all(p.is_alive() for p in procs), timeout_s)
-        shard = _target_shard(target_model, TARGET, tp, group, t_dev)
+        shard = _shard(target_model, TARGET, tp, group, t_dev)
         target = TargetWorker(ModelRunner(shard, t_rows, use_graphs=use_graphs), sampling, generator)
         trees = TreeBroadcast(group, spec.nodes + 1, msg_dev) if tp > 1 else None
         _warm_buckets(target.runner, None, spec, len(prompt_ids))
@@ -398,7 +468,8 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
             if isinstance(got, dict):
                 payload = got
         ok = True
-        stats = {"transport": transport, "tensor_parallel_size": tp, "t_target_s": t_target, "startup_s": startup,
+        stats = {"transport": transport, "tensor_parallel_size": tp, "draft_tensor_parallel_size": dp,
+                 "t_target_s": t_target, "startup_s": startup,
                  "target_wait_s": wait_s, "seconds": seconds, "target_busy_s": target.busy_s, **(payload or {})}
         return _result(emitter, len(prompt_ids), seconds, stats)
     finally:
