@@ -21,8 +21,9 @@ Transports (one code path; only the `link` differs):
 - "streams": one process, two CUDA streams. The verify is launched on the target stream and an
   event recorded; the draft expands on its stream while `event.query()` is False.
 - "gloo" / "nccl": processes over torch.distributed (this process is rank 0, the target's
-  leader; with --tensor-parallel-size X, ranks 1..X-1 hold the other target shards and rank X is
-  the draft); see tandem.runtime.workers.
+  leader; with --tensor-parallel-size X, ranks 1..X-1 hold the other target shards; rank X is
+  the draft's leader and, with --draft-tensor-parallel-size Y, ranks X+1..X+Y-1 its other
+  shards); see tandem.runtime.workers.
 - "auto": streams on CUDA, inline on CPU.
 
 Self-tuning (SwiftSpec s3.1.3): t_target(N + 1 rows) and t_draft(w rows) are profiled with the
@@ -312,12 +313,8 @@ def replay_bonus(tree: EvolvingTree, sent: DraftTree | None, verified: list[int]
 class TargetWorker(Target):
     """Verifies one tree per pass (generate.Target: launch / ready / finish), plus profiling.
 
-    NOTE (tensor parallelism): the target is one ModelRunner on one device. A TP group would
-    plug in here: rank 0 of the group runs this worker and broadcasts each received tree to
-    the other TP ranks, every rank runs `runner.step` on its shard (column/row-parallel linear
-    layers with an all-reduce after attention and after the MLP), and only rank 0 accepts and
-    answers the draft. Missing today: sharded linear layers in tandem.models, a sharded loader,
-    the broadcast of the tree inside the group, and CUDA-graph capture of the collectives.
+    With a tensor-parallel target every shard runs one of these on its slice of the model and
+    verifies every tree (tandem.runtime.workers); only the leader answers the draft.
     """
 
     def profile(self, nodes: int) -> float:

@@ -1,25 +1,37 @@
-"""Method `async` over two processes (transports "gloo" and "nccl").
+"""Method `async` over processes (transports "gloo" and "nccl").
 
-Rank 0 is the calling process: it keeps the target model (already loaded, CUDA graphs and
-`on_tokens` streaming stay where the caller is) and runs the target loop. Rank 1 is spawned
-(torch.multiprocessing, "spawn" context) with the draft model and runs the same `draft_loop`
-as the in-process transports, with a `ProcessLink` whose `ready()` is a non-blocking
-`irecv(...).is_completed()`: the draft keeps expanding while the target verifies.
+Ranks (world = X + Y for an X-way target and a Y-way draft, SwiftSpec's x : k-x split):
 
-Messages are small fixed-size int64 tensors (CPU for gloo, the rank's GPU for nccl):
+    0            the calling process: the target's leader. It keeps the target model (CUDA
+                 graphs and `on_tokens` streaming stay where the caller is), runs the target
+                 loop and talks to the draft.
+    1 .. X-1     the target's other shards (`target_shard_main`), spawned.
+    X            the draft's leader (`draft_process_main`), spawned: the same `draft_loop` as
+                 the in-process transports, with a `ProcessLink` whose `ready()` is a
+                 non-blocking `irecv(...).is_completed()`.
+    X+1 .. X+Y-1 the draft's other shards, spawned.
+
+Shards of one model are SPMD: they compute the same logits after the all-reduces
+(tandem.parallel.tensor_parallel), so they make the same decisions; what only a leader learns
+goes to its shards by broadcast in the model's group (`TreeBroadcast`: each tree to the
+target's shards; `DraftSync`: each pass's d and the target's answer to the draft's shards).
+
+Messages between the two leaders are small fixed-size int64 tensors (CPU for gloo, the rank's
+GPU for nccl):
 
     hello  target -> draft   [t_target_ns]
     tree   draft  -> target  [n, tokens[0:n], parents[0:n], 0...]        n = -1: the draft failed
     reply  target -> draft   [status, m, tokens[0:m], 0...]              status 0 go on, 1 done, -1 abort
 
-Shutdown: the draft ignores SIGINT (the caller owns the interrupt) and polls its parent's
-liveness while it waits; on any error in the target loop (an exception, KeyboardInterrupt,
-the draft's abort message or its death) rank 0 terminates the draft process, joins it and
-destroys the process group before re-raising, so no process outlives the call.
+Shutdown: spawned ranks ignore SIGINT (the caller owns the interrupt); the draft leader polls
+its parent's liveness while it waits; on any error in the target loop (an exception,
+KeyboardInterrupt, the draft's abort message or a process's death) rank 0 terminates every
+spawned process, joins them and destroys the process group before re-raising, so no process
+outlives the call. (A shard that dies inside a collective is noticed when the collective times
+out, after `timeout_s`.)
 
 NOTE: rank 0 calls `init_process_group` on the default group, so the caller must not have
-one already. A tensor-parallel target would add ranks 2.. to the world and a `new_group` of
-the target ranks (see TargetWorker's docstring for what is missing).
+one already.
 """
 from __future__ import annotations
 
