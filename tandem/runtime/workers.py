@@ -230,7 +230,8 @@ def draft_process_main(init_file: str, backend: str, model, device: str, prompt:
             chan = Channel(TARGET, spec.nodes + 1, msg_dev, alive, timeout_s)
         with torch.inference_mode():
             shard = _shard(model, rank - tp, dp, group, dev)
-            draft = DraftWorker(ModelRunner(shard, rows[0], use_graphs=use_graphs), spec, rows[1])
+            draft = DraftWorker(ModelRunner(shard, rows[0], use_graphs=_graphs(use_graphs, dp, backend)), spec,
+                                rows[1])
             _warm_buckets(None, draft.tree.runner, spec, len(prompt))
             t_draft = draft.profile() if spec.depth is None else 0.0
             t_target = 0.0
@@ -320,6 +321,12 @@ def draft_group(tp: int, dp: int):
     return dist.new_group(list(range(tp, tp + dp))) if dp > 1 else None
 
 
+def _graphs(use_graphs, size: int, backend: str):
+    """CUDA graphs for a shard's runner: gloo collectives run on the host and cannot be captured,
+    so a sharded model over gloo runs eagerly (NCCL collectives can be captured)."""
+    return False if size > 1 and backend == "gloo" else use_graphs
+
+
 def _shard(model, rank: int, size: int, group, device: torch.device):
     """This rank's slice of `model` in a `size`-way group (the whole model when size is 1)."""
     if size == 1:
@@ -374,7 +381,7 @@ def target_shard_main(init_file: str, backend: str, rank: int, tp: int, model, d
             generator = torch.Generator()
             generator.set_state(seed_state)
             target = TargetWorker(ModelRunner(_shard(model, rank, tp, group, dev), t_rows,
-                                              use_graphs=use_graphs), sampling, generator)
+                                              use_graphs=_graphs(use_graphs, tp, backend)), sampling, generator)
             _warm_buckets(target.runner, None, spec, len(prompt))
             if spec.depth is None:
                 target.profile(spec.nodes)
@@ -443,7 +450,8 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
         msg_dev = t_dev if transport == "nccl" else torch.device("cpu")
         chan = Channel(tp, spec.nodes + 1, msg_dev, lambda: all(p.is_alive() for p in procs), timeout_s)
         shard = _shard(target_model, TARGET, tp, group, t_dev)
-        target = TargetWorker(ModelRunner(shard, t_rows, use_graphs=use_graphs), sampling, generator)
+        target = TargetWorker(ModelRunner(shard, t_rows, use_graphs=_graphs(use_graphs, tp, transport)), sampling,
+                              generator)
         trees = TreeBroadcast(group, spec.nodes + 1, msg_dev) if tp > 1 else None
         _warm_buckets(target.runner, None, spec, len(prompt_ids))
         t_target = target.profile(spec.nodes) if spec.depth is None else 0.0
