@@ -218,13 +218,7 @@ def draft_process_main(init_file: str, backend: str, model, device: str, prompt:
     alive = (lambda: parent.is_alive()) if parent is not None else (lambda: True)
     chan = None
     try:
-        dev = torch.device(device)
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=tp + dp,
-                                timeout=timedelta(seconds=timeout_s))
-        target_group(tp)  # every rank takes part in creating both groups
-        group = draft_group(tp, dp)
+        dev, _, group = join_world(init_file, backend, rank, tp, dp, device, timeout_s)
         msg_dev = dev if backend == "nccl" else torch.device("cpu")
         if leader:
             chan = Channel(TARGET, spec.nodes + 1, msg_dev, alive, timeout_s)
@@ -310,6 +304,17 @@ class DraftSync:
 
 
 # ---- ranks 1 .. tp-1: the other shards of a tensor-parallel target -------------------------------
+def join_world(init_file: str, backend: str, rank: int, tp: int, dp: int, device, timeout_s: float):
+    """Join the world of tp target and dp draft ranks; returns (device, target group, draft
+    group). Every rank creates both groups, in the same order (new_group is collective)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=tp + dp,
+                            timeout=timedelta(seconds=timeout_s))
+    return dev, target_group(tp), draft_group(tp, dp)
+
+
 def target_group(tp: int):
     """The target's tensor-parallel group (ranks 0 .. tp-1); None without tensor parallelism.
     NOTE: new_group is collective over the whole world, so the draft calls it too."""
@@ -370,13 +375,7 @@ def target_shard_main(init_file: str, backend: str, rank: int, tp: int, model, d
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
-        dev = torch.device(device)
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=tp + dp,
-                                timeout=timedelta(seconds=timeout_s))
-        group = target_group(tp)
-        draft_group(tp, dp)
+        dev, group, _ = join_world(init_file, backend, rank, tp, dp, device, timeout_s)
         with torch.inference_mode():
             generator = torch.Generator()
             generator.set_state(seed_state)
@@ -441,12 +440,7 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
     try:
         for proc in procs:
             proc.start()  # inside the try: an interrupt during the spawn still stops the children
-        if t_dev.type == "cuda":
-            torch.cuda.set_device(t_dev)
-        dist.init_process_group(transport, init_method=f"file://{init_file}", rank=TARGET, world_size=tp + dp,
-                                timeout=timedelta(seconds=timeout_s))
-        group = target_group(tp)
-        draft_group(tp, dp)
+        _, group, _ = join_world(init_file, transport, TARGET, tp, dp, t_dev, timeout_s)
         msg_dev = t_dev if transport == "nccl" else torch.device("cpu")
         chan = Channel(tp, spec.nodes + 1, msg_dev, lambda: all(p.is_alive() for p in procs), timeout_s)
         shard = _shard(target_model, TARGET, tp, group, t_dev)
