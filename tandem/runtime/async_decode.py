@@ -193,9 +193,10 @@ class DraftWorker:
                  stream: torch.cuda.Stream | None = None):
         self.tree = EvolvingTree(runner, spec.width, max_rows=tree_rows)
         self.nodes = spec.nodes
-        # fed nodes a tree must have before it is sent: the serial best-first drafter's work
-        # (depth rounds of width, depth's default), so async offers trees as deep as serial
-        # `tree` does. (spec.depth means d, the rounds run while the target verifies, here.)
+        # fed nodes a tree must have before it is sent: serial `tree`'s work per tree (depth
+        # rounds of width, depth's default; tandem.drafting.tree_drafter), so async offers trees
+        # as deep as serial `tree` does. (spec.depth means d, the rounds run while the target
+        # verifies, here.)
         rounds = dataclasses.replace(spec, depth=None).resolved_depth()
         self.fed = min(rounds * spec.width, tree_rows - spec.width)
         self.inline = inline  # exactly d rounds per pass (deterministic), no readiness polling

@@ -1,7 +1,7 @@
-"""Single-request decoding: `ar`, `chain` and `tree` behind one loop.
+"""Single-request decoding: `ar`, `chain` and `tree` behind one loop (`async`: async_decode.py).
 
     while not done:
-        tree   = drafter.propose(...)     # a DraftTree hanging from the root (AR: the root alone)
+        tree   = drafter.propose()        # a DraftTree hanging from the root (AR: the root alone)
         result = target.verify(tree)      # one target pass; accepted path + bonus token
         drafter.observe(result, tree)     # the draft keeps the accepted path's K/V
         emit(result.tokens)               # cut at EOS / stop string / max_new_tokens
@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
-from tandem.drafting.model_drafter import ModelDrafter
+from tandem.drafting.chain_drafter import ChainDrafter
 from tandem.drafting.tree_drafter import TreeDrafter, tree_rows
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree, ancestor_mask
@@ -213,7 +213,8 @@ class Generator:
         drafter = None
         if method != "ar":
             draft_runner = self._runner("draft", self.draft_model, capacity + spec.nodes + spec.k + tree_rows(spec))
-            drafter = TreeDrafter(draft_runner, spec) if method == "tree" else ModelDrafter(draft_runner, sampling, g)
+            drafter = TreeDrafter(draft_runner, spec) if method == "tree" else ChainDrafter(draft_runner, sampling,
+                                                                                              spec.k, g)
             drafter.start(prompt_ids)
 
         t0 = time.perf_counter()
@@ -226,7 +227,7 @@ class Generator:
         finish = "length"
         stop_text = None
         while len(out) < max_new:
-            tree = self._propose(drafter, method, spec, sampling, root)
+            tree = drafter.propose() if drafter is not None else DraftTree.chain([root])  # ar: the root alone
             forced = None
             if forced_accepts is not None:
                 forced = forced_accepts[len(accept_lengths) % len(forced_accepts)] if forced_accepts else 0
@@ -263,15 +264,6 @@ class Generator:
             ttft=ttft, finish_reason=finish, stop_trimmed_text=stop_text,
             per_depth=[(v[0], v[1]) for _, v in sorted(per_depth.items())],
         )
-
-    @staticmethod
-    def _propose(drafter: ModelDrafter | TreeDrafter | None, method: str, spec: SpecConfig, sampling: SamplingConfig,
-                 root: int) -> DraftTree:
-        if drafter is None:
-            return DraftTree.chain([root])
-        if method == "chain":
-            return drafter.propose(spec.k, 1, spec.k - 1, sampled_chain=not sampling.greedy)
-        return drafter.propose()
 
 
 def _count_depths(per_depth: dict[int, list[int]], tree: DraftTree, result: VerifyResult) -> None:

@@ -149,9 +149,9 @@ class EvolvingTree:
 
     def grow(self, nodes: int, fed: int = 0, max_rounds: int = 64) -> None:
         """Feed pending tokens, then expand until the tree offers `nodes` draft nodes and `fed` of
-        its nodes are fed (expanded). The serial best-first drafter feeds depth x width nodes per
-        tree; asking for as many keeps async's trees as deep as the serial tree's (candidates
-        alone reach N nodes after two rounds, and a tree that shallow halves acceptance)."""
+        its nodes are fed (expanded). Method `tree` asks for depth x width fed nodes per tree, and
+        `async` for as many, so its trees are as deep (candidates alone reach N nodes after two
+        rounds, and a tree that shallow halves acceptance)."""
         self.feed_pending(defer=self._device() is not None)
         w = self.width
         for _ in range(max_rounds):
