@@ -274,3 +274,20 @@ def test_grow_with_deferred_root_children_matches_the_host_path():
         best = max(host.children()[0], key=lambda c: host.logp[c])
         v = [host.tokens[best] if x is None else x for x in verified]
         assert host.reroot(v) == dev.reroot(v)
+
+
+def test_device_rounds_outlive_a_tree_on_the_same_runner():
+    """One DeviceRounds per runner (its graphs are captured once), reloaded for every new tree:
+    a second request's tree must not see the first one's state."""
+    runner = ModelRunner(MODEL, CAP, use_graphs="emulate")
+    seen = []
+    for prompt in ([4, 8, 15], [16, 23, 42, 7]):
+        dev = EvolvingTree(runner, width=2, max_rows=30)
+        host = EvolvingTree(ModelRunner(MODEL, CAP, use_graphs=False), width=2, max_rows=30, device_rounds=False)
+        for t in (dev, host):
+            t.start(prompt)
+            t.grow(nodes=8, fed=6)
+        assert (dev.tokens, dev.parents, dev.row) == (host.tokens, host.parents, host.row)
+        _assert_matches_recompute(dev)
+        seen.append(dev._dev)
+    assert seen[0] is seen[1]

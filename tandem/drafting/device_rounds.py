@@ -45,6 +45,7 @@ class DeviceRounds:
         self._incr = torch.tensor([width, width * width], device=dev)  # tree_len, nodes per round
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._use_graphs = runner.use_graphs and not runner.emulate
+        self._synced = -1  # the host tree version the device state equals (-1: none)
 
     # ---- host <-> device --------------------------------------------------------------------
     def load(self, tree, root_logits: torch.Tensor | None = None) -> None:
@@ -52,6 +53,8 @@ class DeviceRounds:
 
         root_logits: [vocab] the root's logits when its children are not added yet (the tree is
         the root alone): they are added here, on the device, as the host would add them."""
+        if root_logits is None and tree.version == self._synced:
+            return  # the device state is the host tree already (fetched, nothing changed since)
         n, cache, F = len(tree.tokens), tree.cache, self.f
         anc = np.zeros((F + 1, F), dtype=bool)
         ints = np.zeros((5, self.nc), dtype=np.int64)
@@ -90,6 +93,7 @@ class DeviceRounds:
         tree.logp = self.lp[:n1].tolist()
         tree.cache.tree_len += rounds * self.w
         tree.steps += rounds
+        self._synced = tree.touch()
 
     # ---- the round -----------------------------------------------------------------------------
     def rounds_possible(self, tree, extra: int = 0) -> int:
@@ -136,7 +140,11 @@ class DeviceRounds:
         depth = self.dep[idx]  # [w]
         logits = self.runner.model(self.tok[idx][None], (prefix - 1 + depth)[None], self.runner.cache,
                                    (prefix + rows)[None], mask[None, None])[0]  # [w, vocab]
-        clp, ctok = torch.log_softmax(logits.float(), dim=-1).topk(w, dim=-1)  # [w, w] each
+        # the w best children's log-probs: top-k of the logits minus their logsumexp (the same
+        # values as log_softmax then top-k, without writing and re-reading a [w, vocab] tensor)
+        lf = logits.float()
+        top, ctok = lf.topk(w, dim=-1)  # [w, w] each
+        clp = top - torch.logsumexp(lf, dim=-1, keepdim=True)
         new = nodes + torch.arange(w * w, device=dev)  # [w*w]
         child_lp = (self.lp[idx][:, None] + clp).reshape(-1)  # [w*w]
         self.tok.index_copy_(0, new, ctok.reshape(-1))

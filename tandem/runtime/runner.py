@@ -47,6 +47,9 @@ class ModelRunner:
         # and corrupted each other's GEMMs when replayed concurrently on two streams (async on
         # the H200 diverged from ar until this).
         self._capture_stream = None
+        # state that lives as long as this runner's cache and graphs (e.g. the device rounds of
+        # tandem.drafting.device_rounds, keyed by their shape)
+        self.attached: dict = {}
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -33,6 +33,7 @@ than its parent, and ties break on index) as a `DraftTree` for the target.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,9 @@ import torch
 from tandem.drafting.device_rounds import DeviceRounds
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree
+
+
+_VERSIONS = itertools.count(1)  # tree versions, unique across trees (see EvolvingTree.version)
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class EvolvingTree:
     pending: list[int] = field(default_factory=list)  # verified tokens not fed yet; the root last
     prefix_tokens: list[int] = field(default_factory=list)  # tokens whose K/V are the prefix rows
     steps: int = 0  # draft forward passes
+    version: int = 0  # renewed by every change to the nodes or the cache (device rounds reload on a change)
     # expansion rounds on the device, many per host sync (tandem.drafting.device_rounds);
     # False: every round on the host (`expand`), one sync each
     device_rounds: bool = True
@@ -82,6 +87,7 @@ class EvolvingTree:
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, prompt: list[int]) -> None:
         """Empty the cache; the prompt waits to be fed and its last token is the root."""
+        self.touch()
         self.cache.truncate(0)
         self.prefix_tokens = []
         self.pending = list(prompt)
@@ -97,6 +103,7 @@ class EvolvingTree:
         `defer`: keep the root's logits on the device and let the next device rounds add its
         children (saves the host sync of reading them); `_settle` adds them on the host if no
         device round comes first."""
+        self.touch()
         if not self.pending:
             return
         assert self.cache.tree_len == 0, "pending tokens with a live tree region"
@@ -164,6 +171,11 @@ class EvolvingTree:
                 break
         self._settle()
 
+    def touch(self) -> int:
+        """Mark a change (a new version, unique across trees); returns it."""
+        self.version = next(_VERSIONS)
+        return self.version
+
     def num_candidates(self) -> int:
         return sum(1 for r in self.row[1:] if r < 0)
 
@@ -179,6 +191,7 @@ class EvolvingTree:
     # ---- building blocks (public so tests can build the paper's trees by hand) -----------
     def add_node(self, parent: int, token: int, logp: float) -> int:
         """Append a candidate node under `parent` (logp is cumulative from the root)."""
+        self.touch()
         self.tokens.append(int(token))
         self.parents.append(parent)
         self.logp.append(float(logp))
@@ -188,6 +201,7 @@ class EvolvingTree:
 
     def feed(self, nodes: list[int], add_children: bool = True) -> torch.Tensor:
         """Feed candidate nodes (whose parents are fed) in one draft step; returns logits [n, vocab]."""
+        self.touch()
         cache = self.cache
         base = cache.tree_len
         for j, i in enumerate(nodes):
@@ -221,6 +235,7 @@ class EvolvingTree:
     # ---- re-root --------------------------------------------------------------------------
     def reroot(self, verified: list[int]) -> Reroot:
         """Advance past `verified` (the target's accepted tokens then its bonus token)."""
+        self.touch()
         assert self.root_fed and verified, "re-root needs a fed root and at least the bonus token"
         self._settle()
         children = self.children()
@@ -291,8 +306,14 @@ class EvolvingTree:
         if not self.device_rounds:
             return None
         if self._dev is None:
+            # NOTE: kept on the runner, like its graphs: a tree lives for one request, and
+            # capturing the round's graphs again for every request would cost more than it saves
             rows = self.max_rows if self.max_rows is not None else self.runner.capacity
-            self._dev = DeviceRounds(self.runner, self.width, max_nodes=1 + self.width * (rows + 2), max_rows=rows)
+            key = ("device-rounds", self.width, rows)
+            self._dev = self.runner.attached.get(key)
+            if self._dev is None:
+                self._dev = self.runner.attached[key] = DeviceRounds(
+                    self.runner, self.width, max_nodes=1 + self.width * (rows + 2), max_rows=rows)
         return self._dev
 
     def _new_tree(self, root_token: int) -> None:
