@@ -3,6 +3,7 @@
 # async; both workloads, with the async timeline), and the realistic-shape comparison with
 # acceptance replayed from the MBPP run (simulated acceptance).
 #   TANDEM_COMMIT=<sha> bash bench/run_h200_async.sh $OUT          (device tool: carry .data)
+#   SKIP_REPLAY=1 leaves out the realistic-shape replay (the longest part)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/env.txt"
@@ -32,9 +33,11 @@ timeout 150 python3 -m tandem bench --device cuda --dtype float32 --workload mbp
   --max-new-tokens 128 --methods ar,tree,async --warmup 2 --max-prompt-tokens 384 --draft "$OUT/random_draft" \
   --no-plots --out "$OUT/bench_collapse" 2>&1 | grep -v -e "it/s" -e "req/s" -e "^tandem async" | tail -12
 rm -rf "$OUT/random_draft"
+[ "${SKIP_REPLAY:-0}" = 1 ] || {
 echo "== llama3-8b / llama3.2-1b, bf16, acceptance replayed from bench_mbpp (simulated)"
 timeout 220 python3 -m tandem bench --device cuda --dtype bfloat16 --preset llama3-8b --draft-preset llama3.2-1b \
   --replay "$OUT/bench_mbpp/results.json" --methods ar,tree,async --num-prompts 6 \
   --no-plots --out "$OUT/replay_llama3-8b" 2>&1 | grep -v -e "it/s" -e "^tandem bench (sim" -e "^tandem async: trial" | tail -16
+}
 # one archive: the device tool brings back a limited number of files
 tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"
