@@ -6,7 +6,7 @@ transport, reads like Algorithm 1:
     tree = draft.prepare()                 # grow until the tree is as deep as serial's, select the best N
     while True:
         link.submit(tree)                  # the target starts verifying [root + N nodes]
-        draft.overlap(link.ready)          # expand the w best candidates, <= d rounds, until the answer is in
+        draft.overlap(link.ready)          # d rounds of expanding the w best candidates meanwhile
         verified = link.result()           # accepted tokens + bonus (None: generation is over)
         draft.receive(verified)            # re-root the evolving tree cache (no K/V recomputed)
         tree = draft.prepare()
@@ -19,7 +19,10 @@ commits the root and accepted path to its KV cache and answers with `VerifyResul
 Transports (one code path; only the `link` differs):
 - "inline": one process, deterministic: exactly d expansion rounds, then the verify. Tests.
 - "streams": one process, two CUDA streams. The verify is launched on the target stream and an
-  event recorded; the draft expands on its stream while `event.query()` is False.
+  event recorded; the draft's d rounds go to its own stream as d replays of one captured round
+  (tandem.drafting.device_rounds), so both run on the GPU at once and the host waits once.
+  (With host-driven rounds, `device_rounds=False`, the draft instead expands round by round
+  while `event.query()` is False.)
 - "gloo" / "nccl": processes over torch.distributed (this process is rank 0, the target's
   leader; with --tensor-parallel-size X, ranks 1..X-1 hold the other target shards; rank X is
   the draft's leader and, with --draft-tensor-parallel-size Y, ranks X+1..X+Y-1 its other
