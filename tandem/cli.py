@@ -32,9 +32,11 @@ def add_model_arguments(p: argparse.ArgumentParser, dtype_default: str = "float3
 def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
     s, g = SpecConfig(), GenerationConfig()
     p.add_argument("--k", type=int, default=s.k, help="draft tokens per step for chain")
-    p.add_argument("--nodes", type=int, default=s.nodes, help="node budget N for tree")
-    p.add_argument("--width", type=int, default=s.width, help="leaves expanded per round (w) for tree")
-    p.add_argument("--depth", type=int, default=s.depth, help="expansion rounds (d) for tree; default from N/w")
+    p.add_argument("--nodes", type=int, default=s.nodes, help="node budget N for tree and async")
+    p.add_argument("--width", type=int, default=s.width, help="leaves expanded per round (w) for tree and async")
+    p.add_argument("--depth", type=int, default=s.depth,
+                   help="tree: expansion rounds per tree (default from N/w); async: rounds run while the target "
+                        "verifies (default: self-tuned at start-up)")
     p.add_argument("--max-new-tokens", type=int, default=g.max_new_tokens)
     p.add_argument("--temperature", type=float, default=SamplingConfig().temperature)
     p.add_argument("--top-p", type=float, default=SamplingConfig().top_p)
