@@ -86,7 +86,7 @@ def _generate(args) -> int:
 
     res = engine.generate(ids, args.method, spec, sampling, gen, on_tokens=None if args.json else stream,
                           transport=args.transport, tensor_parallel_size=args.tensor_parallel_size,
-                          draft_tensor_parallel_size=args.draft_tensor_parallel_size)
+                          draft_tensor_parallel_size=args.draft_tensor_parallel_size, split_search=args.split_search)
     text = res.stop_trimmed_text if res.stop_trimmed_text is not None else pair.tokenizer.decode(res.token_ids)
     if args.json:
         print(json.dumps({
@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-tensor-parallel-size", type=int, default=1,
                    help="async with --transport gloo|nccl: shard the draft over this many processes (with nccl "
                         "the GPUs after the target's: SwiftSpec's x : k-x split)")
+    g.add_argument("--split-search", type=int, default=None, metavar="K",
+                   help="async with --transport gloo|nccl: try every x : K-x split of K workers on a short trial "
+                        "and use the fastest (instead of the two tensor-parallel sizes)")
     add_model_arguments(g)
     add_decoding_arguments(g)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")

@@ -148,3 +148,21 @@ def test_tensor_parallel_size_needs_async_over_processes():
         g.generate([1, 2], "async", transport="inline", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="use --transport gloo"):
         g.generate([1, 2], "async", transport="inline", draft_tensor_parallel_size=2)
+
+
+def test_split_search_tries_every_split_and_keeps_the_fastest():
+    from tandem.runtime.generate import Generator
+    from tandem.runtime.placement import Split, candidate_splits
+
+    assert candidate_splits(3) == [Split(1, 2), Split(2, 1)]
+    target = model_with(6, 3, 50, "llama", layers=2)
+    g = Generator(target, model_with(6, 3, 50, "llama", layers=2, seed=5))
+    prompt, gen = [3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    want = Generator(target).generate(prompt, "ar", gen=gen).token_ids
+    r = g.generate(prompt, "async", gen=gen, transport="gloo", split_search=3)
+    assert r.token_ids == want
+    best = g._runners[("split", "gloo", 3, SpecConfig().nodes, SpecConfig().width)]
+    assert best in candidate_splits(3)
+    assert (r.stats["tensor_parallel_size"], r.stats["draft_tensor_parallel_size"]) == (best.target, best.draft)
+    with pytest.raises(Exception, match="at least 2 workers"):
+        candidate_splits(1)

@@ -173,11 +173,21 @@ class Generator:
         r.cache.truncate(0)
         return r
 
+    def _split(self, k: int, prompt_ids: list[int], spec: SpecConfig, transport: str) -> tuple[int, int]:
+        """The x : k-x split, searched on the first request (tandem.runtime.placement), then kept."""
+        from tandem.runtime.placement import search_split
+
+        key = ("split", transport, k, spec.nodes, spec.width)
+        if key not in self._runners:
+            self._runners[key], _ = search_split(self.target_model, self.draft_model, prompt_ids, spec, transport, k)
+        best = self._runners[key]
+        return best.target, best.draft
+
     def generate(self, prompt_ids: list[int], method: str = "tree", spec: SpecConfig = SpecConfig(),
                  sampling: SamplingConfig = SamplingConfig(), gen: GenerationConfig = GenerationConfig(),
                  on_tokens: Callable[[list[int]], None] | None = None, transport: str = "auto",
                  forced_accepts: list[int] | None = None, tensor_parallel_size: int = 1,
-                 draft_tensor_parallel_size: int = 1) -> GenerationResult:
+                 draft_tensor_parallel_size: int = 1, split_search: int | None = None) -> GenerationResult:
         """Decode one request. `forced_accepts` (acceptance replay): the accepted-token count of
         each target pass comes from this recorded list instead of the target (simulated acceptance;
         the tokens are meaningless, the costs real)."""
@@ -188,9 +198,13 @@ class Generator:
             raise ConfigError("the prompt is empty; give at least one token of text")
         if method != "ar" and self.draft_model is None:
             raise ConfigError(f"method {method!r} needs a draft model; pass --draft DIR or use --method ar")
-        if (tensor_parallel_size, draft_tensor_parallel_size) != (1, 1) and method != "async":
-            raise ConfigError(f"--tensor-parallel-size / --draft-tensor-parallel-size work with --method async "
-                              f"(its process transports), not {method!r}")
+        if ((tensor_parallel_size, draft_tensor_parallel_size) != (1, 1) or split_search) and method != "async":
+            raise ConfigError(f"--tensor-parallel-size / --draft-tensor-parallel-size / --split-search work with "
+                              f"--method async (its process transports), not {method!r}")
+        if split_search:
+            if (tensor_parallel_size, draft_tensor_parallel_size) != (1, 1):
+                raise ConfigError("give either --split-search K or the two tensor-parallel sizes, not both")
+            tensor_parallel_size, draft_tensor_parallel_size = self._split(split_search, prompt_ids, spec, transport)
         ctx = self.context_window
         if len(prompt_ids) >= ctx:
             raise ConfigError(

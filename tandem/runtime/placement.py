@@ -1,0 +1,51 @@
+"""Placement search (SwiftSpec s3.1.3, with several workers): which x : k-x split of k workers
+(GPUs with nccl, processes with gloo) between a tensor-parallel target and a tensor-parallel
+draft decodes fastest.
+
+A small draft stops getting faster past a couple of GPUs while a large target keeps gaining
+(SwiftSpec Table 1), so the best split depends on the models and the machine: each candidate
+split decodes the same trial request (`trial_tokens` new tokens, greedy) and the split with the
+highest decode rate wins. The result is cached by the caller (Generator keeps it per engine).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
+
+
+@dataclass(frozen=True)
+class Split:
+    target: int  # x: tensor-parallel size of the target
+    draft: int  # k - x: tensor-parallel size of the draft
+
+    def __str__(self) -> str:
+        return f"{self.target}:{self.draft}"
+
+
+def candidate_splits(k: int) -> list[Split]:
+    if k < 2:
+        raise ConfigError(f"a split needs at least 2 workers, one per model (got {k})")
+    return [Split(x, k - x) for x in range(1, k)]
+
+
+def search_split(target_model, draft_model, prompt_ids: list[int], spec: SpecConfig, transport: str, k: int,
+                 trial_tokens: int = 32, verbose: bool = True, timeout_s: float = 300.0) -> tuple[Split, dict[str, float]]:
+    """Try every x : k-x split on one trial request; returns (the fastest split, tokens/s by split)."""
+    from tandem.runtime.async_decode import generate_async
+
+    if transport not in ("gloo", "nccl"):
+        raise ConfigError(f"searching a split needs the process transports (gloo or nccl), not {transport!r}")
+    gen = GenerationConfig(max_new_tokens=trial_tokens, ignore_eos=True)
+    rates: dict[str, float] = {}
+    for split in candidate_splits(k):
+        r = generate_async(target_model, draft_model, prompt_ids, spec, SamplingConfig(), gen, set(),
+                           transport=transport, verbose=False, timeout_s=timeout_s,
+                           tensor_parallel_size=split.target, draft_tensor_parallel_size=split.draft)
+        rates[str(split)] = r.decode_tokens_per_s
+    best = max(candidate_splits(k), key=lambda s: (rates[str(s)], s.target))
+    if verbose:
+        print("tandem async: split search " + ", ".join(f"{s} {v:.1f} tok/s" for s, v in rates.items())
+              + f" -> {best} (target:draft)", file=sys.stderr)
+    return best, rates
