@@ -1,4 +1,6 @@
-"""Method `chain`: k draft tokens in a row from a small model, verified as a one-path tree.
+"""Method `chain` with sampling: k draft tokens in a row from a small model, verified as a
+one-path tree. (A greedy chain is the best-first tree of width 1 and runs on
+tandem.drafting.tree_drafter; this drafter also serves greedy chains when called directly.)
 
 Greedy, each token is the draft's argmax. With sampling each token is drawn from the draft's
 processed distribution q (temperature / top-p applied as for the target), and q is kept with

@@ -227,8 +227,14 @@ class Generator:
         drafter = None
         if method != "ar":
             draft_runner = self._runner("draft", self.draft_model, capacity + spec.nodes + spec.k + tree_rows(spec))
-            drafter = TreeDrafter(draft_runner, spec) if method == "tree" else ChainDrafter(draft_runner, sampling,
-                                                                                              spec.k, g)
+            if method == "tree":
+                drafter = TreeDrafter(draft_runner, spec)
+            elif sampling.greedy:
+                # a greedy chain is the best-first tree of width 1: k nodes, k - 1 of them fed, so
+                # it runs on the device rounds too (one host sync per chain instead of k - 1)
+                drafter = TreeDrafter(draft_runner, SpecConfig(method="tree", nodes=spec.k, width=1, depth=spec.k - 1))
+            else:  # a sampled chain keeps each token's draft distribution q for rejection sampling
+                drafter = ChainDrafter(draft_runner, sampling, spec.k, g)
             drafter.start(prompt_ids)
 
         t0 = time.perf_counter()
