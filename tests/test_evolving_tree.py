@@ -291,3 +291,18 @@ def test_device_rounds_outlive_a_tree_on_the_same_runner():
         _assert_matches_recompute(dev)
         seen.append(dev._dev)
     assert seen[0] is seen[1]
+
+
+def test_device_rounds_with_zero_probability_children():
+    """A draft that gives every token but one probability 0: the rounds keep those children as
+    -inf nodes, never feed an empty node slot, and never send a -inf node."""
+    model = _model(seed=2)
+    model.lm_head.register_forward_hook(lambda mod, inp, out: out.index_fill(-1, torch.arange(1, V), float("-inf")))
+    tree = EvolvingTree(ModelRunner(model, CAP, use_graphs="emulate"), width=2, max_rows=20)
+    tree.start([3, 4, 5])
+    tree.grow(nodes=6, fed=8)
+    tree.check()  # fed rows are exactly rows 0 .. tree_len-1: no empty slot was fed
+    assert tree.cache.tree_len == 8
+    assert any(lp == float("-inf") for lp in tree.logp)
+    sent = tree.select(6)
+    assert all(lp > float("-inf") for lp in sent.logp) and set(sent.tokens[1:]) == {0}

@@ -27,6 +27,12 @@ import torch
 from tandem.runtime.runner import ModelRunner
 
 
+# A candidate's score is its log-prob, but never below this: a child of probability 0 (log-prob
+# -inf) must still outrank the unused node slots (score -inf), so the top-k of a round never
+# picks a slot that holds no node.
+SCORE_FLOOR = -1e30
+
+
 class DeviceRounds:
     def __init__(self, runner: ModelRunner, width: int, max_nodes: int, max_rows: int):
         self.runner, self.w = runner, width
@@ -70,7 +76,7 @@ class DeviceRounds:
                 anc[r] = anc[p if p >= 0 else F]
                 anc[r, r] = True
             else:
-                flts[1, i] = tree.logp[i]  # a candidate
+                flts[1, i] = max(tree.logp[i], SCORE_FLOOR)  # a candidate
         self.ints.copy_(torch.from_numpy(ints))
         self.flts.copy_(torch.from_numpy(flts))
         self.anc.copy_(torch.from_numpy(anc))
@@ -82,7 +88,7 @@ class DeviceRounds:
             self.par[1:1 + w] = 0
             self.dep[1:1 + w] = 1
             self.lp[1:1 + w] = clp
-            self.score[1:1 + w] = clp
+            self.score[1:1 + w] = clp.clamp(min=SCORE_FLOOR)
             self.counters[2] = 1 + w
 
     def fetch(self, tree, rounds: int, extra: int = 0) -> None:
@@ -151,7 +157,7 @@ class DeviceRounds:
         self.par.index_copy_(0, new, idx[:, None].expand(w, w).reshape(-1))
         self.dep.index_copy_(0, new, (depth + 1)[:, None].expand(w, w).reshape(-1))
         self.lp.index_copy_(0, new, child_lp)
-        self.score.index_copy_(0, new, child_lp)
+        self.score.index_copy_(0, new, child_lp.clamp(min=SCORE_FLOOR))
         self.counters[1:3] += self._incr
 
     def _capture(self, width: int) -> None:
