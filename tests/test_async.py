@@ -126,12 +126,12 @@ def test_polled_link_path_equals_ar():
     from tandem.runtime.async_decode import (
         DepthController,
         DraftWorker,
-        Emitter,
         LocalLink,
         TargetWorker,
         draft_loop,
         plan_capacity,
     )
+    from tandem.runtime.generate import Emitter
     from tandem.runtime.runner import ModelRunner
 
     prompt, n = [11, 12, 13], 30

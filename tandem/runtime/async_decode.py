@@ -55,11 +55,10 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
-from tandem.runtime.generate import GenerationResult, Launch, Target
+from tandem.runtime.generate import Emitter, GenerationResult, Launch, Target, replayed_accept
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree
 from tandem.tree.evolving import EvolvingTree
-from tandem.verify.verifier import VerifyResult
 
 TRANSPORTS = ("auto", "inline", "streams", "gloo", "nccl")
 
@@ -326,49 +325,6 @@ class TargetWorker(Target):
             return time_step(self.runner, nodes + 1)
 
 
-# ---- output bookkeeping (target side) ---------------------------------------------------------
-class Emitter:
-    """Cuts committed tokens at EOS / stop string / max_new_tokens and records per-pass stats."""
-
-    def __init__(self, max_new: int, eos: set[int], gen: GenerationConfig, tokenizer, on_tokens, t0: float):
-        self.max_new, self.eos, self.gen, self.tokenizer, self.on_tokens, self.t0 = \
-            max_new, eos, gen, tokenizer, on_tokens, t0
-        self.out: list[int] = []
-        self.accept_lengths: list[int] = []
-        self.per_depth: dict[int, list[int]] = {}
-        self.ttft = 0.0
-        self.finish = "length"
-        self.stop_text: str | None = None
-
-    def emit(self, tree: DraftTree, result: VerifyResult) -> bool:
-        """Record one pass; returns True when generation is over."""
-        self.accept_lengths.append(result.accepted)
-        depth = tree.depth
-        for k in {depth[i] for i in range(1, len(tree))}:
-            rec = self.per_depth.setdefault(k, [0, 0])
-            rec[0] += 1
-            rec[1] += int(result.accepted >= k)
-        new = result.tokens[: self.max_new - len(self.out)]
-        for i, t in enumerate(new):
-            if t in self.eos:
-                new, self.finish = new[: i + 1], "eos"
-                break
-        self.out += new
-        if not self.ttft:
-            self.ttft = time.perf_counter() - self.t0
-        if self.on_tokens is not None:
-            self.on_tokens(new)
-        if self.finish == "eos":
-            return True
-        if self.gen.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(self.out)
-            hit = min((text.find(s) for s in self.gen.stop if s in text), default=-1)
-            if hit >= 0:
-                self.finish, self.stop_text = "stop", text[:hit]
-                return True
-        return len(self.out) >= self.max_new
-
-
 # ---- in-process links ------------------------------------------------------------------------
 class LocalLink:
     """The draft's view of a target in the same process (inline and streams)."""
@@ -378,10 +334,7 @@ class LocalLink:
         self._launch: Launch | None = None
 
     def submit(self, tree: DraftTree) -> None:
-        forced = None
-        if self.forced_accepts is not None:  # acceptance replay: the pass's accept count from a trace
-            n = len(self.emitter.accept_lengths)
-            forced = self.forced_accepts[n % len(self.forced_accepts)] if self.forced_accepts else 0
+        forced = replayed_accept(self.forced_accepts, len(self.emitter.accept_lengths))
         self._launch = self.target.launch(tree, forced=forced)
 
     def ready(self) -> bool:
@@ -507,7 +460,8 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
         seconds = time.perf_counter() - t0
         stats = {"transport": transport, "t_target_s": t_target, "t_draft_s": t_draft, "seconds": seconds,
                  "target_busy_s": target.busy_s, **draft.stats()}
-        return _result(emitter, len(prompt_ids), seconds, stats)
+        return emitter.result(AsyncGenerationResult, "async", len(prompt_ids), seconds,
+                              int(stats.get("draft_steps", 0)), stats=stats)
 
 
 def _runner(cache: dict | None, key: str, model, rows: int, use_graphs: bool | None) -> ModelRunner:
@@ -539,12 +493,3 @@ def _warm_buckets(target_runner: ModelRunner | None, draft_runner: ModelRunner |
             w *= 2
         widths.add(cap)
         runner.warmup(sizes, tuple(sorted(widths)))
-
-
-def _result(emitter: Emitter, prompt_len: int, seconds: float, stats: dict) -> AsyncGenerationResult:
-    return AsyncGenerationResult(
-        token_ids=emitter.out, prompt_tokens=prompt_len, method="async", target_passes=len(emitter.accept_lengths),
-        draft_steps=int(stats.get("draft_steps", 0)), accept_lengths=emitter.accept_lengths, seconds=seconds,
-        ttft=emitter.ttft, finish_reason=emitter.finish, stop_trimmed_text=emitter.stop_text,
-        per_depth=[(v[0], v[1]) for _, v in sorted(emitter.per_depth.items())], stats=stats,
-    )

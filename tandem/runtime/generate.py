@@ -150,6 +150,65 @@ def _pad_vocab(q: torch.Tensor, v: int) -> torch.Tensor:
     return out
 
 
+class Emitter:
+    """Cuts committed tokens at EOS / stop string / max_new_tokens, streams them and records the
+    per-pass figures; the serial loop and the async workers both emit through it."""
+
+    def __init__(self, max_new: int, eos: set[int], gen: GenerationConfig, tokenizer, on_tokens, t0: float):
+        self.max_new, self.eos, self.gen, self.tokenizer, self.on_tokens, self.t0 = \
+            max_new, eos, gen, tokenizer, on_tokens, t0
+        self.out: list[int] = []
+        self.accept_lengths: list[int] = []
+        self.per_depth: dict[int, list[int]] = {}  # depth -> [passes offering it, passes accepting it]
+        self.ttft = 0.0
+        self.finish = "length"
+        self.stop_text: str | None = None
+
+    def emit(self, tree: DraftTree, result: VerifyResult) -> bool:
+        """Record one pass; returns True when generation is over."""
+        self.accept_lengths.append(result.accepted)
+        depth = tree.depth
+        for k in {depth[i] for i in range(1, len(tree))}:  # per depth: offered, and accepted that deep
+            rec = self.per_depth.setdefault(k, [0, 0])
+            rec[0] += 1
+            rec[1] += int(result.accepted >= k)
+        new = result.tokens[: self.max_new - len(self.out)]
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new, self.finish = new[: i + 1], "eos"
+                break
+        self.out += new
+        if not self.ttft:
+            self.ttft = time.perf_counter() - self.t0
+        if self.on_tokens is not None:
+            self.on_tokens(new)
+        if self.finish == "eos":
+            return True
+        if self.gen.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(self.out)
+            hit = min((text.find(s) for s in self.gen.stop if s in text), default=-1)
+            if hit >= 0:
+                self.finish, self.stop_text = "stop", text[:hit]
+                return True
+        return len(self.out) >= self.max_new
+
+    def result(self, cls: type[GenerationResult], method: str, prompt_len: int, seconds: float, draft_steps: int,
+               **extra) -> GenerationResult:
+        return cls(token_ids=self.out, prompt_tokens=prompt_len, method=method,
+                   target_passes=len(self.accept_lengths), draft_steps=draft_steps,
+                   accept_lengths=self.accept_lengths, seconds=seconds, ttft=self.ttft, finish_reason=self.finish,
+                   stop_trimmed_text=self.stop_text,
+                   per_depth=[(v[0], v[1]) for _, v in sorted(self.per_depth.items())], **extra)
+
+
+def replayed_accept(forced_accepts: list[int] | None, pass_index: int) -> int | None:
+    """Acceptance replay: the accept count of target pass `pass_index`, cycling through the
+    recorded list (None: no replay; an empty list accepts nothing)."""
+    if forced_accepts is None:
+        return None
+    return forced_accepts[pass_index % len(forced_accepts)] if forced_accepts else 0
+
+
 class Generator:
     """Holds a target (and optional draft) model and decodes one request at a time."""
 
@@ -239,58 +298,17 @@ class Generator:
 
         t0 = time.perf_counter()
         target.runner.prefill(prompt_ids[:-1])
+        emitter = Emitter(max_new, eos, gen, self.tokenizer, on_tokens, t0)
         root = prompt_ids[-1]
-        out: list[int] = []
-        accept_lengths: list[int] = []
-        per_depth: dict[int, list[int]] = {}
-        ttft = 0.0
-        finish = "length"
-        stop_text = None
-        while len(out) < max_new:
+        while True:
             tree = drafter.propose() if drafter is not None else DraftTree.chain([root])  # ar: the root alone
-            forced = None
-            if forced_accepts is not None:
-                forced = forced_accepts[len(accept_lengths) % len(forced_accepts)] if forced_accepts else 0
-            result = target.verify(tree, forced)
+            result = target.verify(tree, replayed_accept(forced_accepts, len(emitter.accept_lengths)))
             if drafter is not None:
                 drafter.observe(result, tree)
-            accept_lengths.append(result.accepted)
-            _count_depths(per_depth, tree, result)
-            new = result.tokens[: max_new - len(out)]
-            for i, t in enumerate(new):
-                if t in eos:
-                    new, finish = new[: i + 1], "eos"
-                    break
-            out += new
-            if not ttft:
-                ttft = time.perf_counter() - t0
-            if on_tokens is not None:
-                on_tokens(new)
-            if finish == "eos":
+            if emitter.emit(tree, result):
                 break
-            if gen.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(out)
-                hit = min((text.find(s) for s in gen.stop if s in text), default=-1)
-                if hit >= 0:
-                    finish, stop_text = "stop", text[:hit]
-                    break
             root = result.bonus
         if self.target_model.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        return GenerationResult(
-            token_ids=out, prompt_tokens=len(prompt_ids), method=method, target_passes=len(accept_lengths),
-            draft_steps=drafter.steps if drafter else 0, accept_lengths=accept_lengths, seconds=seconds,
-            ttft=ttft, finish_reason=finish, stop_trimmed_text=stop_text,
-            per_depth=[(v[0], v[1]) for _, v in sorted(per_depth.items())],
-        )
-
-
-def _count_depths(per_depth: dict[int, list[int]], tree: DraftTree, result: VerifyResult) -> None:
-    """Per-depth acceptance: at depth k, was any node offered, and was the path's node accepted."""
-    depth = tree.depth
-    offered = {depth[i] for i in range(1, len(tree))}
-    for k in offered:
-        rec = per_depth.setdefault(k, [0, 0])
-        rec[0] += 1
-        rec[1] += int(result.accepted >= k)
+        return emitter.result(GenerationResult, method, len(prompt_ids), seconds, drafter.steps if drafter else 0)

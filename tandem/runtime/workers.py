@@ -54,12 +54,11 @@ from tandem.runtime.async_decode import (
     AsyncGenerationResult,
     DepthController,
     DraftWorker,
-    Emitter,
     TargetWorker,
-    _result,
     _warm_buckets,
     draft_loop,
 )
+from tandem.runtime.generate import Emitter
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree
 
@@ -485,7 +484,8 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
         stats = {"transport": transport, "tensor_parallel_size": tp, "draft_tensor_parallel_size": dp,
                  "t_target_s": t_target, "startup_s": startup,
                  "target_wait_s": wait_s, "seconds": seconds, "target_busy_s": target.busy_s, **(payload or {})}
-        return _result(emitter, len(prompt_ids), seconds, stats)
+        return emitter.result(AsyncGenerationResult, "async", len(prompt_ids), seconds,
+                              int(stats.get("draft_steps", 0)), stats=stats)
     finally:
         try:
             for proc in procs:
