@@ -56,7 +56,7 @@ import torch
 
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.runtime.generate import Emitter, GenerationResult, Launch, Target, replayed_accept
-from tandem.runtime.runner import ModelRunner
+from tandem.runtime.runner import ModelRunner, runner_for
 from tandem.tree.draft_tree import DraftTree
 from tandem.tree.evolving import EvolvingTree
 
@@ -144,7 +144,8 @@ class DepthController:
             if not self.collapsed and rate < self.low:
                 self.collapsed, self._saved, self.depth = True, self.depth, 0
                 self._say(f"collapse: only {rate:.0%} of the tokens verified in the last {self.window} passes "
-                          f"were in the draft tree; falling back to the serial tree loop (d=0)")
+                          f"were in the draft tree; falling back to the serial loop (d=0) with the root's "
+                          f"children only")
                 self._hits.clear()
             elif self.collapsed and rate >= self.high:
                 self.collapsed, self.depth = False, self._saved
@@ -207,7 +208,6 @@ class DraftWorker:
         self.rounds: list[int] = []  # expansion rounds run while each pass was in flight
         self.hits = 0
         self.reused: list[int] = []  # fed nodes kept by each re-root
-        self.wait_s = 0.0  # time blocked on the answer after expanding
         self.expand_s: list[float] = []  # per pass: seconds spent expanding while the target verified
         self.pass_wait_s: list[float] = []  # per pass: seconds blocked on the answer afterwards
         self.busy_s = 0.0  # host seconds in draft work: growing, expanding, re-rooting
@@ -286,7 +286,7 @@ class DraftWorker:
         n = max(1, len(self.rounds))
         return {"draft_steps": self.tree.steps, "rounds": self.rounds, "mean_rounds": sum(self.rounds) / n,
                 "hit_rate": self.hits / max(1, len(self.reused)), "reused": self.reused,
-                "mean_reused": sum(self.reused) / max(1, len(self.reused)), "draft_wait_s": self.wait_s,
+                "mean_reused": sum(self.reused) / max(1, len(self.reused)), "draft_wait_s": sum(self.pass_wait_s),
                 "expand_s": self.expand_s, "pass_wait_s": self.pass_wait_s, "draft_busy_s": self.busy_s,
                 "sent_nodes": self.sent,
                 "controller": self.ctl.summary() if self.ctl else None}
@@ -354,7 +354,6 @@ def draft_loop(draft: DraftWorker, link) -> None:
         draft.overlap(link.ready)
         t0 = time.perf_counter()
         verified = link.result()
-        draft.wait_s += time.perf_counter() - t0
         draft.pass_wait_s.append(time.perf_counter() - t0)
         if verified is None:
             return
@@ -427,9 +426,9 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
         streams = transport == "streams"
         t_stream = torch.cuda.Stream(device=target_model.device) if streams else None
         d_stream = torch.cuda.Stream(device=draft_model.device) if streams else None
-        target = TargetWorker(_runner(runners, "target", target_model, t_rows, use_graphs), sampling, generator,
+        target = TargetWorker(runner_for(runners, "target", target_model, t_rows, use_graphs), sampling, generator,
                               stream=t_stream, deferred=not streams)
-        draft = DraftWorker(_runner(runners, "draft", draft_model, d_rows, use_graphs), spec, tree_rows,
+        draft = DraftWorker(runner_for(runners, "draft", draft_model, d_rows, use_graphs), spec, tree_rows,
                             inline=not streams, stream=d_stream)
         # NOTE: profiling and graph capture happen before the clock starts, as the serial loop
         # builds its runners before its clock; a server would do both once, not per request.
@@ -464,32 +463,12 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
                               int(stats.get("draft_steps", 0)), stats=stats)
 
 
-def _runner(cache: dict | None, key: str, model, rows: int, use_graphs: bool | None) -> ModelRunner:
-    r = None if cache is None else cache.get(key)
-    if r is None or r.model is not model or r.capacity < rows:
-        r = ModelRunner(model, rows, use_graphs=use_graphs)
-        if cache is not None:
-            cache[key] = r
-    r.cache.truncate(0)
-    return r
-
-
 def _warm_buckets(target_runner: ModelRunner | None, draft_runner: ModelRunner | None, spec: SpecConfig,
                   prompt_len: int) -> None:
     """Capture the CUDA graphs the loop will need before the clock starts and before the two
     streams run concurrently: prefill, the verify of N + 1 rows and draft steps of 1..w rows,
-    at every attention width the cache can reach. No effect on CPU.
-
-    NOTE: the widths mirror ModelRunner.step's rule (powers of two from 256, capped at the
-    capacity + 1); if that rule changes, a missed graph is captured lazily (slower, still correct).
-    """
+    at every attention width the cache can reach. No effect on CPU."""
     for runner, sizes in ((target_runner, [max(1, prompt_len - 1), spec.nodes + 1]),
                           (draft_runner, [prompt_len] + list(range(1, spec.width + 1)))):
-        if runner is None or not runner.use_graphs:
-            continue
-        cap, widths, w = runner.capacity + 1, set(), 256
-        while w < cap:
-            widths.add(w)
-            w *= 2
-        widths.add(cap)
-        runner.warmup(sizes, tuple(sorted(widths)))
+        if runner is not None and runner.use_graphs:
+            runner.warmup(sizes, tuple(runner.widths()))

@@ -19,7 +19,7 @@ import torch
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.drafting.chain_drafter import ChainDrafter
 from tandem.drafting.tree_drafter import TreeDrafter, tree_rows
-from tandem.runtime.runner import ModelRunner
+from tandem.runtime.runner import ModelRunner, runner_for
 from tandem.tree.draft_tree import DraftTree, ancestor_mask
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept, replay_accept
@@ -225,12 +225,7 @@ class Generator:
         return ctx
 
     def _runner(self, which: str, model, capacity: int) -> ModelRunner:
-        r = self._runners.get(which)
-        if r is None or r.capacity < capacity:
-            r = ModelRunner(model, capacity, use_graphs=self.use_graphs)
-            self._runners[which] = r
-        r.cache.truncate(0)
-        return r
+        return runner_for(self._runners, which, model, capacity, self.use_graphs)
 
     def _split(self, k: int, prompt_ids: list[int], spec: SpecConfig, transport: str) -> tuple[int, int]:
         """The x : k-x split, searched on the first request (tandem.runtime.placement), then kept."""

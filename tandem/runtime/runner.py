@@ -83,6 +83,10 @@ class ModelRunner:
         capacity: the bucket that covers `rows` used rows."""
         return min(self.capacity + 1, max(256, 1 << (rows - 1).bit_length()))
 
+    def widths(self) -> list[int]:
+        """Every attention width `width_for` can return for this runner's capacity."""
+        return sorted({self.width_for(rows) for rows in range(1, self.capacity + 1)})
+
     def capture_stream(self) -> torch.cuda.Stream:
         """This runner's capture stream (see the NOTE in __init__); other graphs that use this
         runner's model and cache (tandem.drafting.device_rounds) capture on it too."""
@@ -189,3 +193,16 @@ class ModelRunner:
             self.cache.commit(list(range(T)))
             logits = out[-1]
         return logits
+
+
+def runner_for(runners: dict | None, key: str, model, rows: int, use_graphs: bool | None) -> ModelRunner:
+    """The runner kept under `key` in a caller's `runners` dict (its cache and CUDA graphs outlive
+    requests), replaced when it serves another model or holds fewer than `rows` rows; its cache
+    is emptied for the new request."""
+    r = None if runners is None else runners.get(key)
+    if r is None or r.model is not model or r.capacity < rows:
+        r = ModelRunner(model, rows, use_graphs=use_graphs)
+        if runners is not None:
+            runners[key] = r
+    r.cache.truncate(0)
+    return r
