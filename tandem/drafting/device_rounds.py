@@ -33,6 +33,15 @@ from tandem.runtime.runner import ModelRunner
 SCORE_FLOOR = -1e30
 
 
+def top_children(logits: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The w most probable next tokens and their log-probs, per row of logits [..., vocab]: top-k
+    of the logits minus their logsumexp (log_softmax's values without writing and re-reading a
+    [..., vocab] tensor)."""
+    lf = logits.float()
+    top, tok = lf.topk(w, dim=-1)  # [..., w] each
+    return top - torch.logsumexp(lf, dim=-1, keepdim=True), tok
+
+
 class DeviceRounds:
     def __init__(self, runner: ModelRunner, width: int, max_nodes: int, max_rows: int):
         self.runner, self.w = runner, width
@@ -83,7 +92,7 @@ class DeviceRounds:
         if root_logits is not None:
             assert n == 1, "deferred root children with a grown tree"
             w = self.w
-            clp, ctok = torch.log_softmax(root_logits.float(), dim=-1).topk(w)  # [w] each
+            clp, ctok = top_children(root_logits, w)  # [w] each
             self.tok[1:1 + w] = ctok
             self.par[1:1 + w] = 0
             self.dep[1:1 + w] = 1
@@ -146,11 +155,7 @@ class DeviceRounds:
         depth = self.dep[idx]  # [w]
         logits = self.runner.model(self.tok[idx][None], (prefix - 1 + depth)[None], self.runner.cache,
                                    (prefix + rows)[None], mask[None, None])[0]  # [w, vocab]
-        # the w best children's log-probs: top-k of the logits minus their logsumexp (the same
-        # values as log_softmax then top-k, without writing and re-reading a [w, vocab] tensor)
-        lf = logits.float()
-        top, ctok = lf.topk(w, dim=-1)  # [w, w] each
-        clp = top - torch.logsumexp(lf, dim=-1, keepdim=True)
+        clp, ctok = top_children(logits, w)  # [w, w] each
         new = nodes + torch.arange(w * w, device=dev)  # [w*w]
         child_lp = (self.lp[idx][:, None] + clp).reshape(-1)  # [w*w]
         self.tok.index_copy_(0, new, ctok.reshape(-1))

@@ -33,10 +33,7 @@ class DraftTree:
         return d
 
     def children(self) -> list[list[int]]:
-        ch: list[list[int]] = [[] for _ in self.tokens]
-        for i in range(1, len(self.parents)):
-            ch[self.parents[i]].append(i)
-        return ch
+        return children_of(self.parents)
 
     def subset(self, keep: list[int]) -> "DraftTree":
         """The sub-tree on node indices `keep` (sorted, prefix-closed, containing 0), re-indexed."""
@@ -51,6 +48,14 @@ class DraftTree:
     @staticmethod
     def chain(tokens: list[int], q: torch.Tensor | None = None) -> "DraftTree":
         return DraftTree(tokens=list(tokens), parents=list(range(-1, len(tokens) - 1)), logp=[0.0] * len(tokens), q=q)
+
+
+def children_of(parents: list[int]) -> list[list[int]]:
+    """Each node's children, in index order (parents in topological order, the root's -1)."""
+    ch: list[list[int]] = [[] for _ in parents]
+    for i in range(1, len(parents)):
+        ch[parents[i]].append(i)
+    return ch
 
 
 def ancestor_mask(parents: list[int] | torch.Tensor, device=None) -> torch.Tensor:

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.drafting.device_rounds import DeviceRounds
+from tandem.drafting.device_rounds import DeviceRounds, top_children
 from tandem.runtime.runner import ModelRunner
-from tandem.tree.draft_tree import DraftTree
+from tandem.tree.draft_tree import DraftTree, children_of
 
 
 _VERSIONS = itertools.count(1)  # tree versions, unique across trees (see EvolvingTree.version)
@@ -103,9 +103,9 @@ class EvolvingTree:
         `defer`: keep the root's logits on the device and let the next device rounds add its
         children (saves the host sync of reading them); `_settle` adds them on the host if no
         device round comes first."""
-        self.touch()
         if not self.pending:
             return
+        self.touch()
         assert self.cache.tree_len == 0, "pending tokens with a live tree region"
         self.steps += 1
         logits = self.runner.prefill(self.pending)  # [vocab] after the root
@@ -121,7 +121,7 @@ class EvolvingTree:
         """One expansion round: feed the `width` most probable candidates. Returns nodes fed."""
         assert self.root_fed, "feed_pending() before expanding"
         self._settle()
-        cand = [i for i in range(1, len(self.tokens)) if self.row[i] < 0]
+        cand = self.candidates()
         room = self.runner.capacity - self.cache.length
         if self.max_rows is not None:
             room = min(room, self.max_rows - self.cache.tree_len)
@@ -139,7 +139,7 @@ class EvolvingTree:
         assert self.root_fed, "feed_pending() before expanding"
         dev = self._device()
         deferred = self._root_logits is not None  # the root's children are still to be added
-        if dev is not None and rounds > 0 and (deferred or self.num_candidates() >= self.width):
+        if dev is not None and rounds > 0 and (deferred or len(self.candidates()) >= self.width):
             extra = self.width if deferred else 0
             r = min(rounds, dev.rounds_possible(self, extra))
             if r > 0:
@@ -176,8 +176,9 @@ class EvolvingTree:
         self.version = next(_VERSIONS)
         return self.version
 
-    def num_candidates(self) -> int:
-        return sum(1 for r in self.row[1:] if r < 0)
+    def candidates(self) -> list[int]:
+        """Nodes not fed yet (the root excluded), in index order."""
+        return [i for i in range(1, len(self.tokens)) if self.row[i] < 0]
 
     def select(self, nodes: int) -> DraftTree:
         """The `nodes` most probable draft nodes under the root, prefix-closed, as a DraftTree."""
@@ -227,10 +228,7 @@ class EvolvingTree:
         return rows[::-1]
 
     def children(self) -> list[list[int]]:
-        ch: list[list[int]] = [[] for _ in self.tokens]
-        for i in range(1, len(self.parents)):
-            ch[self.parents[i]].append(i)
-        return ch
+        return children_of(self.parents)
 
     # ---- re-root --------------------------------------------------------------------------
     def reroot(self, verified: list[int]) -> Reroot:
@@ -330,8 +328,7 @@ class EvolvingTree:
 
     def _add_children(self, parents: list[int], logits: torch.Tensor) -> None:
         # logits: [len(parents), vocab]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        top_lp, top_tok = logp.topk(min(self.width, logp.shape[-1]), dim=-1)
+        top_lp, top_tok = top_children(logits, min(self.width, logits.shape[-1]))
         top_lp, top_tok = top_lp.tolist(), top_tok.tolist()  # one device sync per round
         for j, p in enumerate(parents):
             for lp, tok in zip(top_lp[j], top_tok[j]):
