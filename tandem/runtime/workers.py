@@ -70,6 +70,37 @@ class DraftWorkerError(RuntimeError):
     """The draft process failed; the message carries its traceback."""
 
 
+# ---- messages: fixed-size int64 tensors (see the module docstring) ---------------------------
+def encode_tree(tree: DraftTree | None, n: int) -> torch.Tensor:
+    """[1 + 2n]: node count (-1: no tree), tokens, parents, zero padded; n = nodes per tree."""
+    msg = torch.zeros(1 + 2 * n, dtype=torch.long)
+    msg[0] = -1 if tree is None else len(tree)
+    if tree is not None:
+        msg[1:1 + len(tree)] = torch.tensor(tree.tokens)
+        msg[1 + n:1 + n + len(tree)] = torch.tensor(tree.parents)
+    return msg
+
+
+def decode_tree(msg: list[int], n: int) -> DraftTree | None:
+    k = msg[0]
+    if k < 0:
+        return None
+    return DraftTree(tokens=msg[1:1 + k], parents=msg[1 + n:1 + n + k], logp=[0.0] * k)
+
+
+def encode_reply(status: int, tokens: list[int], n: int) -> torch.Tensor:
+    """[2 + n]: status, token count, the tokens (the target's answer), zero padded."""
+    msg = torch.zeros(2 + n, dtype=torch.long)
+    msg[0], msg[1] = status, len(tokens)
+    if tokens:
+        msg[2:2 + len(tokens)] = torch.tensor(tokens)
+    return msg
+
+
+def decode_reply(msg: list[int]) -> tuple[int, list[int]]:
+    return msg[0], msg[2:2 + msg[1]]
+
+
 class _Aborted(Exception):
     """The other side asked us to stop."""
 
@@ -110,31 +141,18 @@ class Channel:
 
     # ---- messages -------------------------------------------------------------------------
     def send_tree(self, tree: DraftTree | None) -> None:
-        msg = self._buf(1 + 2 * self.n)
-        if tree is None:
-            msg[0] = -1
-        else:
-            n = len(tree)
-            msg[0] = n
-            msg[1:1 + n] = torch.tensor(tree.tokens)
-            msg[1 + self.n:1 + self.n + n] = torch.tensor(tree.parents)
-        self.send(msg, "tree")
+        self.send(encode_tree(tree, self.n).to(self.device), "tree")
 
     def recv_tree(self) -> DraftTree:
         buf, work = self.post(1 + 2 * self.n)
         self.wait(work, "a draft tree")
-        msg = buf.tolist()
-        n = msg[0]
-        if n < 0:
+        tree = decode_tree(buf.tolist(), self.n)
+        if tree is None:
             raise _Aborted("the draft worker failed")
-        return DraftTree(tokens=msg[1:1 + n], parents=msg[1 + self.n:1 + self.n + n], logp=[0.0] * n)
+        return tree
 
     def send_reply(self, status: int, tokens: list[int]) -> None:
-        msg = self._buf(2 + self.n)
-        msg[0], msg[1] = status, len(tokens)
-        if tokens:
-            msg[2:2 + len(tokens)] = torch.tensor(tokens)
-        self.send(msg, "reply")
+        self.send(encode_reply(status, tokens, self.n).to(self.device), "reply")
 
     def post_reply(self):
         return self.post(2 + self.n)
@@ -194,12 +212,10 @@ class ProcessLink:
 
     def result(self) -> list[int] | None:
         self.chan.wait(self._work, "the target's answer")
-        msg = self._buf.tolist()
-        if msg[0] == ABORT:
+        status, tokens = decode_reply(self._buf.tolist())
+        if status == ABORT:
             raise _Aborted("the target stopped")
-        if msg[0] == DONE:
-            return None
-        return msg[2:2 + msg[1]]
+        return None if status == DONE else tokens
 
 
 # ---- rank 1: the draft process -------------------------------------------------------------
@@ -222,8 +238,7 @@ def draft_process_main(init_file: str, backend: str, model, device: str, prompt:
         if leader:
             chan = Channel(TARGET, spec.nodes + 1, msg_dev, alive, timeout_s)
         with torch.inference_mode():
-            shard = _shard(model, rank - tp, dp, group, dev)
-            draft = DraftWorker(ModelRunner(shard, rows[0], use_graphs=_graphs(use_graphs, dp, backend)), spec,
+            draft = DraftWorker(shard_runner(model, rank - tp, dp, group, dev, rows[0], use_graphs, backend), spec,
                                 rows[1])
             _warm_buckets(None, draft.tree.runner, spec, len(prompt))
             t_draft = draft.profile() if spec.depth is None else 0.0
@@ -264,42 +279,46 @@ class DraftSync:
     def __init__(self, group, leader_rank: int, max_nodes: int, device: torch.device):
         self.group, self.src, self.n, self.device = group, leader_rank, max_nodes, device
 
-    def _bcast(self, values: list[int] | None = None) -> list[int]:
-        buf = torch.zeros(2 + self.n, dtype=torch.long)
-        if values is not None:
-            buf[:len(values)] = torch.tensor(values)
-        buf = buf.to(self.device)
+    def _bcast(self, msg: torch.Tensor | None = None) -> list[int]:
+        """Broadcast a [2 + n] message from the leader (None on the other shards)."""
+        buf = (msg if msg is not None else torch.zeros(2 + self.n, dtype=torch.long)).to(self.device)
         dist.broadcast(buf, src=self.src, group=self.group)
         return buf.tolist()
 
-    def leading(self, link, draft: DraftWorker):
-        sync = self
-
-        class Leading:
-            def submit(self, tree):
-                link.submit(tree)
-                sync._bcast([draft.ctl.depth])
-
-            def ready(self):
-                return link.ready()
-
-            def result(self):
-                verified = link.result()
-                sync._bcast([DONE, 0] if verified is None else [GO, len(verified), *verified])
-                return verified
-
-        return Leading()
+    def leading(self, link, draft: DraftWorker) -> "SyncedLink":
+        return SyncedLink(link, self, draft)
 
     def follow(self, draft: DraftWorker) -> None:
         draft.prepare()
         while True:
             draft.ctl.depth = self._bcast()[0]  # the leader's d for this pass
             draft.overlap(lambda: False)  # device rounds: exactly d, as on the leader
-            msg = self._bcast()
-            if msg[0] == DONE:
+            status, verified = decode_reply(self._bcast())
+            if status == DONE:
                 return
-            draft.receive(msg[2:2 + msg[1]])
+            draft.receive(verified)
             draft.prepare()
+
+
+class SyncedLink:
+    """The draft leader's link when the draft is tensor-parallel: the leader's ProcessLink, and
+    after each submit / answer a broadcast of d / the answer to the draft's other shards."""
+
+    def __init__(self, link, sync: DraftSync, draft: DraftWorker):
+        self.link, self.sync, self.draft = link, sync, draft
+
+    def submit(self, tree: DraftTree) -> None:
+        self.link.submit(tree)
+        self.sync._bcast(encode_reply(self.draft.ctl.depth, [], self.sync.n))  # d in the status slot
+
+    def ready(self) -> bool:
+        return self.link.ready()
+
+    def result(self) -> list[int] | None:
+        verified = self.link.result()
+        self.sync._bcast(encode_reply(DONE, [], self.sync.n) if verified is None
+                         else encode_reply(GO, verified, self.sync.n))
+        return verified
 
 
 # ---- ranks 1 .. tp-1: the other shards of a tensor-parallel target -------------------------------
@@ -325,19 +344,17 @@ def draft_group(tp: int, dp: int):
     return dist.new_group(list(range(tp, tp + dp))) if dp > 1 else None
 
 
-def _graphs(use_graphs, size: int, backend: str):
-    """CUDA graphs for a shard's runner: gloo collectives run on the host and cannot be captured,
-    so a sharded model over gloo runs eagerly (NCCL collectives can be captured)."""
-    return False if size > 1 and backend == "gloo" else use_graphs
-
-
-def _shard(model, rank: int, size: int, group, device: torch.device):
-    """This rank's slice of `model` in a `size`-way group (the whole model when size is 1)."""
+def shard_runner(model, rank: int, size: int, group, device: torch.device, rows: int, use_graphs,
+                 backend: str) -> ModelRunner:
+    """A runner over this rank's slice of `model` in a `size`-way group (the whole model when
+    size is 1). Gloo collectives run on the host and cannot be captured, so a sharded model over
+    gloo runs without CUDA graphs (NCCL collectives can be captured)."""
     if size == 1:
-        return model.to(device)
+        return ModelRunner(model.to(device), rows, use_graphs=use_graphs)
     from tandem.parallel.tensor_parallel import shard_model
 
-    return shard_model(model, rank, size, group).to(device)
+    return ModelRunner(shard_model(model, rank, size, group).to(device), rows,
+                       use_graphs=False if backend == "gloo" else use_graphs)
 
 
 class TreeBroadcast:
@@ -348,21 +365,12 @@ class TreeBroadcast:
         self.group, self.n, self.device = group, max_nodes, device
 
     def send(self, tree: DraftTree | None) -> None:
-        msg = torch.zeros(1 + 2 * self.n, dtype=torch.long)
-        msg[0] = -1 if tree is None else len(tree)
-        if tree is not None:
-            msg[1:1 + len(tree)] = torch.tensor(tree.tokens)
-            msg[1 + self.n:1 + self.n + len(tree)] = torch.tensor(tree.parents)
-        dist.broadcast(msg.to(self.device), src=TARGET, group=self.group)
+        dist.broadcast(encode_tree(tree, self.n).to(self.device), src=TARGET, group=self.group)
 
     def recv(self) -> DraftTree | None:
         buf = torch.zeros(1 + 2 * self.n, dtype=torch.long, device=self.device)
         dist.broadcast(buf, src=TARGET, group=self.group)
-        msg = buf.tolist()
-        n = msg[0]
-        if n < 0:
-            return None
-        return DraftTree(tokens=msg[1:1 + n], parents=msg[1 + self.n:1 + self.n + n], logp=[0.0] * n)
+        return decode_tree(buf.tolist(), self.n)
 
 
 def target_shard_main(init_file: str, backend: str, rank: int, tp: int, model, device: str, prompt: list[int],
@@ -378,8 +386,8 @@ def target_shard_main(init_file: str, backend: str, rank: int, tp: int, model, d
         with torch.inference_mode():
             generator = torch.Generator()
             generator.set_state(seed_state)
-            target = TargetWorker(ModelRunner(_shard(model, rank, tp, group, dev), t_rows,
-                                              use_graphs=_graphs(use_graphs, tp, backend)), sampling, generator)
+            target = TargetWorker(shard_runner(model, rank, tp, group, dev, t_rows, use_graphs, backend), sampling,
+                                  generator)
             _warm_buckets(target.runner, None, spec, len(prompt))
             if spec.depth is None:
                 target.profile(spec.nodes)
@@ -442,9 +450,8 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
         _, group, _ = join_world(init_file, transport, TARGET, tp, dp, t_dev, timeout_s)
         msg_dev = t_dev if transport == "nccl" else torch.device("cpu")
         chan = Channel(tp, spec.nodes + 1, msg_dev, lambda: all(p.is_alive() for p in procs), timeout_s)
-        shard = _shard(target_model, TARGET, tp, group, t_dev)
-        target = TargetWorker(ModelRunner(shard, t_rows, use_graphs=_graphs(use_graphs, tp, transport)), sampling,
-                              generator)
+        target = TargetWorker(shard_runner(target_model, TARGET, tp, group, t_dev, t_rows, use_graphs, transport),
+                              sampling, generator)
         trees = TreeBroadcast(group, spec.nodes + 1, msg_dev) if tp > 1 else None
         _warm_buckets(target.runner, None, spec, len(prompt_ids))
         t_target = target.profile(spec.nodes) if spec.depth is None else 0.0
