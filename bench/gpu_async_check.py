@@ -11,22 +11,17 @@ so the faulty step can be reproduced alone.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 
 import torch
+from pair_script import pair_and_prompts, parser
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from tandem.bench.workloads import load_workload  # noqa: E402
-from tandem.config import GenerationConfig, SamplingConfig, SpecConfig  # noqa: E402
-from tandem.runtime import generate as gen_mod  # noqa: E402
-from tandem.runtime import runner as runner_mod  # noqa: E402
-from tandem.runtime.generate import Generator  # noqa: E402
-from tandem.runtime.pair import load_pair  # noqa: E402
+from tandem.config import GenerationConfig, SamplingConfig, SpecConfig
+from tandem.runtime import generate as gen_mod
+from tandem.runtime import runner as runner_mod
+from tandem.runtime.generate import Generator
 
 PASSES: list[dict] = []
 
@@ -82,20 +77,13 @@ def first_wrong_pass(model, prompt: list[int], passes: list[dict]) -> dict | Non
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="out")
-    ap.add_argument("--data-dir", default=".data")
-    ap.add_argument("--num-prompts", type=int, default=6)
+    ap = parser(__doc__, num_prompts=6)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--variants", default="base,sync,nographs,notriton,streams,streams-sync")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     record_passes()
-    pair = load_pair(device=args.device, dtype=args.dtype)
+    pair, prompts = pair_and_prompts(args)
     tok = pair.tokenizer
-    prompts = [tok.encode(p.text).ids for p in load_workload("mbpp", args.num_prompts, args.data_dir)]
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     spec = SpecConfig()
     report = {}

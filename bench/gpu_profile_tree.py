@@ -4,34 +4,24 @@
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import os
 import pstats
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from pair_script import pair_and_prompts, parser
 
-from tandem.bench.workloads import load_workload  # noqa: E402
-from tandem.config import GenerationConfig, SpecConfig  # noqa: E402
-from tandem.runtime.generate import Generator  # noqa: E402
-from tandem.runtime.pair import load_pair  # noqa: E402
+from tandem.config import GenerationConfig, SpecConfig
+from tandem.runtime.generate import Generator
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="out")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--data-dir", default=".data")
+    ap = parser(__doc__, num_prompts=6)
     ap.add_argument("--methods", default="ar,tree,async")
-    ap.add_argument("--num-prompts", type=int, default=6)
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    pair = load_pair(device=args.device, dtype="float32")
+    pair, prompts = pair_and_prompts(args)
     g = Generator(pair.target, pair.draft, pair.tokenizer)
-    prompts = [pair.tokenizer.encode(p.text).ids for p in load_workload("mbpp", args.num_prompts, args.data_dir)]
     gen = GenerationConfig(max_new_tokens=128, ignore_eos=True)
     for method in args.methods.split(","):
         for p in prompts[:2]:

@@ -6,32 +6,23 @@ async's greedy output must equal ar's. Not a speed figure (one GPU, no NVLink).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from pair_script import pair_and_prompts, parser
 
-from tandem.bench.workloads import load_workload  # noqa: E402
-from tandem.config import GenerationConfig, SpecConfig  # noqa: E402
-from tandem.runtime.generate import Generator  # noqa: E402
-from tandem.runtime.pair import load_pair  # noqa: E402
+from tandem.config import GenerationConfig, SpecConfig
+from tandem.runtime.generate import Generator
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="out")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--data-dir", default=".data")
-    ap.add_argument("--num-prompts", type=int, default=3)
+    ap = parser(__doc__, num_prompts=3)
     ap.add_argument("--splits", default="2:1,1:2,2:2")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    pair = load_pair(device=args.device, dtype="float32")
+    pair, prompts = pair_and_prompts(args)
     g = Generator(pair.target, pair.draft, pair.tokenizer)
-    prompts = [pair.tokenizer.encode(p.text).ids for p in load_workload("mbpp", args.num_prompts, args.data_dir)]
     gen = GenerationConfig(max_new_tokens=64, ignore_eos=True)
     want = [g.generate(p, "ar", gen=gen).token_ids for p in prompts]
     rows = []
