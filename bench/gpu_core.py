@@ -22,10 +22,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from tandem.bench.presets import PRESETS, random_model  # noqa: E402
+from tandem.bench.profile import copy_bandwidth  # noqa: E402
 from tandem.config import GenerationConfig  # noqa: E402
 from tandem.kernels import fused  # noqa: E402
 from tandem.runtime.generate import Generator  # noqa: E402
 from tandem.runtime.runner import ModelRunner  # noqa: E402
+from tandem.runtime.timing import median_seconds  # noqa: E402
 
 
 def rel_err(a, b):
@@ -62,22 +64,6 @@ def check_kernels() -> dict:
     return out
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a large device-to-device copy (median of 20)."""
-    a = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(25):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * 2 * 1024**3 / statistics.median(times[5:])
-
-
 def weight_bytes(model) -> int:
     seen, total = set(), 0
     for p in model.parameters():
@@ -97,17 +83,12 @@ def time_steps(runner: ModelRunner, rows: list[int], context: int, iters: int = 
         toks = torch.randint(0, vocab, (T,)).tolist()
         pos = [context + i for i in range(T)]
         mask = torch.ones(T, T, dtype=torch.bool).tril()
-        times = []
-        for i in range(iters + 5):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
+
+        def step() -> None:
             runner.step(toks, pos, mask)
-            e.record()
-            e.synchronize()
             runner.cache.drop_tree()
-            if i >= 5:
-                times.append(s.elapsed_time(e))
-        res[T] = statistics.median(times)
+
+        res[T] = 1e3 * median_seconds(runner.device, step, iters, warmup=5)
     return res
 
 
@@ -122,7 +103,8 @@ def main() -> None:
                     "date": time.strftime("%Y-%m-%d")}
     report["kernels_rel_err"] = check_kernels()
     print("kernels ok:", json.dumps(report["kernels_rel_err"]))
-    bw = copy_bandwidth()
+    # bytes read + written per second by a 2 GiB device-to-device copy (median of 20)
+    bw = copy_bandwidth(torch.device("cuda"), 2 * 1024**3, 20)
     model = random_model(args.preset, "cuda", torch.bfloat16).fuse_projections()
     wb = weight_bytes(model)
     report.update(copy_bw_TBps=bw / 1e12, weight_GB=wb / 1e9, floor_ms=wb / bw * 1e3)

@@ -35,9 +35,8 @@ of the recorded acceptance on these shapes and this device, beside the measured 
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,28 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------------
 # Timing
 def timer(device) -> Callable[[Callable[[], object], int, int], float]:
-    """Median seconds of fn() over `iters` timed runs after `warmup` untimed ones."""
-    import torch
+    """`measure(fn, iters, warmup=2)`: median seconds of fn() on `device` (tandem.runtime.timing)."""
+    from tandem.runtime.timing import median_seconds
 
-    def run(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(iters):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1000.0)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    return run
+    return functools.partial(median_seconds, device)
 
 
 def copy_bandwidth(device, nbytes: int, iters: int) -> float:

@@ -57,6 +57,7 @@ import torch
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.runtime.generate import Emitter, GenerationResult, Launch, Target, replayed_accept
 from tandem.runtime.runner import ModelRunner, runner_for
+from tandem.runtime.timing import median_seconds
 from tandem.tree.draft_tree import DraftTree
 from tandem.tree.evolving import EvolvingTree
 
@@ -167,20 +168,16 @@ def time_step(runner: ModelRunner, rows: int, repeats: int = 5) -> float:
     """Median seconds of one runner step of `rows` rows; the cache is left as it was."""
     cache = runner.cache
     saved = cache.tree_len
-    times = []
-    for i in range(repeats + 2):
+
+    def step() -> None:
         base = cache.tree_len
         mask = torch.zeros(rows, base + rows, dtype=torch.bool)
         mask[:, base:] = torch.ones(rows, rows, dtype=torch.bool).tril()
-        pos = list(range(cache.length, cache.length + rows))
-        _sync(runner.device)
-        t0 = time.perf_counter()
-        runner.step([0] * rows, pos, mask)
-        _sync(runner.device)
-        if i >= 2:  # the first two warm up (graph capture, allocator)
-            times.append(time.perf_counter() - t0)
+        runner.step([0] * rows, list(range(cache.length, cache.length + rows)), mask)
         cache.tree_len = saved  # NOTE: drop the profiling rows; they are overwritten later
-    return sorted(times)[len(times) // 2]
+
+    # the first two runs warm up (graph capture, allocator)
+    return median_seconds(runner.device, step, repeats, warmup=2)
 
 
 def _sync(device: torch.device) -> None:
