@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -388,9 +389,7 @@ def summarize_timeline(tl: list[dict]) -> dict | None:
         return None
     secs = sum(t["seconds"] for t in tl) or 1e-12
     passes = sum(t["passes"] or 0 for t in tl) or 1
-    depths: dict[str, int] = {}
-    for t in tl:
-        depths[str(t["depth"])] = depths.get(str(t["depth"]), 0) + 1
+    depths = dict(Counter(str(t["depth"]) for t in tl))
     return {"target_busy_pct": 100 * sum(t["target_busy_s"] for t in tl) / secs,
             "draft_busy_pct": 100 * sum(t["draft_busy_s"] or 0 for t in tl) / secs,
             "overlap_rounds_per_pass": sum(t["overlap_rounds"] for t in tl) / passes,

@@ -1,10 +1,10 @@
 """Method `chain` with sampling: k draft tokens in a row from a small model, verified as a
 one-path tree. (A greedy chain is the best-first tree of width 1 and runs on
-tandem.drafting.tree_drafter; this drafter also serves greedy chains when called directly.)
+tandem.drafting.tree_drafter.)
 
-Greedy, each token is the draft's argmax. With sampling each token is drawn from the draft's
-processed distribution q (temperature / top-p applied as for the target), and q is kept with
-the tree: recursive rejection sampling needs it to stay lossless (tandem.verify.verifier).
+Each token is drawn from the draft's processed distribution q (temperature / top-p applied as
+for the target), and q is kept with the tree: recursive rejection sampling needs it to stay
+lossless (tandem.verify.verifier).
 
 The draft's KV cache holds [verified prefix | the root, then the fed chain tokens]. The k-th
 token is never fed (nothing drafts after it). Verified tokens the draft has not fed yet (the
@@ -47,9 +47,7 @@ class ChainDrafter:
             qs.append(q)
             if j < self.k:  # feed it: it sees the root and the chain before it (rows 0 .. j)
                 last = self._step([token], [prefix + j], torch.ones(1, j + 1, dtype=torch.bool))[0]
-        q = None
-        if qs[0] is not None:  # [k + 1, vocab]: row i is the distribution node i was drawn from
-            q = torch.stack([torch.zeros_like(qs[0])] + qs)
+        q = torch.stack([torch.zeros_like(qs[0])] + qs)  # [k + 1, vocab]: row i is what node i was drawn from
         return DraftTree.chain(tokens, q=q)
 
     def observe(self, result: VerifyResult, tree: DraftTree) -> None:
@@ -62,9 +60,7 @@ class ChainDrafter:
         self.steps += 1
         return self.runner.step(tokens, positions, mask)  # [T, vocab]
 
-    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         # logits: [vocab]
-        if self.sampling.greedy:
-            return int(logits.argmax()), None
         probs = probs_from_logits(logits[None], self.sampling)[0]  # [vocab]
         return int(torch.multinomial(probs.cpu(), 1, generator=self.generator)), probs
