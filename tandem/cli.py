@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "audit": ("tandem.bench.audit", "token-forcing audit that a method's output is lossless"),
     "profile": ("tandem.bench.profile", "cost model: verify/draft step times and predicted speedup"),
     "train-pair": ("tandem.train", "train the bundled draft/target pair from Python source"),
+    "train-drafters": ("tandem.train.drafters", "train feature drafters (block drafter, EAGLE-3 head) for a target"),
 }
 
 

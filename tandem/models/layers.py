@@ -84,7 +84,9 @@ class Attention(nn.Module):
         if cache is None:
             rope_(qkv, positions, inv_freq, H + Hkv)  # q and k heads, in place
             q, k, v = (t.transpose(1, 2) for t in qkv.split([H, Hkv, Hkv], dim=2))  # [B, H(kv), T, D]
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=Hkv != H)
+            # a training mask (block drafters: blocks that see the context up to their anchor) or causal
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                                 enable_gqa=Hkv != H)
         else:
             # mask: [B, 1, T, S] additive (0 / -inf) or bool; S = cache columns attended
             k_all, v_all = cache.store(self.layer_idx, qkv, positions, inv_freq, H, slots, mask.shape[-1])

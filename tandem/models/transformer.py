@@ -14,6 +14,12 @@ from tandem.kernels.fused import add_rmsnorm
 from tandem.models.layers import MLP, Attention, RMSNorm, rope_inv_freq
 
 
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / middle / high feature layers, (2, L // 2, L - 3), clipped into a target
+    of `num_layers` layers (a tiny target may repeat one: the feature width stays 3 x hidden)."""
+    return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int):
         super().__init__()
@@ -58,6 +64,22 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # Target features for feature drafters (EAGLE-3 heads, block drafters): the residual
+        # stream entering each of these layers, concatenated, is kept in `last_features`
+        # [B, T, len(feature_layers) * hidden] by every forward. None: no features (no cost).
+        self.feature_layers: tuple[int, ...] | None = None
+        self.last_features: torch.Tensor | None = None
+
+    def enable_features(self, layers: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """Keep target features from now on: by default a low, a middle and a high layer,
+        (2, L // 2, L - 3) as EAGLE-3's reference implementations take them. Idempotent."""
+        L = self.config.num_hidden_layers
+        if layers is None:
+            layers = self.feature_layers or default_feature_layers(L)
+        if any(not 0 <= i < L for i in layers):
+            raise ValueError(f"feature layers {layers} outside the target's {L} layers")
+        self.feature_layers = tuple(layers)
+        return self.feature_layers
 
     def hidden_states(self, input_ids, positions=None, cache=None, slots=None, mask=None) -> torch.Tensor:
         B, T = input_ids.shape
@@ -67,8 +89,14 @@ class Transformer(nn.Module):
         if mask is not None and mask.dtype == torch.bool:
             # NOTE: convert once per pass, not once per layer inside attention.
             mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
-        for layer in self.model.layers:
+        feats: dict[int, torch.Tensor] = {}
+        want = self.feature_layers or ()
+        for i, layer in enumerate(self.model.layers):
+            if i in want:  # the residual stream entering layer i (the add is deferred, see DecoderLayer)
+                feats[i] = x if delta is None else x + delta
             x, delta = layer(x, delta, positions, self.inv_freq, cache, slots, mask)
+        if want:
+            self.last_features = torch.cat([feats[i] for i in want], dim=-1)  # [B, T, len(want) * hidden]
         norm = self.model.norm
         return add_rmsnorm(x, delta, norm.weight, norm.eps)[1]  # [B, T, hidden]
 

@@ -87,6 +87,7 @@ class Target:
         # seconds the target was busy verifying: stream time between two events on a CUDA
         # stream, host time of the pass and the accept otherwise (the async timeline)
         self.busy_s = 0.0
+        self.path_features: torch.Tensor | None = None  # [accepted + 1, F] of the last pass, see finish
 
     def ctx(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -134,6 +135,10 @@ class Target:
                 if tree.q is not None and tree.q.shape[-1] != launch.out.shape[-1]:
                     tree.q = _pad_vocab(tree.q, launch.out.shape[-1])
                 result = rejection_accept(tree, launch.out, self.generator)
+            if self.runner.last_features is not None:
+                # the accepted path's target features [accepted + 1, F] (feature drafters read them);
+                # gathered now: the runner's buffer is overwritten by the next pass
+                self.path_features = self.runner.last_features[result.path]
             self.runner.cache.commit(result.path)
         self.busy_s += time.perf_counter() - t0
         return result
@@ -227,6 +232,27 @@ class Generator:
     def _runner(self, which: str, model, capacity: int) -> ModelRunner:
         return runner_for(self._runners, which, model, capacity, self.use_graphs)
 
+    def _drafter(self, method: str, spec: SpecConfig, sampling: SamplingConfig, g: torch.Generator, capacity: int):
+        """The drafter for `method` over this Generator's draft: a small draft model (chain, tree)
+        or a parallel block drafter (its lattice: best path for chain, best-first tree for tree)."""
+        from tandem.models.block_drafter import BlockDrafter
+
+        if isinstance(self.draft_model, BlockDrafter):
+            from tandem.drafting.lattice_drafter import LatticeDrafter
+
+            block = self.draft_model.bconfig.block_size
+            runner = self._runner("draft", self.draft_model, capacity + 2 * block + spec.nodes + spec.k)
+            return LatticeDrafter(runner, spec, chain=method == "chain")
+        draft_runner = self._runner("draft", self.draft_model, capacity + spec.nodes + spec.k + tree_rows(spec))
+        if method == "tree":
+            return TreeDrafter(draft_runner, spec)
+        if sampling.greedy:
+            # a greedy chain is the best-first tree of width 1: k nodes, k - 1 of them fed, so
+            # it runs on the device rounds too (one host sync per chain instead of k - 1)
+            return TreeDrafter(draft_runner, SpecConfig(method="tree", nodes=spec.k, width=1, depth=spec.k - 1))
+        # a sampled chain keeps each token's draft distribution q for rejection sampling
+        return ChainDrafter(draft_runner, sampling, spec.k, g)
+
     def _split(self, k: int, prompt_ids: list[int], spec: SpecConfig, transport: str) -> tuple[int, int]:
         """The x : k-x split, searched on the first request (tandem.runtime.placement), then kept."""
         from tandem.runtime.placement import search_split
@@ -265,6 +291,9 @@ class Generator:
                 f"prompt is {len(prompt_ids)} tokens but the context window is {ctx}; shorten the prompt")
         max_new = min(gen.max_new_tokens, ctx - len(prompt_ids))
         eos = set() if gen.ignore_eos else set(self.target_model.config.eos_token_ids)
+        if method == "async" and getattr(self.draft_model, "bconfig", None) is not None:
+            raise ConfigError("--method async runs a draft model; a block drafter already drafts in one pass "
+                              "per verify: use --method tree or chain with it")
         if method == "async":  # SwiftSpec: draft and target as separate workers (runtime/async_decode.py)
             from tandem.runtime.async_decode import generate_async
 
@@ -277,28 +306,26 @@ class Generator:
         slack = {"ar": 1, "chain": spec.k + 1, "tree": spec.nodes + 1 + spec.width * (spec.resolved_depth() + 1)}[method]
         capacity = len(prompt_ids) + max_new + slack + 1
         g = torch.Generator().manual_seed(sampling.seed)
+        drafter = None if method == "ar" else self._drafter(method, spec, sampling, g, capacity)
+        features = getattr(drafter, "needs_features", False)
+        if features:  # before the target's runner captures its graphs: they must write the features
+            self.target_model.enable_features(drafter.feature_layers)
         target = Target(self._runner("target", self.target_model, capacity), sampling, g)
-        drafter = None
-        if method != "ar":
-            draft_runner = self._runner("draft", self.draft_model, capacity + spec.nodes + spec.k + tree_rows(spec))
-            if method == "tree":
-                drafter = TreeDrafter(draft_runner, spec)
-            elif sampling.greedy:
-                # a greedy chain is the best-first tree of width 1: k nodes, k - 1 of them fed, so
-                # it runs on the device rounds too (one host sync per chain instead of k - 1)
-                drafter = TreeDrafter(draft_runner, SpecConfig(method="tree", nodes=spec.k, width=1, depth=spec.k - 1))
-            else:  # a sampled chain keeps each token's draft distribution q for rejection sampling
-                drafter = ChainDrafter(draft_runner, sampling, spec.k, g)
+        if drafter is not None and not features:
             drafter.start(prompt_ids)
 
         t0 = time.perf_counter()
         target.runner.prefill(prompt_ids[:-1])
+        if features:  # a feature drafter starts from the prompt's target features
+            drafter.start(prompt_ids, target.runner.last_features if len(prompt_ids) > 1 else None)
         emitter = Emitter(max_new, eos, gen, self.tokenizer, on_tokens, t0)
         root = prompt_ids[-1]
         while True:
             tree = drafter.propose() if drafter is not None else DraftTree.chain([root])  # ar: the root alone
             result = target.verify(tree, replayed_accept(forced_accepts, len(emitter.accept_lengths)))
-            if drafter is not None:
+            if features:
+                drafter.observe(result, tree, target.path_features)
+            elif drafter is not None:
                 drafter.observe(result, tree)
             if emitter.emit(tree, result):
                 break

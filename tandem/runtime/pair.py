@@ -14,6 +14,24 @@ BUNDLED_TARGET = BUNDLED_DIR / "target"
 BUNDLED_DRAFT = BUNDLED_DIR / "draft"
 
 
+# --draft may name a bundled drafter instead of a folder
+BUNDLED_DRAFTERS = {"draft": BUNDLED_DRAFT, "block": BUNDLED_DIR / "block", "eagle3": BUNDLED_DIR / "eagle3"}
+
+# config.json `architectures` -> draft kind; anything else is a draft model (a causal LM)
+DRAFT_ARCHITECTURES = {"TandemBlockDrafter": "block"}
+
+
+def draft_kind(path: Path) -> str:
+    """'model' (a small causal LM), 'block' (a parallel block drafter) or 'eagle3' (a head)."""
+    import json
+
+    try:
+        archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return "model"  # read_config gives the clear error
+    return next((DRAFT_ARCHITECTURES[a] for a in archs if a in DRAFT_ARCHITECTURES), "model")
+
+
 def bundled_available() -> bool:
     return (BUNDLED_TARGET / "config.json").is_file() and (BUNDLED_DRAFT / "config.json").is_file()
 
@@ -48,14 +66,27 @@ def load_pair(target: str | Path | None = None, draft: str | Path | None = None,
         target = BUNDLED_TARGET
         if draft is None and need_draft:
             draft = BUNDLED_DRAFT
+    if isinstance(draft, str) and draft in BUNDLED_DRAFTERS and not Path(draft).exists():
+        draft = BUNDLED_DRAFTERS[draft]
+        if not (draft / "config.json").is_file():
+            raise ConfigError(f"the bundled drafter {str(draft)!r} is missing from this install")
     target, draft = Path(target), (Path(draft) if draft is not None and need_draft else None)
     read_config(target)  # the clearest error for a wrong directory comes from its config
     tokenizer = load_tokenizer(target)
-    if draft is not None:
+    kind = draft_kind(draft) if draft is not None else None
+    if kind == "model":
         read_config(draft)
         if load_tokenizer(draft).get_vocab() != tokenizer.get_vocab():
             raise ConfigError(f"draft {str(draft)!r} and target {str(target)!r} use different tokenizers; "
                               "speculative decoding needs one shared vocabulary")
+    elif kind is not None and not draft.is_dir():
+        raise ConfigError(f"draft directory {str(draft)!r} does not exist")
     tm = load_model(target, dev, dtype)
-    dm = load_model(draft, dev, dtype) if draft is not None else None
+    dm = None
+    if kind == "model":
+        dm = load_model(draft, dev, dtype)
+    elif kind == "block":  # heads ship no tokenizer: the target's applies
+        from tandem.models.block_drafter import load_block_drafter
+
+        dm = load_block_drafter(draft, tm, dev, resolve_dtype(dtype))
     return Pair(tm, dm, tokenizer, target, draft)

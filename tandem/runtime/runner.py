@@ -50,6 +50,9 @@ class ModelRunner:
         # state that lives as long as this runner's cache and graphs (e.g. the device rounds of
         # tandem.drafting.device_rounds, keyed by their shape)
         self.attached: dict = {}
+        # target features of the rows of the last step [T, F] (a view into a buffer the next
+        # step overwrites), when the model keeps them (Transformer.enable_features); else None
+        self.last_features: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -74,7 +77,9 @@ class ModelRunner:
             ids = torch.tensor([tokens], device=self.device)
             pos = torch.tensor([positions], device=self.device)
             slots = torch.arange(start, start + T, device=self.device)[None]
-            return self.model(ids, pos, self.cache, slots, mask[None, None])[0]
+            logits = self.model(ids, pos, self.cache, slots, mask[None, None])[0]
+            self.last_features = self._features_out()
+            return logits
         width = self.width_for(prefix + tree_len)
         return self._graph_step(bucket, width, tokens, positions, start, prefix, tree_len, tree_mask)
 
@@ -100,8 +105,14 @@ class ModelRunner:
         return self._pool
 
     # ------------------------------------------------------------------------------------
+    def _features_out(self) -> torch.Tensor | None:
+        feats = getattr(self.model, "last_features", None) if getattr(self.model, "feature_layers", None) else None
+        return None if feats is None else feats[0]  # [T, F]
+
     def _graph_step(self, bucket, width, tokens, positions, start, prefix, tree_len, tree_mask):
-        key = (bucket, width)
+        # NOTE: graphs are keyed by whether the model keeps features too: a graph captured before
+        # a feature drafter turned them on would not write them
+        key = (bucket, width, bool(getattr(self.model, "feature_layers", None)))
         if key not in self._graphs:
             self._capture(bucket, width)
         graph, buf = self._graphs[key]
@@ -133,8 +144,10 @@ class ModelRunner:
         m[T:, 0] = True  # padded rows (writing the scratch row) see column 0 only: no empty softmax row
         if graph is None:  # emulation: the captured call, run eagerly on the same static buffers
             buf["logits"] = self.model(dev[0:1], dev[1:2], self.cache, dev[2:3], buf["mask"])
+            buf["features"] = self._features_out()
         else:
             graph.replay()
+        self.last_features = None if buf["features"] is None else buf["features"][:T]
         return buf["logits"][0, :T]
 
     @torch.no_grad()
@@ -151,12 +164,14 @@ class ModelRunner:
             "mask": torch.zeros(1, 1, bucket, width, dtype=torch.bool, device=dev),
             "cols": torch.arange(width, device=dev),
             "staged": None,  # event recorded after the last host-to-device copy of the inputs
+            "features": None,  # [bucket, F] target features written by the graph, if the model keeps them
         }
+        key = (bucket, width, bool(getattr(self.model, "feature_layers", None)))
         buf["dev"][2] = self.scratch
         buf["mask"][0, 0, :, 0] = True
         ids, pos, slots = buf["dev"][0:1], buf["dev"][1:2], buf["dev"][2:3]
         if self.emulate:
-            self._graphs[(bucket, width)] = (None, buf)
+            self._graphs[key] = (None, buf)
             return
         s = self.capture_stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -167,7 +182,8 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool(), stream=s):
             buf["logits"] = self.model(ids, pos, self.cache, slots, buf["mask"])
-        self._graphs[(bucket, width)] = (graph, buf)
+            buf["features"] = self._features_out()
+        self._graphs[key] = (graph, buf)
 
     def warmup(self, sizes=(1,), widths: tuple[int, ...] = ()) -> None:
         """Capture the graphs for these row counts ahead of time (no effect on CPU)."""
@@ -176,14 +192,17 @@ class ModelRunner:
         for T in sizes:
             b = next((b for b in self.buckets if b >= T), None)
             for w in widths or (self.capacity + 1,):
-                if b is not None and (b, w) not in self._graphs:
+                if b is not None and (b, w, bool(getattr(self.model, "feature_layers", None))) not in self._graphs:
                     self._capture(b, w)
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, tokens: list[int], chunk: int = 512) -> torch.Tensor | None:
-        """Append tokens to the verified prefix (causal); returns the last row's logits [vocab]."""
+        """Append tokens to the verified prefix (causal); returns the last row's logits [vocab].
+        When the model keeps target features, `last_features` holds all the tokens' [T, F]."""
         logits = None
+        feats = []
+        self.last_features = None
         for i in range(0, len(tokens), chunk):
             part = tokens[i:i + chunk]
             start = self.cache.prefix_len
@@ -192,6 +211,10 @@ class ModelRunner:
             out = self.step(part, list(range(start, start + T)), causal)
             self.cache.commit(list(range(T)))
             logits = out[-1]
+            if self.last_features is not None:
+                feats.append(self.last_features.clone())  # the buffer is reused by the next chunk
+        if feats:
+            self.last_features = torch.cat(feats)  # [len(tokens), F]
         return logits
 
 

@@ -1,0 +1,105 @@
+"""The candidate lattice of a parallel drafter, and the best-first tree over it (SpecPilot s4.2).
+
+A block drafter proposes B positions at once; position j (1-based: the j-th token after the
+root) has K candidate tokens. A path through the lattice picks one candidate per position, and
+its score is the sum of log p(child | parent): the child's log-prob at its position, plus the
+Markov head's bigram score given the parent's token, renormalised over the position's
+candidates (the mass outside the top K is kept as it was). The tree keeps the N nodes of
+highest path score. It is prefix-closed by construction: a node is only offered once its parent
+is in the tree, and a child never scores above its parent (log-probs are <= 0).
+
+    cond[0][0, b]   = log p(candidate b at position 1 | root)
+    cond[j][a, b]   = log p(candidate b at position j + 1 | candidate a at position j)
+
+The tables are computed on the device in one batch and read back with one copy; the best-first
+walk itself is a small heap on the host (N pops).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.tree.draft_tree import DraftTree
+
+
+@dataclass
+class Lattice:
+    """tokens: [B, K] candidate ids per position; cond: [B, K, K] parent-conditioned log-probs
+    (row 0 of cond[0] is the root's; its other rows are unused)."""
+
+    tokens: np.ndarray
+    cond: np.ndarray
+
+    @property
+    def positions(self) -> int:
+        return self.tokens.shape[0]
+
+
+def build_lattice(logits: torch.Tensor, k: int, root: int, markov=None) -> Lattice:
+    """logits: [B, vocab] the drafter's next-token logits for the B positions after the root.
+    `markov(prev [..], nxt [..]) -> [..]` is the bigram score (None: no Markov head)."""
+    lf = logits.float()
+    lp_all = torch.log_softmax(lf, dim=-1)
+    lp, tok = lp_all.topk(min(k, lf.shape[-1]), dim=-1)  # [B, K] each
+    B, K = lp.shape
+    if markov is None:
+        cond = lp[:, None, :].expand(B, K, K)  # the parent does not matter; top-K log-probs as they are
+    else:
+        prev = torch.empty(B, K, dtype=torch.long, device=tok.device)  # parent token per (position, row)
+        prev[0] = root
+        prev[1:] = tok[:-1]
+        s = lp[:, None, :] + markov(prev[:, :, None], tok[:, None, :])  # [B, K(parent), K(child)]
+        # renormalise over the candidates plus the mass outside the top K (kept as it was)
+        rest = torch.log1p(-lp.exp().sum(-1).clamp(max=1 - 1e-6))  # [B]
+        norm = torch.logaddexp(torch.logsumexp(s, dim=-1), rest[:, None])  # [B, K]
+        cond = s - norm[..., None]
+    host = torch.cat([tok.double().reshape(-1), cond.double().reshape(-1)]).cpu().numpy()  # one copy
+    return Lattice(tokens=host[:B * K].astype(np.int64).reshape(B, K), cond=host[B * K:].reshape(B, K, K))
+
+
+def best_first_tree(lat: Lattice, root: int, nodes: int, max_depth: int | None = None) -> DraftTree:
+    """The `nodes` highest-scoring lattice nodes under the root, prefix-closed, as a DraftTree
+    in topological order (the order they were taken). Ties break on candidate rank."""
+    depth_cap = lat.positions if max_depth is None else min(max_depth, lat.positions)
+    tokens, parents, logp = [root], [-1], [0.0]
+    cand_of = [0]  # node -> its candidate index at its position (root: 0, the row of cond[0])
+    depth = [0]
+    order = {}  # node -> its children's candidate indices, best first (computed when first needed)
+    heap: list[tuple[float, int, int]] = []  # (-score, parent, rank among the parent's children)
+
+    def offer(parent: int, rank: int) -> None:
+        d = depth[parent]
+        if d >= depth_cap:
+            return
+        if parent not in order:
+            order[parent] = np.argsort(-lat.cond[d, cand_of[parent]], kind="stable")
+        ranks = order[parent]
+        if rank < len(ranks):
+            c = int(ranks[rank])
+            heapq.heappush(heap, (-(logp[parent] + float(lat.cond[d, cand_of[parent], c])), parent, rank))
+
+    offer(0, 0)
+    while heap and len(tokens) - 1 < nodes:
+        neg, parent, rank = heapq.heappop(heap)
+        d = depth[parent]
+        c = int(order[parent][rank])
+        tokens.append(int(lat.tokens[d, c]))
+        parents.append(parent)
+        logp.append(-neg)
+        cand_of.append(c)
+        depth.append(d + 1)
+        offer(parent, rank + 1)  # the next sibling
+        offer(len(tokens) - 1, 0)  # the new node's best child
+    return DraftTree(tokens=tokens, parents=parents, logp=logp)
+
+
+def best_chain(lat: Lattice, root: int, k: int) -> DraftTree:
+    """The greedy path: at each position the most probable candidate given its parent."""
+    tokens, c = [root], 0
+    for d in range(min(k, lat.positions)):
+        c = int(np.argmax(lat.cond[d, c]))
+        tokens.append(int(lat.tokens[d, c]))
+    return DraftTree.chain(tokens)

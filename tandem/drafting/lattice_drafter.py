@@ -1,0 +1,79 @@
+"""Drafting with a parallel block drafter: one drafter pass per target pass.
+
+Per target pass the drafter runs once (tandem.models.block_drafter): the pending context rows
+(the tokens committed since its last pass, each with the target features of the position
+before it; the root last) and B - 1 mask rows after the root, causal, in one step of its own
+runner (a CUDA graph per row bucket on the GPU). The context rows join its KV prefix; the
+mask rows are dropped. The B distributions give the lattice, and the best-first tree over it
+(`tree`) or its greedy path (`chain`) goes to the target (tandem.drafting.lattice).
+
+After the target's pass, `observe` queues the committed tokens (accepted, then the bonus) with
+the target's features of the path that produced them (root, accepted): row i of the drafter
+pairs token t_i with the features of position i - 1.
+"""
+from __future__ import annotations
+
+import torch
+
+from tandem.config import SpecConfig
+from tandem.drafting.lattice import best_chain, best_first_tree, build_lattice
+from tandem.runtime.runner import ModelRunner
+from tandem.tree.draft_tree import DraftTree
+from tandem.verify.verifier import VerifyResult
+
+
+class LatticeDrafter:
+    needs_features = True
+
+    def __init__(self, runner: ModelRunner, spec: SpecConfig, chain: bool = False):
+        self.runner, self.model = runner, runner.model
+        cfg = self.model.bconfig
+        self.feature_layers = cfg.target_feature_layers
+        self.block, self.k = cfg.block_size, cfg.num_candidates
+        self.chain = chain
+        self.nodes = spec.k if chain else spec.nodes
+        self.pending: list[int] = []
+        self.pending_feats: torch.Tensor | None = None  # [len(pending), F]
+        self.steps = 0  # drafter passes
+        self.last_lattice = None  # the last pass's Lattice (tests, bench)
+
+    def start(self, prompt: list[int], features: torch.Tensor | None = None) -> None:
+        """prompt: every prompt token; features: [len(prompt) - 1, F] the target's features of
+        all but the last (the root, whose features come with the first target pass)."""
+        F = self.model.bconfig.feature_size
+        dev, dt = self.model.device, self.model.dtype
+        feats = torch.zeros(len(prompt), F, device=dev, dtype=dt)  # row 0 has no position before it
+        if features is not None and len(prompt) > 1:
+            feats[1:] = features[-(len(prompt) - 1):].to(dt)
+        self.runner.cache.truncate(0)
+        self.pending, self.pending_feats = list(prompt), feats
+
+    def propose(self) -> DraftTree:
+        cache, B = self.runner.cache, self.block
+        P = len(self.pending)
+        prefix = cache.prefix_len
+        # leave room for the mask rows in the cache (the last positions of the context window
+        # need fewer of them: the target cannot use drafts past its window anyway)
+        masks = max(0, min(B - 1, self.runner.capacity - prefix - P))
+        T = P + masks
+        feats = torch.zeros(T, self.pending_feats.shape[1], device=self.model.device, dtype=self.model.dtype)
+        feats[:P] = self.pending_feats  # mask rows read no features
+        self.model.set_features(feats)
+        ids = self.pending + [self.model.mask_id] * masks
+        logits = self.runner.step(ids, list(range(prefix, prefix + T)), torch.ones(T, T, dtype=torch.bool).tril())
+        self.steps += 1
+        cache.commit(list(range(P)))  # the context rows join the prefix; the mask rows are dropped
+        root = self.pending[-1]
+        lat = build_lattice(logits[P - 1:T], self.k, root, self.model.markov if self.model.markov_u is not None else None)
+        self.last_lattice = lat
+        self.pending = []
+        if self.chain:
+            return best_chain(lat, root, self.nodes)
+        return best_first_tree(lat, root, self.nodes)
+
+    def observe(self, result: VerifyResult, tree: DraftTree, features: torch.Tensor | None = None) -> None:
+        """features: [accepted + 1, F] the target's features of the root and the accepted nodes."""
+        if features is None:
+            raise RuntimeError("a block drafter needs the target's features; enable them on the target")
+        self.pending = list(result.tokens)
+        self.pending_feats = features.to(self.model.dtype)

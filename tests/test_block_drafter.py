@@ -1,0 +1,107 @@
+"""Parallel block drafter: the lattice, the best-first tree over it, and exact decoding with it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models_for_tests import tiny_model
+from tandem.config import SamplingConfig, SpecConfig, GenerationConfig
+from tandem.drafting.lattice import Lattice, best_first_tree, build_lattice
+from tandem.models.block_drafter import BlockDrafter, BlockDrafterConfig, load_block_drafter, save_block_drafter
+from tandem.runtime.generate import Generator
+
+
+def make_drafter(target, block: int = 6, k: int = 4, markov: int = 8, seed: int = 0) -> BlockDrafter:
+    tc = target.config
+    cfg = BlockDrafterConfig(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=96,
+                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=tc.hidden_size // 4, target_feature_layers=(0, 1, 1), block_size=block,
+                             num_candidates=k, markov_rank=markov, max_position_embeddings=512)
+    torch.manual_seed(seed)
+    m = BlockDrafter(cfg, target.model.embed_tokens, target.lm_head)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.3)
+    return m.eval().requires_grad_(False)
+
+
+def test_lattice_shapes_and_markov_changes_scores_by_previous_token():
+    target = tiny_model(seed=3)
+    d = make_drafter(target, block=5, k=4)
+    logits = torch.randn(5, target.config.vocab_size)
+    lat = build_lattice(logits, 4, root=7, markov=d.markov)
+    assert lat.tokens.shape == (5, 4) and lat.cond.shape == (5, 4, 4)
+    # every position's candidates are its top-4 tokens by the drafter's own logits
+    assert (np.sort(lat.tokens, 1) == np.sort(logits.topk(4).indices.numpy(), 1)).all()
+    # the Markov head makes the score of a candidate depend on which parent candidate precedes it
+    assert not np.allclose(lat.cond[2, 0], lat.cond[2, 1])
+    # and with the root as parent, it depends on the root token
+    other = build_lattice(logits, 4, root=8, markov=d.markov)
+    assert not np.allclose(lat.cond[0, 0], other.cond[0, 0])
+    # without the head, the parent does not matter: cond is the top-k log-probs
+    plain = build_lattice(logits, 4, root=7)
+    np.testing.assert_allclose(plain.cond[2, 0], plain.cond[2, 3])
+    np.testing.assert_allclose(plain.cond[1, 0], logits[1].log_softmax(-1).topk(4).values.numpy(), rtol=1e-5)
+
+
+def brute_force_best(lat: Lattice, root: int, n: int) -> list[float]:
+    """Scores of every lattice node (path), best n: the best-first tree must hold exactly these."""
+    B, K = lat.tokens.shape
+    scores = []
+
+    def walk(d, cand, score):
+        if d == B:
+            return
+        for c in range(K):
+            s = score + lat.cond[d, cand, c]
+            scores.append(s)
+            walk(d + 1, c, s)
+
+    walk(0, 0, 0.0)
+    return sorted(scores, reverse=True)[:n]
+
+
+@pytest.mark.parametrize("n", [1, 5, 12, 30])
+def test_best_first_tree_is_prefix_closed_best_first_and_exactly_n(n):
+    torch.manual_seed(n)
+    u, v = torch.randn(40, 3), torch.randn(40, 3)
+    lat = build_lattice(torch.randn(4, 40) * 2, 3, root=5, markov=lambda a, b: (u[a] * v[b]).sum(-1))
+    tree = best_first_tree(lat, 5, n)
+    assert len(tree) == n + 1 and tree.tokens[0] == 5
+    for i in range(1, len(tree)):
+        p = tree.parents[i]
+        assert 0 <= p < i  # topological, prefix-closed
+        assert tree.logp[i] <= tree.logp[p] + 1e-12
+    # best-first by parent-conditioned path score: the n best paths of the whole lattice
+    np.testing.assert_allclose(sorted(tree.logp[1:], reverse=True), brute_force_best(lat, 5, n), rtol=1e-9)
+    # siblings carry distinct tokens
+    sib = {(tree.parents[i], tree.tokens[i]) for i in range(1, len(tree))}
+    assert len(sib) == n
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+@pytest.mark.parametrize("use_graphs", [False, "emulate"])
+def test_greedy_output_equals_ar(method, use_graphs):
+    target = tiny_model(seed=3)
+    draft = make_drafter(target)
+    prompts = [[1, 5, 9, 2], [7], list(range(3, 30))]
+    ar = Generator(target, None, use_graphs=use_graphs)
+    gen = Generator(target, draft, use_graphs=use_graphs)
+    spec = SpecConfig(k=4, nodes=12)
+    g = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    for p in prompts:
+        want = ar.generate(p, "ar", gen=g).token_ids
+        got = gen.generate(p, method, spec, gen=g)
+        assert got.token_ids == want
+
+
+def test_trained_copy_accepts_and_saves_and_loads(tmp_path):
+    target = tiny_model(seed=3)
+    draft = make_drafter(target)
+    save_block_drafter(draft, tmp_path / "block", dtype=torch.float32)
+    again = load_block_drafter(tmp_path / "block", target, "cpu", torch.float32)
+    ids = torch.tensor([[1, 2, draft.mask_id]])
+    feats = torch.randn(1, 3, draft.bconfig.feature_size)
+    torch.testing.assert_close(again(ids, features=feats), draft(ids, features=feats))
