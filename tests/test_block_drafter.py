@@ -105,3 +105,21 @@ def test_trained_copy_accepts_and_saves_and_loads(tmp_path):
     ids = torch.tensor([[1, 2, draft.mask_id]])
     feats = torch.randn(1, 3, draft.bconfig.feature_size)
     torch.testing.assert_close(again(ids, features=feats), draft(ids, features=feats))
+
+
+@pytest.mark.parametrize("markov", [0, 8])
+def test_in_graph_lattice_rows_equal_the_reference_lattice(markov):
+    """LatticeHead's packed rows (what the runner's graph computes) unpack to build_lattice's."""
+    from tandem.drafting.lattice import unpack_lattice
+
+    target = tiny_model(seed=3)
+    d = make_drafter(target, block=5, k=4, markov=markov)
+    torch.manual_seed(1)
+    logits = torch.randn(1, 7, target.config.vocab_size) * 3
+    ids = torch.tensor([[3, 9, 4, d.mask_id, d.mask_id, d.mask_id, d.mask_id]])
+    rows = d.lattice_rows(logits, ids)[0]  # [7, 3K + K*K]
+    got = unpack_lattice(rows[2:], 4)  # the root (token 4) is row 2
+    want = build_lattice(logits[0, 2:], 4, root=4, markov=d.markov if markov else None)
+    assert (got.tokens == want.tokens).all()
+    np.testing.assert_allclose(got.cond[0, 0], want.cond[0, 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.cond[1:], want.cond[1:], rtol=1e-5, atol=1e-5)

@@ -60,33 +60,47 @@ def build_lattice(logits: torch.Tensor, k: int, root: int, markov=None) -> Latti
     return Lattice(tokens=host[:B * K].astype(np.int64).reshape(B, K), cond=host[B * K:].reshape(B, K, K))
 
 
+def unpack_lattice(rows: torch.Tensor, k: int) -> Lattice:
+    """rows: [B, 3K + K*K] from BlockDrafter.lattice_rows, the root's row first -> Lattice
+    (one device-to-host copy)."""
+    host = rows.float().cpu().numpy()
+    B = host.shape[0]
+    cond = host[:, 3 * k:].reshape(B, k, k).astype(np.float64)
+    cond[0, 0] = host[0, 2 * k:3 * k]  # the root's children: given the root token itself
+    return Lattice(tokens=host[:, :k].astype(np.int64), cond=cond)
+
+
 def best_first_tree(lat: Lattice, root: int, nodes: int, max_depth: int | None = None) -> DraftTree:
     """The `nodes` highest-scoring lattice nodes under the root, prefix-closed, as a DraftTree
-    in topological order (the order they were taken). Ties break on candidate rank."""
+    in topological order (the order they were taken). Ties break on parent, then candidate rank.
+
+    A lazy best-first walk: the heap holds, per taken node, only its next-best child not yet
+    taken; taking a node offers its parent's next child and its own best child."""
     depth_cap = lat.positions if max_depth is None else min(max_depth, lat.positions)
+    cand_tokens = lat.tokens.tolist()
     tokens, parents, logp = [root], [-1], [0.0]
-    cand_of = [0]  # node -> its candidate index at its position (root: 0, the row of cond[0])
-    depth = [0]
-    order = {}  # node -> its children's candidate indices, best first (computed when first needed)
+    cand_of, depth = [0], [0]  # per node: its candidate index at its position (root: 0), its depth
+    ranked: dict[int, tuple[list[int], list[float]]] = {}  # node -> children's candidates best first, cond row
     heap: list[tuple[float, int, int]] = []  # (-score, parent, rank among the parent's children)
 
     def offer(parent: int, rank: int) -> None:
         d = depth[parent]
         if d >= depth_cap:
             return
-        if parent not in order:
-            order[parent] = np.argsort(-lat.cond[d, cand_of[parent]], kind="stable")
-        ranks = order[parent]
-        if rank < len(ranks):
-            c = int(ranks[rank])
-            heapq.heappush(heap, (-(logp[parent] + float(lat.cond[d, cand_of[parent], c])), parent, rank))
+        r = ranked.get(parent)
+        if r is None:
+            row = lat.cond[d, cand_of[parent]].tolist()
+            r = ranked[parent] = (sorted(range(len(row)), key=row.__getitem__, reverse=True), row)  # stable
+        order, row = r
+        if rank < len(order):
+            heapq.heappush(heap, (-(logp[parent] + row[order[rank]]), parent, rank))
 
     offer(0, 0)
     while heap and len(tokens) - 1 < nodes:
         neg, parent, rank = heapq.heappop(heap)
         d = depth[parent]
-        c = int(order[parent][rank])
-        tokens.append(int(lat.tokens[d, c]))
+        c = ranked[parent][0][rank]
+        tokens.append(cand_tokens[d][c])
         parents.append(parent)
         logp.append(-neg)
         cand_of.append(c)

@@ -16,17 +16,24 @@ from __future__ import annotations
 import torch
 
 from tandem.config import SpecConfig
-from tandem.drafting.lattice import best_chain, best_first_tree, build_lattice
+from tandem.drafting.lattice import best_chain, best_first_tree, unpack_lattice
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree
 from tandem.verify.verifier import VerifyResult
+
+
+# Context rows fed with the block in one step; longer backlogs (a long prompt) are fed first in
+# chunks of this many rows, so a step never exceeds the drafter's feature buffer (and stays in
+# the runner's graph buckets).
+CONTEXT_CHUNK = 64
 
 
 class LatticeDrafter:
     needs_features = True
 
     def __init__(self, runner: ModelRunner, spec: SpecConfig, chain: bool = False):
-        self.runner, self.model = runner, runner.model
+        self.runner = runner
+        self.model = runner.model.drafter  # the BlockDrafter behind its LatticeHead
         cfg = self.model.bconfig
         self.feature_layers = cfg.target_feature_layers
         self.block, self.k = cfg.block_size, cfg.num_candidates
@@ -48,24 +55,32 @@ class LatticeDrafter:
         self.runner.cache.truncate(0)
         self.pending, self.pending_feats = list(prompt), feats
 
-    def propose(self) -> DraftTree:
-        cache, B = self.runner.cache, self.block
-        P = len(self.pending)
-        prefix = cache.prefix_len
-        # leave room for the mask rows in the cache (the last positions of the context window
-        # need fewer of them: the target cannot use drafts past its window anyway)
-        masks = max(0, min(B - 1, self.runner.capacity - prefix - P))
-        T = P + masks
-        feats = torch.zeros(T, self.pending_feats.shape[1], device=self.model.device, dtype=self.model.dtype)
-        feats[:P] = self.pending_feats  # mask rows read no features
-        self.model.set_features(feats)
-        ids = self.pending + [self.model.mask_id] * masks
-        logits = self.runner.step(ids, list(range(prefix, prefix + T)), torch.ones(T, T, dtype=torch.bool).tril())
+    def _feed(self, tokens: list[int], feats: torch.Tensor, masks: int) -> torch.Tensor:
+        """One drafter step: context rows (tokens with their features), then `masks` mask rows,
+        causal; the context rows join the prefix. Returns the rows' lattice entries [T, X]."""
+        cache = self.runner.cache
+        P, T, prefix = len(tokens), len(tokens) + masks, cache.prefix_len
+        buf = self.model.feature_in[0]  # [rows, F]: the static buffer the graphs read
+        buf[:P].copy_(feats)
+        if masks:
+            buf[P:T].zero_()  # mask rows read no features
+        rows = self.runner.step(tokens + [self.model.mask_id] * masks, list(range(prefix, prefix + T)),
+                                torch.ones(T, T, dtype=torch.bool).tril())
         self.steps += 1
-        cache.commit(list(range(P)))  # the context rows join the prefix; the mask rows are dropped
-        root = self.pending[-1]
-        lat = build_lattice(logits[P - 1:T], self.k, root, self.model.markov if self.model.markov_u is not None else None)
+        cache.commit(list(range(P)))  # the mask rows are dropped
+        return rows
+
+    def propose(self) -> DraftTree:
+        while len(self.pending) > CONTEXT_CHUNK:  # a long backlog: context-only chunks first
+            self._feed(self.pending[:CONTEXT_CHUNK], self.pending_feats[:CONTEXT_CHUNK], 0)
+            self.pending, self.pending_feats = self.pending[CONTEXT_CHUNK:], self.pending_feats[CONTEXT_CHUNK:]
+        P = len(self.pending)
+        # near the end of the context window fewer mask rows fit (drafts past it are useless)
+        masks = max(0, min(self.block - 1, self.runner.capacity - self.runner.cache.prefix_len - P))
+        rows = self._feed(self.pending, self.pending_feats, masks)
+        lat = unpack_lattice(rows[P - 1:P + masks], self.k)  # the root's row, then the mask rows
         self.last_lattice = lat
+        root = self.pending[-1]
         self.pending = []
         if self.chain:
             return best_chain(lat, root, self.nodes)

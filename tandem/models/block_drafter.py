@@ -143,12 +143,41 @@ class BlockDrafter(nn.Module):
 
     def forward(self, input_ids, positions=None, cache=None, slots=None, mask=None,
                 features: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]; with `lattice_out` set, each row's lattice entries instead
+        (`lattice_rows`), so the lattice is computed inside the runner's CUDA graph."""
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         feats = features if features is not None else self.feature_in[:, :T].expand(B, T, -1)
         h = self.hidden(self.embed(input_ids, feats), positions, cache, slots, mask)
         return self.shared["lm_head"](h)  # [B, T, vocab]
+
+    def lattice_model(self) -> "LatticeHead":
+        """This drafter as the runner's model at decoding time (one per drafter, so runners and
+        their graphs are reused across requests)."""
+        if "lattice" not in self.shared:
+            self.shared["lattice"] = LatticeHead(self)
+        return self.shared["lattice"]
+
+    def lattice_rows(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Per row i, packed in float32 [B, T, 3K + K*K]: its top-K candidate tokens, their
+        log-probs, their log-probs given the row's own token as parent (the root's row uses
+        that), and given each of row i - 1's candidates as parent (a mask row uses that).
+        Parent-conditioned log-probs add the Markov score and renormalise over the K
+        candidates plus the mass outside them, which is kept as it was."""
+        K = self.bconfig.num_candidates
+        lp, tok = torch.log_softmax(logits.float(), dim=-1).topk(K, dim=-1)  # [B, T, K] each
+        rest = torch.log1p(-lp.exp().sum(-1).clamp(max=1 - 1e-6))[..., None]  # [B, T, 1]
+        prev = torch.cat([tok[:, :1], tok[:, :-1]], dim=1)  # [B, T, K] row i - 1's candidates
+        if self.markov_u is None:
+            own, given = lp, lp[..., None, :].expand(*lp.shape[:2], K, K)
+        else:
+            # (mask rows carry the mask id: clamped, their `own` entries are never read)
+            own = lp + self.markov(ids.clamp(max=self.bconfig.vocab_size - 1)[..., None], tok)  # [B, T, K]
+            given = lp[..., None, :] + self.markov(prev[..., :, None], tok[..., None, :])  # [B, T, K, K]
+            own = own - torch.logaddexp(torch.logsumexp(own, -1, keepdim=True), rest)
+            given = given - torch.logaddexp(torch.logsumexp(given, -1, keepdim=True), rest[..., None])
+        return torch.cat([tok.float(), lp, own, given.flatten(-2)], dim=-1)
 
     def markov(self, prev: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
         """Bigram score of token `nxt` after token `prev` (broadcasting); 0 without the head."""
@@ -178,6 +207,32 @@ class BlockDrafter(nn.Module):
     def own_state_dict(self) -> dict[str, torch.Tensor]:
         """What the checkpoint stores: every parameter but the shared embedding and LM head."""
         return {k: v for k, v in self.state_dict().items() if k != "feature_in"}
+
+
+class LatticeHead(nn.Module):
+    """A BlockDrafter whose pass returns each row's lattice entries (`lattice_rows`) instead of
+    logits: the runner captures the whole lattice computation in the drafter's CUDA graph, and
+    the host reads B rows of 3K + K*K floats instead of running a dozen small kernels."""
+
+    def __init__(self, drafter: BlockDrafter):
+        super().__init__()
+        self.drafter = drafter
+        self.config = drafter.config
+
+    def forward(self, input_ids, positions=None, cache=None, slots=None, mask=None) -> torch.Tensor:
+        return self.drafter.lattice_rows(self.drafter(input_ids, positions, cache, slots, mask), input_ids)
+
+    def fuse_projections(self) -> "LatticeHead":
+        self.drafter.fuse_projections()
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.drafter.dtype
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

@@ -241,7 +241,7 @@ class Generator:
             from tandem.drafting.lattice_drafter import LatticeDrafter
 
             block = self.draft_model.bconfig.block_size
-            runner = self._runner("draft", self.draft_model, capacity + 2 * block + spec.nodes + spec.k)
+            runner = self._runner("draft", self.draft_model.lattice_model(), capacity + 2 * block + spec.nodes + spec.k)
             return LatticeDrafter(runner, spec, chain=method == "chain")
         draft_runner = self._runner("draft", self.draft_model, capacity + spec.nodes + spec.k + tree_rows(spec))
         if method == "tree":
