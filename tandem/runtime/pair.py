@@ -56,6 +56,15 @@ def load_pair(target: str | Path | None = None, draft: str | Path | None = None,
         if load_tokenizer(draft).get_vocab() != tokenizer.get_vocab():
             raise ConfigError(f"draft {str(draft)!r} and target {str(target)!r} use different tokenizers; "
                               "speculative decoding needs one shared vocabulary")
-    tm = load_model(target, dev, dtype)
-    dm = load_model(draft, dev, dtype) if draft is not None else None
+    tm = _load("target", target, dev, dtype)
+    dm = _load("draft", draft, dev, dtype) if draft is not None else None
     return Pair(tm, dm, tokenizer, target, draft)
+
+
+def _load(role: str, path: Path, device: torch.device, dtype: str) -> torch.nn.Module:
+    """load_model, with its errors saying which checkpoint of the pair (target or draft) is wrong."""
+    try:
+        return load_model(path, device, dtype)
+    except ConfigError as e:
+        where = f"{role} checkpoint" if str(path) in str(e) else f"{role} checkpoint {str(path)!r}"
+        raise ConfigError(f"{where}: {e}") from None
