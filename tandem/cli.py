@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tandem: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # the machine's, not the input's: a full disk, a permission, a lost file
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -247,7 +247,7 @@ def predict(tau: dict[int, float], t_target: dict[int, float], t_draft: dict[int
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem.bench.env import environment, write_json
+    from tandem.bench.env import ensure_out_dir, environment, write_json
     from tandem.bench.presets import DEFAULT_DRAFT, preset_config, random_model, weight_bytes
     from tandem.models.loader import resolve_dtype
     from tandem.runtime.pair import resolve_device
@@ -259,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--context must be >= 1 (got {args.context})")
     if args.tau_json and args.measure_tau:
         raise ConfigError("give either --tau-json FILE or --measure-tau, not both")
+    ensure_out_dir(args.out)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype)
     iters = args.iters or (30 if device.type == "cuda" else 5)
