@@ -9,6 +9,7 @@ import argparse
 import importlib
 import importlib.metadata
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -61,6 +62,9 @@ def configs_from_args(args) -> tuple[SpecConfig, SamplingConfig, GenerationConfi
     return spec, sampling, gen
 
 
+MAX_PROCESSES = max(8, os.cpu_count() or 1)  # async's process transports: target + draft shards
+
+
 def notice(message: str) -> None:
     """A one-line notice on stderr: a value was capped or an option has no effect."""
     print(f"tandem: note: {message}", file=sys.stderr)
@@ -87,6 +91,14 @@ def _check_generate_args(args) -> None:
         raise ConfigError("give PROMPT or --prompt-file F, not both")
     if args.split_search is not None and args.split_search < 2:
         raise ConfigError(f"--split-search K needs K >= 2 workers, one per model (got {args.split_search})")
+    tp, dp = args.tensor_parallel_size, args.draft_tensor_parallel_size
+    if tp < 1 or dp < 1:
+        raise ConfigError(f"--tensor-parallel-size and --draft-tensor-parallel-size must be >= 1 (got {tp}, {dp})")
+    workers = args.split_search if args.split_search is not None else tp + dp
+    if workers > MAX_PROCESSES:
+        # NOTE: every process holds its own copy of its model's shard; nccl also checks the GPU count
+        raise ConfigError(f"{workers} worker processes asked for (tensor-parallel sizes or --split-search); "
+                          f"at most {MAX_PROCESSES} on this machine")
     # NOTE: named serial methods, so a future method that may run async (auto) is not refused
     if args.method in ("ar", "chain", "tree") and args.transport != "auto":
         raise ConfigError(f"--transport works with --method async, not {args.method!r}")
@@ -201,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tandem: interrupted", file=sys.stderr)
         return 130
-    except OSError as e:  # the machine's, not the input's: a full disk, a permission, a lost file
+    except OSError as e:  # a path the user gave that cannot be written or read, a full disk
         print(f"tandem: error: {e}", file=sys.stderr)
-        return 1
+        return 2
 
 
 if __name__ == "__main__":

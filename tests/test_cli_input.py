@@ -291,3 +291,34 @@ def test_ctrl_c_while_gloo_workers_start_is_one_line_and_leaves_no_worker():
     left = [w for w in workers if Path(f"/proc/{w}").exists()
             and Path(f"/proc/{w}/stat").read_text().split()[2] != "Z"]
     assert not left
+
+
+# ---- the sweep: the other subcommands -----------------------------------------------------------
+def test_generate_refuses_bad_worker_counts(capsys):
+    bad(capsys, ["generate", "x", "--method", "async", "--transport", "gloo", "--tensor-parallel-size", "0"],
+        "must be >= 1 (got 0, 1)")
+    bad(capsys, ["generate", "x", "--method", "async", "--transport", "gloo", "--tensor-parallel-size", "100000"],
+        "worker processes asked for")
+    bad(capsys, ["generate", "x", "--method", "async", "--transport", "gloo", "--split-search", "100000"],
+        "worker processes asked for")
+
+
+def test_profile_flags_checked(tmp_path, capsys):
+    out = str(tmp_path / "p")
+    bad(capsys, ["profile", "--preset", "tiny", "--width", "0", "--out", out], "--width must be >= 1")
+    bad(capsys, ["profile", "--preset", "tiny", "--measure-tau", "--tau-prompts", "0", "--out", out],
+        "--tau-prompts must be >= 1")
+
+
+def test_any_integer_seed_for_profile_and_train_pair():
+    parser = build_parser()
+    assert parser.parse_args(["profile", "--seed", str(2**64 + 3)]).seed == 3
+    assert parser.parse_args(["profile", "--seed", "-1"]).seed == 2**63 - 1
+    assert parser.parse_args(["train-pair", "--out", "x", "--seed", "-1"]).seed == 2**32 - 1
+
+
+def test_an_unwritable_train_pair_out_is_one_line(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("keep me")
+    bad(capsys, ["train-pair", "--tiny", "--out", str(taken)], "File exists")
+    assert taken.read_text() == "keep me"
