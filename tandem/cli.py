@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
+import os
 import sys
 from pathlib import Path
 
-from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
+from tandem.config import MAX_DRAFT_TOKENS, MAX_WIDTH, ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int
 SUBCOMMANDS = {
@@ -25,23 +27,28 @@ SUBCOMMANDS = {
 
 def add_model_arguments(p: argparse.ArgumentParser, dtype_default: str = "float32") -> None:
     p.add_argument("--target", default=None, help="target checkpoint dir (default: the bundled pair)")
-    p.add_argument("--draft", default=None, help="draft checkpoint dir (default: the bundled pair's draft)")
+    p.add_argument("--draft", default=None,
+                   help="draft checkpoint dir (default: the bundled pair's draft when --target is not given; "
+                        "with --target, every method but ar needs --draft)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu)")
     p.add_argument("--dtype", default=dtype_default, choices=["float32", "bfloat16", "float16"])
 
 
 def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
     s, g = SpecConfig(), GenerationConfig()
-    p.add_argument("--k", type=int, default=s.k, help="draft tokens per step for chain")
-    p.add_argument("--nodes", type=int, default=s.nodes, help="node budget N for tree and async")
-    p.add_argument("--width", type=int, default=s.width, help="leaves expanded per round (w) for tree and async")
+    cap = f"at most min({MAX_DRAFT_TOKENS}, context window - 1)"
+    p.add_argument("--k", type=int, default=s.k, help=f"draft tokens per step for chain ({cap})")
+    p.add_argument("--nodes", type=int, default=s.nodes, help=f"node budget N for tree and async ({cap})")
+    p.add_argument("--width", type=int, default=s.width,
+                   help=f"leaves expanded per round (w) for tree and async (at most {MAX_WIDTH})")
     p.add_argument("--depth", type=int, default=s.depth,
                    help="tree: expansion rounds per tree (default from N/w); async: rounds run while the target "
-                        "verifies (default: self-tuned at start-up)")
-    p.add_argument("--max-new-tokens", type=int, default=g.max_new_tokens)
+                        "verifies (default: self-tuned at start-up); at most N's cap / w")
+    p.add_argument("--max-new-tokens", type=int, default=g.max_new_tokens,
+                   help="at most the context window minus the prompt")
     p.add_argument("--temperature", type=float, default=SamplingConfig().temperature)
     p.add_argument("--top-p", type=float, default=SamplingConfig().top_p)
-    p.add_argument("--seed", type=int, default=SamplingConfig().seed)
+    p.add_argument("--seed", type=int, default=SamplingConfig().seed, help="any integer (taken modulo 2**64)")
     p.add_argument("--ignore-eos", action="store_true")
 
 
@@ -56,15 +63,56 @@ def configs_from_args(args) -> tuple[SpecConfig, SamplingConfig, GenerationConfi
     return spec, sampling, gen
 
 
+MAX_PROCESSES = max(8, os.cpu_count() or 1)  # async's process transports: target + draft shards
+
+
+def notice(message: str) -> None:
+    """A one-line notice on stderr: a value was capped or an option has no effect."""
+    print(f"tandem: note: {message}", file=sys.stderr)
+
+
+def read_prompt_file(path: str) -> str:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read --prompt-file {path!r}: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--prompt-file {path!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                          f"{e.start}); give a text file") from None
+    if "\x00" in text:
+        raise ConfigError(f"--prompt-file {path!r} holds NUL bytes (a binary file?); give a text file")
+    return text
+
+
+def _check_generate_args(args) -> None:
+    """Flags that only some methods or transports read: refused where they would be ignored."""
+    if args.prompt_file and args.prompt is not None:
+        raise ConfigError("give PROMPT or --prompt-file F, not both")
+    if args.split_search is not None and args.split_search < 2:
+        raise ConfigError(f"--split-search K needs K >= 2 workers, one per model (got {args.split_search})")
+    tp, dp = args.tensor_parallel_size, args.draft_tensor_parallel_size
+    if tp < 1 or dp < 1:
+        raise ConfigError(f"--tensor-parallel-size and --draft-tensor-parallel-size must be >= 1 (got {tp}, {dp})")
+    workers = args.split_search if args.split_search is not None else tp + dp
+    if workers > MAX_PROCESSES:
+        # NOTE: every process holds its own copy of its model's shard; nccl also checks the GPU count
+        raise ConfigError(f"{workers} worker processes asked for (tensor-parallel sizes or --split-search); "
+                          f"at most {MAX_PROCESSES} on this machine")
+    # NOTE: named serial methods, so a future method that may run async (auto) is not refused
+    if args.method in ("ar", "chain", "tree") and args.transport != "auto":
+        raise ConfigError(f"--transport works with --method async, not {args.method!r}")
+
+
 def _generate(args) -> int:
     from tandem.runtime.generate import Generator
     from tandem.runtime.pair import load_pair
+    from tandem.runtime.streaming import StopStreamer
 
+    _check_generate_args(args)
     if args.prompt_file:
-        try:
-            prompt = Path(args.prompt_file).read_text()
-        except OSError as e:
-            raise ConfigError(f"cannot read --prompt-file {args.prompt_file!r}: {e.strerror}") from None
+        prompt = read_prompt_file(args.prompt_file)
     elif args.prompt is not None:
         prompt = args.prompt
     else:
@@ -73,17 +121,17 @@ def _generate(args) -> int:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar")
     engine = Generator(pair.target, pair.draft, pair.tokenizer)
     ids = pair.tokenizer.encode(prompt).ids
-    streamed: list[int] = []
-    printed = [0]
+    ctx = engine.context_window
+    for note in spec.capped(ctx)[1]:
+        notice(note)
+    if 0 < ctx - len(ids) < gen.max_new_tokens:
+        notice(f"--max-new-tokens {gen.max_new_tokens} capped to {ctx - len(ids)}: the context window is {ctx} "
+               f"tokens and the prompt takes {len(ids)}")
+    streamer = StopStreamer(pair.tokenizer.decode, gen.stop)
 
     def stream(new: list[int]) -> None:
-        streamed.extend(new)
-        text = pair.tokenizer.decode(streamed)
-        # NOTE: hold back a trailing U+FFFD: a multi-byte character may be split across tokens.
-        safe = text.rstrip("\ufffd")
-        sys.stdout.write(safe[printed[0]:])
+        sys.stdout.write(streamer.push(new))
         sys.stdout.flush()
-        printed[0] = len(safe)
 
     res = engine.generate(ids, args.method, spec, sampling, gen, on_tokens=None if args.json else stream,
                           transport=args.transport, tensor_parallel_size=args.tensor_parallel_size,
@@ -100,16 +148,24 @@ def _generate(args) -> int:
             "dtype": args.dtype,
         }))
     else:
-        if res.stop_trimmed_text is None:
-            sys.stdout.write(text[printed[0]:])
-        sys.stdout.write("\n")
+        sys.stdout.write(streamer.finish(text) + "\n")
         print(f"[{res.method}: {res.new_tokens} tokens in {res.seconds:.2f}s, {res.tokens_per_s:.1f} tok/s, "
               f"tau {res.tau:.2f}, {res.target_passes} target passes]", file=sys.stderr)
     return 0
 
 
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:  # a checkout run without installing it
+        import tandem
+
+        return tandem.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Lossless speculative decoding engine")
+    parser.add_argument("--version", action="version", version=f"tandem {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt", nargs="?", default=None)
@@ -158,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tandem: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # a path the user gave that cannot be written or read, a full disk
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Vocabulary used everywhere in the project (defined once, here):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = {
@@ -188,13 +188,23 @@ class ModelConfig:
         return L * per_layer + emb + h
 
 
+SEED_RANGE = 2**64  # torch.Generator.manual_seed takes [-2**63, 2**64) and wraps negatives mod 2**64
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How tokens are chosen. temperature 0 means greedy (argmax)."""
+    """How tokens are chosen. temperature 0 means greedy (argmax).
+
+    `seed` may be any integer: it is reduced modulo 2**64 on construction, which leaves every
+    seed torch accepts on the random stream it already had (torch wraps negatives the same way).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "seed", int(self.seed) % SEED_RANGE)
 
     @property
     def greedy(self) -> bool:
@@ -202,7 +212,8 @@ class SamplingConfig:
 
     def validate(self) -> None:
         if not (self.temperature >= 0.0) or math.isinf(self.temperature):
-            raise ConfigError(f"--temperature must be >= 0 (got {self.temperature}); use 0 for greedy decoding")
+            raise ConfigError(f"--temperature must be a finite number >= 0 (got {self.temperature}); "
+                              "use 0 for greedy decoding")
         if not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
 
@@ -230,6 +241,42 @@ class SpecConfig:
         if self.depth is not None and self.depth < 1:
             raise ConfigError(f"--depth must be >= 1 (got {self.depth})")
 
+    def capped(self, context_window: int) -> tuple[SpecConfig, list[str]]:
+        """This config with N, k, w and d held to what a verify pass and the draft's tree region
+        can use (see `draft_token_cap`), and one notice per value that was lowered.
+
+        N and k (draft tokens per pass) are at most `draft_token_cap(context_window)`; w at most
+        MAX_WIDTH and N's cap; d at most N's cap / w, so a tree feeds at most about N's cap draft
+        rows per pass (serial `tree` feeds d x w; `async` grows at most ~2N + 17w rows anyway).
+        """
+        n_cap = draft_token_cap(context_window)
+        nodes, k = min(self.nodes, n_cap), min(self.k, n_cap)
+        width = min(self.width, MAX_WIDTH, n_cap)
+        depth = None if self.depth is None else min(self.depth, max(1, n_cap // width))
+        notes = []
+        why = f"the cap is min({MAX_DRAFT_TOKENS}, context window {context_window} - 1)"
+        if nodes != self.nodes:
+            notes.append(f"--nodes {self.nodes} capped to {nodes} ({why})")
+        if k != self.k:
+            notes.append(f"--k {self.k} capped to {k} ({why})")
+        if width != self.width:
+            notes.append(f"--width {self.width} capped to {width} (at most {min(MAX_WIDTH, n_cap)} leaves per round)")
+        if depth != self.depth:
+            notes.append(f"--depth {self.depth} capped to {depth} (d x w fed draft rows stay within {n_cap})")
+        return replace(self, nodes=nodes, k=k, width=width, depth=depth), notes
+
+
+# NOTE: the largest verify pass Tandem builds. A pass of N + 1 rows attends over the whole
+# cache, so its scores and mask grow as N x context; published trees stop well before this
+# (tau saturates near N = 64-96 on the bundled pair, Sequoia's largest trees have 768 nodes).
+MAX_DRAFT_TOKENS = 1024
+MAX_WIDTH = 64  # leaves expanded per round: each round adds w x w candidates
+
+
+def draft_token_cap(context_window: int) -> int:
+    """The most draft tokens (N, or a chain's k) one verify pass may hold."""
+    return max(1, min(MAX_DRAFT_TOKENS, context_window - 1))
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -240,3 +287,5 @@ class GenerationConfig:
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be a positive integer (got {self.max_new_tokens})")
+        if any(not s for s in self.stop):
+            raise ConfigError("--stop needs a non-empty string (an empty stop string would match at once)")

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tandem.bench.workloads import add_workload_arguments, load_workload
-from tandem.cli import add_decoding_arguments, add_model_arguments, configs_from_args
+from tandem.cli import add_decoding_arguments, add_model_arguments, configs_from_args, notice
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 
 RATE_TOLERANCE_PP = 0.5
@@ -188,15 +188,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.bench.env import environment, write_json
+    from tandem.bench.env import ensure_out_dir, environment, write_json
     from tandem.bench.harness import tokenize_prompts
     from tandem.runtime.pair import load_pair
 
     spec, sampling, gen = configs_from_args(args)
+    if not math.isfinite(args.rate_tolerance) or args.rate_tolerance < 0:
+        raise ConfigError(f"--rate-tolerance must be a finite number >= 0 (got {args.rate_tolerance})")
+    ensure_out_dir(args.out)
     if not sampling.greedy:
         raise ConfigError("tandem audit forces greedy outputs; drop --temperature (or pass 0)")
     prompts = load_workload(args.workload, args.num_prompts, args.data_dir, args.source_lines)
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=True)
+    ctx = min(pair.target.config.max_position_embeddings, pair.draft.config.max_position_embeddings)
+    for note in spec.capped(ctx)[1]:
+        notice(note)
     ids, info = tokenize_prompts(prompts, pair.tokenizer, args.max_prompt_tokens)
     report = run_audit(ids, args.method, spec, gen, pair, rate_tolerance_pp=args.rate_tolerance, progress=True)
     report = {"environment": environment(pair.target.device),

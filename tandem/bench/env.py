@@ -70,6 +70,19 @@ def read_json(path: str | Path, flag: str) -> Any:
         raise ConfigError(f"{flag} {str(path)!r} is not valid JSON ({e.msg})") from None
 
 
+def ensure_out_dir(path: str | Path, flag: str = "--out") -> Path:
+    """Create the output folder now, before any work, so a bad path fails at once, not after a
+    whole benchmark has run (its results would be lost)."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{flag} {str(out)!r} is an existing file; give a folder (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create {flag} folder {str(out)!r}: {e.strerror}") from None
+    return out
+
+
 def write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1, default=_jsonable) + "\n")

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tandem.bench.workloads import Prompt, add_workload_arguments, load_workload
-from tandem.cli import add_decoding_arguments, add_model_arguments, configs_from_args
+from tandem.cli import add_decoding_arguments, add_model_arguments, configs_from_args, notice
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 
 PEER_METHODS = ("hf", "hf-assisted")
@@ -464,6 +464,9 @@ def markdown_table(results: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # CLI
+MAX_BOOTSTRAP = 100_000
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_decoding_arguments(p)
@@ -475,7 +478,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-out", help="output folder for results.json, results.md and plots")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts (the longest ones) run before measuring")
     p.add_argument("--allow-mismatch", action="store_true", help="exit 0 even when a method's output differs from ar")
-    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the speedup CI")
+    p.add_argument("--bootstrap", type=int, default=2000,
+                   help=f"bootstrap resamples for the speedup CI (1 to {MAX_BOOTSTRAP})")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--async-transport", default="auto",
                    help="transport of method async: auto | inline | streams | gloo | nccl")
@@ -508,6 +512,13 @@ def tokenize_prompts(prompts: list[Prompt], tokenizer, max_prompt_tokens: int | 
 
 
 def run(args: argparse.Namespace) -> int:
+    from tandem.bench.env import ensure_out_dir
+    from tandem.runtime.async_decode import TRANSPORTS
+
+    if not 1 <= args.bootstrap <= MAX_BOOTSTRAP:
+        # NOTE: the resample index matrix is bootstrap x prompts int64s, built at once
+        raise ConfigError(f"--bootstrap must be in [1, {MAX_BOOTSTRAP}] (got {args.bootstrap})")
+    ensure_out_dir(args.out)
     if args.replay is not None:
         from tandem.bench.replay import run_replay
 
@@ -518,6 +529,8 @@ def run(args: argparse.Namespace) -> int:
     budgets = parse_nodes(args.nodes)
     args.nodes = budgets[0]
     spec, sampling, gen = configs_from_args(args)
+    if args.async_transport not in TRANSPORTS:
+        raise ConfigError(f"unknown --async-transport {args.async_transport!r}; choose one of {', '.join(TRANSPORTS)}")
     names = parse_methods(args.methods, budgets)
     specs = method_specs(names, spec)
     if args.warmup < 0:
@@ -559,6 +572,8 @@ def run_bench(prompts: list[Prompt], specs: list[MethodSpec], sampling: Sampling
     dev = pair.target.device
     engine = Generator(pair.target, pair.draft, pair.tokenizer)
     ctx = engine.context_window
+    for note in sorted({n for ms in specs if not ms.is_peer for n in ms.spec.capped(ctx)[1]}):
+        notice(note)
     ids_list, prompt_info = tokenize_prompts(prompts, pair.tokenizer, max_prompt_tokens)
     for i, ids in enumerate(ids_list):
         if not ids:

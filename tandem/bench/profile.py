@@ -59,6 +59,10 @@ def _int_list(text: str, flag: str) -> list[int]:
     return out
 
 
+def _seed(text: str) -> int:
+    return int(text) % 2**63  # NOTE: seed + 1 must still fit torch's generator (< 2**64)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tandem.bench.presets import PRESETS
 
@@ -85,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--replay", default=None,
                    help="re-time a bench results.json's recorded acceptance with these step costs")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help="any integer (taken modulo 2**63; the draft uses seed + 1)")
     p.add_argument("--out", default="profile-out", help="folder for profile.json and cost_model.png")
     p.add_argument("--no-plots", action="store_true")
 
@@ -247,7 +251,7 @@ def predict(tau: dict[int, float], t_target: dict[int, float], t_draft: dict[int
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem.bench.env import environment, write_json
+    from tandem.bench.env import ensure_out_dir, environment, write_json
     from tandem.bench.presets import DEFAULT_DRAFT, preset_config, random_model, weight_bytes
     from tandem.models.loader import resolve_dtype
     from tandem.runtime.pair import resolve_device
@@ -257,8 +261,13 @@ def run(args: argparse.Namespace) -> int:
     widths = sorted(set(_int_list(args.widths, "--widths")) | {args.width})
     if args.context < 1:
         raise ConfigError(f"--context must be >= 1 (got {args.context})")
+    for flag, value in (("--width", args.width), ("--tau-prompts", args.tau_prompts),
+                        ("--tau-max-new-tokens", args.tau_max_new_tokens)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1 (got {value})")
     if args.tau_json and args.measure_tau:
         raise ConfigError("give either --tau-json FILE or --measure-tau, not both")
+    ensure_out_dir(args.out)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype)
     iters = args.iters or (30 if device.type == "cuda" else 5)

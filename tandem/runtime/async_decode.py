@@ -405,6 +405,9 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
     ctx_len = min(target_model.config.max_position_embeddings, draft_model.config.max_position_embeddings)
     if len(prompt_ids) >= ctx_len:
         raise ConfigError(f"prompt is {len(prompt_ids)} tokens but the context window is {ctx_len}; shorten the prompt")
+    # NOTE: N bounds the start-up profile's verify of N + 1 rows and the tree region (2N + 17w
+    # rows): uncapped, --nodes 100000 allocated a ~10 GB mask before the first token
+    spec, _ = spec.capped(ctx_len)
     max_new = min(gen.max_new_tokens, ctx_len - len(prompt_ids))
     eos = set() if gen.ignore_eos else set(eos_ids)
     t_rows, d_rows, tree_rows = plan_capacity(len(prompt_ids), max_new, spec)

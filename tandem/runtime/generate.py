@@ -278,14 +278,16 @@ class Generator:
             raise ConfigError("the prompt is empty; give at least one token of text")
         if method != "ar" and self.draft_model is None:
             raise ConfigError(f"method {method!r} needs a draft model; pass --draft DIR or use --method ar")
-        if ((tensor_parallel_size, draft_tensor_parallel_size) != (1, 1) or split_search) and method != "async":
+        searching = split_search is not None
+        if ((tensor_parallel_size, draft_tensor_parallel_size) != (1, 1) or searching) and method != "async":
             raise ConfigError(f"--tensor-parallel-size / --draft-tensor-parallel-size / --split-search work with "
                               f"--method async (its process transports), not {method!r}")
-        if split_search:
+        ctx = self.context_window
+        spec, _ = spec.capped(ctx)  # the CLI prints the notices; here the caps only keep memory bounded
+        if searching:
             if (tensor_parallel_size, draft_tensor_parallel_size) != (1, 1):
                 raise ConfigError("give either --split-search K or the two tensor-parallel sizes, not both")
             tensor_parallel_size, draft_tensor_parallel_size = self._split(split_search, prompt_ids, spec, transport)
-        ctx = self.context_window
         if len(prompt_ids) >= ctx:
             raise ConfigError(
                 f"prompt is {len(prompt_ids)} tokens but the context window is {ctx}; shorten the prompt")

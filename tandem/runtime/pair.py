@@ -81,12 +81,21 @@ def load_pair(target: str | Path | None = None, draft: str | Path | None = None,
                               "speculative decoding needs one shared vocabulary")
     elif kind is not None and not draft.is_dir():
         raise ConfigError(f"draft directory {str(draft)!r} does not exist")
-    tm = load_model(target, dev, dtype)
+    tm = _load("target", target, dev, dtype)
     dm = None
     if kind == "model":
-        dm = load_model(draft, dev, dtype)
+        dm = _load("draft", draft, dev, dtype)
     elif kind == "block":  # heads ship no tokenizer: the target's applies
         from tandem.models.block_drafter import load_block_drafter
 
         dm = load_block_drafter(draft, tm, dev, resolve_dtype(dtype))
     return Pair(tm, dm, tokenizer, target, draft)
+
+
+def _load(role: str, path: Path, device: torch.device, dtype: str) -> torch.nn.Module:
+    """load_model, with its errors saying which checkpoint of the pair (target or draft) is wrong."""
+    try:
+        return load_model(path, device, dtype)
+    except ConfigError as e:
+        where = f"{role} checkpoint" if str(path) in str(e) else f"{role} checkpoint {str(path)!r}"
+        raise ConfigError(f"{where}: {e}") from None

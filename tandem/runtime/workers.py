@@ -35,6 +35,7 @@ one already.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
@@ -445,8 +446,9 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
     t_start = time.perf_counter()
     ok = False
     try:
-        for proc in procs:
-            proc.start()  # inside the try: an interrupt during the spawn still stops the children
+        with _sigint_blocked():
+            for proc in procs:
+                proc.start()  # inside the try: an interrupt during the spawn still stops the children
         _, group, _ = join_world(init_file, transport, TARGET, tp, dp, t_dev, timeout_s)
         msg_dev = t_dev if transport == "nccl" else torch.device("cpu")
         chan = Channel(tp, spec.nodes + 1, msg_dev, lambda: all(p.is_alive() for p in procs), timeout_s)
@@ -502,6 +504,25 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
             if dist.is_initialized():
                 dist.destroy_process_group()
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigint_blocked():
+    """SIGINT blocked in this thread while the children are spawned; they inherit the mask.
+
+    NOTE: a child ignores SIGINT only once its main runs, after seconds of importing torch; a
+    Ctrl-C (sent to the whole process group) before that killed it with a KeyboardInterrupt
+    traceback and left rank 0 waiting for it in the rendezvous. Blocked, the signal stays
+    pending in the child for good, and here it is delivered when the mask is restored.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _get(out, proc, timeout_s: float):

@@ -40,12 +40,16 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def _seed(text: str) -> int:
+    return int(text) % 2**32  # NOTE: np.random.seed refuses anything outside [0, 2**32)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder: target/, draft/, metrics.json")
     p.add_argument("--preset", choices=sorted(PRESETS), default="full",
                    help="sizes and budgets (default full: one H200, about 9 minutes)")
     p.add_argument("--tiny", action="store_true", help="same as --preset tiny: CPU, seconds")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help="any integer (taken modulo 2**32, numpy's seed range)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, help="torch CPU threads (tiny preset: 1, fastest for tiny models)")
     g = p.add_argument_group("corpus (defaults from the preset)")
