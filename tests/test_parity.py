@@ -129,7 +129,8 @@ def test_tree_mask_siblings_match_separate_forwards(setup, family):
     siblings = torch.tensor([[5, 77, 301]])
     cache = KVCache.for_model(ours, capacity=64)
     with torch.no_grad():
-        ours(prefix, torch.arange(P)[None], cache, _slots(cache, P), torch.ones(P, P, dtype=torch.bool).tril()[None, None])
+        causal = torch.ones(P, P, dtype=torch.bool).tril()[None, None]
+        ours(prefix, torch.arange(P)[None], cache, _slots(cache, P), causal)
         cache.commit(list(range(P)))
         slots = _slots(cache, 3)
         mask = torch.zeros(1, 1, 3, P + 3, dtype=torch.bool)
