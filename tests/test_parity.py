@@ -42,6 +42,13 @@ def setup(shared_tiny_checkpoint):
     return get
 
 
+def _slots(cache: KVCache, n: int) -> torch.Tensor:
+    """Cache slots [1, n] for n new rows, reserved in the tree region as ModelRunner.step does
+    (rows become verified prefix rows by `commit`, as ModelRunner.prefill does)."""
+    start = cache.reserve_rows(n)
+    return torch.arange(start, start + n)[None]
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a.float() - b.float()).abs().max().item()
@@ -95,16 +102,18 @@ def test_incremental_decoding_matches_full_forward(setup, family):
     for b in range(ids.shape[0]):
         cache = KVCache.for_model(ours, capacity=64)
         row = ids[b : b + 1]
-        slots = cache.append_prefix(PREFILL)[None]
+        slots = _slots(cache, PREFILL)
         mask = torch.ones(PREFILL, PREFILL, dtype=torch.bool).tril()[None, None]
         with torch.no_grad():
             pre = ours(row[:, :PREFILL], torch.arange(PREFILL)[None], cache, slots, mask)
+        cache.commit(list(range(PREFILL)))
         steps = [pre]
         for t in range(PREFILL, SEQ):
-            slots = cache.append_prefix(1)[None]
+            slots = _slots(cache, 1)
             mask = torch.ones(1, 1, 1, cache.length, dtype=torch.bool)
             with torch.no_grad():
                 steps.append(ours(row[:, t : t + 1], torch.tensor([[t]]), cache, slots, mask))
+            cache.commit([0])
         inc = torch.cat(steps, dim=1)
         assert cache.prefix_len == SEQ and cache.tree_len == 0
         assert _max_diff(inc, full[b : b + 1]) < TOL
@@ -120,9 +129,10 @@ def test_tree_mask_siblings_match_separate_forwards(setup, family):
     siblings = torch.tensor([[5, 77, 301]])
     cache = KVCache.for_model(ours, capacity=64)
     with torch.no_grad():
-        ours(prefix, torch.arange(P)[None], cache, cache.append_prefix(P)[None],
-             torch.ones(P, P, dtype=torch.bool).tril()[None, None])
-        slots = cache.reserve(3)[None]
+        causal = torch.ones(P, P, dtype=torch.bool).tril()[None, None]
+        ours(prefix, torch.arange(P)[None], cache, _slots(cache, P), causal)
+        cache.commit(list(range(P)))
+        slots = _slots(cache, 3)
         mask = torch.zeros(1, 1, 3, P + 3, dtype=torch.bool)
         mask[..., :P] = True
         mask[0, 0, torch.arange(3), P + torch.arange(3)] = True
@@ -138,8 +148,7 @@ def test_tree_mask_siblings_match_separate_forwards(setup, family):
         cache.commit([1])
         assert cache.prefix_len == P + 1 and cache.tree_len == 0
         nxt = torch.tensor([[42]])
-        out = ours(nxt, torch.tensor([[P + 1]]), cache, cache.append_prefix(1)[None],
-                   torch.ones(1, 1, 1, P + 2, dtype=torch.bool))
+        out = ours(nxt, torch.tensor([[P + 1]]), cache, _slots(cache, 1), torch.ones(1, 1, 1, P + 2, dtype=torch.bool))
         expect = hf(torch.cat([prefix, siblings[:, 1:2], nxt], dim=1)).logits[:, -1]
         assert _max_diff(out[:, 0], expect) < TOL
 

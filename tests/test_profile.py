@@ -55,6 +55,56 @@ def test_profile_without_tau_and_errors(tmp_path, capsys):
     assert "--tau-json" in capsys.readouterr().err
 
 
+# The tiny preset's parameters, counted by hand from its shapes (hidden 64, 2 layers, 4 heads and
+# 2 K/V heads of 16, MLP 128, vocabulary 512, untied): per layer q 64x64 + k, v 64x32 each +
+# o 64x64 + gate, up, down 64x128 each + two norms of 64 = 36,992; embedding + lm_head 2 x 512x64
+# = 65,536; final norm 64. 2 x 36,992 + 65,536 + 64 = 139,584.
+TINY_PARAMS = 139_584
+
+
+@pytest.mark.parametrize("dtype,weight_bytes,floor_ms", [
+    ("float32", 4 * TINY_PARAMS, 0.2233344),  # 558,336 bytes / 2.5 GB/s
+    ("bfloat16", 2 * TINY_PARAMS, 0.1116672),  # 279,168 bytes / 2.5 GB/s
+])
+def test_profile_floor_is_weight_bytes_over_bandwidth(tmp_path, monkeypatch, dtype, weight_bytes, floor_ms):
+    """The floor against a known bandwidth and the hand-counted weight bytes, not against itself."""
+    monkeypatch.setattr(profile, "copy_bandwidth", lambda device, nbytes, iters: 2.5e9)  # a 2.5 GB/s device
+    rc = cli.main(["profile", "--preset", "tiny", "--device", "cpu", "--dtype", dtype, "--context", "8",
+                   "--rows", "1", "--widths", "1", "--width", "1", "--iters", "1", "--no-plots",
+                   "--out", str(tmp_path / "p")])
+    assert rc == 0
+    rep = json.loads((tmp_path / "p" / "profile.json").read_text())
+    assert rep["target"]["num_params"] == TINY_PARAMS and rep["target"]["weight_bytes"] == weight_bytes
+    assert rep["bandwidth_gb_s"] == pytest.approx(2.5)
+    assert rep["ar_floor_ms"] == pytest.approx(floor_ms, rel=1e-9)
+
+
+def test_copy_bandwidth_counts_the_read_and_the_write(monkeypatch):
+    """A copy of 8 MiB that takes 2 ms moves 2 x 8 MiB: 8.39 GB/s."""
+    copies = []
+
+    def two_ms(device):
+        def measure(fn, iters, warmup=2):
+            copies.append(fn())  # the copy really runs; its time is given
+            return 0.002
+        return measure
+
+    monkeypatch.setattr(profile, "timer", two_ms)
+    assert profile.copy_bandwidth(torch.device("cpu"), 8 << 20, 3) == pytest.approx(2 * (8 << 20) / 0.002)
+    assert copies[0].numel() == (8 << 20) // 4 and bool((copies[0] == 1.0).all())
+
+
+def test_profile_has_no_fuse_flag(capsys):
+    """The runner always fuses the projections, so `--fuse` (which changed nothing) is gone."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["profile", "--preset", "tiny", "--device", "cpu", "--fuse"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --fuse" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["profile", "--help"])
+    assert "--fuse" not in capsys.readouterr().out
+
+
 def test_random_model_shapes_dtype_and_tying():
     cfg = dataclasses.replace(presets.PRESETS["tiny"], tie_word_embeddings=True, attention_bias=True)
     m = presets.random_model(cfg, "cpu", torch.bfloat16)

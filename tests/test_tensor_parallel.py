@@ -150,10 +150,40 @@ def test_tensor_parallel_size_needs_async_over_processes():
         g.generate([1, 2], "async", transport="inline", draft_tensor_parallel_size=2)
 
 
-def test_split_search_tries_every_split_and_keeps_the_fastest():
+@pytest.mark.parametrize("k,rates,want", [
+    (4, {"1:3": 50.0, "2:2": 80.0, "3:1": 70.0}, (2, 2)),
+    (4, {"1:3": 90.0, "2:2": 80.0, "3:1": 85.0}, (1, 3)),
+    (5, {"1:4": 10.0, "2:3": 20.0, "3:2": 30.0, "4:1": 40.0}, (4, 1)),
+    (3, {"1:2": 60.0, "2:1": 60.0}, (2, 1)),  # a tie: the larger target
+])
+def test_split_search_keeps_the_fastest_split_under_the_timings_it_saw(k, rates, want, capsys):
+    from tandem.runtime.placement import Split, candidate_splits, search_split
+
+    tried = []
+
+    def trial(split: Split) -> float:  # the trial request's decode rate, from a table
+        tried.append(split)
+        return rates[str(split)]
+
+    best, seen = search_split(None, None, [1, 2], SpecConfig(), "gloo", k, trial=trial)
+    assert best == Split(*want)
+    assert tried == candidate_splits(k) and seen == rates
+    assert capsys.readouterr().err.rstrip().endswith(f"-> {Split(*want)} (target:draft)")
+
+
+def test_split_search_over_gloo_uses_the_split_it_found(monkeypatch):
+    from tandem.runtime import placement
     from tandem.runtime.generate import Generator
     from tandem.runtime.placement import Split, candidate_splits
 
+    measured: dict[str, float] = {}
+    real_trial = placement._trial_rate
+
+    def recording_trial(*args) -> float:  # the real trial request; its rate is remembered
+        measured[str(args[-1])] = rate = real_trial(*args)
+        return rate
+
+    monkeypatch.setattr(placement, "_trial_rate", recording_trial)
     assert candidate_splits(3) == [Split(1, 2), Split(2, 1)]
     target = model_with(6, 3, 50, "llama", layers=2)
     g = Generator(target, model_with(6, 3, 50, "llama", layers=2, seed=5))
@@ -162,7 +192,8 @@ def test_split_search_tries_every_split_and_keeps_the_fastest():
     r = g.generate(prompt, "async", gen=gen, transport="gloo", split_search=3)
     assert r.token_ids == want
     best = g._runners[("split", "gloo", 3, SpecConfig().nodes, SpecConfig().width)]
-    assert best in candidate_splits(3)
+    assert set(measured) == {"1:2", "2:1"} and all(v > 0 for v in measured.values())
+    assert measured[str(best)] == max(measured.values())  # the fastest of the trials it ran
     assert (r.stats["tensor_parallel_size"], r.stats["draft_tensor_parallel_size"]) == (best.target, best.draft)
     with pytest.raises(Exception, match="at least 2 workers"):
         candidate_splits(1)

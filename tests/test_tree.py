@@ -1,51 +1,171 @@
-"""Exact hand-built cases: tree masks (SwiftSpec Figure 3) and KV commit (Figure 4)."""
+"""Exact hand-built cases (SwiftSpec Figures 3 and 4) through the code decoding runs.
+
+The masks checked here are the ones the model's forward receives (a forward pre-hook records
+its `mask` argument), built by what `tree`, `async` and greedy `chain` call: `EvolvingTree.feed`
+(host rounds) or `DeviceRounds._round` (device rounds) on the draft side, `Target.launch` on the
+target side, and `ModelRunner.step` in between, eager (`use_graphs=False`) or on the CUDA-graph
+path's static buffers (`"emulate"`: row and width buckets, padded rows). Token tK has id K.
+"""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from tandem.kv.cache import KVCache
-from tandem.tree.draft_tree import DraftTree, ancestor_mask, tree_attention_mask
+from models_for_tests import unit_scaled_model
+from tandem.config import SamplingConfig
+from tandem.runtime.generate import Target
+from tandem.runtime.runner import ModelRunner
+from tandem.tree.draft_tree import DraftTree, ancestor_mask
+from tandem.tree.evolving import EvolvingTree
+
+V = 32
+CAP = 160
+RUNTIME_PATHS = [  # (use_graphs, device_rounds): every way a draft round reaches the model
+    pytest.param(False, False, id="eager-host"), pytest.param("emulate", False, id="graphs-host"),
+    pytest.param(False, True, id="eager-device"), pytest.param("emulate", True, id="graphs-device"),
+]
 
 
-def test_figure3_non_square_mask():
+class MaskRecorder:
+    """The attention mask [rows, columns] of every forward call `model` receives, in call order."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.masks: list[torch.Tensor] = []
+        self.handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs) -> None:
+        mask = kwargs["mask"] if "mask" in kwargs else args[4]  # [B, 1, rows, columns] bool
+        self.masks.append(mask[0, 0].clone())  # cloned: the graph path reuses one static buffer
+
+
+@pytest.fixture
+def recorded():
+    """A fresh tiny model (its hook dies with it) and the recorder on it."""
+    model = unit_scaled_model(V, seed=0, head_scale=1.0, max_positions=512)
+    rec = MaskRecorder(model)
+    yield model, rec
+    rec.handle.remove()
+
+
+def mask_of(rows: list[tuple[int, ...]], columns: list[int]) -> torch.Tensor:
+    """[len(rows), len(columns)] bool: row r is True at the columns holding the tokens rows[r]
+    (cache columns named by their tokens, in cache order)."""
+    out = torch.zeros(len(rows), len(columns), dtype=torch.bool)
+    for r, toks in enumerate(rows):
+        out[r, [columns.index(t) for t in toks]] = True
+    return out
+
+
+def assert_mask(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """The real rows of `got` equal `expected` and see nothing past its columns (width-bucket
+    padding); rows past them (row-bucket padding, graph path only) see column 0 alone."""
+    n, c = expected.shape
+    assert got.shape[0] >= n and got.shape[1] >= c, got.shape
+    assert torch.equal(got[:n, :c], expected), f"\n{got[:n, :c].int()}\n!=\n{expected.int()}"
+    assert not got[:n, c:].any()
+    pad = got[n:]
+    assert pad[:, 0].all() and not pad[:, 1:].any()
+
+
+@pytest.mark.parametrize("use_graphs,device_rounds", RUNTIME_PATHS)
+def test_figure3_non_square_mask_of_an_expansion_round(recorded, use_graphs, device_rounds):
     # Existing tree t1..t6 (blue), new leaves t7..t10 (yellow). The figure's text fixes
     # t7 -> t1, t2, t4, t7; the rest of the shape is reconstructed: t2, t3 under t1; t4 under
-    # t2; t5, t6 under t3; t7, t8 under t4; t9 under t5; t10 under t6.
-    parents = [-1, 0, 0, 1, 2, 2, 3, 3, 4, 5]  # node i is t(i+1)
-    mask = tree_attention_mask(prefix_len=0, tree_parents=parents, new_rows=[6, 7, 8, 9])
-    expected = torch.zeros(4, 10, dtype=torch.bool)
-    for row, visible in enumerate([(1, 2, 4, 7), (1, 2, 4, 8), (1, 3, 5, 9), (1, 3, 6, 10)]):
-        for t in visible:
-            expected[row, t - 1] = True
-    assert mask.shape == (4, 10)
-    assert torch.equal(mask, expected)
+    # t2; t5, t6 under t3; t7, t8 under t4; t9 under t5; t10 under t6. The root t1 is the prompt
+    # (prefix row 0) and t2..t6 were fed in that order (tree rows 0..4), so the runtime's cache
+    # columns 0..9 are t1..t10 and the round's mask is the figure's 4 x 10 matrix exactly.
+    model, rec = recorded
+    tree = EvolvingTree(ModelRunner(model, CAP, use_graphs=use_graphs), width=4, max_rows=20,
+                        device_rounds=device_rounds)
+    tree.start([1])
+    tree.feed_pending(add_children=False)
+    node = {1: 0}
+    for tok, par in ((2, 1), (3, 1), (4, 2), (5, 3), (6, 3)):
+        node[tok] = tree.add_node(node[par], tok, -0.1 * (tok - 1))
+    tree.feed([node[t] for t in (2, 3, 4, 5, 6)], add_children=False)
+    for tok, par in ((7, 4), (8, 4), (9, 5), (10, 6)):  # the candidates, best first: t7 .. t10
+        node[tok] = tree.add_node(node[par], tok, -1.0 - 0.1 * (tok - 7))
+    rec.masks.clear()
+
+    assert tree.expand_rounds(1) == 1  # the round feeds the w = 4 best candidates
+
+    assert len(rec.masks) == 1  # one draft step for the whole round
+    figure3 = mask_of([(1, 2, 4, 7), (1, 2, 4, 8), (1, 3, 5, 9), (1, 3, 6, 10)], columns=list(range(1, 11)))
+    assert_mask(rec.masks[0], figure3)
+    assert [tree.row[node[t]] for t in (7, 8, 9, 10)] == [5, 6, 7, 8]
+    tree.check()
 
 
-def test_mask_prefix_columns_always_visible_and_padding_hidden():
-    mask = tree_attention_mask(prefix_len=3, tree_parents=[-1, 0, 0, 1], width=9)
-    assert mask.shape == (4, 9)
-    assert mask[:, :3].all()
-    assert not mask[:, 7:].any()
-    assert torch.equal(mask[:, 3:7], ancestor_mask([-1, 0, 0, 1]))
-    assert torch.equal(ancestor_mask([-1, 0, 1, 2]), torch.ones(4, 4, dtype=torch.bool).tril())
+# Figure 4 (s3.2): verified prefix t1, t3, t7, t10; tree t11..t18 hangs from t10 (t10 -> t11, t12;
+# t11 -> t13, t14; t12 -> t15, t16; t15 -> t17, t18). The target accepts t12 and answers t15.
+FIG4_PARENT = {11: 10, 12: 10, 13: 11, 14: 11, 15: 12, 16: 12, 17: 15, 18: 15}
 
 
-def test_figure4_commit_moves_path_and_keeps_subtree_bit_identical():
-    # Verified prefix t1, t3, t7, t10; tree region t11..t18 with t11, t12 under the prefix end,
-    # t13, t14 under t11, t15, t16 under t12, t17, t18 under t15. The target accepts t12, t15.
-    cache = KVCache(num_layers=2, num_kv_heads=2, head_dim=4, capacity=16, dtype=torch.float32, device="cpu")
-    cache.append_prefix(4)
-    cache.reserve(8)
-    torch.manual_seed(0)
-    cache.k.normal_()
-    cache.v.normal_()
-    before_k, before_v = cache.k.clone(), cache.v.clone()
-    rel = {f"t{11 + i}": i for i in range(8)}  # tree-relative row of each node
-    cache.commit(path=[rel["t12"], rel["t15"]], keep=[rel["t17"], rel["t18"]])
-    assert (cache.prefix_len, cache.tree_len) == (6, 2)
-    order = [0, 1, 2, 3, 4 + rel["t12"], 4 + rel["t15"], 4 + rel["t17"], 4 + rel["t18"]]
-    assert torch.equal(cache.k[:, :, :, :8], before_k[:, :, :, order])
-    assert torch.equal(cache.v[:, :, :, :8], before_v[:, :, :, order])
+def _fig4_ancestors(tok: int) -> tuple[int, ...]:
+    out = [tok]
+    while out[-1] in FIG4_PARENT:
+        out.append(FIG4_PARENT[out[-1]])
+    return tuple(out)
+
+
+@pytest.mark.parametrize("use_graphs,device_rounds", RUNTIME_PATHS)
+def test_figure4_draft_masks_before_and_after_the_reroot(recorded, use_graphs, device_rounds):
+    """The draft feeds Figure 4's tree, re-roots at t15 (t17, t18 keep their rows), and the next
+    round's leaves see the new prefix t1, t3, t7, t10, t12, t15 and their own kept ancestor."""
+    model, rec = recorded
+    tree = EvolvingTree(ModelRunner(model, CAP, use_graphs=use_graphs), width=2, max_rows=20,
+                        device_rounds=device_rounds)
+    tree.start([1, 3, 7, 10])
+    tree.feed_pending(add_children=False)
+    node = {10: 0}
+    for tok, par in FIG4_PARENT.items():
+        node[tok] = tree.add_node(node[par], tok, -0.1 * (tok - 10))
+    rec.masks.clear()
+    tree.feed([node[t] for t in FIG4_PARENT], add_children=False)
+    prefix = (1, 3, 7)  # t10, the root, is the fourth prefix column
+    want = mask_of([prefix + _fig4_ancestors(t) for t in FIG4_PARENT], columns=[1, 3, 7, 10, *FIG4_PARENT])
+    assert_mask(rec.masks[-1], want)
+
+    r = tree.reroot([12, 15])
+
+    assert r.hit and (r.matched, r.reused, r.dropped) == (2, 2, 4)
+    assert tree.tokens == [15, 17, 18] and tree.row == [-1, 0, 1]
+    t19 = tree.add_node(1, 19, -1.0)  # one candidate under each kept node
+    t20 = tree.add_node(2, 20, -1.1)
+    rec.masks.clear()
+    assert tree.expand_rounds(1) == 1
+    assert len(rec.masks) == 1
+    cols = [1, 3, 7, 10, 12, 15, 17, 18, 19, 20]  # the committed path, then the kept rows t17, t18
+    assert_mask(rec.masks[0], mask_of([(1, 3, 7, 10, 12, 15, 17, 19), (1, 3, 7, 10, 12, 15, 18, 20)], cols))
+    assert (tree.row[t19], tree.row[t20]) == (2, 3)
+    tree.check()
+
+
+@pytest.mark.parametrize("use_graphs", [False, "emulate"])
+def test_figure4_target_pass_mask_and_commit(recorded, use_graphs):
+    """The target verifies Figure 4's tree (root t10 first) over the prefix t1, t3, t7, then
+    commits the accepted path t10, t12, t15 by gathering its K/V rows, bit for bit."""
+    model, rec = recorded
+    runner = ModelRunner(model, CAP, use_graphs=use_graphs)
+    runner.prefill([1, 3, 7])
+    toks = [10, *FIG4_PARENT]
+    logp = {10: 0.0, 11: -0.5, 12: -0.1, 13: -0.6, 14: -0.7, 15: -0.2, 16: -0.4, 17: -0.3, 18: -0.35}
+    tree = DraftTree(tokens=toks, parents=[-1] + [toks.index(FIG4_PARENT[t]) for t in toks[1:]],
+                     logp=[logp[t] for t in toks])  # the best path: t10, t12, t15
+    target = Target(runner, SamplingConfig(), torch.Generator().manual_seed(0))
+    rec.masks.clear()
+    launch = target.launch(tree, now=True, forced=2)  # replay: accept 2 along the best path
+    assert len(rec.masks) == 1
+    assert_mask(rec.masks[0], mask_of([(1, 3, 7) + _fig4_ancestors(t) for t in toks], columns=[1, 3, 7, *toks]))
+    k0, v0 = runner.cache.k.clone(), runner.cache.v.clone()
+
+    result = target.finish(launch)
+
+    assert result.path == [0, 2, 5] and result.tokens[:2] == [12, 15]
+    assert (runner.cache.prefix_len, runner.cache.tree_len) == (6, 0)
+    rows = [0, 1, 2, 3 + 0, 3 + 2, 3 + 5]  # prefix t1, t3, t7, then t10, t12, t15's tree rows
+    for now, before in ((runner.cache.k, k0), (runner.cache.v, v0)):
+        assert torch.equal(now[:, :, :, :6], before[:, :, :, rows])
 
 
 def test_subset_reindexes_parents():

@@ -12,9 +12,9 @@ rounds of width w after the root's, as `SpecConfig.resolved_depth`), given a tau
 {"n": tau} object) or measured in-process on a real pair (`--measure-tau`).
 
 Models are presets with random weights (`tandem.bench.presets`): cost depends on shapes only.
-Steps run through `ModelRunner` (CUDA graphs on GPU, its buckets extended to every requested
-N; the untimed warm-up runs capture them) and are timed with CUDA events (perf_counter on
-CPU); each figure is a median.
+Steps run through `ModelRunner` as decoding runs them (fused q/k/v and gate/up projections; CUDA
+graphs on GPU, the buckets extended to every requested N, the untimed warm-up runs capture them)
+and are timed with CUDA events (perf_counter on CPU); each figure is a median.
 The AR step is also compared with its bandwidth floor: weight bytes / the measured bandwidth
 of a large device-to-device copy (read + write bytes counted).
 
@@ -78,7 +78,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--widths", default=DEFAULT_WIDTHS, help="w values for T_draft(w)")
     p.add_argument("--width", type=int, default=SpecConfig().width, help="tree width w used in the prediction")
     p.add_argument("--iters", type=int, default=None, help="timed repeats per figure (default 30 GPU, 5 CPU)")
-    p.add_argument("--fuse", action="store_true", help="fuse q/k/v and gate/up projections before timing")
     p.add_argument("--tau-json", default=None, help="tau(n) table: bench results.json or {\"n\": tau}")
     p.add_argument("--measure-tau", action="store_true",
                    help="measure tau(n) on the real pair (--target/--draft, default bundled) first")
@@ -297,8 +296,6 @@ def run(args: argparse.Namespace) -> int:
         bw = copy_bandwidth(device, (512 << 20) if device.type == "cuda" else (64 << 20), max(5, iters // 3))
         target = random_model(tcfg, device, dtype, seed=args.seed)
         t_bytes = weight_bytes(target)
-        if args.fuse:
-            target.fuse_projections()
         runner = prefilled_runner(target, args.context, measured_rows[-1], buckets, args.seed)
         t_target = time_target_steps(runner, args.context, measured_rows, iters, measure)
         del runner, target
@@ -306,8 +303,6 @@ def run(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
         draft = random_model(dcfg, device, dtype, seed=args.seed + 1)
         d_bytes = weight_bytes(draft)
-        if args.fuse:
-            draft.fuse_projections()
         druns = prefilled_runner(draft, args.context, max(widths), buckets, args.seed + 1)
         t_draft = time_draft_expansions(druns, args.context, widths, iters, measure)
         del druns, draft
@@ -320,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         "environment": environment(device),
         "config": {"preset": args.preset, "draft_preset": draft_name, "device": str(device), "dtype": args.dtype,
                    "context": args.context, "rows": measured_rows, "widths": widths, "width": args.width,
-                   "iters": iters, "fuse": args.fuse, "buckets": list(buckets)},
+                   "iters": iters, "buckets": list(buckets)},
         "target": {"preset": args.preset, "num_params": tcfg.num_params, "weight_bytes": t_bytes},
         "draft": {"preset": draft_name, "num_params": dcfg.num_params, "weight_bytes": d_bytes},
         "bandwidth_gb_s": bw / 1e9,

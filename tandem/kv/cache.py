@@ -65,20 +65,6 @@ class KVCache:
         self.tree_len += n
         return start
 
-    def reserve(self, n: int, device=None) -> torch.Tensor:
-        """`reserve_rows`, returning the slots [n] as a tensor (what the attention layers take)."""
-        start = self.reserve_rows(n)
-        return torch.arange(start, start + n, device=device or self.k.device)
-
-    def append_prefix(self, n: int, device=None) -> torch.Tensor:
-        """Slots for n rows that are verified as soon as they are written (prefill, AR)."""
-        if self.tree_len:
-            raise RuntimeError("append_prefix with a live tree region; commit or drop it first")
-        slots = self.reserve(n, device)
-        self.prefix_len += n
-        self.tree_len = 0
-        return slots
-
     def commit(self, path: list[int], keep: list[int] | None = None) -> None:
         """Move tree rows `path` (tree-relative indices, root first) into the prefix.
 

@@ -369,7 +369,7 @@ def plan_capacity(prompt_len: int, max_new: int, spec: SpecConfig) -> tuple[int,
 def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecConfig, sampling: SamplingConfig,
                    gen: GenerationConfig, eos_ids: set[int], transport: str = "auto",
                    on_tokens: Callable[[list[int]], None] | None = None, tokenizer=None, *,
-                   verbose: bool = True, use_graphs: bool | None = None, draft_device: str | None = None,
+                   verbose: bool = True, use_graphs: bool | None = None,
                    timeout_s: float = 300.0, runners: dict | None = None,
                    forced_accepts: list[int] | None = None, tensor_parallel_size: int = 1,
                    draft_tensor_parallel_size: int = 1) -> AsyncGenerationResult:
@@ -381,7 +381,7 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
 
     Keyword-only extras: `verbose` prints the depth choice to stderr; `runners` is a dict the
     caller keeps between calls so the in-process transports reuse runners and CUDA graphs;
-    `draft_device` / `timeout_s` are for the process transports; `forced_accepts` is acceptance
+    `timeout_s` is for the process transports; `forced_accepts` is acceptance
     replay (in-process transports; see Generator.generate and `replay_bonus`);
     `tensor_parallel_size` / `draft_tensor_parallel_size` shard the target / the draft over that
     many processes (gloo / nccl transports; tandem.parallel.tensor_parallel).
@@ -421,7 +421,7 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
 
             return run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen, eos, max_new,
                                     transport, on_tokens, tokenizer, generator, (t_rows, d_rows, tree_rows),
-                                    verbose=verbose, use_graphs=use_graphs, draft_device=draft_device,
+                                    verbose=verbose, use_graphs=use_graphs,
                                     timeout_s=timeout_s, tp=tensor_parallel_size, dp=draft_tensor_parallel_size)
         streams = transport == "streams"
         t_stream = torch.cuda.Stream(device=target_model.device) if streams else None

@@ -407,7 +407,7 @@ def target_shard_main(init_file: str, backend: str, rank: int, tp: int, model, d
 
 # ---- rank 0: the target loop in the calling process ---------------------------------------------
 def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen, eos, max_new, transport,
-                     on_tokens, tokenizer, generator, rows, *, verbose, use_graphs, draft_device,
+                     on_tokens, tokenizer, generator, rows, *, verbose, use_graphs,
                      timeout_s, tp: int = 1, dp: int = 1) -> AsyncGenerationResult:
     """Rank 0 of `tp` target shards; `dp` draft shards follow (see the module docstring)."""
     t_rows, d_rows, tree_rows = rows
@@ -419,15 +419,14 @@ def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen,
         raise ConfigError(f"--tensor-parallel-size and --draft-tensor-parallel-size must be >= 1 (got {tp}, {dp})")
     t_dev = target_model.device
     shard_devices = [str(t_dev)] * tp
-    draft_devices = [draft_device or str(draft_model.device)] * dp
+    draft_devices = [str(draft_model.device)] * dp
     if transport == "nccl":
         first = t_dev.index or 0
         if t_dev.type != "cuda" or torch.cuda.device_count() < first + tp + dp:
             raise ConfigError(f"transport 'nccl' with a {tp}-way target and a {dp}-way draft needs {tp + dp} GPUs "
                               f"from the target's on ({torch.cuda.device_count()} visible); use 'streams' on one GPU")
         shard_devices = [f"cuda:{first + r}" for r in range(tp)]
-        draft_devices = [f"cuda:{first + tp + r}" for r in range(dp)] if draft_device is None or dp > 1 \
-            else [draft_device]
+        draft_devices = [f"cuda:{first + tp + r}" for r in range(dp)]
     tmp = tempfile.mkdtemp(prefix="tandem-async-")
     init_file = os.path.join(tmp, "rendezvous")
     ctx = mp.get_context("spawn")

@@ -74,21 +74,3 @@ def ancestor_mask(parents: list[int] | torch.Tensor, device=None) -> torch.Tenso
     out = torch.from_numpy(anc)
     return out if device is None else out.to(device)
 
-
-def tree_attention_mask(prefix_len: int, tree_parents: list[int], new_rows: list[int] | None = None,
-                        width: int | None = None, device=None) -> torch.Tensor:
-    """Non-square mask [len(new_rows), width] for attending from tree nodes to the cache.
-
-    Columns are cache rows: [0, prefix_len) the verified prefix (always visible), then tree
-    node j at column prefix_len + j. `new_rows` are the node indices being fed (default: all).
-    Columns past the tree (padding up to `width`) are masked out.
-    """
-    n_tree = len(tree_parents)
-    width = width if width is not None else prefix_len + n_tree
-    anc = ancestor_mask(tree_parents, device=device)  # [n_tree, n_tree]
-    if new_rows is not None:
-        anc = anc[torch.as_tensor(new_rows, dtype=torch.long, device=device)]
-    mask = torch.zeros(anc.shape[0], width, dtype=torch.bool, device=device)
-    mask[:, :prefix_len] = True
-    mask[:, prefix_len:prefix_len + n_tree] = anc
-    return mask

@@ -1,0 +1,107 @@
+"""GPU lane: each Triton kernel of tandem.kernels.fused against its torch reference, at the
+shapes decoding runs (the bundled pair's and the presets' widths; 1 row = an AR step, 33 rows =
+a tree verify of N = 32, 128 rows = the largest row bucket), in fp32 and bf16.
+
+On the CPU the dispatchers run the references themselves, so there is nothing to compare:
+these tests are CUDA-only, and each asserts that the Triton path really ran.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_lane import NEEDS_CUDA, rel_err
+from tandem.bench.presets import PRESETS
+from tandem.kernels import fused
+from tandem.models.layers import rope_inv_freq
+from tandem.models.loader import read_config
+from tandem.runtime.pair import BUNDLED_DRAFT, BUNDLED_TARGET
+
+pytestmark = [pytest.mark.cuda, NEEDS_CUDA]
+
+SHAPES = {"bundled-target": read_config(BUNDLED_TARGET), "bundled-draft": read_config(BUNDLED_DRAFT),
+          "llama3-8b": PRESETS["llama3-8b"], "llama3.2-1b": PRESETS["llama3.2-1b"]}
+ROWS = (1, 33, 128)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative (norm) error
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def _randn(*shape, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=g, device="cuda", dtype=dtype)
+
+
+@pytest.fixture(autouse=True)
+def _inference():
+    with torch.no_grad():  # the kernels have no backward: with grad enabled the torch path runs
+        yield
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_add_rmsnorm(shape, rows, dtype):
+    n = SHAPES[shape].hidden_size
+    x, d = _randn(rows, n, dtype=dtype, seed=0), _randn(rows, n, dtype=dtype, seed=1)
+    w = _randn(n, dtype=dtype, seed=2)
+    assert fused.triton_enabled(x)
+    want_sum, want_norm = fused.add_rmsnorm_ref(x, d, w, 1e-5)
+    got_sum, got_norm = fused.add_rmsnorm(x.clone(), d, w, 1e-5)
+    assert rel_err(got_sum, want_sum) < TOL[dtype] and rel_err(got_norm, want_norm) < TOL[dtype]
+    _, got_plain = fused.add_rmsnorm(x.clone(), None, w, 1e-5)  # the first layer's: no delta to add
+    assert rel_err(got_plain, fused.rmsnorm_ref(x, w, 1e-5)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_silu_mul(shape, rows, dtype):
+    gu = _randn(rows, 2 * SHAPES[shape].intermediate_size, dtype=dtype, seed=3)  # [rows, gate | up]
+    assert fused.triton_enabled(gu)
+    assert rel_err(fused.silu_mul(gu), fused.silu_mul_ref(gu)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rope_store_kv(shape, rows, dtype, monkeypatch):
+    """q rotated in place, k rotated into the cache rows `slots`, v copied there; no other row touched."""
+    cfg = SHAPES[shape]
+    H, Hk, D, cap = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 512
+    qkv = _randn(1, rows, H + 2 * Hk, D, dtype=dtype, seed=4)  # [B, T, q | k | v heads, D]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    positions = torch.randint(0, 4096, (1, rows), generator=g, device="cuda")
+    slots = torch.randperm(cap, generator=g, device="cuda")[:rows][None]  # [1, T] distinct cache rows
+    inv = rope_inv_freq(cfg).cuda()
+    k0, v0 = _randn(1, Hk, cap, D, dtype=dtype, seed=6), _randn(1, Hk, cap, D, dtype=dtype, seed=7)
+    got = (qkv.clone(), k0.clone(), v0.clone())
+    want = (qkv.clone(), k0.clone(), v0.clone())
+    assert fused.triton_enabled(qkv)
+    fused.rope_store_kv(got[0], positions, inv, H, Hk, got[1], got[2], slots)
+    monkeypatch.setenv("TANDEM_TRITON", "0")  # the same call on the torch path: the reference
+    assert not fused.triton_enabled(qkv)
+    fused.rope_store_kv(want[0], positions, inv, H, Hk, want[1], want[2], slots)
+    assert rel_err(got[0][:, :, :H], want[0][:, :, :H]) < TOL[dtype]  # q heads
+    for g_, w_ in zip(got[1:], want[1:]):  # k and v caches
+        assert rel_err(g_, w_) < TOL[dtype]
+    other = torch.ones(cap, dtype=torch.bool, device="cuda")
+    other[slots[0]] = False
+    assert torch.equal(got[1][:, :, other], k0[:, :, other]) and torch.equal(got[2][:, :, other], v0[:, :, other])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rope_in_place(shape, rows, dtype):
+    """The uncached forward's RoPE (q and k heads in place, v heads untouched)."""
+    cfg = SHAPES[shape]
+    H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qkv = _randn(1, rows, H + 2 * Hk, D, dtype=dtype, seed=8)
+    positions = torch.randint(0, 4096, (1, rows), generator=torch.Generator(device="cuda").manual_seed(9),
+                              device="cuda")
+    inv = rope_inv_freq(cfg).cuda()
+    got = qkv.clone()
+    assert fused.triton_enabled(got)
+    fused.rope_(got, positions, inv, H + Hk)
+    assert rel_err(got[:, :, :H + Hk], fused.rope_ref(qkv[:, :, :H + Hk], positions, inv)) < TOL[dtype]
+    assert torch.equal(got[:, :, H + Hk:], qkv[:, :, H + Hk:])
