@@ -235,3 +235,32 @@ def test_tiny_recipe_trains_a_head_that_loads_and_decodes_like_ar(tmp_path):
     want = Generator(pair.target, None, use_graphs=False).generate(prompt, "ar", gen=g).token_ids
     for method in ("chain", "tree"):
         assert gen.generate(prompt, method, SpecConfig(k=3, nodes=8, width=2), gen=g).token_ids == want
+
+
+def test_training_time_test_rows_equal_what_decoding_computes(tmp_path):
+    """Step k of the unrolled training pass at row i is the depth-k node over root i - k: the
+    same logits as the head fed through its KV cache (context rows <= i - k, then the path)."""
+    from tandem.kv.cache import KVCache
+    from tandem.train.eagle3 import unrolled
+
+    target = tiny_model(seed=3)
+    write_head(tmp_path / "head", target)
+    head = load_eagle3(tmp_path / "head", target, "cpu", torch.float32)
+    torch.manual_seed(1)
+    L, K = 9, 3
+    x = torch.randint(0, 96, (1, L))
+    hidden0 = torch.randn(1, L, H)
+    steps = unrolled(head, x, hidden0, K, torch.device("cpu"))
+    for k in range(K):
+        for i in range(k, L):
+            r = i - k  # the root's row
+            cache = KVCache.for_model(head, 32)
+            n = r + 1
+            logits, out = head.layer(x[:, :n], hidden0[:, :n], torch.arange(n)[None], cache, torch.arange(n)[None],
+                                     torch.ones(n, n, dtype=torch.bool).tril()[None, None])
+            h = out[:, -1:]
+            for j in range(1, k + 1):  # the path below the root: a chain sees every earlier row
+                p = r + j
+                logits, h = head.layer(x[:, p:p + 1], h, torch.tensor([[p]]), cache, torch.tensor([[p]]),
+                                       torch.ones(1, 1, 1, p + 1, dtype=torch.bool))
+            torch.testing.assert_close(steps[k][0, i], logits[0, -1], rtol=1e-4, atol=1e-4)
