@@ -183,7 +183,7 @@ def test_greedy_output_equals_ar(tmp_path, method, spec, use_graphs, draft_vocab
     ar = Generator(target, None, use_graphs=use_graphs)
     gen = Generator(target, head, use_graphs=use_graphs)
     g = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    for p in ([1, 5, 9, 2], [7], list(range(3, 30))):
+    for p in ([1, 5, 9, 2], [7], list(range(3, 30)), list(range(2, 90)) * 2):  # the last: > one context chunk
         want = ar.generate(p, "ar", gen=g).token_ids
         got = gen.generate(p, method, spec, gen=g)
         assert got.token_ids == want
@@ -264,3 +264,17 @@ def test_training_time_test_rows_equal_what_decoding_computes(tmp_path):
                 logits, h = head.layer(x[:, p:p + 1], h, torch.tensor([[p]]), cache, torch.tensor([[p]]),
                                        torch.ones(1, 1, 1, p + 1, dtype=torch.bool))
             torch.testing.assert_close(steps[k][0, i], logits[0, -1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("method,spec", [("chain", SpecConfig(k=4)), ("tree", SpecConfig(nodes=12, width=3))])
+def test_greedy_output_equals_ar_with_cuda_graphs(tmp_path, method, spec):
+    """The context pass's bucket graphs and the levels' one graph (per attention width) on the GPU."""
+    target = tiny_model(seed=3)
+    write_head(tmp_path / "head", target, 40, lm_head_from_target=True)
+    target = target.cuda()
+    head = load_eagle3(tmp_path / "head", target, "cuda", torch.float32)
+    ar, gen = Generator(target, None), Generator(target, head)
+    g = GenerationConfig(max_new_tokens=60, ignore_eos=True)
+    for p in ([1, 5, 9, 2], [7], list(range(3, 90)), list(range(2, 300))):  # widths 256 and 512
+        assert gen.generate(p, method, spec, gen=g).token_ids == ar.generate(p, "ar", gen=g).token_ids

@@ -54,7 +54,9 @@ class HeadLevels:
         self.par = torch.zeros(self.nodes, dtype=torch.long, device=dev)  # parent node, -1 the root
         self.lp = torch.zeros(self.nodes, dtype=torch.float32, device=dev)  # cumulative log-prob
         self.anc = torch.zeros(self.rows, self.rows, dtype=torch.bool, device=dev)  # [R, R] row ancestry
-        self.out: torch.Tensor | None = None  # [3, nodes] float64: tok, par, lp (written by _levels)
+        # [3, nodes] tok, par, lp: the one read back. NOTE: a static buffer that every captured
+        # width writes (a tensor allocated inside a capture would be that graph's alone)
+        self.out = torch.zeros(3, self.nodes, dtype=torch.float64, device=dev)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._use_graphs = runner.use_graphs and not runner.emulate
 
@@ -112,7 +114,9 @@ class HeadLevels:
                 fed = base + pick
                 hidden = out[0][pick // w]
                 prow = rows[pick // w]
-        self.out = torch.stack([self.tok.double(), self.par.double(), self.lp.double()])  # [3, nodes]
+        self.out[0].copy_(self.tok)
+        self.out[1].copy_(self.par)
+        self.out[2].copy_(self.lp)
 
     def _capture(self, width: int) -> None:
         """Capture all levels at this attention width. The warm-up really runs: it writes K/V rows
