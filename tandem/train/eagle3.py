@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.fused import rope_
+from tandem.kernels.fused import rope_ref
 
 # step k's loss weight (EAGLE-3 weighs deeper steps less)
 STEP_DECAY = 0.8
@@ -37,7 +37,8 @@ class UnrollKV:
     def store(self, layer, qkv, positions, inv_freq, n_q, slots, width):
         # qkv: [B, T, n_q + 2 n_kv, D]
         n_kv = (qkv.shape[2] - n_q) // 2
-        rope_(qkv, positions, inv_freq, n_q + n_kv)
+        # NOTE: the plain-torch RoPE, whatever TANDEM_TRITON says: the kernel has no backward
+        qkv[:, :, :n_q + n_kv] = rope_ref(qkv[:, :, :n_q + n_kv], positions, inv_freq)
         self.k.append(qkv[:, :, n_q:n_q + n_kv].transpose(1, 2))  # [B, n_kv, T, D]
         self.v.append(qkv[:, :, n_q + n_kv:].transpose(1, 2))
         return torch.cat(self.k, dim=2), torch.cat(self.v, dim=2)
