@@ -98,8 +98,8 @@ class HeadLevels:
         for d in range(1, self.depth):
             rows = (d - 1) * w + ar  # [w]
             a = torch.zeros(w, self.rows, dtype=torch.bool, device=dev) if prow is None else self.anc[prow]
-            a[ar, rows] = True
-            self.anc[rows] = a
+            a.scatter_(1, rows[:, None], True)
+            self.anc.index_copy_(0, rows, a)
             mask = (a.gather(1, tcol) & in_tree) | (cols < prefix)  # [w, width]
             logits, out = model.layer(self.tok[fed][None], hidden[None], (prefix - 1 + d).expand(1, w),
                                       cache, (prefix + rows)[None], mask[None, None])
