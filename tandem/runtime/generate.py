@@ -236,7 +236,13 @@ class Generator:
         """The drafter for `method` over this Generator's draft: a small draft model (chain, tree)
         or a parallel block drafter (its lattice: best path for chain, best-first tree for tree)."""
         from tandem.models.block_drafter import BlockDrafter
+        from tandem.models.eagle3 import Eagle3Head
 
+        if isinstance(self.draft_model, Eagle3Head):
+            from tandem.drafting.eagle_drafter import EagleDrafter
+
+            runner = self._runner("draft", self.draft_model, capacity + EagleDrafter.rows_needed(spec))
+            return EagleDrafter(runner, spec, chain=method == "chain")
         if isinstance(self.draft_model, BlockDrafter):
             from tandem.drafting.lattice_drafter import LatticeDrafter
 
@@ -293,6 +299,9 @@ class Generator:
                 f"prompt is {len(prompt_ids)} tokens but the context window is {ctx}; shorten the prompt")
         max_new = min(gen.max_new_tokens, ctx - len(prompt_ids))
         eos = set() if gen.ignore_eos else set(self.target_model.config.eos_token_ids)
+        if method == "async" and getattr(self.draft_model, "econfig", None) is not None:
+            raise ConfigError("--method async runs a draft model; an EAGLE-3 head drafts from the target's features: "
+                              "use --method tree or chain with it")
         if method == "async" and getattr(self.draft_model, "bconfig", None) is not None:
             raise ConfigError("--method async runs a draft model; a block drafter already drafts in one pass "
                               "per verify: use --method tree or chain with it")

@@ -18,7 +18,8 @@ BUNDLED_DRAFT = BUNDLED_DIR / "draft"
 BUNDLED_DRAFTERS = {"draft": BUNDLED_DRAFT, "block": BUNDLED_DIR / "block", "eagle3": BUNDLED_DIR / "eagle3"}
 
 # config.json `architectures` -> draft kind; anything else is a draft model (a causal LM)
-DRAFT_ARCHITECTURES = {"TandemBlockDrafter": "block"}
+DRAFT_ARCHITECTURES = {"TandemBlockDrafter": "block", "LlamaForCausalLMEagle3": "eagle3",
+                       "Eagle3LlamaForCausalLM": "eagle3"}
 
 
 def draft_kind(path: Path) -> str:
@@ -89,6 +90,10 @@ def load_pair(target: str | Path | None = None, draft: str | Path | None = None,
         from tandem.models.block_drafter import load_block_drafter
 
         dm = load_block_drafter(draft, tm, dev, resolve_dtype(dtype))
+    elif kind == "eagle3":  # EAGLE-3 heads ship no tokenizer either
+        from tandem.models.eagle3 import load_eagle3
+
+        dm = load_eagle3(draft, tm, dev, resolve_dtype(dtype))
     return Pair(tm, dm, tokenizer, target, draft)
 
 

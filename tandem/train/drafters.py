@@ -27,11 +27,13 @@ PRESETS = {
     # one H200: corpus + encoding about a minute, training 4 minutes
     "full": {"corpus_mb": 60.0, "ctx": 512, "batch_size": 32, "anchors": 16, "minutes": 4.0, "steps": None,
              "lr": 1e-3, "warmup": 100, "layers": 2, "intermediate": 1024, "block_size": 16, "candidates": 16,
-             "markov_rank": 64, "kinds": "stdlib,site"},
+             "markov_rank": 64, "kinds": "stdlib,site",
+             "eagle_minutes": 4.0, "eagle_steps": None, "ttt_steps": 4, "eagle_intermediate": 1024},
     # CPU, seconds
     "tiny": {"corpus_mb": 0.3, "ctx": 64, "batch_size": 4, "anchors": 4, "minutes": None, "steps": 12,
              "lr": 3e-3, "warmup": 2, "layers": 1, "intermediate": 64, "block_size": 6, "candidates": 4,
-             "markov_rank": 8, "kinds": "stdlib"},
+             "markov_rank": 8, "kinds": "stdlib",
+             "eagle_minutes": None, "eagle_steps": 12, "ttt_steps": 3, "eagle_intermediate": 64},
 }
 
 
