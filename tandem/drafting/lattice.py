@@ -77,34 +77,43 @@ def best_first_tree(lat: Lattice, root: int, nodes: int, max_depth: int | None =
     A lazy best-first walk: the heap holds, per taken node, only its next-best child not yet
     taken; taking a node offers its parent's next child and its own best child."""
     depth_cap = lat.positions if max_depth is None else min(max_depth, lat.positions)
+    cond = lat.cond
     cand_tokens = lat.tokens.tolist()
     tokens, parents, logp = [root], [-1], [0.0]
     cand_of, depth = [0], [0]  # per node: its candidate index at its position (root: 0), its depth
-    ranked: dict[int, tuple[list[int], list[float]]] = {}  # node -> children's candidates best first, cond row
-    heap: list[tuple[float, int, int]] = []  # (-score, parent, rank among the parent's children)
+    # per node: its children's cond row, and their candidate order (best first) once a second
+    # child is asked for; most nodes only ever offer their best child (argmax, no sort)
+    ranked: list[list | None] = [None]
+    heap: list[tuple[float, int, int, int]] = []  # (-score, parent, rank among its children, candidate)
+    K = lat.tokens.shape[1]
 
     def offer(parent: int, rank: int) -> None:
         d = depth[parent]
-        if d >= depth_cap:
+        if d >= depth_cap or rank >= K:
             return
-        r = ranked.get(parent)
+        r = ranked[parent]
         if r is None:
-            row = lat.cond[d, cand_of[parent]].tolist()
-            r = ranked[parent] = (sorted(range(len(row)), key=row.__getitem__, reverse=True), row)  # stable
-        order, row = r
-        if rank < len(order):
-            heapq.heappush(heap, (-(logp[parent] + row[order[rank]]), parent, rank))
+            vals = cond[d, cand_of[parent]].tolist()
+            r = ranked[parent] = [vals, None]
+        vals = r[0]
+        if rank == 0:
+            c = max(range(K), key=vals.__getitem__)  # the first of equal maxima, like a stable sort
+        else:
+            if r[1] is None:
+                r[1] = sorted(range(K), key=vals.__getitem__, reverse=True)  # stable
+            c = r[1][rank]
+        heapq.heappush(heap, (-(logp[parent] + vals[c]), parent, rank, c))
 
     offer(0, 0)
     while heap and len(tokens) - 1 < nodes:
-        neg, parent, rank = heapq.heappop(heap)
+        neg, parent, rank, c = heapq.heappop(heap)
         d = depth[parent]
-        c = ranked[parent][0][rank]
         tokens.append(cand_tokens[d][c])
         parents.append(parent)
         logp.append(-neg)
         cand_of.append(c)
         depth.append(d + 1)
+        ranked.append(None)
         offer(parent, rank + 1)  # the next sibling
         offer(len(tokens) - 1, 0)  # the new node's best child
     return DraftTree(tokens=tokens, parents=parents, logp=logp)
