@@ -8,7 +8,7 @@ OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/env.txt"
 git rev-parse --short HEAD >> "$OUT/env.txt" 2>/dev/null
 KIND=${KIND:-block}
-timeout ${TRAIN_TIMEOUT:-330} python3 -m tandem train-drafters --kind "$KIND" --out /tmp/drafters 2>&1 \
+timeout ${TRAIN_TIMEOUT:-330} python3 -m tandem train-drafters --kind "$KIND" --out /tmp/drafters ${TRAIN_ARGS:-} 2>&1 \
   | grep -v "it/s" | tee "$OUT/train_$KIND.log" | tail -8
 for wl in mbpp source; do
   for d in /tmp/drafters/$KIND; do
