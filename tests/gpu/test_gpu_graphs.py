@@ -61,7 +61,7 @@ def test_graph_steps_equal_eager_steps_for_every_row_bucket(device, name, dtype)
             r.cache.commit(path)
     captured = set(graphs._graphs)
     assert {key[0] for key in captured} == set(DEFAULT_BUCKETS)  # keys: (bucket, width, features)
-    assert len({w for _, w in captured}) == 2  # the prefix crossed the 256-column width bucket
+    assert len({key[1] for key in captured}) == 2  # the prefix crossed the 256-column width bucket
     assert all((graph is None) == (device == "cpu") for graph, _ in graphs._graphs.values())
 
 
