@@ -13,6 +13,8 @@ pairs token t_i with the features of position i - 1.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tandem.config import SpecConfig
@@ -26,6 +28,11 @@ from tandem.verify.verifier import VerifyResult
 # chunks of this many rows, so a step never exceeds the drafter's feature buffer (and stays in
 # the runner's graph buckets).
 CONTEXT_CHUNK = 64
+
+
+@functools.lru_cache(maxsize=256)
+def _causal(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()  # [n, n], read only
 
 
 class LatticeDrafter:
@@ -64,8 +71,7 @@ class LatticeDrafter:
         buf[:P].copy_(feats)
         if masks:
             buf[P:T].zero_()  # mask rows read no features
-        rows = self.runner.step(tokens + [self.model.mask_id] * masks, list(range(prefix, prefix + T)),
-                                torch.ones(T, T, dtype=torch.bool).tril())
+        rows = self.runner.step(tokens + [self.model.mask_id] * masks, list(range(prefix, prefix + T)), _causal(T))
         self.steps += 1
         cache.commit(list(range(P)))  # the mask rows are dropped
         return rows

@@ -29,8 +29,9 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str, batch: int = 1):
         shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # K and V in one tensor, so a commit moves both with one gather and one copy
+        self.kv = torch.zeros((2, *shape), dtype=dtype, device=device)  # [2, layers, batch, kv_heads, capacity, D]
+        self.k, self.v = self.kv[0], self.kv[1]
         self.capacity = capacity
         self.prefix_len = 0  # verified rows
         self.tree_len = 0  # rows in the tree region
@@ -74,12 +75,10 @@ class KVCache:
         keep = list(keep or [])
         src_rel = list(path) + keep
         if src_rel != list(range(len(src_rel))):  # rows already in place need no copy
-            dev = self.k.device
-            src = torch.tensor(src_rel, dtype=torch.long, device=dev) + self.prefix_len
-            dst = torch.arange(self.prefix_len, self.prefix_len + len(src_rel), device=dev)
+            p0 = self.prefix_len
+            src = torch.tensor([p0 + r for r in src_rel], dtype=torch.long, device=self.kv.device)
             # NOTE: index_select copies first, then we write, so overlapping src/dst is safe.
-            self.k[:, :, :, dst] = self.k.index_select(3, src)
-            self.v[:, :, :, dst] = self.v.index_select(3, src)
+            self.kv[:, :, :, :, p0:p0 + len(src_rel)] = self.kv.index_select(4, src)
         self.prefix_len += len(path)
         self.tree_len = len(keep)
 

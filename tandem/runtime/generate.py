@@ -24,7 +24,7 @@ from tandem.tree.draft_tree import DraftTree, ancestor_mask
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept, replay_accept
 
-METHODS = ("ar", "chain", "tree", "async")
+METHODS = ("auto", "ar", "chain", "tree", "async")
 
 
 @dataclass
@@ -104,7 +104,10 @@ class Target:
             logits = self.runner.step(tree.tokens, [prefix + d for d in tree.depth],
                                       ancestor_mask(tree.parents))  # [n, vocab]
             greedy = self.sampling.greedy or forced is not None
-            out = logits.argmax(-1) if greedy else probs_from_logits(logits, self.sampling)  # [n] | [n, V]
+            if greedy:  # a graph step computed the argmax already (one launch less)
+                out = self.runner.last_argmax if self.runner.last_argmax is not None else logits.argmax(-1)  # [n]
+            else:
+                out = probs_from_logits(logits, self.sampling)  # [n, V]
             event = None
             if self.stream is not None:
                 if greedy:
@@ -221,6 +224,9 @@ class Generator:
         self.target_model, self.draft_model, self.tokenizer = target_model, draft_model, tokenizer
         self.use_graphs = use_graphs
         self._runners: dict[str, ModelRunner] = {}
+        from tandem.runtime.auto import AutoSelector
+
+        self.auto = AutoSelector()  # --method auto's measurements, kept for this engine
 
     @property
     def context_window(self) -> int:
@@ -282,6 +288,17 @@ class Generator:
         spec.validate(), sampling.validate(), gen.validate()
         if not prompt_ids:
             raise ConfigError("the prompt is empty; give at least one token of text")
+        if method == "auto":  # the measured fastest method (tandem.runtime.auto); --method overrides
+            if (tensor_parallel_size, draft_tensor_parallel_size) != (1, 1) or split_search is not None:
+                raise ConfigError("--tensor-parallel-size / --split-search need --method async, not auto")
+            if len(prompt_ids) >= self.context_window:
+                raise ConfigError(f"prompt is {len(prompt_ids)} tokens but the context window is "
+                                  f"{self.context_window}; shorten the prompt")
+            chosen = self.auto.choose(self, prompt_ids, spec, sampling)
+            res = self.generate(prompt_ids, chosen, spec, sampling, gen, on_tokens=on_tokens,
+                                forced_accepts=forced_accepts)
+            self.auto.update(chosen, res.decode_tokens_per_s)
+            return res
         if method != "ar" and self.draft_model is None:
             raise ConfigError(f"method {method!r} needs a draft model; pass --draft DIR or use --method ar")
         searching = split_search is not None

@@ -53,6 +53,8 @@ class ModelRunner:
         # target features of the rows of the last step [T, F] (a view into a buffer the next
         # step overwrites), when the model keeps them (Transformer.enable_features); else None
         self.last_features: torch.Tensor | None = None
+        # [T] argmax of each row's output after a graph step (None after an eager step)
+        self.last_argmax: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -79,6 +81,7 @@ class ModelRunner:
             slots = torch.arange(start, start + T, device=self.device)[None]
             logits = self.model(ids, pos, self.cache, slots, mask[None, None])[0]
             self.last_features = self._features_out()
+            self.last_argmax = None
             return logits
         width = self.width_for(prefix + tree_len)
         return self._graph_step(bucket, width, tokens, positions, start, prefix, tree_len, tree_mask)
@@ -117,59 +120,76 @@ class ModelRunner:
             self._capture(bucket, width)
         graph, buf = self._graphs[key]
         T = len(tokens)
-        # Host-built inputs travel in one pinned copy; the mask is assembled on the device.
-        # NOTE: the copy is asynchronous, so before the host buffers are rewritten the previous
-        # copy out of them must have run (callers may queue several steps without a sync).
+        # The inputs travel in one pinned copy (ids, positions, slots, the counters and the tree
+        # mask, written through numpy views: a few microseconds of host time); the mask over the
+        # cache is assembled inside the graph (`_body`).
+        # NOTE: the copy is asynchronous, so before the host buffer is rewritten the previous
+        # copy out of it must have run (callers may queue several steps without a sync).
         if buf["staged"] is not None:
             buf["staged"].synchronize()
+        ints, hmask = buf["np_ints"], buf["np_mask"]
+        ints[0, :T] = tokens
+        ints[1, :T] = positions
+        ints[2, :T] = range(start, start + T)
+        ints[2, T:bucket] = self.scratch
+        ints[3, :3] = prefix, tree_len, T
+        hmask[:T, :tree_len] = tree_mask.cpu().numpy()  # [T, tree_len] (a host tensor: no copy)
         pin = not self.emulate
-        host = buf["host"]
-        host[0, :T] = torch.tensor(tokens)
-        host[1, :T] = torch.tensor(positions)
-        host[2, :T] = torch.arange(start, start + T)
-        host[2, T:] = self.scratch
-        hmask = buf["host_mask"]
-        hmask[:T, :tree_len] = tree_mask
-        dev = buf["dev"]
-        dev.copy_(host, non_blocking=pin)
-        dmask = buf["dev_mask"]
-        dmask[:T, :tree_len].copy_(hmask[:T, :tree_len], non_blocking=pin)
+        buf["dev"].copy_(buf["host"], non_blocking=pin)
         if pin:
             buf["staged"] = torch.cuda.Event()
             buf["staged"].record()
-        m = buf["mask"][0, 0]  # [bucket, width]
-        m[:T].copy_(buf["cols"] < prefix)
-        m[:T, prefix:prefix + tree_len] = dmask[:T, :tree_len]
-        m[T:].zero_()
-        m[T:, 0] = True  # padded rows (writing the scratch row) see column 0 only: no empty softmax row
-        if graph is None:  # emulation: the captured call, run eagerly on the same static buffers
-            buf["logits"] = self.model(dev[0:1], dev[1:2], self.cache, dev[2:3], buf["mask"])
-            buf["features"] = self._features_out()
+        if graph is None:  # emulation: the captured body, run eagerly on the same static buffers
+            self._body(buf)
         else:
             graph.replay()
         self.last_features = None if buf["features"] is None else buf["features"][:T]
+        self.last_argmax = buf["argmax"][:T]
         return buf["logits"][0, :T]
+
+    def _body(self, buf: dict) -> None:
+        """What a step's graph runs: the attention mask from the copied counters and tree mask,
+        the model, and the argmax of every row (greedy verification reads only that)."""
+        ints, dmask, cols = buf["dev_ints"], buf["dev_mask"], buf["cols"]  # [4, b], [b, MAXT], [width]
+        prefix, tree_len, T = ints[3, 0], ints[3, 1], ints[3, 2]
+        tcol = cols - prefix  # [width] tree-region column, < 0 in the prefix
+        in_tree = (tcol >= 0) & (tcol < tree_len)
+        bucket, maxt = dmask.shape
+        tree = dmask.gather(1, tcol.clamp(0, maxt - 1).expand(bucket, -1)) & in_tree  # [b, width]
+        m = (cols < prefix) | tree
+        # padded rows (writing the scratch row) see column 0 only: no empty softmax row
+        m = torch.where(buf["rows"][:, None] < T, m, cols == 0)  # [b, width]
+        b = slice(0, bucket)
+        buf["logits"] = self.model(ints[0:1, b], ints[1:2, b], self.cache, ints[2:3, b], m[None, None])
+        buf["features"] = self._features_out()
+        buf["argmax"] = buf["logits"][0].argmax(-1)  # [b]
 
     @torch.no_grad()
     def _capture(self, bucket: int, width: int) -> None:
         dev = self.device
-        pinned = (lambda t: t) if self.emulate else (lambda t: t.pin_memory())
-        host = pinned(torch.zeros(3, bucket, dtype=torch.long))
-        host[2] = self.scratch
+        maxt = self.buckets[-1] * 2 + 2  # tree-region columns a graph step can see
+        cols = max(bucket, 3)  # row 3 holds the three counters even in a 1-row bucket
+        n_int = 4 * cols * 8  # bytes of the [4, cols] int64 block
+        host = torch.zeros(n_int + bucket * maxt, dtype=torch.uint8)
+        if not self.emulate:
+            host = host.pin_memory()
+        dev_u8 = torch.zeros_like(host, device=dev)
         buf = {
             "host": host,
-            "dev": torch.zeros(3, bucket, dtype=torch.long, device=dev),
-            "host_mask": pinned(torch.zeros(bucket, self.buckets[-1] * 2 + 2, dtype=torch.bool)),
-            "dev_mask": torch.zeros(bucket, self.buckets[-1] * 2 + 2, dtype=torch.bool, device=dev),
-            "mask": torch.zeros(1, 1, bucket, width, dtype=torch.bool, device=dev),
+            "dev": dev_u8,
+            # views: [4, bucket] int64 (ids, positions, slots; prefix, tree_len, T) and the mask
+            "np_ints": host[:n_int].view(torch.int64).view(4, cols).numpy(),
+            "np_mask": host[n_int:].view(torch.bool).view(bucket, maxt).numpy(),
+            "dev_ints": dev_u8[:n_int].view(torch.int64).view(4, cols),
+            "dev_mask": dev_u8[n_int:].view(torch.bool).view(bucket, maxt),
             "cols": torch.arange(width, device=dev),
+            "rows": torch.arange(bucket, device=dev),
             "staged": None,  # event recorded after the last host-to-device copy of the inputs
             "features": None,  # [bucket, F] target features written by the graph, if the model keeps them
         }
         key = (bucket, width, bool(getattr(self.model, "feature_layers", None)))
-        buf["dev"][2] = self.scratch
-        buf["mask"][0, 0, :, 0] = True
-        ids, pos, slots = buf["dev"][0:1], buf["dev"][1:2], buf["dev"][2:3]
+        buf["np_ints"][2, :bucket] = self.scratch
+        buf["dev"].copy_(buf["host"])
         if self.emulate:
             self._graphs[key] = (None, buf)
             return
@@ -177,12 +197,11 @@ class ModelRunner:
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):  # warm-up outside capture (cuBLAS handles, Triton compilation)
-                self.model(ids, pos, self.cache, slots, buf["mask"])
+                self._body(buf)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool(), stream=s):
-            buf["logits"] = self.model(ids, pos, self.cache, slots, buf["mask"])
-            buf["features"] = self._features_out()
+            self._body(buf)
         self._graphs[key] = (graph, buf)
 
     def warmup(self, sizes=(1,), widths: tuple[int, ...] = ()) -> None:
@@ -207,7 +226,7 @@ class ModelRunner:
             part = tokens[i:i + chunk]
             start = self.cache.prefix_len
             T = len(part)
-            causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+            causal = torch.ones(T, T, dtype=torch.bool).tril()  # host-built, like every step's mask
             out = self.step(part, list(range(start, start + T)), causal)
             self.cache.commit(list(range(T)))
             logits = out[-1]
