@@ -136,5 +136,5 @@ def test_bad_generation_arguments():
         g.generate(list(range(600)), "ar")
     with pytest.raises(ConfigError, match="max-new-tokens must be a positive"):
         g.generate([1], "ar", gen=GenerationConfig(max_new_tokens=0))
-    with pytest.raises(ConfigError, match="temperature must be >= 0"):
+    with pytest.raises(ConfigError, match="temperature must be a finite number >= 0"):
         g.generate([1], "ar", sampling=SamplingConfig(temperature=-0.5))

@@ -67,6 +67,8 @@ class Request:
     accept_lengths: list[int] = field(default_factory=list)
     per_depth: list[tuple[int, int]] = field(default_factory=list)
     timeline: dict | None = None  # async only: busy seconds of each worker and the draft's choices
+    draft_seconds: float | None = None  # serial loop: time drafting / verifying over the request
+    verify_seconds: float | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -172,7 +174,8 @@ class TandemRunner:
     def __call__(self, prompt_index: int, ids: list[int]) -> Request:
         r = self.engine.generate(ids, self.ms.method, self.ms.spec, self.sampling, self.gen, transport=self.transport)
         return Request(self.ms.name, prompt_index, list(r.token_ids), r.seconds, r.ttft, r.finish_reason,
-                       r.target_passes, list(r.accept_lengths), list(r.per_depth), timeline_of(r))
+                       r.target_passes, list(r.accept_lengths), list(r.per_depth), timeline_of(r),
+                       getattr(r, "draft_seconds", None), getattr(r, "verify_seconds", None))
 
 
 def timeline_of(result) -> dict | None:
@@ -380,7 +383,19 @@ def summarize_method(reqs: list[Request]) -> dict:
         "per_depth": [{"depth": k, "offered": v[0], "accepted": v[1], "rate": v[1] / v[0] if v[0] else None}
                       for k, v in sorted(depth.items())],
         "timeline": summarize_timeline([r.timeline for r in reqs if r.timeline]),
+        "pass_ms": pass_times(reqs),
     }
+
+
+def pass_times(reqs: list[Request]) -> dict | None:
+    """Mean draft and verify milliseconds per target pass (serial loop), and their ratio."""
+    timed = [r for r in reqs if r.draft_seconds is not None and r.target_passes]
+    if not timed:
+        return None
+    passes = sum(r.target_passes for r in timed)
+    draft = 1e3 * sum(r.draft_seconds for r in timed) / passes
+    verify = 1e3 * sum(r.verify_seconds for r in timed) / passes
+    return {"draft_ms": draft, "verify_ms": verify, "draft_over_verify": draft / verify if verify else None}
 
 
 def summarize_timeline(tl: list[dict]) -> dict | None:
@@ -438,6 +453,13 @@ def markdown_table(results: dict) -> str:
         lines += ["", "Per-depth acceptance (accepted / offered passes):"]
         lines += [f"- {name}: " + ", ".join(f"d{d['depth']} {f(d['rate'], 2)}" for d in rows[:12])
                   for name, rows in depth_rows]
+    pt_rows = [(name, s["pass_ms"]) for name, s in results["summary"].items()
+               if s.get("pass_ms") and s["pass_ms"]["draft_ms"] > 0]
+    if pt_rows:
+        lines += ["", "Per target pass (mean; device time on the GPU): draft ms / verify ms (draft as a share "
+                  "of the verify):"]
+        lines += [f"- {name}: {p['draft_ms']:.3f} / {p['verify_ms']:.3f} ms ({p['draft_over_verify']:.2f}x)"
+                  for name, p in pt_rows]
     tl_rows = [(name, s["timeline"]) for name, s in results["summary"].items() if s.get("timeline")]
     if tl_rows:
         lines += ["", "Async timeline (busy time as a share of request time; d = rounds the draft may expand "

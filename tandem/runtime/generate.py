@@ -40,6 +40,10 @@ class GenerationResult:
     finish_reason: str  # eos | length | stop
     stop_trimmed_text: str | None = None  # text cut before the stop string, when one matched
     per_depth: list[tuple[int, int]] = field(default_factory=list)  # (offered, accepted) per depth 1..
+    # seconds spent drafting and verifying over the request (serial loop: device time between
+    # CUDA events on the GPU, host time on the CPU; None where not measured)
+    draft_seconds: float | None = None
+    verify_seconds: float | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -209,6 +213,32 @@ class Emitter:
                    per_depth=[(v[0], v[1]) for _, v in sorted(self.per_depth.items())], **extra)
 
 
+class PassClock:
+    """Draft and verify time of every pass without stalling the loop: CUDA events recorded on the
+    stream (read once, after the request's final sync), host time on the CPU. `mark()` is called
+    before the draft, between draft and verify, and after the verify."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def totals(self) -> tuple[float, float]:
+        """(draft seconds, verify seconds) summed over the passes; call after a sync."""
+        m = self.marks
+        span = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
+        draft = sum(span(m[i], m[i + 1]) for i in range(0, len(m) - 2, 3))
+        verify = sum(span(m[i + 1], m[i + 2]) for i in range(0, len(m) - 2, 3))
+        return draft, verify
+
+
 def replayed_accept(forced_accepts: list[int] | None, pass_index: int) -> int | None:
     """Acceptance replay: the accept count of target pass `pass_index`, cycling through the
     recorded list (None: no replay; an empty list accepts nothing)."""
@@ -347,10 +377,14 @@ class Generator:
         if features:  # a feature drafter starts from the prompt's target features
             drafter.start(prompt_ids, target.runner.last_features if len(prompt_ids) > 1 else None)
         emitter = Emitter(max_new, eos, gen, self.tokenizer, on_tokens, t0)
+        clock = PassClock(self.target_model.device)
         root = prompt_ids[-1]
         while True:
+            clock.mark()
             tree = drafter.propose() if drafter is not None else DraftTree.chain([root])  # ar: the root alone
+            clock.mark()
             result = target.verify(tree, replayed_accept(forced_accepts, len(emitter.accept_lengths)))
+            clock.mark()
             if features:
                 drafter.observe(result, tree, target.path_features)
             elif drafter is not None:
@@ -361,4 +395,6 @@ class Generator:
         if self.target_model.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        return emitter.result(GenerationResult, method, len(prompt_ids), seconds, drafter.steps if drafter else 0)
+        draft_s, verify_s = clock.totals()
+        return emitter.result(GenerationResult, method, len(prompt_ids), seconds, drafter.steps if drafter else 0,
+                              draft_seconds=draft_s, verify_seconds=verify_s)
