@@ -26,7 +26,8 @@ Transports (one code path; only the `link` differs):
 - "gloo" / "nccl": processes over torch.distributed (this process is rank 0, the target's
   leader; with --tensor-parallel-size X, ranks 1..X-1 hold the other target shards; rank X is
   the draft's leader and, with --draft-tensor-parallel-size Y, ranks X+1..X+Y-1 its other
-  shards); see tandem.runtime.workers.
+  shards). The workers start once per engine and serve its later requests (a worker pool kept
+  beside the runners); see tandem.runtime.workers.
 - "auto": streams on CUDA, inline on CPU.
 
 Self-tuning (SwiftSpec s3.1.3): t_target(N + 1 rows) and t_draft(w rows) are profiled with the
