@@ -212,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a worker process that failed or stalled: its one line, not a traceback
+        from tandem.runtime.workers import WorkerError
+
+        if not isinstance(e, WorkerError):
+            raise
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("tandem: interrupted", file=sys.stderr)
         return 130

@@ -26,7 +26,8 @@ Transports (one code path; only the `link` differs):
 - "gloo" / "nccl": processes over torch.distributed (this process is rank 0, the target's
   leader; with --tensor-parallel-size X, ranks 1..X-1 hold the other target shards; rank X is
   the draft's leader and, with --draft-tensor-parallel-size Y, ranks X+1..X+Y-1 its other
-  shards); see tandem.runtime.workers.
+  shards). The workers start once per engine and serve its later requests (a worker pool kept
+  beside the runners); see tandem.runtime.workers.
 - "auto": streams on CUDA, inline on CPU.
 
 Self-tuning (SwiftSpec s3.1.3): t_target(N + 1 rows) and t_draft(w rows) are profiled with the
@@ -62,6 +63,7 @@ from tandem.tree.draft_tree import DraftTree
 from tandem.tree.evolving import EvolvingTree
 
 TRANSPORTS = ("auto", "inline", "streams", "gloo", "nccl")
+POOL_TOKENS = 2048  # prompt + new tokens a worker pool's caches hold at least (a longer request restarts it)
 
 
 @dataclass
@@ -370,7 +372,7 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
                    gen: GenerationConfig, eos_ids: set[int], transport: str = "auto",
                    on_tokens: Callable[[list[int]], None] | None = None, tokenizer=None, *,
                    verbose: bool = True, use_graphs: bool | None = None,
-                   timeout_s: float = 300.0, runners: dict | None = None,
+                   timeout_s: float | None = None, runners: dict | None = None,
                    forced_accepts: list[int] | None = None, tensor_parallel_size: int = 1,
                    draft_tensor_parallel_size: int = 1) -> AsyncGenerationResult:
     """Decode one request with method `async`; the output matches the serial loop's contract.
@@ -380,9 +382,11 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
     tree sent depends on how far the draft got while the target was busy).
 
     Keyword-only extras: `verbose` prints the depth choice to stderr; `runners` is a dict the
-    caller keeps between calls so the in-process transports reuse runners and CUDA graphs;
-    `timeout_s` is for the process transports; `forced_accepts` is acceptance
-    replay (in-process transports; see Generator.generate and `replay_bonus`);
+    caller keeps between calls so the in-process transports reuse runners and CUDA graphs, and
+    the process transports their worker pool (started once, reused by later requests; without
+    `runners` the pool lives for this call only); `timeout_s` (seconds any one exchange with a
+    worker may take; default env TANDEM_WORKER_TIMEOUT, else 30) is for the process transports;
+    `forced_accepts` is acceptance replay (see Generator.generate and `replay_bonus`);
     `tensor_parallel_size` / `draft_tensor_parallel_size` shard the target / the draft over that
     many processes (gloo / nccl transports; tandem.parallel.tensor_parallel).
     """
@@ -415,14 +419,15 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
 
     with torch.no_grad():  # NOTE: not inference_mode: runners (and their caches) outlive this call
         if transport in ("gloo", "nccl"):
-            if forced_accepts is not None:
-                raise ConfigError(f"acceptance replay runs with the in-process transports; not {transport!r}")
             from tandem.runtime.workers import run_process_pair
 
+            # a pool outlives the request: size its caches for a longer one too (up to POOL_TOKENS)
+            pool_rows = plan_capacity(0, max(len(prompt_ids) + max_new, min(ctx_len, POOL_TOKENS)), spec)
             return run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen, eos, max_new,
-                                    transport, on_tokens, tokenizer, generator, (t_rows, d_rows, tree_rows),
+                                    transport, on_tokens, tokenizer, generator, pool_rows,
                                     verbose=verbose, use_graphs=use_graphs,
-                                    timeout_s=timeout_s, tp=tensor_parallel_size, dp=draft_tensor_parallel_size)
+                                    timeout_s=timeout_s, tp=tensor_parallel_size, dp=draft_tensor_parallel_size,
+                                    runners=runners, forced_accepts=forced_accepts)
         streams = transport == "streams"
         t_stream = torch.cuda.Stream(device=target_model.device) if streams else None
         d_stream = torch.cuda.Stream(device=draft_model.device) if streams else None

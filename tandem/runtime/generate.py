@@ -258,6 +258,19 @@ class Generator:
 
         self.auto = AutoSelector()  # --method auto's measurements, kept for this engine
 
+    def close(self) -> None:
+        """Stop the worker processes that method `async` started over gloo / nccl (they serve
+        every request of this engine; garbage collection and exit stop them too)."""
+        from tandem.runtime.workers import close_pools
+
+        close_pools(self._runners)
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def context_window(self) -> int:
         ctx = self.target_model.config.max_position_embeddings

@@ -6,6 +6,8 @@ A small draft stops getting faster past a couple of GPUs while a large target ke
 (SwiftSpec Table 1), so the best split depends on the models and the machine: each candidate
 split decodes the same trial request (`trial_tokens` new tokens, greedy) and the split with the
 highest decode rate wins. The result is cached by the caller (Generator keeps it per engine).
+Each trial starts its own worker pool and closes it (a pool's ranks are fixed at its start);
+`timeout_s` bounds every exchange with a worker (None: TANDEM_WORKER_TIMEOUT, else 30 s).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def candidate_splits(k: int) -> list[Split]:
 
 
 def search_split(target_model, draft_model, prompt_ids: list[int], spec: SpecConfig, transport: str, k: int,
-                 trial_tokens: int = 32, verbose: bool = True, timeout_s: float = 300.0,
+                 trial_tokens: int = 32, verbose: bool = True, timeout_s: float | None = None,
                  trial: Callable[[Split], float] | None = None) -> tuple[Split, dict[str, float]]:
     """Try every x : k-x split on one trial request; returns (the fastest split, tokens/s by split).
 
