@@ -97,7 +97,7 @@ def best_first_tree(lat: Lattice, root: int, nodes: int, max_depth: int | None =
             r = ranked[parent] = [vals, None]
         vals = r[0]
         if rank == 0:
-            c = max(range(K), key=vals.__getitem__)  # the first of equal maxima, like a stable sort
+            c = vals.index(max(vals))  # the first of equal maxima, like a stable sort
         else:
             if r[1] is None:
                 r[1] = sorted(range(K), key=vals.__getitem__, reverse=True)  # stable

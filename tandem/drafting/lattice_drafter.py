@@ -67,10 +67,7 @@ class LatticeDrafter:
         causal; the context rows join the prefix. Returns the rows' lattice entries [T, X]."""
         cache = self.runner.cache
         P, T, prefix = len(tokens), len(tokens) + masks, cache.prefix_len
-        buf = self.model.feature_in[0]  # [rows, F]: the static buffer the graphs read
-        buf[:P].copy_(feats)
-        if masks:
-            buf[P:T].zero_()  # mask rows read no features
+        self.model.feature_in[0, :P].copy_(feats)  # the static buffer the graphs read (mask rows ignore it)
         rows = self.runner.step(tokens + [self.model.mask_id] * masks, list(range(prefix, prefix + T)), _causal(T))
         self.steps += 1
         cache.commit(list(range(P)))  # the mask rows are dropped

@@ -130,7 +130,9 @@ class BlockDrafter(nn.Module):
         is_mask = ids == self.mask_id
         tok = self.shared["embed"](ids.masked_fill(is_mask, 0))  # [B, T, h]
         x = torch.where(is_mask[..., None], self.mask_embedding.to(tok.dtype), tok)
-        return x + self.fc(self.feature_norm(feats.to(x.dtype)))
+        # mask rows read no features (whatever the static buffer holds there: no zeroing launch)
+        feats = feats.to(x.dtype).masked_fill(is_mask[..., None], 0.0)
+        return x + self.fc(self.feature_norm(feats))
 
     # ---- the pass ----------------------------------------------------------------------------
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, cache=None, slots=None, mask=None) -> torch.Tensor:
