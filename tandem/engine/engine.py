@@ -25,6 +25,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.request import Request, RequestOutput, RequestState, SamplingParams
 from tandem.engine.scheduler import Scheduler, ScheduledRows, StepPlan
 from tandem.kv.paged import PagedKVPool
+from tandem.models.transformer import Transformer
 from tandem.runtime.generate import Emitter
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree, ancestor_mask
@@ -37,7 +38,7 @@ class Engine:
         config.validate()
         if config.method != "ar" and draft is None:
             raise ConfigError(f"method {config.method!r} needs a draft model; pass one or use method 'ar'")
-        if draft is not None and config.method != "ar" and not hasattr(draft, "lm_head"):
+        if draft is not None and config.method != "ar" and not isinstance(draft, Transformer):
             raise ConfigError("the batched engine drafts with a small draft model; block drafters and EAGLE-3 "
                               "heads run on the single-request loop for now")
         self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
