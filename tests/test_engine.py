@@ -183,3 +183,8 @@ def test_llm_on_the_bundled_pair_equals_tandem_generate_ar(capsys):
         assert out.token_ids == ref["token_ids"] and out.text == ref["text"]
         assert out.finish_reason == ref["finish_reason"] and out.prompt == prompt
         assert out.figures.target_passes >= 1 and out.figures.ttft > 0
+    # a stop string taken from the middle of the first output: cut before it, reason "stop"
+    text = outs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = LLM(method="ar").generate(prompts[0], SP(max_tokens=8, stop=stop))[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:text.find(stop)]
