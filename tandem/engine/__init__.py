@@ -1,0 +1,11 @@
+"""The batched engine: many requests decoded together, one target pass per step.
+
+    request.py        SamplingParams, Request (state, output, per-request figures)
+    config.py         EngineConfig (frozen): method, pool size, token budget
+    scheduler.py      waiting / running queues -> one StepPlan per step (chunked prefill, preemption)
+    batched_model.py  one target forward over every scheduled request's rows, over paged KV
+    engine.py         Engine.add_request / step / abort: draft, verify, commit, emit
+    llm.py            tandem.LLM(...).generate(prompts, SamplingParams(...)), the offline API
+
+The paged KV pool itself is tandem.kv.paged.
+"""

@@ -1,0 +1,142 @@
+"""One target forward over many requests' rows, reading and writing a paged KV pool.
+
+A pass holds M rows from R requests, packed one request after another (varlen). Request r
+feeds T_r rows (a prefill chunk, or a verify pass: root + draft tree) after its L_r committed
+rows; its rows attend to its own committed rows and to its own new rows under its own mask
+(causal for a chunk, the tree's ancestor mask for a tree), never to another request's:
+the attention mask over the whole pass is block-diagonal over requests.
+
+The layers are those of `tandem.models.transformer.Transformer` (embedding, norms,
+projections, MLP, RoPE from tandem.kernels.fused), called here with a different attention:
+`paged_attention_ref`, the torch reference (a Triton paged kernel would sit beside it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels.fused import add_rmsnorm, rope_
+from tandem.kv.paged import PagedKVPool
+from tandem.models.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's rows in a pass."""
+
+    tokens: list[int]  # [T] fed tokens
+    positions: list[int]  # [T]
+    context_slots: list[int]  # [L + T] pool slots of its committed rows then of the new rows
+    mask: torch.Tensor  # [T, T] bool over the new rows (causal, or a tree's ancestor mask)
+    logits: bool  # whether the pass returns logits for these rows (verify: yes, prefill: no)
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """A pass's rows, packed (M rows of R requests), with the padded per-request attention view.
+
+    Padding: request r's row t < T_r is `q_index[r, t]`; its columns s < L_r + T_r are slots
+    `kv_slots[r, s]`. Padded rows see column 0 only (never an empty softmax row) and are dropped.
+    """
+
+    tokens: torch.Tensor  # [M]
+    positions: torch.Tensor  # [M]
+    slots: torch.Tensor  # [M] slot each row's K/V is written to
+    q_index: torch.Tensor  # [R, Tmax] row of M (padding: 0)
+    q_valid: torch.Tensor  # [R, Tmax] bool
+    kv_slots: torch.Tensor  # [R, Smax] slot of each column (padding: 0)
+    mask: torch.Tensor  # [R, 1, Tmax, Smax] additive (0 / -inf), in the model's dtype
+    logit_rows: torch.Tensor  # [n] rows of M whose logits the pass returns
+    offsets: list[int]  # [R + 1] request r's rows are M[offsets[r]:offsets[r + 1]]
+
+    @staticmethod
+    def build(segments: list[Segment], device: torch.device, dtype: torch.dtype) -> "BatchRows":
+        R = len(segments)
+        T = [len(s.tokens) for s in segments]
+        S = [len(s.context_slots) for s in segments]
+        tmax, smax = max(T), max(S)
+        offsets = [0]
+        for t in T:
+            offsets.append(offsets[-1] + t)
+        q_index = torch.zeros(R, tmax, dtype=torch.long)
+        q_valid = torch.zeros(R, tmax, dtype=torch.bool)
+        kv_slots = torch.zeros(R, smax, dtype=torch.long)
+        allowed = torch.zeros(R, tmax, smax, dtype=torch.bool)
+        allowed[:, :, 0] = True  # padded rows: column 0 (overwritten below for real rows)
+        slots, logit_rows = [], []
+        for r, seg in enumerate(segments):
+            t, s = T[r], S[r]
+            L = s - t
+            q_index[r, :t] = torch.arange(offsets[r], offsets[r + 1])
+            q_valid[r, :t] = True
+            kv_slots[r, :s] = torch.tensor(seg.context_slots)
+            allowed[r, :t, :L] = True  # the committed rows
+            allowed[r, :t, L:s] = seg.mask  # its own new rows, under its mask
+            slots += seg.context_slots[L:]
+            if seg.logits:
+                logit_rows += range(offsets[r], offsets[r + 1])
+        mask = torch.zeros(R, 1, tmax, smax, dtype=dtype).masked_fill_(~allowed[:, None], float("-inf"))
+        flat = [tok for seg in segments for tok in seg.tokens]
+        pos = [p for seg in segments for p in seg.positions]
+        to = dict(device=device)
+        return BatchRows(torch.tensor(flat, **to), torch.tensor(pos, **to), torch.tensor(slots, **to),
+                         q_index.to(**to), q_valid.to(**to), kv_slots.to(**to), mask.to(**to),
+                         torch.tensor(logit_rows, dtype=torch.long, **to), offsets)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: BatchRows) -> torch.Tensor:
+    """q: [M, H, D] (rotated); k_cache, v_cache: [num_slots, Hkv, D] (new rows already stored).
+
+    Returns [M, H, D]: each row's attention over its own request's columns under its mask.
+    """
+    H, Hkv = q.shape[1], k_cache.shape[1]
+    qp = q[rows.q_index].transpose(1, 2)  # [R, H, Tmax, D]
+    kp = k_cache[rows.kv_slots].transpose(1, 2)  # [R, Hkv, Smax, D]
+    vp = v_cache[rows.kv_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=rows.mask, enable_gqa=Hkv != H)  # [R, H, Tmax, D]
+    packed = torch.empty_like(q)
+    packed[rows.q_index[rows.q_valid]] = out.transpose(1, 2)[rows.q_valid]  # [M, H, D]
+    return packed
+
+
+class BatchedModel:
+    """`forward(rows) -> logits [len(rows.logit_rows), vocab]` of a Transformer over a PagedKVPool."""
+
+    def __init__(self, model: Transformer, pool: PagedKVPool):
+        if any(layer.self_attn.tp_group is not None for layer in model.model.layers):
+            raise ValueError("the batched engine does not run a tensor-parallel shard yet")
+        self.model, self.pool = model, pool
+
+    @torch.no_grad()
+    def forward(self, rows: BatchRows) -> torch.Tensor:
+        m = self.model
+        x, delta = m.model.embed_tokens(rows.tokens)[None], None  # [1, M, hidden]
+        for i, layer in enumerate(m.model.layers):
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            x, h = add_rmsnorm(x, delta, ln1.weight, ln1.eps)
+            a = self._attention(layer.self_attn, i, h, rows)
+            x, h = add_rmsnorm(x, a, ln2.weight, ln2.eps)
+            delta = layer.mlp(h)
+        norm = m.model.norm
+        h = add_rmsnorm(x, delta, norm.weight, norm.eps)[1][0]  # [M, hidden]
+        return m.lm_head(h[rows.logit_rows])  # [n, vocab]
+
+    def _attention(self, attn, layer_idx: int, x: torch.Tensor, rows: BatchRows) -> torch.Tensor:
+        # x: [1, M, hidden]
+        M = x.shape[1]
+        H, Hkv, D = attn.n_heads, attn.n_kv, attn.head_dim
+        if attn.qkv_weight is not None:
+            qkv = F.linear(x, attn.qkv_weight, attn.qkv_bias)
+        else:
+            qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+        qkv = qkv.view(1, M, H + 2 * Hkv, D)
+        if attn.q_norm is not None:
+            qkv = torch.cat([attn.q_norm(qkv[:, :, :H]), attn.k_norm(qkv[:, :, H:H + Hkv]), qkv[:, :, H + Hkv:]], dim=2)
+        rope_(qkv, rows.positions[None], self.model.inv_freq, H + Hkv)  # q and k heads, in place
+        k_cache, v_cache = self.pool.layer(layer_idx)  # [num_slots, Hkv, D]
+        k_cache[rows.slots] = qkv[0, :, H:H + Hkv]
+        v_cache[rows.slots] = qkv[0, :, H + Hkv:]
+        out = paged_attention_ref(qkv[0, :, :H], k_cache, v_cache, rows)  # [M, H, D]
+        return attn.o_proj(out.reshape(1, M, H * D))

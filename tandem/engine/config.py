@@ -1,0 +1,37 @@
+"""EngineConfig: the batched engine's knobs, one frozen record (derive variants with dataclasses.replace)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.config import ConfigError, SpecConfig
+
+ENGINE_METHODS = ("ar", "chain", "tree")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    method: str = "tree"  # ar | chain | tree (every running request drafts this way)
+    spec: SpecConfig = field(default_factory=SpecConfig)  # k for chain; nodes, width, depth for tree
+    block_size: int = 16  # KV rows per block
+    num_blocks: int | None = None  # None: max_num_seqs full context windows of the target
+    max_num_seqs: int = 32  # running requests at most
+    max_num_batched_tokens: int = 2048  # rows of one target pass (prefill chunks + every tree)
+    enable_prefix_caching: bool = True
+    debug_check: bool = False  # run the pool's check() after every step
+
+    def validate(self) -> None:
+        if self.method not in ENGINE_METHODS:
+            raise ConfigError(f"unknown engine method {self.method!r}; choose one of {', '.join(ENGINE_METHODS)}")
+        self.spec.validate()
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1 (got {self.num_blocks})")
+        if self.max_num_batched_tokens < self.draft_rows():
+            raise ConfigError(f"max_num_batched_tokens {self.max_num_batched_tokens} is below one tree's "
+                              f"{self.draft_rows()} rows")
+
+    def draft_rows(self) -> int:
+        """Rows one request's verify pass holds at most: the root plus its draft tokens."""
+        return 1 + {"ar": 0, "chain": self.spec.k, "tree": self.spec.nodes}[self.method]

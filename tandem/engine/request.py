@@ -1,0 +1,126 @@
+"""A request's sampling settings, its lifecycle and its figures.
+
+State machine (the scheduler moves it; only `abort` may jump to ABORTED from anywhere):
+
+    WAITING --admit--> RUNNING --eos / stop / length--> FINISHED
+       ^                  |
+       +----preempt-------+      (its KV is freed; on re-admission prompt + output is recomputed)
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.config import ConfigError, GenerationConfig, SamplingConfig
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings, named as in vLLM. temperature 0 is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0  # the request's own random stream (reproducible whatever else is in the batch)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # vLLM accepts one string
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+
+    def generation(self) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=self.max_tokens, ignore_eos=self.ignore_eos, stop=self.stop)
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
+        self.sampling().validate()
+        self.generation().validate()
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass
+class RequestFigures:
+    """Per-request counters. tau: tokens committed per target verification pass, bonus included."""
+
+    target_passes: int = 0  # verify passes (prefill chunks excluded)
+    draft_tokens: int = 0  # draft tokens offered over all passes
+    accepted_tokens: int = 0  # of those, accepted
+    preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache (last admission)
+    ttft: float | None = None  # seconds from add_request to the first new token
+
+    def tau(self, new_tokens: int) -> float:
+        return new_tokens / max(1, self.target_passes)
+
+
+_IDS = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. `token_ids()` (prompt + output) is what the target has seen or
+    will see; `num_computed` of them have their K/V in the pool (committed rows)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: f"req-{next(_IDS)}")
+    prompt: str | None = None  # the text, when the caller gave text
+    state: RequestState = RequestState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # eos | length | stop | abort
+    stop_text: str | None = None  # text cut before the matched stop string
+    figures: RequestFigures = field(default_factory=RequestFigures)
+    arrival: float = field(default_factory=time.perf_counter)
+    num_computed: int = 0  # target K/V rows committed (reset by preemption)
+    max_new: int = 0  # max_tokens, held to the context window (set by the engine)
+    # engine-private state, dropped on preemption and at the end: the drafter, the emitter
+    runtime: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_target(self) -> int:
+        """Rows to compute before decoding: every token but the last, which is the root of the
+        first verify pass (as in the single-request loop)."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prefill_target
+
+    @property
+    def done(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What `Engine.step` and `LLM.generate` hand back for a finished (or aborted) request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    figures: RequestFigures
+
+    @property
+    def tau(self) -> float:
+        return self.figures.tau(len(self.token_ids))

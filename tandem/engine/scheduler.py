@@ -1,0 +1,138 @@
+"""The scheduler: waiting and running queues -> one `StepPlan` per engine step.
+
+Per step, under a token budget (rows of one target pass):
+
+1. running requests, oldest first: a decoding request gets its row budget (root + draft
+   tokens; shrunk to what the budget has left, at least the root), a prefilling one its next
+   chunk. Rows are reserved in the KV pool now; when the pool runs dry the newest running
+   request is preempted (its blocks freed; it goes back to the front of the waiting queue and
+   recomputes prompt + output when it returns) until the reservation fits.
+2. if nothing was preempted, waiting requests in FIFO order are admitted (prefix-cache
+   lookup, then a first chunk) while budget, sequence slots and blocks allow. A request that
+   does not fit blocks the ones behind it (strict FIFO).
+
+Hooks for later work: `row_budget` decides a decoding request's rows (a cost model may give
+zero draft tokens to some), and `StepPlan.batch_id` names the sub-batch a plan serves (batch
+parallelism would alternate two: one drafts while the other verifies).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.request import Request, RequestState
+from tandem.kv.paged import PagedKVPool
+
+
+@dataclass(frozen=True)
+class ScheduledRows:
+    """One request's share of a pass: `rows` new rows after its `start` committed rows."""
+
+    request: Request
+    kind: str  # "prefill" (a chunk of prompt + output) | "decode" (a verify pass: root + draft tokens)
+    start: int  # committed rows before the new ones
+    rows: int  # prefill: chunk tokens; decode: the row budget (root included, so >= 1)
+
+
+@dataclass
+class StepPlan:
+    batch_id: int = 0
+    scheduled: list[ScheduledRows] = field(default_factory=list)  # running order
+    admitted: list[Request] = field(default_factory=list)  # moved WAITING -> RUNNING by this plan
+    preempted: list[Request] = field(default_factory=list)  # moved RUNNING -> WAITING by this plan
+
+    @property
+    def num_rows(self) -> int:
+        return sum(s.rows for s in self.scheduled)
+
+    @property
+    def prefills(self) -> list[ScheduledRows]:
+        return [s for s in self.scheduled if s.kind == "prefill"]
+
+    @property
+    def decodes(self) -> list[ScheduledRows]:
+        return [s for s in self.scheduled if s.kind == "decode"]
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: PagedKVPool, row_budget: Callable[[Request], int] | None = None):
+        self.config, self.pool = config, pool
+        self.row_budget = row_budget or (lambda req: config.draft_rows())
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        req.state = RequestState.WAITING
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step --------------------------------------------------------------------------
+    def plan_step(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            kind, rows = self._want(req, budget)
+            while not self.pool.can_reserve(req.request_id, rows):
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                self.pool.reserve(req.request_id, rows)
+                plan.scheduled.append(ScheduledRows(req, kind, req.num_computed, rows))
+                budget -= rows
+                i += 1
+        if plan.preempted:
+            return plan
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            tokens = req.token_ids()
+            cached = self.pool.allocate(req.request_id, tokens, max_cached=req.prefill_target)
+            req.num_computed = req.figures.cached_tokens = cached
+            kind, rows = self._want(req, budget)
+            if not self.pool.can_reserve(req.request_id, rows):
+                self.pool.free(req.request_id)  # head-of-line: wait for blocks (FIFO)
+                req.num_computed = 0
+                break
+            self.waiting.popleft()
+            self.pool.reserve(req.request_id, rows)
+            req.state = RequestState.RUNNING
+            self.running.append(req)
+            plan.admitted.append(req)
+            plan.scheduled.append(ScheduledRows(req, kind, req.num_computed, rows))
+            budget -= rows
+        return plan
+
+    def _want(self, req: Request, budget: int) -> tuple[str, int]:
+        if req.in_prefill:
+            return "prefill", min(req.prefill_target - req.num_computed, budget)
+        return "decode", max(1, min(self.row_budget(req), budget))
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute later: free its blocks and put it back at the front of the waiting queue."""
+        self.running.remove(req)
+        self.pool.free(req.request_id)
+        req.num_computed = 0
+        req.state = RequestState.WAITING
+        req.figures.preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- after a step, and aborts ----------------------------------------------------------
+    def finish(self, req: Request, state: RequestState = RequestState.FINISHED) -> None:
+        """Leave the queues (finished or aborted) and give the blocks back; any state, any time."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.pool.free(req.request_id)
+        req.state = state

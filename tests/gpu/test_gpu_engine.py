@@ -1,0 +1,42 @@
+"""GPU lane: the batched engine (paged KV, one target pass over every request's rows) decodes
+what an uncached forward says, for `ar` and `tree`, with 24 requests in flight and a pool small
+enough to preempt. On the CPU the same check runs on tiny models (tests/test_engine.py holds
+the exact solo-`ar` equality there)."""
+from __future__ import annotations
+
+import pytest
+
+from gpu_lane import bundled_pair, cpu, cuda, first_wrong_token
+from models_for_tests import noisy_copy, tiny_model
+from tandem.config import SpecConfig
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import Engine
+from tandem.engine.request import SamplingParams
+
+
+def _pair(device: str):
+    if device == "cuda":
+        return bundled_pair("cuda")
+    target = tiny_model(seed=0)
+    return target, noisy_copy(target, 0.1), [[5, 17, 3, 88], list(range(20, 60)), [7] * 3]
+
+
+@pytest.mark.parametrize("method", ["ar", "tree"])
+@pytest.mark.parametrize("device", [cpu("cpu", id="cpu"), cuda("cuda", id="cuda")])
+@pytest.mark.parametrize("num_blocks", [None, 60], ids=["roomy", "preempting"])
+def test_engine_matches_an_uncached_forward(device, method, num_blocks):
+    target, draft, prompts = _pair(device)
+    # 24 requests: every prompt cut at 8 lengths (shared prefixes exercise the prefix cache)
+    requests = [p[:max(1, len(p) * k // 8)] for p in prompts for k in range(1, 9)]
+    cfg = EngineConfig(method=method, spec=SpecConfig(nodes=16, width=4), block_size=16, num_blocks=num_blocks,
+                       max_num_batched_tokens=256, debug_check=True)
+    engine = Engine(target, draft, config=cfg)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=48, ignore_eos=True)).request_id for p in requests]
+    outs = {o.request_id: o for o in engine.run()}
+    for rid, prompt in zip(ids, requests):
+        out = outs[rid]
+        assert len(out.token_ids) == 48
+        assert first_wrong_token(target, prompt, out.token_ids) is None, (method, prompt)
+    if num_blocks is not None:
+        assert sum(o.figures.preemptions for o in outs.values()) > 0
+    assert engine.pool.check() == [] and engine.pool.num_free == engine.pool.num_blocks

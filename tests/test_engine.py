@@ -1,0 +1,190 @@
+"""The batched engine end to end: concurrent requests give exactly their solo `ar` outputs
+(greedy, fp32), through chunked prefill, preemption, prefix caching and aborts; `tandem.LLM`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from models_for_tests import noisy_copy, tiny_model
+from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import Engine
+from tandem.engine.request import RequestState, SamplingParams
+from tandem.runtime.generate import Generator
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_model(seed=0)
+    return target, noisy_copy(target, 0.1)
+
+
+@pytest.fixture(scope="module")
+def solo(models):
+    """32 prompts (1-40 tokens) and each one's solo greedy `ar` output."""
+    target, draft = models
+    g = Generator(target, draft)
+    rng = torch.Generator().manual_seed(2024)
+    prompts = [torch.randint(0, 95, (int(torch.randint(1, 41, (), generator=rng)),), generator=rng).tolist()
+               for _ in range(32)]
+    gen = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
+    return prompts, [g.generate(p, "ar", gen=gen).token_ids for p in prompts]
+
+
+def run_all(engine: Engine, prompts, params=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)):
+    reqs = [engine.add_request(p, params) for p in prompts]
+    done = {o.request_id: o for o in engine.run()}
+    return [done[r.request_id] for r in reqs]
+
+
+def assert_clean(engine: Engine) -> None:
+    assert engine.pool.check() == []
+    assert engine.pool.num_free == engine.pool.num_blocks and engine.pool.seqs == {}
+    assert not engine.has_unfinished() and engine.requests == {}
+
+
+@pytest.mark.parametrize("method,spec", [("ar", SpecConfig()), ("tree", SpecConfig(nodes=8, width=2)),
+                                         ("chain", SpecConfig(k=4))])
+def test_32_concurrent_requests_equal_their_solo_ar_outputs(models, solo, method, spec):
+    prompts, refs = solo
+    # a budget of 96 rows splits the longer prompts into chunks that share passes with trees
+    engine = Engine(*models, config=EngineConfig(method=method, spec=spec, block_size=8, max_num_batched_tokens=96,
+                                                 debug_check=True))
+    outs = run_all(engine, prompts)
+    assert [o.token_ids for o in outs] == refs
+    assert all(o.finish_reason == "length" for o in outs)
+    assert_clean(engine)
+    if method != "ar":  # the drafts were accepted, so the tree commit paths ran
+        assert max(o.tau for o in outs) > 2.0
+        assert sum(o.figures.accepted_tokens for o in outs) > 0
+    else:
+        assert all(o.tau == 1.0 and o.figures.draft_tokens == 0 for o in outs)
+    assert all(o.figures.ttft is not None and o.figures.target_passes >= 1 for o in outs)
+
+
+@pytest.mark.parametrize("method", ["ar", "tree"])
+def test_a_tiny_block_budget_forces_preemptions_and_outputs_stay_exact(models, solo, method):
+    prompts, refs = solo
+    # 30 blocks of 4 rows: room for about two long requests at a time
+    cfg = EngineConfig(method=method, spec=SpecConfig(nodes=8, width=2), block_size=4, num_blocks=30,
+                       max_num_batched_tokens=64, debug_check=True)
+    engine = Engine(*models, config=cfg)
+    outs = run_all(engine, prompts[:12])
+    assert [o.token_ids for o in outs] == refs[:12]
+    assert sum(o.figures.preemptions for o in outs) > 0
+    assert_clean(engine)
+
+
+def test_prefix_cache_serves_a_repeated_prompt_and_the_output_is_unchanged(models, solo):
+    prompts, refs = solo
+    i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
+    engine = Engine(*models, config=EngineConfig(method="tree", spec=SpecConfig(nodes=8, width=2), block_size=4))
+    first = run_all(engine, [prompts[i]])[0]
+    second = run_all(engine, [prompts[i]])[0]
+    assert first.token_ids == second.token_ids == refs[i]
+    assert first.figures.cached_tokens == 0
+    assert second.figures.cached_tokens == (len(prompts[i]) - 1) // 4 * 4 > 0
+    assert engine.pool.stats.hits > 0
+    assert_clean(engine)
+
+
+def test_aborts_at_every_phase_leave_the_pool_clean(models, solo):
+    prompts, refs = solo
+    long = [p for p in prompts if len(p) > 20][:3]
+    cfg = EngineConfig(method="tree", spec=SpecConfig(nodes=8, width=2), block_size=4, num_blocks=24,
+                       max_num_seqs=4, max_num_batched_tokens=16, debug_check=True)
+    engine = Engine(*models, config=cfg)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in long + prompts[:5]]
+    engine.step()
+    waiting = next(r for r in reqs if r.state is RequestState.WAITING)
+    prefilling = next(r for r in reqs if r.state is RequestState.RUNNING and r.in_prefill)
+    assert engine.abort(waiting.request_id) and engine.abort(prefilling.request_id)
+    while not any(r.output_ids for r in reqs if r.state is RequestState.RUNNING):
+        engine.step()
+    decoding = next(r for r in reqs if r.output_ids and r.state is RequestState.RUNNING)
+    assert engine.abort(decoding.request_id)
+    preempted = None
+    while engine.has_unfinished() and preempted is None:
+        engine.step()
+        preempted = next((r for r in reqs if r.state is RequestState.WAITING and r.figures.preemptions), None)
+    assert preempted is not None and engine.abort(preempted.request_id)  # waiting again, with output
+    rest = engine.run()
+    assert {o.request_id for o in rest}.isdisjoint({waiting.request_id, prefilling.request_id,
+                                                     decoding.request_id, preempted.request_id})
+    assert not engine.abort(rest[0].request_id) and not engine.abort("no-such-request")  # finished / unknown
+    aborted = [waiting, prefilling, decoding, preempted]
+    assert all(r.state is RequestState.ABORTED and r.finish_reason == "abort" for r in aborted)
+    for o in rest:  # the survivors are still exact
+        assert o.token_ids == refs[prompts.index(o.prompt_token_ids)]
+    assert_clean(engine)
+
+
+def test_sampled_ar_equals_the_single_request_loop_with_the_same_seed(models, solo):
+    prompts, _ = solo
+    target, draft = models
+    g = Generator(target, draft)
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=11)
+    refs = [g.generate(p, "ar", sampling=sampling, gen=GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
+            for p in prompts[:6]]
+    engine = Engine(target, None, config=EngineConfig(method="ar"))
+    outs = run_all(engine, prompts[:6], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11,
+                                                       ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    assert_clean(engine)
+
+
+def test_sampled_tree_finishes_and_stops_at_eos(models, solo):
+    prompts, _ = solo
+    engine = Engine(*models, config=EngineConfig(method="tree", spec=SpecConfig(nodes=6, width=2), debug_check=True))
+    outs = run_all(engine, prompts[:4], SamplingParams(max_tokens=40, temperature=1.0, seed=3))
+    eos = models[0].config.eos_token_ids[0]
+    for o in outs:
+        assert o.finish_reason in ("eos", "length") and 1 <= len(o.token_ids) <= 40
+        assert (o.finish_reason == "eos") == (o.token_ids[-1] == eos) and eos not in o.token_ids[:-1]
+    assert_clean(engine)
+
+
+def test_bad_requests_are_one_line_config_errors(models):
+    engine = Engine(*models, config=EngineConfig(method="ar", num_blocks=4, block_size=4))
+    with pytest.raises(ConfigError, match="prompt is empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(ConfigError, match="context window is 512"):
+        engine.add_request([1] * 600, SamplingParams())
+    with pytest.raises(ConfigError, match="max_tokens must be a positive integer"):
+        engine.add_request([1], SamplingParams(max_tokens=0))
+    with pytest.raises(ConfigError, match="--temperature must be a finite number"):
+        engine.add_request([1], SamplingParams(temperature=-1.0))
+    with pytest.raises(ConfigError, match="needs 5 KV blocks but the pool has 4"):
+        engine.add_request([1] * 10, SamplingParams(max_tokens=8))
+    with pytest.raises(ConfigError, match="needs a draft model"):
+        Engine(models[0], None, config=EngineConfig(method="tree"))
+    with pytest.raises(ConfigError, match="unknown engine method 'async'"):
+        Engine(*models, config=EngineConfig(method="async"))
+    assert not engine.has_unfinished()
+
+
+def test_llm_on_the_bundled_pair_equals_tandem_generate_ar(capsys):
+    from tandem import LLM, SamplingParams as SP
+    from tandem.cli import main
+    from tandem.runtime.pair import bundled_available
+
+    if not bundled_available():
+        pytest.skip("the bundled pair is not in this checkout")
+    prompts = ["def fib(n):", "import os\n"]
+    outs = LLM().generate(prompts, SP(max_tokens=8))
+    for prompt, out in zip(prompts, outs):
+        assert main(["generate", prompt, "--method", "ar", "--max-new-tokens", "8", "--json"]) == 0
+        ref = json.loads(capsys.readouterr().out)
+        assert out.token_ids == ref["token_ids"] and out.text == ref["text"]
+        assert out.finish_reason == ref["finish_reason"] and out.prompt == prompt
+        assert out.figures.target_passes >= 1 and out.figures.ttft > 0
+    # a stop string taken from the middle of the first output: cut before it, reason "stop"
+    text = outs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = LLM(method="ar").generate(prompts[0], SP(max_tokens=8, stop=stop))[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:text.find(stop)]

@@ -1,0 +1,201 @@
+"""Paged KV pool (reserve / commit by gather / free / prefix caching / check) and paged tree
+attention against dense attention."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models_for_tests import tiny_model
+from tandem.engine.batched_model import BatchedModel, BatchRows, Segment, paged_attention_ref
+from tandem.kv.paged import PagedKVPool, PoolExhausted
+from tandem.tree.draft_tree import ancestor_mask
+
+
+def pool(num_blocks=8, block_size=4, layers=2, heads=2, dim=3, prefix_caching=True) -> PagedKVPool:
+    return PagedKVPool(layers, heads, dim, num_blocks, block_size, torch.float32, "cpu", prefix_caching)
+
+
+def write_rows(p: PagedKVPool, sid: str, start: int, values: list[float]) -> None:
+    """Write value v into every K and V element of row start + i (all layers)."""
+    for i, v in enumerate(values):
+        s = p.slots(sid, start + i, start + i + 1)[0]
+        p.kv.flatten(2, 3)[:, :, s] = v
+
+
+def row_values(p: PagedKVPool, sid: str, start: int, end: int) -> list[float]:
+    slots = p.slots(sid, start, end)
+    return [float(p.kv.flatten(2, 3)[0, 0, s, 0, 0]) for s in slots]
+
+
+def test_commit_gathers_the_path_and_frees_the_rest():
+    p = pool()
+    assert p.allocate("a", [], max_cached=0) == 0
+    p.reserve("a", 3)  # a prefill chunk
+    write_rows(p, "a", 0, [10, 11, 12])
+    p.commit("a", [0, 1, 2], [1, 2, 3])
+    p.reserve("a", 9)  # a tree of 9 rows after 3 committed: blocks for 12 rows
+    assert len(p.seqs["a"].blocks) == 3 and p.num_free == 5
+    write_rows(p, "a", 3, [100 + i for i in range(9)])
+    p.commit("a", [0, 2, 5], [7, 8, 9])  # root, then nodes 2 and 5
+    assert row_values(p, "a", 0, 6) == [10, 11, 12, 100, 102, 105]
+    assert p.seqs["a"].length == 6 and p.seqs["a"].tokens == [1, 2, 3, 7, 8, 9]
+    assert len(p.seqs["a"].blocks) == 2 and p.num_free == 6  # the third block held only dropped rows
+    assert p.check() == []
+    p.free("a")
+    assert p.num_free == 8 and p.check() == []
+
+
+def test_reserve_beyond_the_pool_raises_and_changes_nothing():
+    p = pool(num_blocks=2)
+    p.allocate("a", [], 0)
+    assert not p.can_reserve("a", 9)
+    with pytest.raises(PoolExhausted, match="3 blocks needed, 2 free"):
+        p.reserve("a", 9)
+    assert p.num_free == 2 and p.seqs["a"].blocks == [] and p.check() == []
+
+
+def test_prefix_cache_hits_full_blocks_and_counts_them():
+    p = pool(num_blocks=8, block_size=4)
+    tokens = list(range(10))
+    p.allocate("a", tokens, max_cached=9)
+    p.reserve("a", 9)
+    write_rows(p, "a", 0, [float(t) for t in range(9)])
+    p.commit("a", list(range(9)), tokens[:9])  # two full blocks get hashes
+    # same first 8 tokens, then different ones: both full blocks hit, shared with "a"
+    assert p.allocate("b", tokens[:8] + [50, 51, 52], max_cached=10) == 8
+    assert p.seqs["b"].blocks == p.seqs["a"].blocks[:2]
+    assert row_values(p, "b", 0, 8) == [float(t) for t in range(8)]
+    assert (p.stats.queries, p.stats.hits) == (3, 2)  # "a" looked up one block (a miss stops the walk)
+    # a different first block: no hit at all (hash chain), and max_cached caps the lookup
+    assert p.allocate("c", [99] + tokens[1:], max_cached=9) == 0
+    assert p.allocate("d", tokens, max_cached=7) == 4
+    assert p.refcount[p.seqs["a"].blocks[0]] == 3
+    assert p.check() == []
+    for sid in "abcd":
+        p.free(sid)
+    assert p.num_free == 8 and p.check() == []
+    # freed blocks stay findable until reused
+    assert p.allocate("e", tokens, max_cached=9) == 8 and p.check() == []
+
+
+def test_prefix_cache_entry_is_evicted_when_its_block_is_reused():
+    p = pool(num_blocks=2, block_size=2)
+    p.allocate("a", [1, 2], 0)
+    p.reserve("a", 2)
+    p.commit("a", [0, 1], [1, 2])
+    p.free("a")
+    p.allocate("b", [], 0)
+    p.reserve("b", 4)  # takes both blocks, the cached one included
+    assert p.cached == {} and p.check() == []
+    p.free("b")
+    assert p.allocate("c", [1, 2, 3], max_cached=2) == 0
+
+
+def test_prefix_caching_off_never_hits():
+    p = pool(prefix_caching=False)
+    p.allocate("a", [1, 2, 3, 4], 0)
+    p.reserve("a", 4)
+    p.commit("a", [0, 1, 2, 3], [1, 2, 3, 4])
+    assert p.allocate("b", [1, 2, 3, 4, 5], max_cached=4) == 0 and p.cached == {}
+
+
+def test_check_finds_leaked_and_double_owned_blocks():
+    p = pool(num_blocks=4)
+    p.allocate("a", [], 0)
+    p.reserve("a", 4)
+    assert p.check() == []
+    leaked = p.seqs["a"].blocks.pop()  # the table forgets a block it took
+    p.seqs["a"].reserved = 0
+    assert any(f"block {leaked}: leaked" in m for m in p.check())
+    p.seqs["a"].blocks.append(leaked)
+    p.seqs["a"].reserved = 4
+    p.free_blocks[leaked] = None  # the block is handed out and free at once
+    assert any("double-owned" in m for m in p.check())
+    del p.free_blocks[leaked]
+    p.seqs["a"].blocks.append(leaked)
+    assert any("appears twice" in m for m in p.check())
+
+
+# ---- paged tree attention ---------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(1, 4, 2, 8), (5, 2, 2, 16), (3, 6, 2, 4)])
+def test_paged_tree_attention_equals_dense(shape):
+    """Requests with scattered blocks, a prefix and a random tree each: the packed varlen pass
+    equals attention over each request's contiguous K/V with [prefix | ancestor] masks."""
+    R, H, Hkv, D = shape
+    g = torch.Generator().manual_seed(R * 100 + D)
+    block, num_slots = 4, 512
+    k_cache = torch.randn(num_slots, Hkv, D, generator=g)
+    v_cache = torch.randn(num_slots, Hkv, D, generator=g)
+    free = torch.randperm(num_slots // block, generator=g).tolist()  # blocks handed out in random order
+    segments, dense = [], []
+    for _ in range(R):
+        L = int(torch.randint(0, 20, (), generator=g))
+        T = int(torch.randint(1, 9, (), generator=g))
+        parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, T)]
+        blocks = [free.pop() for _ in range(-(-(L + T) // block))]
+        slots = [blocks[i // block] * block + i % block for i in range(L + T)]
+        mask = ancestor_mask(parents)
+        segments.append(Segment([0] * T, list(range(T)), slots, mask, logits=True))
+        dense.append((slots, L, T, mask))
+    rows = BatchRows.build(segments, torch.device("cpu"), torch.float32)
+    M = rows.offsets[-1]
+    q = torch.randn(M, H, D, generator=g)
+    out = paged_attention_ref(q, k_cache, v_cache, rows)  # [M, H, D]
+    for r, (slots, L, T, mask) in enumerate(dense):
+        qi = q[rows.offsets[r]:rows.offsets[r + 1]].transpose(0, 1)[None]  # [1, H, T, D]
+        k = k_cache[slots].transpose(0, 1)[None]  # [1, Hkv, L + T, D]
+        v = v_cache[slots].transpose(0, 1)[None]
+        allowed = torch.cat([torch.ones(T, L, dtype=torch.bool), mask], dim=1)  # [T, L + T]
+        ref = F.scaled_dot_product_attention(qi, k, v, attn_mask=allowed, enable_gqa=Hkv != H)[0].transpose(0, 1)
+        torch.testing.assert_close(out[rows.offsets[r]:rows.offsets[r + 1]], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_batched_model_equals_dense_forward(family):
+    """Three requests, their prefixes fed in chunks mixed with other requests' trees, then one pass
+    with all three trees: every tree row's logits equal a dense uncached forward under the same
+    [causal prefix | ancestor] mask."""
+    model = tiny_model(seed=5, family=family)
+    p = PagedKVPool.for_model(model, num_blocks=64, block_size=4)
+    bm = BatchedModel(model, p)
+    g = torch.Generator().manual_seed(9)
+    prefixes = [torch.randint(0, 95, (n,), generator=g).tolist() for n in (7, 1, 13)]
+    trees = [[-1, 0, 0, 1, 2, 2], [-1], [-1, 0, 1, 2]]
+    tree_tokens = [torch.randint(0, 95, (len(t),), generator=g).tolist() for t in trees]
+    for i, pre in enumerate(prefixes):
+        p.allocate(str(i), [], 0)
+    for lo, hi in ((0, 5), (5, 13)):  # two chunked-prefill passes over every request
+        segs, chunks = [], []
+        for i, pre in enumerate(prefixes):
+            chunk = pre[lo:hi]
+            if not chunk:
+                continue
+            p.reserve(str(i), len(chunk))
+            segs.append(Segment(chunk, list(range(lo, lo + len(chunk))), p.slots(str(i), 0, lo + len(chunk)),
+                                torch.ones(len(chunk), len(chunk), dtype=torch.bool).tril(), logits=False))
+            chunks.append((str(i), chunk))
+        assert bm.forward(BatchRows.build(segs, model.device, model.dtype)).shape[0] == 0
+        for sid, chunk in chunks:
+            p.commit(sid, list(range(len(chunk))), chunk)
+    segs = []
+    for i, (pre, parents, toks) in enumerate(zip(prefixes, trees, tree_tokens)):
+        p.reserve(str(i), len(toks))
+        depth = [0] * len(parents)
+        for j in range(1, len(parents)):
+            depth[j] = depth[parents[j]] + 1
+        segs.append(Segment(toks, [len(pre) + d for d in depth], p.slots(str(i), 0, len(pre) + len(toks)),
+                            ancestor_mask(parents), logits=True))
+    logits = bm.forward(BatchRows.build(segs, model.device, model.dtype))  # [sum T, vocab]
+    row = 0
+    for pre, parents, toks, seg in zip(prefixes, trees, tree_tokens, segs):
+        L, T = len(pre), len(toks)
+        allowed = torch.zeros(L + T, L + T, dtype=torch.bool)
+        allowed[:L, :L] = torch.ones(L, L, dtype=torch.bool).tril()
+        allowed[L:, :L] = True
+        allowed[L:, L:] = ancestor_mask(parents)
+        pos = torch.tensor([list(range(L)) + seg.positions])
+        ref = model(torch.tensor([pre + toks]), pos, mask=allowed[None, None])[0, L:]  # [T, vocab]
+        torch.testing.assert_close(logits[row:row + T], ref, rtol=1e-4, atol=1e-4)
+        row += T
+    assert p.check() == []
