@@ -59,9 +59,10 @@ def pack_w12(records: W12Records, escapes: W12Escapes, device: str | torch.devic
                      vals.to(device).contiguous(), records.shape)
 
 
-def split_for(n_tiles: int, k_tiles: int, m_blocks: int, sms: int) -> tuple[int, int]:
-    """(number of K splits, column tiles per split): about two programs per SM, fixed per shape."""
-    want = max(1, -(-2 * sms // max(n_tiles * m_blocks, 1)))
+def split_for(n_tiles: int, k_tiles: int, sms: int) -> tuple[int, int]:
+    """(number of K splits, column tiles per split): about two programs per SM at one row block.
+    NOTE: it ignores the row count, so a row's reduction order does not depend on the batch."""
+    want = max(1, -(-2 * sms // max(n_tiles, 1)))
     per = max(1, -(-k_tiles // min(want, k_tiles)))
     return -(-k_tiles // per), per
 
@@ -83,7 +84,7 @@ def w12_linear_emulated(x: torch.Tensor, records: W12Records, escapes: W12Escape
     lead, x2 = x.shape[:-1], x.reshape(-1, k)
     m = x2.shape[0]
     xp = F.pad(x2.float(), (0, tk * TILE_K - k))  # [M, tk*64]
-    splits, per = split_for(tn, tk, 1, sms)
+    splits, per = split_for(tn, tk, sms)
     part = torch.zeros(splits, m, tn * TILE_N)  # [split, M, Np] fp32
     h = TILE_K // 2
     for pn in range(tn):
@@ -173,8 +174,13 @@ if triton is not None:
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
 def w12_linear(x: torch.Tensor, packed: W12Packed) -> torch.Tensor:
-    """x: [..., K] bf16 on CUDA -> [..., N] bf16 through the Triton kernel (the emulation elsewhere)."""
+    """x: [..., K] on CUDA -> [..., N] bf16 through the Triton kernels. Deterministic for a given
+    shape, row count and GPU (the K split is fixed by the shape and the SM count)."""
     n, k = packed.shape
     if triton is None or not x.is_cuda:
         raise RuntimeError("w12_linear needs Triton and a CUDA tensor; use w12_linear_ref or w12_linear_emulated")
@@ -185,15 +191,18 @@ def w12_linear(x: torch.Tensor, packed: W12Packed) -> torch.Tensor:
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
     m_blocks = -(-m // block_m)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    splits, per = split_for(tn, tk, m_blocks, sms)
+    splits, per = split_for(tn, tk, sms)
     np_ = tn * TILE_N
     part = torch.empty(splits, m, np_, dtype=torch.float32, device=x.device)  # [split, M, Np]
     _w12_splitk_kernel[(tn, splits, m_blocks)](x2, packed.data, packed.base, part, m, k, tk, per, x2.stride(0), np_,
                                                BLOCK_M=block_m, num_warps=4)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)  # [M, N]
+    e_max = packed.esc_cols.shape[1]
+    cols, vals = packed.esc_cols, packed.esc_vals
+    if e_max == 0:  # NOTE: never read, but Triton refuses a pointer of an empty (null) tensor
+        cols, vals = _dummy(x.device, torch.int32), _dummy(x.device, torch.bfloat16)
     block_n = 128
-    _w12_reduce_kernel[(triton.cdiv(n, block_n), m_blocks)](part, x2, packed.esc_cols, packed.esc_vals, y, m, n, np_,
-                                                            x2.stride(0), y.stride(0), splits,
-                                                            packed.esc_cols.shape[1], BLOCK_M=block_m,
+    _w12_reduce_kernel[(triton.cdiv(n, block_n), m_blocks)](part, x2, cols, vals, y, m, n, np_, x2.stride(0),
+                                                            y.stride(0), splits, e_max, BLOCK_M=block_m,
                                                             BLOCK_N=block_n, num_warps=4)
     return y.reshape(*lead, n)
