@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "profile": ("tandem.bench.profile", "cost model: verify/draft step times and predicted speedup"),
     "train-pair": ("tandem.train", "train the bundled draft/target pair from Python source"),
     "train-drafters": ("tandem.train.drafters", "train feature drafters (block drafter, EAGLE-3 head) for a target"),
+    "convert": ("tandem.quant.convert", "write a lossless W12 (12-bit) copy of a bf16 checkpoint"),
 }
 
 

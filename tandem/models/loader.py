@@ -74,7 +74,19 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     expected = dict(model.state_dict())
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
-    for f in _weight_files(d):
+    w12 = None
+    from tandem.quant.checkpoint import is_w12_checkpoint
+
+    if is_w12_checkpoint(d):  # W12 matrices, decoded to bf16 and checked bit for bit against the original
+        from tandem.quant.checkpoint import read_w12_checkpoint
+
+        w12 = read_w12_checkpoint(d)
+        for key, t in w12.items():
+            if key in expected:
+                state[key] = t.to(device=device, dtype=dt)
+            elif not key.endswith("rotary_emb.inv_freq"):
+                unexpected.append(key)
+    for f in _weight_files(d) if w12 is None else []:
         try:
             sf = safe_open(str(f), framework="pt", device="cpu")
             keys = list(sf.keys())

@@ -1,0 +1,102 @@
+"""A certified INT8 LM head (SpecPilot s4.1): the exact greedy argmax from fewer bytes.
+
+The head W [V, H] gets an INT8 copy with one scale per row, q(w_v) = s_v * round(w_v / s_v). For a
+hidden state h the cheap logit a_v = h . q(w_v) differs from the real h . w_v by at most
+||h|| * ||w_v - q(w_v)|| (Cauchy-Schwarz). With the rounding of both computations added to that
+bound, every token whose upper bound lies below the best lower bound provably cannot be the
+argmax of the exact logits, and is pruned. The survivors (a handful for a confident model) are
+rescored exactly, in the model dtype, from the original rows, and their argmax is returned.
+
+The bounds, per row v (u = 2^-24 is fp32's unit roundoff, gamma_n = n u / (1 - n u)):
+  quantization   ||h|| r_v,                     r_v = ||w_v - q(w_v)||
+  cheap logit    gamma_{H+1} ||h|| s_v ||q_v||   (fp32 dot product in any order, then the scale)
+  exact logit    gamma_H ||h|| ||w_v|| + u_dt (|a_v| + the terms above)
+                 (an fp32-accumulated dot product in any order, then rounding to the model dtype:
+                 u_dt = 2^-8 for bf16, 2^-11 for fp16, 0 for fp32)
+so the certificate covers the exact logits however the GEMM orders its fp32 sum. It assumes fp32
+accumulation: on CUDA set torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction =
+False (and allow_fp16_...) where this head is used.
+
+Where it applies: greedy decoding and greedy verification (argmax only), for the target's and the
+drafters' heads. Where it does not: sampling (temperature > 0) needs the full exact distribution,
+so the full head runs there; a drafter that samples its proposals needs its full distribution too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+U32 = 2.0**-24
+ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+SAFETY = 1 + 2.0**-30  # covers the float64 rounding of the bound arithmetic itself
+
+
+def _gamma(n: int) -> float:
+    return n * U32 / (1 - n * U32)
+
+
+@dataclass(frozen=True)
+class CertifiedArgmax:
+    token: torch.Tensor  # [B] int64: the exact argmax
+    survivors: torch.Tensor  # [B, V] bool: tokens that could not be pruned (rescored exactly)
+    logits: torch.Tensor  # [B, V] model dtype: the exact logits of the survivors, -inf elsewhere
+
+    @property
+    def rescored_fraction(self) -> float:
+        """Mean fraction of the vocabulary rescored exactly per hidden state."""
+        return self.survivors.float().mean().item()
+
+
+class Int8Head:
+    """An INT8 copy of an LM head weight [V, H] with per-row scales and error bounds."""
+
+    def __init__(self, weight: torch.Tensor):
+        # weight: [V, H] in the model dtype; kept (not copied) for the exact rescoring
+        if weight.dim() != 2 or weight.dtype not in ROUNDING:
+            raise ValueError(f"an LM head weight is [vocab, hidden] fp32/bf16/fp16, got {tuple(weight.shape)} {weight.dtype}")
+        self.weight = weight
+        w64 = weight.double()  # [V, H], exact
+        amax = w64.abs().amax(dim=1)  # [V]
+        scale = (amax / 127).float()  # fp32 per-row scales; 0 for an all-zero row
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
+        self.q = torch.round(w64 / safe[:, None]).clamp(-127, 127).to(torch.int8)  # [V, H]
+        self.scale = scale.to(weight.device)  # [V]
+        dq = self.q.double() * scale.double()[:, None]  # [V, H] q(w), exact in float64
+        hidden = weight.shape[1]
+        resid = (w64 - dq).norm(dim=1)  # [V] ||w - q(w)||
+        cheap = dq.norm(dim=1) * _gamma(hidden + 1)  # [V]
+        exact = w64.norm(dim=1) * _gamma(hidden)  # [V]
+        self.coef = ((resid + cheap + exact) * SAFETY).to(weight.device)  # [V] float64: bound per unit ||h||
+        self.u_dt = ROUNDING[weight.dtype]
+
+    @torch.no_grad()
+    def approx_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Cheap logits h . q(w_v) in fp32. h: [B, H] -> [B, V]. (Reference: dequantizes in fp32; a GPU
+        kernel would read the int8 rows directly.)"""
+        return (h.float() @ self.q.float().T) * self.scale  # [B, V]
+
+    @torch.no_grad()
+    def bounds(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lower, upper) [B, V] float64 enclosing every exact logit the model dtype's head can give."""
+        a = self.approx_logits(h).double()  # [B, V]
+        hn = h.double().norm(dim=-1, keepdim=True)  # [B, 1]
+        slack = hn * self.coef  # [B, V]
+        slack = (slack + self.u_dt * (a.abs() + slack)) * SAFETY
+        return a - slack, a + slack
+
+    @torch.no_grad()
+    def argmax(self, h: torch.Tensor) -> CertifiedArgmax:
+        """The exact argmax of F.linear(h, weight) (first index on ties), rescoring only survivors.
+        h: [B, H] in the model dtype."""
+        lower, upper = self.bounds(h)  # [B, V] each
+        best_lower = lower.max(dim=-1, keepdim=True).values  # [B, 1]
+        survivors = upper >= best_lower  # [B, V]; the argmax's upper bound is >= every lower bound
+        survivors |= ~survivors.any(dim=-1, keepdim=True)  # a non-finite h: no certificate, rescore its row fully
+        cols = survivors.any(dim=0).nonzero().squeeze(1)  # [U] union over the batch, ascending
+        exact = F.linear(h.to(self.weight.dtype), self.weight[cols])  # [B, U]
+        logits = torch.full(survivors.shape, float("-inf"), dtype=exact.dtype, device=exact.device)
+        logits[:, cols] = exact
+        logits = logits.masked_fill(~survivors, float("-inf"))  # [B, V]
+        return CertifiedArgmax(logits.argmax(dim=-1), survivors, logits)

@@ -1,0 +1,94 @@
+"""The certified INT8 LM head: its argmax equals the full-precision head's on every row (random
+heads, the bundled target's hidden states, and adversarial near-ties), while rescoring only a small
+fraction of the vocabulary."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.quant.int8_head import Int8Head
+from tandem.runtime.pair import load_pair
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+PROMPTS = ["def fib(n):", "import os\n\n\ndef list_python_files(root):\n", "class Stack:\n    def __init__(self):",
+           "for i in range(10):\n    print(", 'with open("data.txt") as f:\n    for line in f:\n']
+
+
+def _check(head: Int8Head, h: torch.Tensor) -> float:
+    """Certified argmax == full head's argmax on every row; survivors' logits are the full head's
+    bit for bit. Returns the mean fraction of the vocabulary rescored."""
+    full = F.linear(h, head.weight)  # [B, V]
+    got = head.argmax(h)
+    assert torch.equal(got.token, full.argmax(dim=-1))
+    assert torch.equal(got.logits[got.survivors], full[got.survivors])
+    assert bool(got.survivors.gather(1, got.token[:, None]).all())
+    return got.rescored_fraction
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("crowd", [0.0, 0.02, 0.002])  # rows from independent to nearly identical
+def test_random_heads(dtype, crowd):
+    g = torch.Generator().manual_seed(int(crowd * 1000))
+    rows = torch.randn(4096, 256, generator=g) * (0.5 + torch.rand(4096, 1, generator=g))  # [V, H]
+    if crowd:  # one shared direction plus a small spread: many logits within the int8 error of the top
+        rows = torch.randn(1, 256, generator=g) + crowd * rows
+    w = (rows * 0.05).to(dtype)
+    h = torch.randn(96, 256, generator=g).to(dtype)
+    frac = _check(Int8Head(w), h)
+    if not crowd:
+        assert frac < 0.01, frac  # well separated logits: nearly everything is pruned
+    elif crowd < 0.01:
+        assert frac > 0.05, frac  # the crowded case really exercises the rescoring
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bundled_target_hidden_states(dtype):
+    pair = load_pair(dtype="float32" if dtype == torch.float32 else "bfloat16", need_draft=False)
+    model = pair.target
+    with torch.no_grad():
+        h = torch.cat([model.hidden_states(torch.tensor([pair.tokenizer.encode(p).ids]))[0] for p in PROMPTS])
+    assert h.shape[0] > 40 and h.dtype == dtype  # [rows, hidden]
+    frac = _check(Int8Head(model.lm_head.weight), h)
+    print(f"bundled target ({dtype}): mean fraction of the vocabulary rescored {frac:.2e} "
+          f"({frac * model.lm_head.weight.shape[0]:.2f} of {model.lm_head.weight.shape[0]} tokens per row)")
+    assert frac < 0.01, frac
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adversarial_near_ties(dtype):
+    hidden, vocab = 64, 512
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(1, hidden, generator=g)
+    h[0, 0] = 0.0  # column 0 carries a large weight that h ignores: it only coarsens a row's int8 scale
+    sgn = torch.sign(h[0])
+    w = torch.randn(vocab, hidden, generator=g) * 0.01
+    # row 3: int8 scale s = 2^-6 (its column-0 element is 127 s); every other element is 9.5625 s, which
+    # rounds up to 10 s. Row 11 is 9.75 s everywhere: really larger than row 3, but its int8 logit is
+    # smaller. Every value here is exact in bf16.
+    s_b = 2.0**-6
+    w[3] = sgn * s_b * 9.5625
+    w[3, 0] = 127 * s_b
+    w[11] = sgn * s_b * 9.75
+    w[11, 0] = 0.0
+    w[20] = w[11]  # an exact tie with row 11: the first index wins
+    w[30] = w[11]
+    w[30, 1] += 1e-7 * sgn[1]  # a one-ulp-scale nudge: larger or equal depending on rounding
+    for r in range(40, 80):  # a crowd just below the top
+        w[r] = w[11] * (1 - 1e-3 * (r - 39))
+    w, h = w.to(dtype), h.to(dtype)
+    head = Int8Head(w)
+    full = F.linear(h, w)[0]
+    approx = head.approx_logits(h)[0]
+    assert int(approx.argmax()) == 3 and int(full.argmax()) != 3  # the plain int8 head picks the wrong token
+    _check(head, h)
+    rows = torch.cat([h, h * 1.0001, -h, h * 1e-3]).to(dtype)  # the same ties at other scales
+    _check(head, rows)
+
+
+def test_non_finite_hidden_state_falls_back_to_the_full_head():
+    w = torch.randn(100, 16)
+    h = torch.randn(2, 16)
+    h[1, 3] = float("nan")
+    got = Int8Head(w).argmax(h)
+    assert bool(got.survivors[1].all()) and int(got.token[0]) == int(F.linear(h[:1], w).argmax())
