@@ -27,8 +27,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.tree.draft_tree import children_of
-
 
 # ---- conv1d over a tree -------------------------------------------------------------------
 def conv_windows(parents: list[int], kernel: int) -> torch.Tensor:
@@ -99,8 +97,10 @@ def gdn_tree_walk(S0: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     """
     n = len(parents)
     out = torch.empty(*v.shape, dtype=torch.float32, device=v.device)
-    children = children_of([-1 if p < 0 else p for p in parents]) if n else []
-    roots = [i for i in range(n) if parents[i] < 0]
+    children: list[list[int]] = [[] for _ in range(n)]
+    roots = []
+    for i, p in enumerate(parents):
+        (roots if p < 0 else children[p]).append(i)
     pending = [len(c) for c in children]  # children not yet visited
     live: dict[int, torch.Tensor] = {}  # states of nodes with unvisited children
     stack = roots[::-1]

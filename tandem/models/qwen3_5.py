@@ -85,7 +85,9 @@ class Qwen35Config:
     def from_hf(cls, hf: dict[str, Any]) -> "Qwen35Config":
         top = hf
         if isinstance(hf.get("text_config"), dict):  # Qwen3_5ForConditionalGeneration: the text part
-            hf = {**hf["text_config"], **{k: top[k] for k in ("tie_word_embeddings",) if k in top and k not in hf["text_config"]}}
+            # the wrapper's own tie_word_embeddings decides (transformers ties the head from it)
+            tie = {"tie_word_embeddings": top["tie_word_embeddings"]} if "tie_word_embeddings" in top else {}
+            hf = {**hf["text_config"], **tie}
         try:
             n = int(hf["num_hidden_layers"])
             types = hf.get("layer_types")
