@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -10,6 +11,9 @@ from safetensors import safe_open
 from tandem.config import ConfigError, ModelConfig
 from tandem.models.layers import rope_inv_freq
 from tandem.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from tandem.models.qwen3_5 import Qwen3_5ForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,9 +68,18 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32") -> Transformer:
-    """Build our Transformer from a checkpoint directory, weights cast to `dtype` on `device`."""
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"
+               ) -> Transformer | Qwen3_5ForCausalLM:
+    """Build our Transformer from a checkpoint directory, weights cast to `dtype` on `device`.
+
+    A Qwen3.5 checkpoint (hybrid: Gated DeltaNet + attention layers) loads into
+    `tandem.models.qwen3_5.Qwen3_5ForCausalLM` instead."""
     d = Path(path)
+    from tandem.models.qwen3_5 import is_qwen3_5, load_qwen3_5, read_hf_config
+
+    hf = read_hf_config(d) if d.is_dir() else {}
+    if isinstance(hf, dict) and is_qwen3_5(hf):
+        return load_qwen3_5(d, hf, device, resolve_dtype(dtype))
     cfg = read_config(d)
     dt = resolve_dtype(dtype)
     with torch.device("meta"):

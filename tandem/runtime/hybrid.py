@@ -1,0 +1,143 @@
+"""Single-request greedy decoding for hybrid targets (Qwen3.5: Gated DeltaNet + attention).
+
+    while not done:
+        tree   = drafter.propose()          # a DraftTree hanging from the root (ar: the root alone)
+        result = target.verify(tree)        # one tree pass: attention over the KV cache under the
+                                            # tree mask, GDN layers walk each root path from the
+                                            # committed state; greedy accept; commit the path
+        drafter.observe(result, tree)
+        emit(result.tokens)
+
+The target keeps no recurrent state per tree node: `verify` reads the committed state, and
+the commit replays the accepted path into it (tandem.models.qwen3_5, tandem.kernels.gdn).
+The draft is any attention-only Tandem draft model over the same vocabulary (e.g. the
+bundled-style small draft), run by the usual drafters.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Protocol
+
+import torch
+
+from tandem.config import ConfigError, GenerationConfig, SpecConfig
+from tandem.tree.draft_tree import DraftTree
+from tandem.verify.verifier import VerifyResult, greedy_accept
+
+HYBRID_METHODS = ("ar", "chain", "tree")
+
+
+class Drafter(Protocol):
+    steps: int
+
+    def start(self, prompt: list[int]) -> None: ...
+    def propose(self) -> DraftTree: ...
+    def observe(self, result: VerifyResult, tree: DraftTree) -> None: ...
+
+
+class HybridTarget:
+    """A hybrid target's side of verification: its KV cache (attention layers), its committed
+    recurrent state (GDN layers), one tree pass per `verify`, and the commit of the path."""
+
+    def __init__(self, model, capacity: int):
+        self.model = model
+        self.cache = model.new_cache(capacity)
+        self.state = model.new_state()
+        self.passes = 0
+
+    def prefill(self, tokens: list[int]) -> None:
+        """Feed `tokens` as one chain and commit them all (the prompt minus its last token)."""
+        if not tokens:
+            return
+        _, record = self.model.tree_forward(tokens, list(range(-1, len(tokens) - 1)), self.state, self.cache)
+        self.commit(record, list(range(len(tokens))))
+
+    def logits(self, tree: DraftTree):
+        """[n, vocab] per-node logits of one tree pass, and the pass's record (commit replays it)."""
+        self.passes += 1
+        return self.model.tree_forward(tree.tokens, tree.parents, self.state, self.cache)
+
+    def commit(self, record, path: list[int]) -> None:
+        """The accepted path (root first) joins the verified prefix: its K/V rows move into
+        the prefix, its GDN inputs are replayed into the committed state; the rest is dropped."""
+        self.cache.commit(path)
+        self.model.commit_state(self.state, record, path)
+
+    def verify(self, tree: DraftTree) -> VerifyResult:
+        logits, record = self.logits(tree)
+        result = greedy_accept(tree, logits.argmax(-1).tolist())
+        self.commit(record, result.path)
+        return result
+
+
+def hybrid_drafter(method: str, draft_model, spec: SpecConfig, capacity: int,
+                   use_graphs: bool | str | None = None) -> Drafter | None:
+    """The drafter of `method` over an attention-only draft model: a best-first tree (tree) or
+    the width-1 tree that a greedy chain is (chain); None for ar."""
+    if method == "ar":
+        return None
+    from tandem.drafting.tree_drafter import TreeDrafter, tree_rows
+    from tandem.models.transformer import Transformer
+    from tandem.runtime.runner import ModelRunner
+
+    if not isinstance(draft_model, Transformer):
+        raise ConfigError(f"method {method!r} with a hybrid target needs a small draft model (llama / qwen families); "
+                          f"{type(draft_model).__name__} drafters are not supported with hybrid targets yet")
+    runner = ModelRunner(draft_model, capacity + spec.nodes + spec.k + tree_rows(spec), use_graphs)
+    if method == "tree":
+        return TreeDrafter(runner, spec)
+    return TreeDrafter(runner, SpecConfig(method="tree", nodes=spec.k, width=1, depth=spec.k - 1))
+
+
+def generate_hybrid(target_model, prompt_ids: list[int], method: str = "tree", draft_model=None,
+                    spec: SpecConfig = SpecConfig(), gen: GenerationConfig = GenerationConfig(), tokenizer=None,
+                    on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter | None = None,
+                    use_graphs: bool | str | None = None):
+    """Greedy decoding of one request with a hybrid target; `ar`, `chain` and `tree` give the
+    same tokens. `drafter` (optional) replaces the one built from `draft_model`."""
+    from tandem.runtime.generate import Emitter, GenerationResult
+
+    if method not in HYBRID_METHODS:
+        raise ConfigError(f"method {method!r} is not available for hybrid targets; choose one of "
+                          f"{', '.join(HYBRID_METHODS)}")
+    spec.validate(), gen.validate()
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty; give at least one token of text")
+    if method != "ar" and draft_model is None and drafter is None:
+        raise ConfigError(f"method {method!r} needs a draft model; pass --draft DIR or use --method ar")
+    cfg = target_model.config
+    if draft_model is not None and draft_model.config.vocab_size > cfg.vocab_size:
+        raise ConfigError(f"the draft's vocabulary ({draft_model.config.vocab_size}) is larger than the target's "
+                          f"({cfg.vocab_size}); speculative decoding needs one shared vocabulary")
+    ctx = cfg.max_position_embeddings
+    if draft_model is not None:
+        ctx = min(ctx, draft_model.config.max_position_embeddings)
+    if len(prompt_ids) >= ctx:
+        raise ConfigError(f"prompt is {len(prompt_ids)} tokens but the context window is {ctx}; shorten the prompt")
+    spec, _ = spec.capped(ctx)
+    max_new = min(gen.max_new_tokens, ctx - len(prompt_ids))
+    slack = {"ar": 1, "chain": spec.k + 1, "tree": spec.nodes + 1}[method]
+    capacity = len(prompt_ids) + max_new + slack + 1
+    if drafter is None:
+        drafter = hybrid_drafter(method, draft_model, spec, capacity, use_graphs)
+    eos = set() if gen.ignore_eos else set(cfg.eos_token_ids)
+    target = HybridTarget(target_model, capacity)
+    if drafter is not None:
+        drafter.start(prompt_ids)
+
+    t0 = time.perf_counter()
+    target.prefill(prompt_ids[:-1])
+    emitter = Emitter(max_new, eos, gen, tokenizer, on_tokens, t0)
+    root = prompt_ids[-1]
+    while True:
+        tree = drafter.propose() if drafter is not None else DraftTree.chain([root])  # ar: the root alone
+        result = target.verify(tree)
+        if drafter is not None:
+            drafter.observe(result, tree)
+        if emitter.emit(tree, result):
+            break
+        root = result.bonus
+    if target_model.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return emitter.result(GenerationResult, method, len(prompt_ids), seconds, drafter.steps if drafter else 0)

@@ -1,0 +1,351 @@
+"""Qwen3.5 (hybrid: Gated DeltaNet + gated attention) against transformers, the GDN path walk
+against per-node snapshots, and greedy ar / chain / tree equality on hybrid targets."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from models_for_tests import tiny_model
+from tandem.config import ConfigError, GenerationConfig, SpecConfig
+from tandem.kernels.gdn import conv_tree, conv_windows, gdn_replay, gdn_snapshots_ref, gdn_tree_walk
+from tandem.models.loader import load_model
+from tandem.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen35Config
+from tandem.runtime.hybrid import HybridTarget, generate_hybrid
+from tandem.tree.draft_tree import DraftTree
+
+TOL = 1e-4
+VOCAB = 96
+CONFIGS = {
+    # 3 GDN : 1 attention, grouped GDN heads (2 q/k heads for 4 value heads)
+    "default": dict(num_hidden_layers=4),
+    # attention first and last, biased attention, kernel 3, half-rotary heads
+    "mixed": dict(num_hidden_layers=4, layer_types=["full_attention", "linear_attention", "linear_attention",
+                                                    "full_attention"],
+                  attention_bias=True, linear_conv_kernel_dim=3, linear_num_key_heads=4,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}),
+    # the head tied to the embedding (parity only: a random tied model decodes a repetition)
+    "tied": dict(num_hidden_layers=4, tie_word_embeddings=True),
+}
+DECODING = ["default", "mixed"]
+
+
+def build_hf(name: str, seed: int = 0):
+    from transformers import Qwen3_5ForCausalLM as HF
+    from transformers import Qwen3_5TextConfig
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+              linear_num_value_heads=4, max_position_embeddings=256, eos_token_id=VOCAB - 1)
+    cfg = Qwen3_5TextConfig(**{**kw, **CONFIGS[name]})
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    torch.manual_seed(seed)
+    model = HF(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif "A_log" in n:
+                p.copy_(torch.rand(p.shape, generator=g).mul(15).add(0.01).log())  # transformers' init range
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        if not cfg.tie_word_embeddings:
+            model.lm_head.weight.mul_(2.0)  # peakier logits: greedy argmaxes far from ties
+    return model
+
+
+_cache: dict[str, tuple] = {}
+
+
+@pytest.fixture
+def pair(tmp_path_factory):
+    """name -> (checkpoint dir, HF model, our fp32 model), built once per session."""
+
+    def get(name: str):
+        if name not in _cache:
+            d = tmp_path_factory.mktemp(f"qwen3_5-{name}")
+            hf = build_hf(name)
+            hf.save_pretrained(d)
+            _cache[name] = (d, hf, load_model(d))
+        return _cache[name]
+
+    return get
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()  # [T, V]
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item()
+
+
+# ---- parity with transformers ---------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_full_forward_matches_transformers(pair, name):
+    _, hf, ours = pair(name)
+    assert isinstance(ours, Qwen3_5ForCausalLM) and ours.config.layer_types == tuple(hf.config.layer_types)
+    ids = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert ref.abs().max() > 1.0  # the comparison is not between near-zero logits
+    assert _diff(ours(ids), ref) < TOL
+
+
+@pytest.mark.parametrize("name", DECODING)
+def test_decode_with_state_matches_transformers(pair, name):
+    """Prefill 20 tokens, then decode one token at a time and then a 3-token chunk, through the
+    KV cache and the committed recurrent state; every row's logits equal the full forward's."""
+    _, hf, ours = pair(name)
+    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = _hf_logits(hf, ids)
+    target = HybridTarget(ours, capacity=64)
+    target.prefill(ids[:20])
+    assert target.cache.prefix_len == 20
+    rows = []
+    for t in ids[20:27]:
+        logits, rec = target.logits(DraftTree.chain([t]))
+        target.commit(rec, [0])
+        rows.append(logits)
+    logits, rec = target.logits(DraftTree.chain(ids[27:30]))
+    target.commit(rec, [0, 1, 2])
+    rows.append(logits)
+    assert _diff(torch.cat(rows), ref[20:]) < TOL
+    assert target.cache.prefix_len == 30
+
+
+@pytest.mark.parametrize("name", DECODING)
+def test_tree_pass_matches_each_root_path(pair, name):
+    """Every node of a random tree gets the logits transformers gives its root path, and
+    committing one branch leaves the state transformers' decoding of that branch would."""
+    _, hf, ours = pair(name)
+    rng = random.Random(3)
+    prefix = [rng.randrange(VOCAB) for _ in range(12)]
+    parents = [-1] + [rng.randrange(i) for i in range(1, 14)]
+    tokens = [rng.randrange(VOCAB) for _ in parents]
+    target = HybridTarget(ours, capacity=64)
+    target.prefill(prefix)
+    logits, rec = target.logits(DraftTree(tokens, parents, [0.0] * len(tokens)))
+    path_of = []
+    for i in range(len(tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.append(j)
+            j = parents[j]
+        path_of.append(path[::-1])
+        ref = _hf_logits(hf, prefix + [tokens[j] for j in path_of[i]])[-1]
+        assert _diff(logits[i], ref) < TOL, i
+    deepest = max(range(len(tokens)), key=lambda i: len(path_of[i]))
+    target.commit(rec, path_of[deepest])
+    nxt = rng.randrange(VOCAB)
+    after, _ = target.logits(DraftTree.chain([nxt]))
+    ref = _hf_logits(hf, prefix + [tokens[j] for j in path_of[deepest]] + [nxt])[-1]
+    assert _diff(after[0], ref) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_load(pair, dtype):
+    d, _, ours32 = pair("default")
+    ours = load_model(d, dtype=dtype)
+    assert ours.dtype == dtype and ours.new_state().conv[0].dtype == dtype
+    assert ours.new_state().delta[0].dtype == torch.float32  # the delta state stays fp32
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(4))
+    out, ref = ours(ids), ours32(ids)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert _diff(out, ref) < 0.1 * ref.abs().max().item()
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_multimodal_checkpoint_layout_loads_the_text_model(pair, tmp_path):
+    """Published Qwen3.5 checkpoints are `Qwen3_5ForConditionalGeneration`: the text model under
+    `model.language_model.`, a vision tower and an MTP head beside it, the config nested."""
+    d, _, ours = pair("tied")  # the tie flag sits at the top level of the wrapper's config
+    hf_cfg = json.loads((d / "config.json").read_text())
+    wrapped = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+               "tie_word_embeddings": hf_cfg.pop("tie_word_embeddings"), "text_config": hf_cfg}
+    (tmp_path / "config.json").write_text(json.dumps(wrapped))
+    tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in load_file(d / "model.safetensors").items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, tmp_path / "model.safetensors")
+    loaded = load_model(tmp_path)
+    ids = torch.arange(20)[None]
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded(ids), ours(ids))
+
+
+def test_bad_layer_types_is_a_config_error():
+    with pytest.raises(ConfigError, match="layer_types must list 2"):
+        Qwen35Config.from_hf(dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+                                  num_attention_heads=2, layer_types=["linear_attention", "sliding_attention"]))
+
+
+# ---- the GDN path walk ------------------------------------------------------------------------
+def test_conv_windows_hand_built():
+    # tree 0 -> {1, 2}, 1 -> 3; K = 4: ext columns 0..2 are the committed conv state, node i is 3 + i
+    w = conv_windows([-1, 0, 0, 1], 4)
+    assert w.tolist() == [[0, 1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 5], [2, 3, 4, 6]]
+
+
+def _gdn_inputs(n: int, seed: int, B: int = 1, H: int = 3, dk: int = 4, dv: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, n, H, dk, generator=g)
+    k = F.normalize(torch.randn(B, n, H, dk, generator=g), dim=-1)
+    v = torch.randn(B, n, H, dv, generator=g)
+    decay = -torch.rand(B, n, H, generator=g)
+    beta = torch.rand(B, n, H, generator=g)
+    S0 = torch.randn(B, H, dk, dv, generator=g)
+    return S0, q, k, v, decay, beta
+
+
+@st.composite
+def trees(draw):
+    n = draw(st.integers(1, 24))
+    return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(parents=trees(), seed=st.integers(0, 2**16))
+def test_path_walk_equals_per_node_snapshots(parents, seed):
+    """The walk (no state per node) gives bitwise the outputs of keeping every node's state, and
+    replaying any root path gives bitwise that node's snapshot."""
+    S0, q, k, v, decay, beta = _gdn_inputs(len(parents), seed)
+    S0_before = S0.clone()
+    out = gdn_tree_walk(S0, q, k, v, decay, beta, parents)
+    ref, snaps = gdn_snapshots_ref(S0, q, k, v, decay, beta, parents)
+    assert torch.equal(out, ref)
+    assert torch.equal(S0, S0_before)  # the committed state is read only
+    node = random.Random(seed).randrange(len(parents))
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    assert torch.equal(gdn_replay(S0, k, v, decay, beta, path[::-1]), snaps[path[0]])
+
+
+@settings(max_examples=25, deadline=None)
+@given(parents=trees(), seed=st.integers(0, 2**16), kernel=st.integers(2, 5))
+def test_conv_over_tree_equals_conv_of_each_path(parents, seed, kernel):
+    """Each node's conv output equals F.conv1d over [committed conv state | its root path]."""
+    g = torch.Generator().manual_seed(seed)
+    C, n = 6, len(parents)
+    state, x = torch.randn(1, kernel - 1, C, generator=g), torch.randn(1, n, C, generator=g)
+    weight = torch.randn(C, kernel, generator=g)
+    out = conv_tree(torch.cat([state, x], 1), weight, conv_windows(parents, kernel))  # [1, n, C]
+    for i in range(n):
+        path, j = [], i
+        while j >= 0:
+            path.append(j)
+            j = parents[j]
+        seq = torch.cat([state[0], x[0, path[::-1]]]).t()[None]  # [1, C, K - 1 + len(path)]
+        ref = F.silu(F.conv1d(seq, weight[:, None], groups=C))[0, :, -1]
+        assert torch.allclose(out[0, i], ref, atol=1e-5), i
+
+
+def test_chain_walk_equals_step_by_step():
+    """A chain pass equals feeding the tokens one at a time with a commit after each: bitwise."""
+    S0, q, k, v, decay, beta = _gdn_inputs(9, 7, B=2)
+    chain = gdn_tree_walk(S0, q, k, v, decay, beta, list(range(-1, 8)))
+    S, rows = S0, []
+    for i in range(9):
+        sl = slice(i, i + 1)
+        rows.append(gdn_tree_walk(S, q[:, sl], k[:, sl], v[:, sl], decay[:, sl], beta[:, sl], [-1]))
+        S = gdn_replay(S, k[:, sl], v[:, sl], decay[:, sl], beta[:, sl], [0])
+    assert torch.equal(chain, torch.cat(rows, 1))
+    assert torch.equal(S, gdn_replay(S0, k, v, decay, beta, list(range(9))))
+
+
+# ---- greedy decoding: ar, chain, tree ---------------------------------------------------------
+class OracleTreeDrafter:
+    """Random trees (random shapes, random tokens) with a spine that follows the target's own
+    greedy continuation for a random length: the walk must find it and accept it."""
+
+    def __init__(self, reference: list[int], nodes: int, seed: int):
+        self.ref, self.nodes, self.rng = reference, nodes, random.Random(seed)
+        self.steps, self.done = 0, 0
+
+    def start(self, prompt: list[int]) -> None:
+        self.root = prompt[-1]
+
+    def propose(self) -> DraftTree:
+        rng, spine_len = self.rng, self.rng.randrange(0, 7)
+        tokens, parents, spine = [self.root], [-1], [0]
+        while len(tokens) <= self.nodes:
+            if len(spine) <= spine_len and rng.random() < 0.5:
+                depth = len(spine)  # the spine's next node: the target's token `depth` steps ahead
+                j = self.done + depth - 1
+                tokens.append(self.ref[j] if j < len(self.ref) else rng.randrange(VOCAB))
+                parents.append(spine[-1])
+                spine.append(len(tokens) - 1)
+            else:
+                tokens.append(rng.randrange(VOCAB))
+                parents.append(rng.randrange(len(tokens) - 1))
+        return DraftTree(tokens, parents, [0.0] * len(tokens))
+
+    def observe(self, result, tree) -> None:
+        self.done += len(result.tokens)
+        self.root = result.bonus
+
+
+@pytest.mark.parametrize("name", DECODING)
+def test_ar_matches_transformers_generate(pair, name):
+    _, hf, ours = pair(name)
+    prompt = [3, 17, 42, 8, 11, 60, 2]
+    ar = generate_hybrid(ours, prompt, "ar", gen=GenerationConfig(max_new_tokens=40, ignore_eos=True))
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert ar.token_ids == ref[0, len(prompt):].tolist()
+    assert len(set(ar.token_ids)) > 5  # not a degenerate repetition
+
+
+@pytest.mark.parametrize("name", DECODING)
+def test_random_trees_with_the_target_path_equal_ar(pair, name):
+    _, _, ours = pair(name)
+    prompt = [5, 9, 1, 77, 30]
+    gen = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    ar = generate_hybrid(ours, prompt, "ar", gen=gen)
+    for seed in range(3):
+        drafter = OracleTreeDrafter(ar.token_ids, nodes=12, seed=seed)
+        res = generate_hybrid(ours, prompt, "tree", spec=SpecConfig(nodes=12), gen=gen, drafter=drafter)
+        assert res.token_ids == ar.token_ids, seed
+        assert max(res.accept_lengths) >= 4 and res.target_passes < 0.6 * ar.target_passes
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_small_draft_model_equals_ar(pair, method):
+    """The usual drafters over an attention-only draft model (same vocabulary) with a hybrid target."""
+    _, _, ours = pair("default")
+    draft = tiny_model(vocab=VOCAB, seed=5)
+    prompt = [7, 7, 21, 64, 3, 90]
+    gen = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    ar = generate_hybrid(ours, prompt, "ar", gen=gen)
+    res = generate_hybrid(ours, prompt, method, draft_model=draft, spec=SpecConfig(nodes=8, width=2, k=3), gen=gen)
+    assert res.token_ids == ar.token_ids
+    assert res.draft_steps > 0 and res.target_passes <= ar.target_passes
+
+
+def test_eos_and_bad_method(pair):
+    _, _, ours = pair("default")
+    prompt = [4, 8, 15, 16, 23, 42]
+    ar = generate_hybrid(ours, prompt, "ar", gen=GenerationConfig(max_new_tokens=20, ignore_eos=True))
+    eos = ar.token_ids[5]
+    cfg = ours.config
+    ours.config = dataclasses.replace(cfg, eos_token_ids=(eos,))
+    try:
+        res = generate_hybrid(ours, prompt, "ar", gen=GenerationConfig(max_new_tokens=20))
+    finally:
+        ours.config = cfg
+    assert res.finish_reason == "eos" and res.token_ids == ar.token_ids[: ar.token_ids.index(eos) + 1]
+    with pytest.raises(ConfigError, match="method 'async' is not available for hybrid targets"):
+        generate_hybrid(ours, prompt, "async")
+    with pytest.raises(ConfigError, match="needs a draft model"):
+        generate_hybrid(ours, prompt, "tree")
