@@ -349,3 +349,20 @@ def test_eos_and_bad_method(pair):
         generate_hybrid(ours, prompt, "async")
     with pytest.raises(ConfigError, match="needs a draft model"):
         generate_hybrid(ours, prompt, "tree")
+
+
+def test_generator_dispatches_a_hybrid_target(pair):
+    """`Generator` (what `tandem generate` and bench drive) runs a hybrid target through the hybrid
+    loop: tree and auto equal ar, and sampling is refused with one line."""
+    from tandem.config import ConfigError, SamplingConfig
+    from tandem.runtime.generate import Generator
+
+    _, _, ours = pair("default")
+    eng = Generator(ours, tiny_model(vocab=VOCAB, seed=5))
+    prompt = [7, 7, 21, 64, 3, 90]
+    gen = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    want = Generator(ours).generate(prompt, "ar", gen=gen).token_ids
+    assert eng.generate(prompt, "tree", SpecConfig(nodes=8, width=2), gen=gen).token_ids == want
+    assert eng.generate(prompt, "auto", SpecConfig(nodes=8, width=2), gen=gen).token_ids == want
+    with pytest.raises(ConfigError, match="greedily"):
+        eng.generate(prompt, "tree", sampling=SamplingConfig(temperature=0.7), gen=gen)

@@ -33,6 +33,17 @@ def draft_kind(path: Path) -> str:
     return next((DRAFT_ARCHITECTURES[a] for a in archs if a in DRAFT_ARCHITECTURES), "model")
 
 
+def _is_hybrid(path: Path) -> bool:
+    import json
+
+    from tandem.models.qwen3_5 import is_qwen3_5
+
+    try:
+        return is_qwen3_5(json.loads((Path(path) / "config.json").read_text()))
+    except (OSError, ValueError, AttributeError):
+        return False  # read_config gives the clear error
+
+
 def bundled_available() -> bool:
     return (BUNDLED_TARGET / "config.json").is_file() and (BUNDLED_DRAFT / "config.json").is_file()
 
@@ -72,7 +83,8 @@ def load_pair(target: str | Path | None = None, draft: str | Path | None = None,
         if not (draft / "config.json").is_file():
             raise ConfigError(f"the bundled drafter {str(draft)!r} is missing from this install")
     target, draft = Path(target), (Path(draft) if draft is not None and need_draft else None)
-    read_config(target)  # the clearest error for a wrong directory comes from its config
+    if not _is_hybrid(target):  # Qwen3.5 (tandem.models.qwen3_5) reads its own config
+        read_config(target)  # the clearest error for a wrong directory comes from its config
     tokenizer = load_tokenizer(target)
     kind = draft_kind(draft) if draft is not None else None
     if kind == "model":
