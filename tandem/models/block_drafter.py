@@ -30,7 +30,7 @@ from torch import nn
 
 from tandem.config import ConfigError, ModelConfig
 from tandem.kernels.fused import add_rmsnorm
-from tandem.models.layers import RMSNorm, rope_inv_freq
+from tandem.models.layers import RMSNorm, fuse_decoder_layers, rope_inv_freq
 from tandem.models.transformer import DecoderLayer
 
 ARCHITECTURE = "TandemBlockDrafter"
@@ -192,10 +192,7 @@ class BlockDrafter(nn.Module):
         return self.markov_u[prev].float() @ self.markov_v.float().T
 
     def fuse_projections(self) -> "BlockDrafter":
-        for layer in self.layers:
-            if layer.self_attn.qkv_weight is None:
-                layer.self_attn.fuse()
-                layer.mlp.fuse()
+        fuse_decoder_layers(self.layers)
         return self
 
     @property

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from tandem.config import ConfigError, ModelConfig
-from tandem.models.layers import MLP, Attention, RMSNorm, rope_inv_freq
+from tandem.models.layers import MLP, Attention, RMSNorm, fuse_decoder_layers, rope_inv_freq
 
 # the architecture names of the public checkpoints (SGLang / EAGLE repo, vLLM)
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -175,9 +175,7 @@ class Eagle3Head(nn.Module):
         return logits  # [B, T, draft_vocab]
 
     def fuse_projections(self) -> "Eagle3Head":
-        if self.midlayer.self_attn.qkv_weight is None:
-            self.midlayer.self_attn.fuse()
-            self.midlayer.mlp.fuse()
+        fuse_decoder_layers([self.midlayer])
         return self
 
     @property

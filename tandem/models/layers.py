@@ -130,3 +130,12 @@ class MLP(nn.Module):
         self.gate_up_weight = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
         g, u = self.gate_up_weight.split([self.gate_proj.weight.shape[0], self.up_proj.weight.shape[0]])
         self.gate_proj.weight.data, self.up_proj.weight.data = g, u
+
+
+def fuse_decoder_layers(layers) -> None:
+    """Fuse the q/k/v and gate/up weights of decoder layers (inference only: fewer, larger
+    matrix products; idempotent). Every model that runs DecoderLayers calls it."""
+    for layer in layers:
+        if layer.self_attn.qkv_weight is None:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()

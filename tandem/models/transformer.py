@@ -11,7 +11,7 @@ from torch import nn
 
 from tandem.config import ModelConfig
 from tandem.kernels.fused import add_rmsnorm
-from tandem.models.layers import MLP, Attention, RMSNorm, rope_inv_freq
+from tandem.models.layers import MLP, Attention, RMSNorm, fuse_decoder_layers, rope_inv_freq
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -105,10 +105,7 @@ class Transformer(nn.Module):
 
     def fuse_projections(self) -> "Transformer":
         """Fuse q/k/v and gate/up weights (inference only: fewer, larger matrix products)."""
-        for layer in self.model.layers:
-            if layer.self_attn.qkv_weight is None:
-                layer.self_attn.fuse()
-                layer.mlp.fuse()
+        fuse_decoder_layers(self.model.layers)
         return self
 
     @property
