@@ -51,6 +51,39 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def block_logits(drafter, x: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """The drafter's logits for every training row at once.
+
+    x: [b, L] tokens; feats: [b, L, F] the target's features; anchors: [A] sorted root positions
+    (< L - B + 1). Rows: the L context rows, then per anchor a the B - 1 mask rows at positions
+    a + 1 .. a + B - 1. Returns [b, L + A * (B - 1), vocab] (Markov term not added). Row p
+    (context) predicts position p + 1; mask row (a, j) predicts a + j + 1."""
+    from tandem.train.trainer import autocast_ctx
+
+    device = x.device
+    B = drafter.bconfig.block_size
+    b, L = x.shape
+    A = anchors.numel()
+    f_prev = torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1).float()  # features of i - 1
+    j = torch.arange(1, B, device=device)  # [B - 1]
+    pos_blk = (anchors[:, None] + j[None, :]).reshape(-1)  # [A * (B - 1)]
+    S = L + pos_blk.numel()
+    ids = torch.cat([x, torch.full((b, pos_blk.numel()), drafter.mask_id, device=device)], dim=1)  # [b, S]
+    fin = torch.cat([f_prev, torch.zeros(b, pos_blk.numel(), f_prev.shape[-1], device=device)], dim=1)
+    positions = torch.cat([torch.arange(L, device=device), pos_blk])[None].expand(b, S)
+    # mask [S, S]: context causal; block rows see context <= their anchor and their block's rows up to them
+    mask = torch.zeros(S, S, dtype=torch.bool, device=device)
+    mask[:L, :L] = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    anchor_of = anchors.repeat_interleave(B - 1)  # [A * (B - 1)]
+    mask[L:, :L] = torch.arange(L, device=device)[None, :] <= anchor_of[:, None]
+    blk = torch.arange(A, device=device).repeat_interleave(B - 1)
+    jj = j.repeat(A)
+    mask[L:, L:] = (blk[:, None] == blk[None, :]) & (jj[None, :] <= jj[:, None])
+    with autocast_ctx(device):
+        h = drafter.hidden(drafter.embed(ids, fin), positions, mask=mask[None, None])
+        return drafter.shared["lm_head"](h).float()  # [b, S, V]
+
+
 def block_loss_fn(drafter, target, anchors: int, device: torch.device):
     """(x [b, L], y [b, L]) -> (loss, aux = top-1 agreement with the target at lattice position 1)."""
     from tandem.train.trainer import autocast_ctx
@@ -62,28 +95,10 @@ def block_loss_fn(drafter, target, anchors: int, device: torch.device):
         with torch.no_grad(), autocast_ctx(device):
             t_logits = target(x)  # [b, L, V]
             feats = target.last_features  # [b, L, F]
-        feats = feats.float()
-        f_prev = torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1)  # features of position i - 1
         # anchors (shared by the batch): the root positions; their blocks end inside the window
         a = torch.randperm(L - B, device=device)[:anchors].sort().values  # [A]
-        A = a.numel()
-        j = torch.arange(1, B, device=device)  # [B - 1]
-        pos_blk = (a[:, None] + j[None, :]).reshape(-1)  # [A * (B - 1)]
-        S = L + pos_blk.numel()
-        ids = torch.cat([x, torch.full((b, pos_blk.numel()), drafter.mask_id, device=device)], dim=1)  # [b, S]
-        fin = torch.cat([f_prev, torch.zeros(b, pos_blk.numel(), f_prev.shape[-1], device=device)], dim=1)
-        positions = torch.cat([torch.arange(L, device=device), pos_blk])[None].expand(b, S)
-        # mask [S, S]: context causal; block rows see context <= their anchor and their block's rows up to them
-        mask = torch.zeros(S, S, dtype=torch.bool, device=device)
-        mask[:L, :L] = torch.ones(L, L, dtype=torch.bool, device=device).tril()
-        anchor_of = a.repeat_interleave(B - 1)  # [A * (B - 1)]
-        mask[L:, :L] = torch.arange(L, device=device)[None, :] <= anchor_of[:, None]
-        blk = torch.arange(A, device=device).repeat_interleave(B - 1)
-        jj = j.repeat(A)
-        mask[L:, L:] = (blk[:, None] == blk[None, :]) & (jj[None, :] <= jj[:, None])
-        with autocast_ctx(device):
-            h = drafter.hidden(drafter.embed(ids, fin), positions, mask=mask[None, None])
-            d_logits = drafter.shared["lm_head"](h).float()  # [b, S, V]
+        pos_blk = (a[:, None] + torch.arange(1, B, device=device)[None, :]).reshape(-1)
+        d_logits = block_logits(drafter, x, feats, a)  # [b, S, V]
         prev = torch.cat([x, x[:, pos_blk]], dim=1)  # the token at each row's position: the Markov parent
         if drafter.markov_u is not None:
             d_logits = d_logits + drafter.markov_full(prev)
