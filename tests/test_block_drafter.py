@@ -176,3 +176,30 @@ def test_tiny_recipe_trains_a_block_drafter_that_loads_and_decodes_like_ar(tmp_p
     want = Generator(pair.target, None, use_graphs=False).generate(prompt, "ar", gen=g).token_ids
     for method in ("chain", "tree"):
         assert gen.generate(prompt, method, SpecConfig(k=3, nodes=8), gen=g).token_ids == want
+
+
+@pytest.mark.parametrize("method", ["tree", "chain"])
+def test_sampling_two_tokens_follow_the_target(method):
+    """Sampled decoding with the block drafter's (deterministic) lattice trees: the joint law of
+    the first two tokens is the target's (total variation within sampling noise)."""
+    from tandem.verify.sampling import probs_from_logits
+
+    V, n, prompt = 8, 2000, [3, 7, 1]
+    target = tiny_model(seed=0, vocab=V, scale=2.0)
+    d = make_drafter(target, block=4, k=4, markov=4, seed=2)
+    sampling = SamplingConfig(temperature=1.0)
+    with torch.no_grad():
+        p1 = probs_from_logits(target(torch.tensor([prompt]))[0, -1], sampling)  # [V]
+        joint = torch.stack([p1[a] * probs_from_logits(target(torch.tensor([prompt + [a]]))[0, -1], sampling)
+                             for a in range(V)])  # [V, V]
+    gen, g = Generator(target, d), GenerationConfig(max_new_tokens=2, ignore_eos=True)
+    spec = SpecConfig(nodes=6, k=3)
+    c = torch.zeros(V, V)
+    for seed in range(n):
+        out = gen.generate(prompt, method, spec, sampling=SamplingConfig(1.0, 1.0, seed), gen=g).token_ids
+        c[out[0], out[1]] += 1
+    tv = 0.5 * float((c / n - joint).abs().sum())
+    assert tv < 0.1, (method, tv)
+    # drafts are really offered and accepted (the test exercises verification, not the bonus alone)
+    greedy = gen.generate(prompt, method, spec, gen=GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    assert greedy.draft_steps > 0
