@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.config import ConfigError, SpecConfig
+from tandem.engine.row_selection import RowCost
 
 ENGINE_METHODS = ("ar", "chain", "tree")
 
@@ -18,6 +19,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # rows of one target pass (prefill chunks + every tree)
     enable_prefix_caching: bool = True
     debug_check: bool = False  # run the pool's check() after every step
+    # batch parallelism (MineDraft; tandem.engine.batch_manager): one batch is verified while the other drafts
+    batch_parallel: bool = False
+    rebalance_threshold: float = 0.25  # |load 0 - load 1| / total above which requests change batch
+    # batch-aware row selection (SpecPilot s4.4; tandem.engine.row_selection): one node budget per step
+    row_selection: bool = False
+    row_cost: RowCost = field(default_factory=RowCost)  # c(rows) of one target pass
+    prompt_admission: bool = False  # with row_selection: admit new prompts only into the flat region's rows
 
     def validate(self) -> None:
         if self.method not in ENGINE_METHODS:
@@ -28,6 +36,15 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1 (got {self.num_blocks})")
+        if (self.batch_parallel or self.row_selection) and self.method == "ar":
+            what = "batch_parallel" if self.batch_parallel else "row_selection"
+            raise ConfigError(f"{what} needs a drafting method (chain or tree), not 'ar'")
+        if not 0.0 <= self.rebalance_threshold < 1.0:
+            raise ConfigError(f"rebalance_threshold must be in [0, 1) (got {self.rebalance_threshold})")
+        try:
+            self.row_cost.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.max_num_batched_tokens < self.draft_rows():
             raise ConfigError(f"max_num_batched_tokens {self.max_num_batched_tokens} is below one tree's "
                               f"{self.draft_rows()} rows")

@@ -9,10 +9,23 @@ Drafting is per request: each decoding request owns a drafter of the single-requ
 (`TreeDrafter` for tree and greedy chain, `ChainDrafter` for a sampled chain) on its own small
 `ModelRunner`, created when its prefill is done and dropped on preemption. A batched draft
 (one draft pass for every request's expansion round) is later work; verification is batched.
+
+Two modes change which rows a step holds, never an output:
+
+- `batch_parallel` (tandem.engine.batch_manager): the decoding requests form two batches; the
+  step verifies one (KV rows reserved for it alone) while the other is drafted, and the roles
+  swap. A drafted tree waits in `req.runtime["pending"]` for the next step. On CUDA the drafting
+  runs on its own stream, launched after the target pass so its kernels can overlap the
+  target's; on the CPU the two run one after the other (no overlap, same outputs).
+- `row_selection` (tandem.engine.row_selection): decodes are planned with their roots, then the
+  step's draft nodes are chosen over all requests' trees by path score under a cost model and
+  reserved (`Scheduler.grow`).
 """
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -20,9 +33,11 @@ import torch
 from tandem.config import ConfigError, SamplingConfig, SpecConfig
 from tandem.drafting.chain_drafter import ChainDrafter
 from tandem.drafting.tree_drafter import TreeDrafter, tree_rows
+from tandem.engine.batch_manager import BatchManager
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.engine.config import EngineConfig
 from tandem.engine.request import Request, RequestOutput, RequestState, SamplingParams
+from tandem.engine.row_selection import select_step
 from tandem.engine.scheduler import Scheduler, ScheduledRows, StepPlan
 from tandem.kv.paged import PagedKVPool
 from tandem.models.transformer import Transformer
@@ -31,6 +46,54 @@ from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree, ancestor_mask
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step, as the metrics keep it."""
+
+    step: int
+    rows: int  # rows of the target pass (prefill chunks + verify passes)
+    verified: int  # requests verified
+    verify_batch: int | None  # batch parallelism: the batch verified (None: plain mode)
+    drafted: int  # batch parallelism: requests drafted for the next step
+    overlapped: bool  # both batches had decoding requests
+    fallback: bool  # decoding with one batch empty (tail effect)
+    loads: tuple[int, int] | None  # batch parallelism: load of batch 0 and 1 at the step boundary
+    draft_s: float  # seconds drafting the other batch
+    overlap: float  # fraction of that drafting hidden under the target pass (CPU: 0.0, sequential)
+    nodes: int  # draft nodes verified
+    offered: int  # row selection: draft nodes the trees offered (0 when off)
+
+
+@dataclass
+class EngineCounters:
+    """Totals over the engine's life; `records` keeps the latest steps."""
+
+    steps: int = 0
+    rows: int = 0  # rows over all target passes
+    decode_steps: int = 0  # steps that verified at least one request
+    batch_parallel_steps: int = 0  # steps with one batch verified while the other drafted
+    tail_fallbacks: int = 0
+    rebalances: int = 0
+    selection_off_steps: int = 0  # row selection chose zero draft nodes (speculation off)
+    nodes_selected: int = 0
+    nodes_offered: int = 0
+    draft_s: float = 0.0  # drafting of the other batch (batch parallelism)
+    draft_hidden_s: float = 0.0  # of it, under the target pass (CUDA events; 0 on the CPU)
+    records: deque = field(default_factory=lambda: deque(maxlen=4096), repr=False)
+
+    @property
+    def rows_per_step(self) -> float:
+        return self.rows / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        """Flat figures for /metrics and bench results (the latest step record included)."""
+        out = {k: v for k, v in asdict(self).items() if k != "records"}
+        out["rows_per_step"] = self.rows_per_step
+        out["overlap"] = self.draft_hidden_s / self.draft_s if self.draft_s else 0.0
+        out["last_step"] = asdict(self.records[-1]) if self.records else None
+        return out
 
 
 class Engine:
@@ -50,10 +113,17 @@ class Engine:
                                                                    // config.block_size)
         self.pool = PagedKVPool.for_model(target, num_blocks, config.block_size, config.enable_prefix_caching)
         self.model = BatchedModel(target, self.pool)
-        self.scheduler = Scheduler(config, self.pool)
+        self.scheduler = Scheduler(config, self.pool, row_budget=self._row_budget)
         self.requests: dict[str, Request] = {}
         self.eos = set(target.config.eos_token_ids)
         self.steps = 0
+        self.counters = EngineCounters()
+        self.batches: BatchManager | None = None
+        self._draft_stream = None
+        if config.batch_parallel:
+            self.batches = BatchManager(self._load, config.rebalance_threshold)
+            if target.device.type == "cuda":  # the drafter's kernels on their own stream
+                self._draft_stream = torch.cuda.Stream(device=target.device)
 
     # ---- public API ----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
@@ -84,6 +154,8 @@ class Engine:
         if req is None or req.done:
             return False
         self.scheduler.finish(req, RequestState.ABORTED)
+        if self.batches is not None:
+            self.batches.recycle(req)
         req.finish_reason = "abort"
         req.runtime.clear()
         return True
@@ -94,19 +166,34 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Run one target pass; returns the requests that finished in it."""
-        plan = self.scheduler.plan_step()
+        verify, verify_batch, overlapped, fallback, loads = self._boundary()
+        admit = self.config.row_cost.tile if self.config.row_selection and self.config.prompt_admission else None
+        plan = self.scheduler.plan_step(verify, admit, verify_batch or 0)
         for req in plan.preempted:
-            req.runtime.pop("drafter", None)  # its draft K/V is rebuilt when it returns
+            self._drop_draft(req)
         finished: list[RequestOutput] = []
+        trees: dict[str, DraftTree] = {}
+        offered = drafted = 0
+        draft_s = overlap = 0.0
         if plan:
-            trees = {s.request.request_id: self._draft(s) for s in plan.decodes}
-            logits = self.model.forward(self._rows(plan, trees))  # [decode rows, vocab]
+            if self.config.row_selection:
+                trees, offered = self._select(plan)
+            else:
+                trees = {s.request.request_id: self._draft(s) for s in plan.decodes}
+            logits, drafted, draft_s, overlap = self._forward(plan, trees)  # logits: [decode rows, vocab]
             finished = self._apply(plan, trees, logits)
+        if self.batches is not None:
+            self.batches.swap()
+        self._record(plan, trees, verify_batch, overlapped, fallback, loads, drafted, draft_s, overlap, offered)
         self.steps += 1
         if self.config.debug_check:
             problems = self.pool.check()
             assert not problems, problems
         return finished
+
+    def metrics(self) -> dict:
+        """The engine's counters as a flat dict (for /metrics and bench results)."""
+        return self.counters.as_dict()
 
     def run(self, on_step: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Step until every request is done; the outputs in finishing order."""
@@ -119,20 +206,138 @@ class Engine:
         return done
 
     # ---- the pieces of a step ---------------------------------------------------------------
+    def _boundary(self) -> tuple[Callable[[Request], bool] | None, int | None, bool, bool, tuple[int, int] | None]:
+        """Batch parallelism at the step boundary: assign the requests that started decoding,
+        rebalance, pick the roles. Returns the verify filter, the verify batch, whether the step
+        overlaps, whether it is a tail fallback, and the loads (None / False in plain mode)."""
+        bm = self.batches
+        if bm is None:
+            return None, None, False, False, None
+        decoding = [r for r in self.scheduler.running if not r.in_prefill]
+        for r in decoding:
+            if r.request_id not in bm.batch_of:
+                bm.assign(r)
+        bm.rebalance()
+        loads = bm.loads()
+        verify_batch, overlapped, fallback = bm.roles(decoding)
+        return ((lambda r: bm.batch_of.get(r.request_id, verify_batch) == verify_batch), verify_batch, overlapped,
+                fallback, loads)
+
+    def _load(self, req: Request) -> int:
+        """A request's weight in batch balancing: its KV rows plus one verify pass's rows."""
+        return req.num_computed + self.config.draft_rows()
+
+    def _row_budget(self, req: Request) -> int:
+        # row selection plans the roots first and grows them by the chosen nodes (`_select`)
+        return 1 if self.config.row_selection else self.config.draft_rows()
+
+    def _drop_draft(self, req: Request) -> None:
+        """Preempted: its draft K/V and pending tree are rebuilt when it returns."""
+        req.runtime.pop("drafter", None)
+        req.runtime.pop("pending", None)
+        if self.batches is not None:
+            self.batches.recycle(req)
+
+    def _proposal(self, req: Request) -> DraftTree:
+        """The request's full tree: the one drafted while the other batch was verified, or now."""
+        tree = req.runtime.pop("pending", None)
+        if tree is not None:
+            return tree
+        drafter = req.runtime.get("drafter")
+        if drafter is None:
+            drafter = req.runtime["drafter"] = self._new_drafter(req)
+            drafter.start(req.token_ids())
+        return drafter.propose()
+
     def _draft(self, s: ScheduledRows) -> DraftTree:
         """The request's tree for this pass, at most `s.rows` nodes (root included)."""
         req = s.request
         root = req.token_ids()[-1]
         if self.config.method == "ar" or s.rows == 1 and "drafter" not in req.runtime:
             return DraftTree.chain([root])
-        drafter = req.runtime.get("drafter")
-        if drafter is None:
-            drafter = req.runtime["drafter"] = self._new_drafter(req)
-            drafter.start(req.token_ids())
-        tree = drafter.propose()
+        tree = self._proposal(req)
         if len(tree) > s.rows:  # the first rows of a topological order are prefix-closed
             tree = tree.subset(list(range(s.rows)))
         return tree
+
+    def _select(self, plan: StepPlan) -> tuple[dict[str, DraftTree], int]:
+        """Row selection: every verified request's full tree, one shared node budget from the
+        cost model, then each decode grows by its chosen nodes. Returns the trees and the nodes
+        offered."""
+        full = {s.request.request_id: self._proposal(s.request) for s in plan.decodes}
+        if not full:
+            return {}, 0
+        room = self.config.max_num_batched_tokens - plan.num_rows
+        sel = select_step(full, plan.num_rows, self.config.row_cost, room)
+        trees = {}
+        for i, s in enumerate(plan.scheduled):
+            if s.kind != "decode":
+                continue
+            rid = s.request.request_id
+            keep = sel.keep[rid]
+            granted = self.scheduler.grow(plan, i, len(keep) - 1) if len(keep) > 1 else 0
+            trees[rid] = full[rid].subset(keep[:1 + granted])  # a sorted prefix-closed set's head is one too
+        return trees, sel.offered
+
+    def _forward(self, plan: StepPlan, trees: dict[str, DraftTree]) -> tuple[torch.Tensor, int, float, float]:
+        """The target pass over the plan's rows; with batch parallelism the other batch is drafted
+        meanwhile. Returns logits [decode rows, vocab], requests drafted, drafting seconds and the
+        fraction of it hidden under the target pass."""
+        rows = self._rows(plan, trees)
+        to_draft = []
+        if self.batches is not None:
+            to_draft = [r for r in self.batches.members(self.batches.skip_batch) if "pending" not in r.runtime]
+        if not to_draft:
+            return self.model.forward(rows), 0, 0.0, 0.0
+        stream = self._draft_stream
+        if stream is None:  # CPU: drafting follows the target pass (same trees, no overlap)
+            logits = self.model.forward(rows)
+            t0 = time.perf_counter()
+            for r in to_draft:
+                r.runtime["pending"] = self._proposal(r)
+            return logits, len(to_draft), time.perf_counter() - t0, 0.0
+        main = torch.cuda.current_stream(stream.device)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        d0, d1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(main)
+        logits = self.model.forward(rows)  # queued first, so the draft kernels queue beside it
+        e1.record(main)
+        stream.wait_event(e0)  # the drafter reads committed state only (the other batch's)
+        with torch.cuda.stream(stream):
+            d0.record(stream)
+            for r in to_draft:
+                r.runtime["pending"] = self._proposal(r)
+            d1.record(stream)
+        main.wait_stream(stream)
+        d1.synchronize()
+        e1.synchronize()
+        t_end, d_start, d_end = e0.elapsed_time(e1), e0.elapsed_time(d0), e0.elapsed_time(d1)  # ms
+        draft_ms = max(d_end - d_start, 1e-9)
+        hidden = max(0.0, min(t_end, d_end) - max(0.0, d_start))
+        return logits, len(to_draft), draft_ms / 1e3, min(1.0, hidden / draft_ms)
+
+    def _record(self, plan: StepPlan, trees: dict[str, DraftTree], verify_batch: int | None, overlapped: bool,
+                fallback: bool, loads: tuple[int, int] | None, drafted: int, draft_s: float, overlap: float,
+                offered: int) -> None:
+        c = self.counters
+        decodes = len(plan.decodes)
+        nodes = sum(len(t) - 1 for t in trees.values())
+        rec = StepRecord(self.steps, plan.num_rows, decodes, verify_batch, drafted, overlapped, fallback, loads,
+                         draft_s, overlap, nodes, offered)
+        c.records.append(rec)
+        c.steps += 1
+        c.rows += plan.num_rows
+        c.decode_steps += decodes > 0
+        c.batch_parallel_steps += overlapped
+        c.tail_fallbacks += fallback
+        if self.batches is not None:
+            c.rebalances = self.batches.counters.rebalances
+        if self.config.row_selection and offered:
+            c.nodes_offered += offered
+            c.nodes_selected += nodes
+            c.selection_off_steps += nodes == 0
+        c.draft_s += draft_s
+        c.draft_hidden_s += draft_s * overlap
 
     def _new_drafter(self, req: Request):
         spec, sampling = self.spec, req.params.sampling()
@@ -183,6 +388,8 @@ class Engine:
                 req.runtime["drafter"].observe(result, tree)
             if self._emit(req, tree, result):
                 self.scheduler.finish(req)
+                if self.batches is not None:
+                    self.batches.recycle(req)
                 req.runtime.clear()
                 self.requests.pop(req.request_id, None)
                 finished.append(self.output(req))

@@ -11,9 +11,12 @@ Per step, under a token budget (rows of one target pass):
    lookup, then a first chunk) while budget, sequence slots and blocks allow. A request that
    does not fit blocks the ones behind it (strict FIFO).
 
-Hooks for later work: `row_budget` decides a decoding request's rows (a cost model may give
-zero draft tokens to some), and `StepPlan.batch_id` names the sub-batch a plan serves (batch
-parallelism would alternate two: one drafts while the other verifies).
+Hooks: `row_budget` decides a decoding request's rows (row selection gives some zero draft
+tokens); `plan_step(verify=...)` schedules only the decoding requests it accepts, so batch
+parallelism reserves verify rows for the verified batch alone (the drafted batch keeps just its
+committed blocks); `admit_limit` caps the step's rows up to which new prompts are admitted
+(prompt admission: prompts ride in a verify step only inside the flat region of its cost).
+`StepPlan.batch_id` names the batch a plan verifies.
 """
 from __future__ import annotations
 
@@ -74,12 +77,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step --------------------------------------------------------------------------
-    def plan_step(self) -> StepPlan:
-        plan = StepPlan()
+    def plan_step(self, verify: Callable[[Request], bool] | None = None, admit_limit: int | None = None,
+                  batch_id: int = 0) -> StepPlan:
+        """`verify`: which decoding requests get a verify pass (default: all); `admit_limit`: in a
+        step that verifies, no new prompt is admitted past this many rows (default: the budget)."""
+        plan = StepPlan(batch_id=batch_id)
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if verify is not None and not req.in_prefill and not verify(req):
+                i += 1  # drafted, not verified, this step: no rows reserved
+                continue
             kind, rows = self._want(req, budget)
             while not self.pool.can_reserve(req.request_id, rows):
                 victim = self.running[-1]
@@ -94,6 +103,8 @@ class Scheduler:
                 i += 1
         if plan.preempted:
             return plan
+        if admit_limit is not None and plan.decodes:
+            budget = min(budget, admit_limit - plan.num_rows)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             tokens = req.token_ids()
@@ -112,6 +123,21 @@ class Scheduler:
             plan.scheduled.append(ScheduledRows(req, kind, req.num_computed, rows))
             budget -= rows
         return plan
+
+    def grow(self, plan: StepPlan, index: int, extra: int) -> int:
+        """Add up to `extra` rows to the plan's decode entry `index` (row selection reserves the
+        roots first and the chosen draft nodes after): as many as the token budget and the free
+        blocks allow, never preempting. Returns the rows added."""
+        item = plan.scheduled[index]
+        assert item.kind == "decode", item
+        extra = min(extra, self.config.max_num_batched_tokens - plan.num_rows)
+        while extra > 0 and not self.pool.can_reserve(item.request.request_id, extra):
+            extra -= 1
+        if extra <= 0:
+            return 0
+        self.pool.reserve(item.request.request_id, extra)
+        plan.scheduled[index] = ScheduledRows(item.request, item.kind, item.start, item.rows + extra)
+        return extra
 
     def _want(self, req: Request, budget: int) -> tuple[str, int]:
         if req.in_prefill:

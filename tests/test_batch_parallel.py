@@ -1,0 +1,355 @@
+"""Batch parallelism (MineDraft) and batch-aware row selection (SpecPilot s4.4) in the engine.
+
+Batch Manager unit cases (balance by KV load, skip_batch, recycle, rebalancing, the tail
+fallback); the engine in batch-parallel mode (exact greedy outputs for 32 concurrent requests
+with aborts and preemptions, verify rows reserved for the verified batch only); shared-budget
+row selection (prefix-closed, budget exact, cost model) and its outputs.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from models_for_tests import noisy_copy, tiny_model
+from tandem.config import ConfigError, GenerationConfig, SpecConfig
+from tandem.engine.batch_manager import BatchManager
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import Engine
+from tandem.engine.request import Request, RequestState, SamplingParams
+from tandem.engine.row_selection import RowCost, choose_nodes, select_rows, select_step
+from tandem.runtime.generate import Generator
+from tandem.tree.draft_tree import DraftTree
+
+MAX_NEW = 24
+TREE = SpecConfig(nodes=8, width=2)
+
+
+# ---- Batch Manager ---------------------------------------------------------------------------
+def req(rid: str, kv: int) -> Request:
+    r = Request([1] * kv, request_id=rid)
+    r.num_computed = kv
+    return r
+
+
+def manager(threshold: float = 0.25) -> BatchManager:
+    return BatchManager(load=lambda r: r.num_computed, threshold=threshold)
+
+
+def test_assign_balances_by_kv_tokens_not_by_count():
+    bm = manager(threshold=0.0)
+    long = req("long", 100)
+    assert bm.assign(long) == bm.skip_batch == 1  # first request: the batch drafted first
+    shorts = [req(f"s{i}", 10) for i in range(10)]
+    for r in shorts:
+        bm.assign(r)
+    # ten short requests balance one long one: equal KV load, 1 request against 10
+    assert bm.members(1) == [long] and bm.members(0) == shorts
+    assert bm.loads() == (100, 100) and bm.imbalance() == 0.0
+    # with a tolerance, newcomers join skip_batch (drafted first) while the loads stay within it
+    bm = manager(threshold=0.25)
+    for r in [long] + shorts:
+        bm.assign(r)
+    assert bm.imbalance() <= 0.25 and len(bm.members(0)) >= 2 * len(bm.members(1))
+
+
+def test_new_requests_join_skip_batch_while_balanced_and_roles_alternate():
+    bm = manager()
+    reqs = [req(f"r{i}", 10) for i in range(4)]
+    for r in reqs:
+        bm.assign(r)
+    assert bm.loads() == (20, 20)
+    verified = []
+    for _ in range(4):
+        v, overlapped, fallback = bm.roles(reqs)
+        assert overlapped and not fallback
+        verified.append(v)
+        bm.swap()
+    assert verified == [0, 1, 0, 1]
+    # a newcomer that keeps the balance within the threshold joins the batch drafted now
+    skip = bm.skip_batch
+    assert bm.assign(req("new", 5)) == skip and bm.counters.overlapped_steps == 4
+
+
+def test_recycle_on_finish_abort_and_preemption_frees_the_load():
+    bm = manager()
+    reqs = [req(f"r{i}", 10 + i) for i in range(6)]
+    for r in reqs:
+        bm.assign(r)
+    before = sum(bm.loads())
+    for r in reqs[:3]:  # finish, abort, preemption all recycle the same way
+        bm.recycle(r)
+    assert sum(bm.loads()) == before - (10 + 11 + 12)
+    assert set(bm.batch_of) == {"r3", "r4", "r5"}
+    bm.recycle(reqs[0])  # twice, or unknown: ignored
+    assert bm.assign(reqs[0]) in (0, 1)  # a preempted request is assigned again when it decodes
+
+
+def test_rebalancing_after_aborts_cannot_freeze_an_imbalance():
+    bm = manager(threshold=0.0)
+    reqs = [req(f"r{i}", 10) for i in range(8)]
+    for r in reqs:
+        bm.assign(r)
+    assert bm.loads() == (40, 40)
+    for r in bm.members(0):  # every request of batch 0 is aborted
+        bm.recycle(r)
+    assert bm.loads() == (0, 40) and bm.imbalance() == 1.0
+    moves = bm.rebalance()
+    assert len(moves) == 2 and all(b == 0 for _, b in moves)
+    assert bm.loads() == (20, 20) and bm.counters.rebalances == 2
+    # an odd split no single move can improve stays put: no ping-pong
+    bm.recycle(bm.members(0)[0])
+    assert bm.loads() == (10, 20) and bm.rebalance() == [] and bm.rebalance() == []
+
+
+def test_rebalance_moves_the_request_that_best_evens_the_loads():
+    bm = manager(threshold=0.05)
+    a, b, c = req("a", 50), req("b", 30), req("c", 12)
+    bm.batch_of, bm.requests = {"a": 0, "b": 0, "c": 0}, {"a": a, "b": b, "c": c}
+    moves = bm.rebalance()  # 92 : 0 -> moving b (30) leaves 62 : 30, a (50) leaves 42 : 50 (closest)
+    assert [(r.request_id, to) for r, to in moves][0] == ("a", 1)
+    assert bm.imbalance() <= 0.2
+
+
+def test_tail_fallback_when_one_batch_is_empty_is_counted_and_verifies_the_other():
+    bm = manager()
+    r = req("only", 10)
+    bm.assign(r)  # batch 1 = skip_batch; batch 0 (verify) empty
+    v, overlapped, fallback = bm.roles([r])
+    assert v == 1 and not overlapped and fallback  # roles swapped so the lone request is verified
+    assert bm.counters.tail_fallbacks == 1 and bm.counters.overlapped_steps == 0
+    assert bm.roles([]) == (bm.verify_batch, False, False)  # nothing decoding: not a fallback
+    assert bm.counters.tail_fallbacks == 1
+
+
+# ---- the engine in batch-parallel mode -------------------------------------------------------
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_model(seed=0)
+    return target, noisy_copy(target, 0.1)
+
+
+@pytest.fixture(scope="module")
+def solo(models):
+    """32 prompts (1-40 tokens) and each one's solo greedy `ar` output."""
+    target, draft = models
+    g = Generator(target, draft)
+    rng = torch.Generator().manual_seed(2024)
+    prompts = [torch.randint(0, 95, (int(torch.randint(1, 41, (), generator=rng)),), generator=rng).tolist()
+               for _ in range(32)]
+    gen = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
+    return prompts, [g.generate(p, "ar", gen=gen).token_ids for p in prompts]
+
+
+PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def run_all(engine: Engine, prompts, params=PARAMS):
+    reqs = [engine.add_request(p, params) for p in prompts]
+    done = {o.request_id: o for o in engine.run()}
+    return [done[r.request_id] for r in reqs]
+
+
+def assert_clean(engine: Engine) -> None:
+    assert engine.pool.check() == []
+    assert engine.pool.num_free == engine.pool.num_blocks and engine.pool.seqs == {}
+    assert not engine.has_unfinished() and engine.requests == {}
+    assert engine.batches is None or engine.batches.batch_of == {}
+
+
+@pytest.mark.parametrize("method,spec", [("tree", TREE), ("chain", SpecConfig(k=4))])
+def test_batch_parallel_32_concurrent_requests_equal_their_solo_ar_outputs(models, solo, method, spec):
+    prompts, refs = solo
+    engine = Engine(*models, config=EngineConfig(method=method, spec=spec, block_size=8, max_num_batched_tokens=96,
+                                                 batch_parallel=True, debug_check=True))
+    outs = run_all(engine, prompts)
+    assert [o.token_ids for o in outs] == refs
+    assert_clean(engine)
+    c = engine.counters
+    assert c.batch_parallel_steps > 0.5 * c.decode_steps  # most steps verify one batch while drafting the other
+    assert c.tail_fallbacks >= 1  # the last request alone
+    assert sum(r.drafted for r in c.records) > 0 and max(o.tau for o in outs) > 2.0
+    verified = [r.verify_batch for r in c.records if r.overlapped]
+    assert set(verified) == {0, 1}
+    m = engine.metrics()
+    assert m["batch_parallel_steps"] == c.batch_parallel_steps and m["rows_per_step"] > 1
+    assert m["overlap"] == 0.0  # on the CPU the drafting runs after the target pass
+
+
+def test_batch_parallel_with_aborts_and_preemptions_stays_exact(models, solo):
+    prompts, refs = solo
+    # 40 blocks of 4 rows: preemptions; a token budget of 64 rows: chunked prefill beside verify passes
+    cfg = EngineConfig(method="tree", spec=TREE, block_size=4, num_blocks=40, max_num_batched_tokens=64,
+                       batch_parallel=True, debug_check=True)
+    engine = Engine(*models, config=cfg)
+    reqs = [engine.add_request(p, PARAMS) for p in prompts[:20]]
+    outs, aborted = [], set()
+    while engine.has_unfinished():
+        outs += engine.step()
+        if engine.steps in (3, 8, 15):  # abort a decoding request of each batch in turn
+            live = [r for r in reqs if r.state is RequestState.RUNNING and r.output_ids]
+            if live:
+                victim = live[engine.steps % len(live)]
+                assert engine.abort(victim.request_id)
+                aborted.add(victim.request_id)
+    assert len(aborted) == 3 and not aborted & {o.request_id for o in outs}
+    assert len(outs) == 17
+    for o in outs:
+        assert o.token_ids == refs[prompts.index(o.prompt_token_ids)]
+    assert sum(o.figures.preemptions for o in outs) > 0
+    assert engine.counters.batch_parallel_steps > 0
+    assert_clean(engine)
+
+
+def test_kv_rows_are_reserved_for_the_verified_batch_only(models, solo):
+    prompts, _ = solo
+    engine = Engine(*models, config=EngineConfig(method="tree", spec=TREE, block_size=8, batch_parallel=True))
+    seen = []
+    forward = engine.model.forward
+
+    def inspecting_forward(rows):  # the real pass, after a look at the pool mid-step
+        bm, pool = engine.batches, engine.pool
+        drafted = [r.request_id for r in bm.members(bm.skip_batch)]
+        verified = [r.request_id for r in bm.members(bm.verify_batch)]
+        seen.append(([pool.seqs[i].reserved for i in drafted], [pool.seqs[i].reserved for i in verified]))
+        return forward(rows)
+
+    engine.model.forward = inspecting_forward
+    run_all(engine, prompts[:12])
+    both = [(d, v) for d, v in seen if d and v]
+    assert len(both) > 5
+    assert all(x == 0 for d, _ in both for x in d)  # drafted batch: committed blocks only
+    assert all(x >= 1 for _, v in both for x in v)  # verified batch: root + its tree
+    assert_clean(engine)
+
+
+def test_sampled_chain_in_batch_parallel_mode_equals_plain_batched_mode(models, solo):
+    prompts, _ = solo
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+    outs = []
+    for bp in (False, True):
+        engine = Engine(*models, config=EngineConfig(method="chain", spec=SpecConfig(k=3), batch_parallel=bp))
+        outs.append([o.token_ids for o in run_all(engine, prompts[:8], params)])
+        assert_clean(engine)
+    assert outs[0] == outs[1]  # each request draws from its own stream: draft, then accept, in turn
+
+
+def test_batch_parallel_and_row_selection_need_a_drafting_method(models):
+    with pytest.raises(ConfigError, match="batch_parallel needs a drafting method"):
+        Engine(models[0], None, config=EngineConfig(method="ar", batch_parallel=True))
+    with pytest.raises(ConfigError, match="row_selection needs a drafting method"):
+        EngineConfig(method="ar", row_selection=True).validate()
+    with pytest.raises(ConfigError, match="rebalance_threshold must be in"):
+        EngineConfig(batch_parallel=True, rebalance_threshold=1.5).validate()
+    with pytest.raises(ConfigError, match="increasing rows"):
+        EngineConfig(row_cost=RowCost(points=((64, 1.0), (32, 2.0)))).validate()
+
+
+# ---- row selection ---------------------------------------------------------------------------
+def random_tree(rng: random.Random, n: int) -> DraftTree:
+    """A best-first-like tree: each node under a random earlier node, path log-probs falling."""
+    parents, logp = [-1], [0.0]
+    for i in range(1, n):
+        p = rng.randrange(i)
+        parents.append(p)
+        logp.append(logp[p] + math.log(rng.uniform(0.05, 1.0)))
+    return DraftTree(tokens=list(range(n)), parents=parents, logp=logp)
+
+
+def is_prefix_closed(tree: DraftTree, keep: list[int]) -> bool:
+    s = set(keep)
+    return 0 in s and all(tree.parents[i] in s for i in keep if i)
+
+
+def test_shared_budget_is_exact_prefix_closed_and_takes_the_best_nodes():
+    rng = random.Random(7)
+    for trial in range(20):
+        trees = {f"r{k}": random_tree(rng, rng.randint(1, 12)) for k in range(rng.randint(1, 6))}
+        offered = sum(len(t) - 1 for t in trees.values())
+        for budget in (0, 1, 5, offered // 2, offered, offered + 3):
+            keep = select_rows(trees, budget)
+            assert sum(len(k) - 1 for k in keep.values()) == min(budget, offered)
+            assert all(is_prefix_closed(trees[r], k) and k == sorted(k) for r, k in keep.items())
+            kept = [trees[r].logp[i] for r, k in keep.items() for i in k if i]
+            left = [t.logp[i] for r, t in trees.items() for i in range(1, len(t)) if i not in keep[r]]
+            if kept and left:  # path scores fall along paths, so best-first is the global top-k
+                assert min(kept) >= max(left)
+
+
+def test_shared_budget_hand_case_gives_one_request_zero_draft_nodes():
+    a = DraftTree(tokens=[0, 1, 2, 3], parents=[-1, 0, 1, 0], logp=[0.0, -0.1, -0.3, -2.0])
+    b = DraftTree(tokens=[0, 4, 5], parents=[-1, 0, 1], logp=[0.0, -1.5, -1.6])
+    assert select_rows({"a": a, "b": b}, 2) == {"a": [0, 1, 2], "b": [0]}
+    assert select_rows({"a": a, "b": b}, 4) == {"a": [0, 1, 2], "b": [0, 1, 2]}
+
+
+def test_row_cost_curve_and_the_goodput_choice():
+    c = RowCost(tile=64, slope=1.0)
+    assert (c(1), c(64), c(96), c(128)) == (1.0, 1.0, 1.5, 2.0)
+    measured = RowCost(points=((1, 1.0), (64, 1.0), (128, 1.8)))
+    assert (measured(32), measured(96), measured(192)) == (1.0, 1.4, 2.6)
+    # flat region: every node with a chance is free, so n fills up to the tile and no further
+    assert choose_nodes([0.5] * 100, requests=4, base_rows=4, cost=c, max_nodes=100) == 60
+    # a node pays beyond the tile only if its probability beats the goodput it dilutes
+    assert choose_nodes([0.9] * 100, requests=1, base_rows=64, cost=RowCost(tile=64, slope=0.01),
+                        max_nodes=100) == 100
+    # steep cost past the tile, already past it: speculation off for the step
+    assert choose_nodes([0.3] * 10, requests=8, base_rows=70, cost=RowCost(tile=64, slope=5.0), max_nodes=10) == 0
+    assert choose_nodes([0.9] * 10, requests=2, base_rows=2, cost=c, max_nodes=3) == 3  # the cap holds
+    sel = select_step({"a": DraftTree(tokens=[0, 1], parents=[-1, 0], logp=[0.0, -3.0])}, 70,
+                      RowCost(tile=64, slope=5.0), 10)
+    assert sel.off and sel.keep == {"a": [0]} and sel.expected_tokens == 1.0
+
+
+@pytest.mark.parametrize("bp", [False, True])
+def test_row_selection_keeps_outputs_exact_and_steps_inside_the_budget(models, solo, bp):
+    prompts, refs = solo
+    tile = 40
+    cfg = EngineConfig(method="tree", spec=TREE, block_size=8, max_num_batched_tokens=96, batch_parallel=bp,
+                       row_selection=True, row_cost=RowCost(tile=tile, slope=1000.0), prompt_admission=True,
+                       debug_check=True)
+    engine = Engine(*models, config=cfg)
+    outs = run_all(engine, prompts[:16])
+    assert [o.token_ids for o in outs] == refs[:16]
+    assert_clean(engine)
+    c = engine.counters
+    assert 0 < c.nodes_selected < c.nodes_offered  # the shared budget cut the trees
+    for r in c.records:  # past the flat region a node costs far more than it can return
+        assert r.nodes == 0 or r.rows <= tile
+        assert r.rows <= cfg.max_num_batched_tokens
+    assert any(r.nodes for r in c.records) and max(o.tau for o in outs) > 1.5
+
+
+def test_prompt_admission_holds_new_prompts_to_the_flat_region_and_changes_no_output(models, solo):
+    prompts, refs = solo
+    tile, outs, over = 32, [], []
+    for admission in (False, True):
+        cfg = EngineConfig(method="tree", spec=TREE, block_size=8, max_num_batched_tokens=128, row_selection=True,
+                           row_cost=RowCost(tile=tile), prompt_admission=admission, debug_check=True)
+        engine = Engine(*models, config=cfg)
+        plans = []
+        plan_step = engine.scheduler.plan_step
+
+        def recording_plan_step(*args, **kw):  # the real planner; its plan is looked at before rows grow
+            plan = plan_step(*args, **kw)
+            before = sum(s.rows for s in plan.scheduled if s.request not in plan.admitted)
+            verifying = any(s.kind == "decode" and s.request not in plan.admitted for s in plan.scheduled)
+            if verifying and plan.admitted:  # rows before the admissions, rows admitted
+                plans.append((before, plan.num_rows - before))
+            return plan
+
+        engine.scheduler.plan_step = recording_plan_step
+        reqs = [engine.add_request(p, PARAMS) for p in prompts[:4]]
+        while not any(r.output_ids for r in reqs):
+            engine.step()
+        reqs += [engine.add_request(p, PARAMS) for p in prompts[4:12]]  # arrive while others decode
+        done = {o.request_id: o for o in engine.run()}
+        outs.append([done[r.request_id].token_ids for r in reqs])
+        over.append(plans)
+        assert_clean(engine)
+    # prompts rode in verify steps; with admission control only inside the flat region's rows
+    assert over[1] and all(before + admitted <= tile for before, admitted in over[1])
+    assert any(before + admitted > tile for before, admitted in over[0])
+    assert outs[0] == outs[1] == refs[:12]
