@@ -309,6 +309,7 @@ def create_app(server: Server) -> FastAPI:
 
     app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    app.add_middleware(BodyLimit, limit=server.config.max_body_bytes)
     tok = server.tokenizer
     fmt = LogprobFormat(tok.decode)
 
