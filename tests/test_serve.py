@@ -357,3 +357,14 @@ def test_a_full_queue_gets_503_with_retry_after_then_health_503_once_the_engine_
             assert time.monotonic() - t0 < 1.0
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("args,message", [(["--methods", "ar,warp"], "unknown method 'warp' in --methods"),
+                                          (["--max-pending", "0"], "--max-pending must be >= 1"),
+                                          (["--methods", "ar,ar"], "names a method twice")])
+def test_serve_cli_refuses_bad_flags_in_one_line(capsys, args, message):
+    from tandem.cli import main
+
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
