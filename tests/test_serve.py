@@ -368,3 +368,25 @@ def test_serve_cli_refuses_bad_flags_in_one_line(capsys, args, message):
     assert main(["serve", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_an_exception_in_an_engine_step_fails_its_requests_only_and_the_server_keeps_serving(live, client):
+    engine = live.state.engines["tree"]
+    real_step = engine.step
+
+    def faulty_step():  # fault injection: the next tree step raises once
+        engine.step = real_step
+        raise RuntimeError("injected fault")
+
+    engine.step = faulty_step
+    try:
+        r = client.post("/v1/completions", json={"prompt": PROMPTS[4], "max_tokens": 8, "temperature": 0,
+                                                 "method": "tree"})
+    finally:
+        engine.step = real_step
+    err = assert_error(r, 500, code="engine_error")
+    assert "injected" not in err["message"]  # the exception is logged, not sent
+    wait_clean(live.state)
+    assert httpx.get(live.url + "/health").status_code == 200
+    for method in ("tree", "ar"):
+        assert complete(client, prompt=PROMPTS[4], method=method)["usage"]["completion_tokens"] == 8
