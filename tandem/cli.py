@@ -1,4 +1,4 @@
-"""`tandem generate | bench | audit | profile | train-pair` (also `python -m tandem`).
+"""`tandem generate | bench | audit | profile | serve | train-pair` (also `python -m tandem`).
 
 Every subcommand reads its defaults from the config dataclasses; user mistakes become one
 line on stderr and exit status 2, never a traceback.
@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "train-pair": ("tandem.train", "train the bundled draft/target pair from Python source"),
     "train-drafters": ("tandem.train.drafters", "train feature drafters (block drafter, EAGLE-3 head) for a target"),
     "convert": ("tandem.quant.convert", "write a lossless W12 (12-bit) copy of a bf16 checkpoint"),
+    "serve": ("tandem.serve.cli", "OpenAI-compatible HTTP server over the batched engine (needs tandem[serve])"),
 }
 
 

@@ -1,0 +1,471 @@
+"""The FastAPI app: /v1/completions, /v1/chat/completions (JSON or server-sent events), /v1/models,
+/health, /metrics.
+
+A request's path through the server:
+
+    BodyLimit (413 before parsing) -> auth (401) -> JSON + schema (400) -> bounds (400 / 404)
+    -> capacity (503 + Retry-After) -> driver.submit -> events -> one JSON body, or SSE chunks
+
+Every error, including unknown routes and bugs, leaves as an OpenAI-shaped body (errors.py).
+A handler whose client goes away aborts its request in the engine: a stream through its
+response's `finally`, a non-streamed request by polling for the disconnect while it waits.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import replace
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.config import ConfigError
+from tandem.engine.config import EngineConfig
+from tandem.engine.request import SamplingParams
+from tandem.runtime.streaming import StopStreamer
+from tandem.serve.chat_template import BUILTIN_TEMPLATE, ChatTemplate, TemplateError
+from tandem.serve.config import ServerConfig
+from tandem.serve.driver import Delta, EngineDriver, Event, Failed, Finished, Job
+from tandem.serve.errors import APIError, error_body
+from tandem.serve.logprobs import LogprobEngine, TokenLogprob
+from tandem.serve.metrics import ServerMetrics
+from tandem.serve.schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("tandem.serve")
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions `logprobs`
+DISCONNECT_POLL_S = 0.25
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `limit` bytes gets 413 before anything parses it (declared
+    Content-Length checked first, then the bytes actually received); the body is replayed."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await _raw_error(send, 413, f"the request body is over {self.limit} bytes")
+        body, more = bytearray(), True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            if len(body) > self.limit:
+                return await _raw_error(send, 413, f"the request body is over {self.limit} bytes")
+            more = msg.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _raw_error(send, status: int, message: str) -> None:
+    data = json.dumps(error_body(status, message, code="request_too_large")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": data})
+
+
+class ClosingStream(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however it ends: finished, client gone before or
+    during the body, or cancelled (an un-started generator's own `finally` would never run)."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class RequestHandle:
+    """One admitted request as the handler sees it: its events, and `close()` (idempotent) that
+    aborts it in the engine unless it finished, and frees its place in the bounded queue."""
+
+    def __init__(self, server: "Server", request_id: str):
+        self.server, self.request_id = server, request_id
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.done = self.closed = False
+
+    async def next(self) -> Event:
+        ev = await self.queue.get()
+        if isinstance(ev, (Finished, Failed)):
+            self.done = True
+        return ev
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.server.pending -= 1
+        self.server.metrics.pending.set(self.server.pending)
+        if not self.done:
+            self.server.driver.abort(self.request_id)
+
+
+class Server:
+    """The state behind the routes: engines (one per served method, sharing the models), the driver,
+    the tokenizer and chat template, the bounded-queue count (event-loop thread only)."""
+
+    def __init__(self, target, draft, tokenizer, config: ServerConfig = ServerConfig(),
+                 engine_config: EngineConfig = EngineConfig(), chat_template: ChatTemplate | None = None):
+        config.validate()
+        self.config, self.tokenizer = config, tokenizer
+        self.chat_template = chat_template or ChatTemplate(BUILTIN_TEMPLATE, builtin=True)
+        self.engines = {m: LogprobEngine(target, draft if m != "ar" else None, tokenizer,
+                                         replace(engine_config, method=m)) for m in config.methods}
+        self.context_window = min(e.context_window for e in self.engines.values())
+        self.metrics = ServerMetrics()
+        self.driver = EngineDriver(self.engines, self.metrics)
+        self.pending = 0
+        self.created = int(time.time())
+
+    # ---- checks --------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "missing or wrong API key; send 'Authorization: Bearer KEY'", code="invalid_api_key")
+
+    async def parse(self, request: Request, schema: type[BaseModel]):
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        try:
+            return schema.model_validate(data)
+        except ValidationError as e:
+            err = e.errors(include_url=False, include_input=False)[0]
+            loc = [str(x) for x in err["loc"]]
+            param = loc[0] if loc else None
+            where = ".".join(loc) or "body"
+            raise APIError(400, f"invalid field {where}: {err['msg']}", param=param, code="invalid_value") from None
+
+    def sampling(self, body, prompt_len: int, max_tokens: int | None, top_logprobs: int | None
+                 ) -> tuple[SamplingParams, str]:
+        """Bounds of the shared fields -> the engine's SamplingParams and the method."""
+        c = self.config
+        if body.model is not None and body.model != c.served_model_name:
+            raise APIError(404, f"model {body.model!r} is not served here; this server serves "
+                                f"{c.served_model_name!r}", param="model", code="model_not_found")
+        if body.n != 1:
+            raise APIError(400, f"n={body.n} is not supported: this server returns one choice per request (n=1)",
+                           param="n", code="unsupported_value")
+        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0)):
+            if getattr(body, name) != neutral:
+                raise APIError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_value")
+        if body.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_value")
+        method = body.method or c.methods[0]
+        if method not in self.engines:
+            raise APIError(400, f"method {method!r} is not served here; choose one of {', '.join(c.methods)}",
+                           param="method", code="unsupported_value")
+        if prompt_len >= self.context_window:
+            raise APIError(400, f"the prompt is {prompt_len} tokens but the context window is "
+                                f"{self.context_window}; shorten it", param="messages" if isinstance(
+                               body, ChatCompletionRequest) else "prompt", code="context_length_exceeded")
+        cap = min(c.max_tokens_limit, self.context_window)
+        if max_tokens is None:
+            max_tokens = min(c.max_tokens_limit, self.context_window - prompt_len)
+        if not 1 <= max_tokens <= cap:
+            raise APIError(400, f"max_tokens must be in 1..{cap} (got {max_tokens})", param="max_tokens",
+                           code="invalid_value")
+        if not 0 <= body.temperature <= 2:
+            raise APIError(400, f"temperature must be in [0, 2] (got {body.temperature})", param="temperature",
+                           code="invalid_value")
+        if not 0 < body.top_p <= 1:
+            raise APIError(400, f"top_p must be in (0, 1] (got {body.top_p})", param="top_p", code="invalid_value")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > c.max_stop:
+            raise APIError(400, f"at most {c.max_stop} stop strings (got {len(stop)})", param="stop",
+                           code="invalid_value")
+        if any(not 1 <= len(s) <= c.max_stop_chars for s in stop):
+            raise APIError(400, f"each stop string must have 1..{c.max_stop_chars} characters", param="stop",
+                           code="invalid_value")
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        return SamplingParams(max_tokens=max_tokens, temperature=float(body.temperature), top_p=float(body.top_p),
+                              seed=seed, stop=tuple(stop), ignore_eos=body.ignore_eos), method
+
+    # ---- running a request ---------------------------------------------------------------
+    async def open(self, prompt_ids: list[int], params: SamplingParams, method: str,
+                   top_logprobs: int | None) -> RequestHandle:
+        c = self.config
+        if not self.driver.alive:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        if self.pending >= c.max_pending:
+            self.metrics.requests.labels("rejected").inc()
+            raise APIError(503, f"the server is at capacity ({c.max_pending} requests in flight); retry later",
+                           code="server_busy", headers={"Retry-After": str(c.retry_after_s)})
+        handle = RequestHandle(self, f"{uuid.uuid4().hex}")
+        loop = asyncio.get_running_loop()
+        self.pending += 1
+        self.metrics.pending.set(self.pending)
+        job = Job(handle.request_id, prompt_ids, params, method, top_logprobs,
+                  sink=lambda ev: loop.call_soon_threadsafe(handle.queue.put_nowait, ev))
+        try:
+            await asyncio.wrap_future(self.driver.submit(job))
+        except ConfigError as e:
+            handle.done = True
+            handle.close()
+            raise APIError(400, str(e), code="invalid_value") from None
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
+    async def collect(self, request: Request, handle: RequestHandle) -> Finished:
+        """Wait for the end of a non-streamed request; abort it if the client goes away."""
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(handle.next(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        raise APIError(499, "client disconnected") from None
+                    continue
+                if isinstance(ev, Finished):
+                    return ev
+                if isinstance(ev, Failed):
+                    raise APIError(500, ev.message, code="engine_error")
+        finally:
+            handle.close()
+
+
+def usage(fin: Finished) -> dict:
+    out = fin.output
+    f = out.figures
+    n, p = len(out.token_ids), len(out.prompt_token_ids)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+            # extension: the request's speculation (tau: tokens per target verify pass, bonus included)
+            "speculative": {"method": fin.method, "draft_tokens": f.draft_tokens,
+                            "accepted_tokens": f.accepted_tokens, "target_passes": f.target_passes,
+                            "tau": round(out.tau, 4)}}
+
+
+class LogprobFormat:
+    """The target's logprobs in the two OpenAI shapes (completions' legacy lists, chat's `content`)."""
+
+    def __init__(self, decode):
+        self.decode = decode
+
+    def completion(self, lps: list[TokenLogprob], offset: int = 0) -> dict:
+        tokens = [self.decode([t.token]) for t in lps]
+        offsets, pos = [], offset
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
+                "top_logprobs": [{self.decode([i]): v for i, v in t.top} for t in lps], "text_offset": offsets}
+
+    def chat(self, lps: list[TokenLogprob]) -> dict:
+        def entry(token: int, logprob: float) -> dict:
+            s = self.decode([token])
+            return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+        return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
+                            for t in lps]}
+
+
+def create_app(server: Server) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.driver.start()
+        try:
+            yield
+        finally:
+            server.driver.stop()
+
+    app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.add_middleware(BodyLimit, limit=server.config.max_body_bytes)
+    tok = server.tokenizer
+    fmt = LogprobFormat(tok.decode)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        msg = {404: "no such route", 405: "method not allowed on this route"}.get(e.status_code, str(e.detail))
+        return JSONResponse(error_body(e.status_code, msg), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(500, "internal server error", code="internal_error"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not server.driver.alive:
+            return JSONResponse(error_body(503, "the engine loop is not running", code="engine_unavailable"),
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.authorize(request)
+        c = server.config
+        return {"object": "list", "data": [{"id": c.served_model_name, "object": "model", "created": server.created,
+                                            "owned_by": "tandem", "max_model_len": server.context_window,
+                                            "methods": list(c.methods)}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        server.authorize(request)
+        body: CompletionRequest = await server.parse(request, CompletionRequest)
+        if isinstance(body.prompt, list):
+            if len(body.prompt) != 1:
+                raise APIError(400, "give one prompt per request (a string, or a list of one string)",
+                               param="prompt", code="unsupported_value")
+            body.prompt = body.prompt[0]
+        if not body.prompt:
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        for name, bad in (("echo", body.echo), ("best_of", body.best_of not in (None, 1)),
+                          ("suffix", body.suffix is not None)):
+            if bad:
+                raise APIError(400, f"{name} is not supported", param=name, code="unsupported_value")
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise APIError(400, f"logprobs must be in 0..{MAX_COMPLETION_LOGPROBS}", param="logprobs",
+                           code="invalid_value")
+        ids = tok.encode(body.prompt).ids  # as `tandem generate` encodes a prompt
+        params, method = server.sampling(body, len(ids), body.max_tokens, body.logprobs)
+        handle = await server.open(ids, params, method, body.logprobs)
+        rid, created, name = f"cmpl-{handle.request_id}", int(time.time()), server.config.served_model_name
+
+        def choice(text: str, finish: str | None, lps) -> dict:
+            return {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
+
+        def record(choices: list, use: dict | None = None) -> dict:
+            out = {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices}
+            if use is not None:
+                out["usage"] = use
+            return out
+
+        if not body.stream:
+            fin = await server.collect(request, handle)
+            lps = fmt.completion(fin.logprobs) if fin.logprobs is not None else None
+            return record([choice(fin.output.text, FINISH_REASONS.get(fin.output.finish_reason), lps)], usage(fin))
+        return stream(handle, params, body, record,
+                      lambda text, finish, lps, offset: choice(text, finish, fmt.completion(lps, offset)
+                                                               if lps is not None else None))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        server.authorize(request)
+        body: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
+        top = None
+        if body.logprobs:
+            top = body.top_logprobs or 0
+            if not 0 <= top <= server.config.max_top_logprobs:
+                raise APIError(400, f"top_logprobs must be in 0..{server.config.max_top_logprobs}",
+                               param="top_logprobs", code="invalid_value")
+        elif body.top_logprobs is not None:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
+        try:
+            text = server.chat_template.render(messages)
+        except TemplateError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        ids = tok.encode(text, add_special_tokens=False).ids  # the template wrote any special tokens
+        if not ids:
+            raise APIError(400, "the messages render to an empty prompt", param="messages", code="invalid_value")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params, method = server.sampling(body, len(ids), max_tokens, top)
+        handle = await server.open(ids, params, method, top)
+        rid, created, name = f"chatcmpl-{handle.request_id}", int(time.time()), server.config.served_model_name
+
+        if not body.stream:
+            fin = await server.collect(request, handle)
+            lps = fmt.chat(fin.logprobs) if fin.logprobs is not None else None
+            msg = {"role": "assistant", "content": fin.output.text}
+            return {"id": rid, "object": "chat.completion", "created": created, "model": name,
+                    "choices": [{"index": 0, "message": msg, "logprobs": lps,
+                                 "finish_reason": FINISH_REASONS.get(fin.output.finish_reason)}],
+                    "usage": usage(fin)}
+
+        def record(choices: list, use: dict | None = None) -> dict:
+            out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                   "choices": choices}
+            if use is not None:
+                out["usage"] = use
+            return out
+
+        def choice(text: str, finish: str | None, lps, offset: int) -> dict:
+            delta = {"role": "assistant", "content": text} if offset == 0 and finish is None else {"content": text}
+            return {"index": 0, "delta": delta, "logprobs": fmt.chat(lps) if lps is not None else None,
+                    "finish_reason": finish}
+
+        return stream(handle, params, body, record, choice)
+
+    def stream(handle: RequestHandle, params: SamplingParams, body, record, choice) -> ClosingStream:
+        """Server-sent events: a chunk per step that released text (or logprobs), a last chunk with
+        the finish_reason, an optional usage chunk, then `data: [DONE]`."""
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def sse(obj) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        async def events():
+            streamer = StopStreamer(tok.decode, params.stop)
+            printed = 0
+            while True:
+                ev = await handle.next()
+                if isinstance(ev, Delta):
+                    text = streamer.push(ev.token_ids)
+                    if text or ev.logprobs:
+                        yield sse(record([choice(text, None, ev.logprobs, printed)]))
+                        printed += len(text)
+                elif isinstance(ev, Finished):
+                    rest = streamer.finish(ev.output.text)
+                    yield sse(record([choice(rest, FINISH_REASONS.get(ev.output.finish_reason), None, printed)]))
+                    if include_usage:
+                        yield sse(record([], usage(ev)))
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    yield sse(error_body(500, ev.message, code="engine_error"))
+                    yield "data: [DONE]\n\n"
+                    return
+
+        return ClosingStream(events(), handle.close, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+    return app

@@ -1,0 +1,81 @@
+"""`tandem serve`: load the pair, build one engine per served method, run uvicorn on loopback."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+import os
+import sys
+
+from tandem.config import ConfigError, SpecConfig
+from tandem.engine.config import EngineConfig
+from tandem.serve.config import LOOPBACK, ServerConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tandem.cli import add_model_arguments
+
+    s, e, spec = ServerConfig(), EngineConfig(), SpecConfig()
+    add_model_arguments(p)
+    p.add_argument("--host", default=s.host, help=f"bind address (default {LOOPBACK}: this machine only)")
+    p.add_argument("--port", type=int, default=s.port, help="0 picks a free port (printed at start)")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                   help="required as 'Authorization: Bearer KEY' on every /v1 route (default: $TANDEM_API_KEY)")
+    p.add_argument("--served-model-name", default=s.served_model_name, help="the `model` name requests use")
+    p.add_argument("--methods", default=None,
+                   help="comma list of ar | chain | tree served; the first is the default (default: tree,ar with a "
+                        "draft, ar without)")
+    p.add_argument("--chat-template", default=None, help="jinja2 file overriding the checkpoint's chat template")
+    p.add_argument("--max-pending", type=int, default=s.max_pending,
+                   help="requests in flight at most; more get 503 with Retry-After")
+    p.add_argument("--max-tokens-limit", type=int, default=s.max_tokens_limit, help="largest max_tokens accepted")
+    p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="requests decoded together at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
+                   help="rows of one target pass")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: max-num-seqs "
+                   "full context windows)")
+    p.add_argument("--block-size", type=int, default=e.block_size)
+    p.add_argument("--k", type=int, default=spec.k, help="draft tokens per step for chain")
+    p.add_argument("--nodes", type=int, default=spec.nodes, help="node budget N for tree")
+    p.add_argument("--width", type=int, default=spec.width, help="leaves expanded per round for tree")
+    p.add_argument("--depth", type=int, default=spec.depth, help="expansion rounds for tree (default from N/w)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def build(args) -> tuple[object, ServerConfig]:
+    """Args -> (the FastAPI app, its ServerConfig); ConfigError on bad input."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"`tandem serve` needs {e.name}; install with pip install 'tandem[serve]'") from None
+    from tandem.runtime.pair import load_pair
+    from tandem.serve.app import Server, create_app
+    from tandem.serve.chat_template import ChatTemplate
+
+    with_draft = args.draft is not None or args.target is None
+    methods = tuple(m.strip() for m in (args.methods or ("tree,ar" if with_draft else "ar")).split(",") if m.strip())
+    cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
+                       methods=methods, max_pending=args.max_pending, max_tokens_limit=args.max_tokens_limit)
+    cfg.validate()
+    spec = SpecConfig(k=args.k, nodes=args.nodes, width=args.width, depth=args.depth)
+    ecfg = EngineConfig(spec=spec, block_size=args.block_size, num_blocks=args.num_blocks,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    for m in methods:
+        replace(ecfg, method=m).validate()
+    pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=any(m != "ar" for m in methods))
+    template = ChatTemplate.for_checkpoint(pair.target_dir, args.chat_template)
+    server = Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg, template)
+    return create_app(server), cfg
+
+
+def run(args) -> int:
+    import uvicorn
+
+    app, cfg = build(args)
+    if cfg.host not in (LOOPBACK, "localhost", "::1"):
+        print(f"tandem: note: binding {cfg.host}: reachable from other machines"
+              + ("" if cfg.api_key else " WITHOUT an API key"), file=sys.stderr)
+    # NOTE: uvicorn handles SIGINT / SIGTERM: stop accepting, let in-flight requests finish (up to the
+    # timeout), then the app's lifespan stops the engine thread, aborting whatever is left
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+    return 0

@@ -1,0 +1,43 @@
+"""ServerConfig: the server's knobs, one frozen record; `tandem serve`'s defaults come from it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.config import ConfigError
+from tandem.engine.config import ENGINE_METHODS
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = LOOPBACK  # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = None  # required as `Authorization: Bearer KEY` on every /v1 route when set
+    served_model_name: str = "tandem"  # the only `model` a request may name
+    methods: tuple[str, ...] = ("tree", "ar")  # served engines; the first is a request's default
+    max_pending: int = 64  # admitted requests (queued + running) at most; more get 503 + Retry-After
+    retry_after_s: int = 1
+    max_body_bytes: int = 1 << 20  # larger bodies get 413 before any parsing
+    max_tokens_limit: int = 4096  # max_tokens above this (or above the context window) get 400
+    max_stop: int = 4  # stop strings per request (OpenAI's limit)
+    max_stop_chars: int = 256  # characters per stop string
+    max_top_logprobs: int = 20  # chat's top_logprobs (completions' logprobs: at most 5, as OpenAI)
+
+    def validate(self) -> None:
+        if not self.methods:
+            raise ConfigError("serve at least one method (--methods ar,tree)")
+        for m in self.methods:
+            if m not in ENGINE_METHODS:
+                raise ConfigError(f"unknown method {m!r} in --methods; choose from {', '.join(ENGINE_METHODS)}")
+        if len(set(self.methods)) != len(self.methods):
+            raise ConfigError(f"--methods names a method twice: {','.join(self.methods)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535 (got {self.port})")
+        for name in ("max_pending", "max_body_bytes", "max_tokens_limit", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("--api-key is empty; give a key or leave the flag out")
+        if not self.served_model_name:
+            raise ConfigError("--served-model-name is empty")

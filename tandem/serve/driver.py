@@ -1,0 +1,240 @@
+"""EngineDriver: ONE thread owns the engines and steps them while requests exist.
+
+HTTP handlers never touch an engine. They `submit` a Job (its `sink` hands events to the
+handler's asyncio queue through `loop.call_soon_threadsafe`) and `abort` by id; both are
+commands on a thread-safe queue that the engine thread drains between steps, so every engine
+call happens on the one thread, in order (an abort always follows its add).
+
+After each step, every live request whose output grew gets a `Delta` (its new token ids and
+their target logprobs), and every finished one a `Finished`. A step that raises fails the
+requests of that engine only (`Failed`, the error logged, not sent) and aborts them; if the
+pool is not clean afterwards, or anything outside a step raises, the loop ends and `alive` goes
+False (so /health answers 503) after failing every live request.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+from tandem.config import ConfigError
+from tandem.engine.request import Request, RequestOutput, SamplingParams
+from tandem.serve.logprobs import LogprobEngine, TokenLogprob
+from tandem.serve.metrics import ServerMetrics
+
+log = logging.getLogger("tandem.serve")
+
+
+@dataclass(frozen=True)
+class Delta:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None  # one per token when the request asked for logprobs
+
+
+@dataclass(frozen=True)
+class Finished:
+    output: RequestOutput
+    method: str
+    logprobs: list[TokenLogprob] | None  # one per output token
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = Union[Delta, Finished, Failed]
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    method: str
+    top_logprobs: int | None  # None: no logprobs; k: the token's own plus k alternatives
+    sink: Callable[[Event], None] = field(repr=False)
+
+
+@dataclass
+class _Live:
+    job: Job
+    engine: LogprobEngine
+    request: Request
+    sent: int = 0  # output tokens already handed out
+
+
+class EngineDriver:
+    def __init__(self, engines: dict[str, LogprobEngine], metrics: ServerMetrics, idle_wait_s: float = 0.05):
+        self.engines, self.metrics, self.idle_wait_s = engines, metrics, idle_wait_s
+        self.commands: queue.Queue = queue.Queue()
+        self.live: dict[str, _Live] = {}  # engine thread only
+        self.error: str | None = None
+        self._stopping = threading.Event()
+        self.thread = threading.Thread(target=self._main, name="tandem-engine", daemon=True)
+
+    # ---- any thread ------------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is in flight (each gets `Failed`) and end the loop."""
+        self._stopping.set()
+        self.commands.put(None)  # wake an idle loop
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive() and self.error is None and not self._stopping.is_set()
+
+    def submit(self, job: Job) -> Future:
+        """Resolves (None) once the engine holds the request; raises ConfigError if it refused it."""
+        fut: Future = Future()
+        self.commands.put(("add", job, fut))
+        return fut
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(("abort", request_id))
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _main(self) -> None:
+        self.metrics.engine_alive.set(1)
+        try:
+            while not self._stopping.is_set():
+                busy = any(e.has_unfinished() for e in self.engines.values())
+                self._drain(block=not busy)
+                for method, engine in self.engines.items():
+                    if engine.has_unfinished():
+                        self._step(method, engine)
+                self._gauges()
+        except Exception as e:  # a bug outside a step: the loop is dead, say so everywhere
+            log.exception("the engine loop stopped")
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.metrics.engine_alive.set(0)
+            reason = "the server is shutting down" if self.error is None else "the engine stopped"
+            for rid in list(self.live):
+                self._fail(self.live.pop(rid), reason)
+            self._drain(block=False)  # adds that raced the stop: refused
+            self._gauges()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self.commands.get(timeout=self.idle_wait_s) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if cmd is not None:
+                if cmd[0] == "add":
+                    self._add(cmd[1], cmd[2])
+                else:
+                    self._abort(cmd[1])
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, job: Job, fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return  # the handler gave up first
+        if not self.alive:
+            fut.set_exception(ConfigError("the engine is not running"))
+            return
+        engine = self.engines[job.method]
+        try:
+            req = engine.add_request(job.prompt_ids, job.params, request_id=job.request_id)
+        except ConfigError as e:
+            fut.set_exception(e)
+            return
+        if job.top_logprobs is not None:
+            engine.want_logprobs(job.request_id, job.top_logprobs)
+        self.live[job.request_id] = _Live(job, engine, req)
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        fut.set_result(None)
+
+    def _abort(self, request_id: str) -> None:
+        live = self.live.pop(request_id, None)
+        if live is None:
+            return  # finished already, or never added
+        live.engine.abort(request_id)
+        live.engine.forget(request_id)
+        self.metrics.requests.labels("aborted").inc()
+
+    def _step(self, method: str, engine: LogprobEngine) -> None:
+        mine = [lv for lv in self.live.values() if lv.engine is engine]
+        drafted = sum(lv.request.figures.draft_tokens for lv in mine)
+        t0 = time.perf_counter()
+        try:
+            finished = engine.step()
+        except Exception:
+            log.exception("an engine step failed (method %s); failing its %d requests", method, len(mine))
+            self._engine_fault(engine, mine)
+            return
+        m = self.metrics
+        m.step_seconds.labels(method).observe(time.perf_counter() - t0)
+        speculative = sum(lv.request.figures.draft_tokens for lv in mine) > drafted
+        m.steps.labels(method, str(speculative).lower()).inc()
+        m.speculating.labels(method).set(int(speculative))
+        for lv in mine:
+            self._publish(lv)
+        for out in finished:
+            lv = self.live.pop(out.request_id, None)
+            if lv is not None:
+                self._finish(lv, out, method)
+
+    def _publish(self, lv: _Live) -> None:
+        out = lv.request.output_ids
+        if len(out) <= lv.sent:
+            return
+        new = out[lv.sent:]
+        lps = lv.engine.logprobs.get(lv.job.request_id)
+        self.metrics.generation_tokens.inc(len(new))
+        self._send(lv, Delta(list(new), lps[lv.sent:len(out)] if lps is not None else None))
+        lv.sent = len(out)
+
+    def _finish(self, lv: _Live, out: RequestOutput, method: str) -> None:
+        lps = lv.engine.logprobs.get(out.request_id)
+        lv.engine.forget(out.request_id)
+        f, m = out.figures, self.metrics
+        m.requests.labels("completed").inc()
+        m.draft_tokens.inc(f.draft_tokens)
+        m.accepted_tokens.inc(f.accepted_tokens)
+        m.tau.labels(method).observe(out.tau)
+        if f.ttft is not None:
+            m.ttft.observe(f.ttft)
+        self._send(lv, Finished(out, method, lps[:len(out.token_ids)] if lps is not None else None))
+
+    def _engine_fault(self, engine: LogprobEngine, mine: list[_Live]) -> None:
+        for lv in mine:
+            self.live.pop(lv.job.request_id, None)
+            engine.abort(lv.job.request_id)
+            self._fail(lv, "the engine failed on this request; it was aborted")
+        problems = engine.pool.check()
+        if problems or engine.has_unfinished():
+            raise RuntimeError(f"the KV pool is inconsistent after a failed step: {problems[:3]}")
+
+    def _fail(self, lv: _Live, message: str) -> None:
+        if lv.engine.requests.get(lv.job.request_id) is not None:
+            lv.engine.abort(lv.job.request_id)
+        lv.engine.forget(lv.job.request_id)
+        self.metrics.requests.labels("failed").inc()
+        self._send(lv, Failed(message))
+
+    def _send(self, lv: _Live, event: Event) -> None:
+        try:
+            lv.job.sink(event)
+        except RuntimeError:  # the handler's event loop is closed (server shutting down)
+            pass
+
+    def _gauges(self) -> None:
+        m = self.metrics
+        m.queue_depth.set(sum(len(e.scheduler.waiting) for e in self.engines.values()))
+        m.running.set(sum(len(e.scheduler.running) for e in self.engines.values()))
+        for method, e in self.engines.items():
+            m.kv_blocks.labels(method).set(e.pool.num_blocks - e.pool.num_free)
+            m.kv_blocks_total.labels(method).set(e.pool.num_blocks)

@@ -1,0 +1,392 @@
+"""`tandem serve` end to end: a real uvicorn server on 127.0.0.1 (a free port), driven over loopback
+with httpx. Greedy outputs equal `tandem generate --method ar`'s; streams equal non-streamed
+text; every refusal has its status and OpenAI-shaped body; a disconnect leaves the pool clean."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from tandem.config import GenerationConfig  # noqa: E402
+from tandem.engine.config import EngineConfig  # noqa: E402
+from tandem.runtime.pair import bundled_available, load_pair  # noqa: E402
+from tandem.serve.chat_template import ChatTemplate, TemplateError  # noqa: E402
+from tandem.serve.config import ServerConfig  # noqa: E402
+
+if not bundled_available():
+    pytest.skip("the bundled pair is not in this checkout", allow_module_level=True)
+
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPTS = ["def fib(n):", "import os\n", "class Stack:", "for i in range(", "# sort a list\n", "def main():",
+           "x = [", "while True:"]
+
+
+class LiveServer:
+    """uvicorn in a thread, bound to 127.0.0.1 on a port the OS picks."""
+
+    def __init__(self, server):
+        import uvicorn
+
+        from tandem.serve.app import create_app
+
+        self.state = server
+        cfg = uvicorn.Config(create_app(server), host="127.0.0.1", port=0, log_level="warning")
+        self.uvicorn = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uvicorn.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        host, self.port = self.uvicorn.servers[0].sockets[0].getsockname()[:2]
+        assert host == "127.0.0.1"
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_pair(None, None, "cpu", "float32")
+
+
+def make_server(pair, **config):
+    from tandem.serve.app import Server
+
+    cfg = ServerConfig(**config)
+    ecfg = EngineConfig(num_blocks=256, max_num_seqs=8, debug_check=True)
+    return LiveServer(Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg,
+                             ChatTemplate.for_checkpoint(pair.target_dir)))
+
+
+@pytest.fixture(scope="module")
+def live(pair):
+    s = make_server(pair, api_key=KEY, methods=("tree", "ar"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    with httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def solo(pair):
+    """Each prompt's solo greedy `ar` output text (single-request loop), 8 new tokens."""
+    from tandem.runtime.generate import Generator
+
+    g = Generator(pair.target, None, pair.tokenizer)
+    gen = GenerationConfig(max_new_tokens=8)
+    return {p: pair.tokenizer.decode(g.generate(pair.tokenizer.encode(p).ids, "ar", gen=gen).token_ids)
+            for p in PROMPTS}
+
+
+def complete(client, **body):
+    r = client.post("/v1/completions", json={"model": "tandem", "temperature": 0, "max_tokens": 8, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse_events(response) -> list:
+    events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def wait_clean(server, timeout=5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(e.requests or e.has_unfinished() for e in server.engines.values()) or server.pending:
+        assert time.monotonic() < deadline, "requests still in the engine"
+        time.sleep(0.02)
+    for e in server.engines.values():
+        assert e.pool.check() == [] and e.pool.num_free == e.pool.num_blocks and e.pool.seqs == {}
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["tree", "ar"])
+def test_greedy_completion_equals_tandem_generate_ar(client, live, capsys, method):
+    from tandem.cli import main
+
+    assert main(["generate", PROMPTS[0], "--method", "ar", "--max-new-tokens", "8", "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    out = complete(client, prompt=PROMPTS[0], method=method)
+    ch = out["choices"][0]
+    assert out["object"] == "text_completion" and out["model"] == "tandem"
+    assert ch["text"] == ref["text"] and ch["finish_reason"] == {"eos": "stop"}.get(ref["finish_reason"],
+                                                                                     ref["finish_reason"])
+    u = out["usage"]
+    assert u["completion_tokens"] == len(ref["token_ids"]) and u["prompt_tokens"] == ref["prompt_tokens"]
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    spec = u["speculative"]
+    assert spec["method"] == method and spec["target_passes"] >= 1
+    assert spec["tau"] == pytest.approx(u["completion_tokens"] / spec["target_passes"], abs=1e-4)
+    if method == "ar":
+        assert spec["draft_tokens"] == spec["accepted_tokens"] == 0 and spec["tau"] == 1.0
+    else:
+        assert spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", ["ar", "tree"])
+def test_logprobs_come_from_the_target_and_match_the_greedy_tokens(client, method):
+    out = complete(client, prompt=PROMPTS[1], method=method, logprobs=3)
+    lp = out["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == out["choices"][0]["text"]
+    assert len(lp["token_logprobs"]) == out["usage"]["completion_tokens"] == 8
+    for tok, own, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert own <= 0 and len(top) == 3
+        best = max(top, key=top.get)  # greedy: the chosen token is the target's argmax
+        assert best == tok and top[best] == pytest.approx(own, abs=1e-5)
+    assert lp["text_offset"][0] == 0
+
+
+def test_chat_renders_the_template_and_equals_the_solo_output(client, live, pair):
+    from tandem.runtime.generate import Generator
+
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "fib please"}]
+    r = client.post("/v1/chat/completions", json={"model": "tandem", "messages": messages, "temperature": 0,
+                                                  "max_tokens": 8, "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    text = live.state.chat_template.render(messages)
+    assert text == "# system: You write Python.\n# user: fib please\n# assistant:\n"  # the built-in template
+    ids = pair.tokenizer.encode(text, add_special_tokens=False).ids
+    ref = Generator(pair.target, None, pair.tokenizer).generate(ids, "ar", gen=GenerationConfig(max_new_tokens=8))
+    ch = out["choices"][0]
+    assert out["object"] == "chat.completion" and ch["message"]["role"] == "assistant"
+    assert ch["message"]["content"] == pair.tokenizer.decode(ref.token_ids)
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    content = ch["logprobs"]["content"]
+    assert "".join(c["token"] for c in content) == ch["message"]["content"]
+    assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["token"] == c["token"] for c in content)
+
+
+def test_a_checkpoint_template_is_read_from_tokenizer_config(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>"}, "eos_token": "</s>",
+        "chat_template": "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
+                         "{{ raise_exception('no tools') }}{% endif %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}"
+                         "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"}))
+    t = ChatTemplate.for_checkpoint(tmp_path)
+    assert not t.builtin
+    assert t.render([{"role": "user", "content": "hi"}]) == "<s>[user]hi</s>[assistant]"
+    with pytest.raises(TemplateError, match="no tools"):
+        t.render([{"role": "tool", "content": "x"}])
+    assert ChatTemplate.for_checkpoint(tmp_path / "missing").builtin
+
+
+def test_streaming_deltas_join_to_the_text_with_usage_and_stop_strings(client):
+    ref = complete(client, prompt=PROMPTS[0], max_tokens=12, method="tree")
+    text = ref["choices"][0]["text"]
+    for method in ("tree", "ar"):
+        body = {"model": "tandem", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "stream": True,
+                "method": method, "stream_options": {"include_usage": True}}
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r)
+        chunks, usage = events[:-1], events[-1]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == text
+        assert [c["choices"][0]["finish_reason"] for c in chunks].count(None) == len(chunks) - 1
+        assert chunks[-1]["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"]
+    # a stop string from the middle of the text: cut before it, in both modes
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = text[:text.find(stop)]
+    plain = complete(client, prompt=PROMPTS[0], max_tokens=12, stop=[stop, "@@never@@"])
+    assert plain["choices"][0]["text"] == cut and plain["choices"][0]["finish_reason"] == "stop"
+    with client.stream("POST", "/v1/completions",
+                       json={"model": "tandem", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
+                             "stream": True, "stop": stop}) as r:
+        chunks = sse_events(r)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == cut
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_streaming_equals_chat_text(client):
+    body = {"messages": [{"role": "user", "content": "a loop"}], "temperature": 0, "max_tokens": 8}
+    full = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        chunks = sse_events(r)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == full
+
+
+def test_eight_concurrent_requests_each_equal_their_solo_output(live, solo):
+    async def one(c, i, p):
+        body = {"model": "tandem", "prompt": p, "max_tokens": 8, "temperature": 0, "method": ("tree", "ar")[i % 2]}
+        if i % 3 == 0:
+            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                lines = [ln async for ln in r.aiter_lines() if ln.startswith("data: ")]
+            return "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines[:-1])
+        r = await c.post("/v1/completions", json=body)
+        return r.json()["choices"][0]["text"]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=live.url, headers=AUTH, timeout=120) as c:
+            return await asyncio.gather(*(one(c, i, p) for i, p in enumerate(PROMPTS)))
+
+    assert asyncio.run(main()) == [solo[p] for p in PROMPTS]
+    wait_clean(live.state)
+
+
+def test_models_health_and_metrics(client, live):
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tandem"] and models["data"][0]["methods"] == ["tree", "ar"]
+    assert httpx.get(live.url + "/health").json() == {"status": "ok"}  # no key needed
+    complete(client, prompt=PROMPTS[2], method="tree")
+    m = httpx.get(live.url + "/metrics").text
+    for needle in ('tandem_requests_total{outcome="completed"}', 'tandem_request_tau_bucket{le="1.0",method="tree"}',
+                   'tandem_kv_blocks_in_use{method="tree"}', 'tandem_steps_total{method="tree",speculative="true"}',
+                   "tandem_queue_depth", 'tandem_step_seconds_count{method="ar"}', "tandem_generation_tokens_total",
+                   "tandem_engine_alive 1.0"):
+        assert needle in m, needle
+
+
+# ---- refusals -------------------------------------------------------------------------------------
+def assert_error(r, status, param=None, code=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param and (code is None or err["code"] == code)
+    assert "Traceback" not in r.text and "/tandem/" not in r.text and len(r.content) < 4096
+    return err
+
+
+def test_inference_routes_need_the_api_key(live):
+    for route, method in (("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = httpx.request(method, live.url + route, headers=headers, json={"prompt": "x"})
+            assert assert_error(r, 401, code="invalid_api_key")["type"] == "authentication_error"
+
+
+def test_a_body_over_one_mib_gets_413_before_parsing(client):
+    r = client.post("/v1/completions", content=b"{" + b" " * (1 << 20) + b"}",
+                    headers={"Content-Type": "application/json"})
+    assert_error(r, 413)
+
+
+BAD = [
+    (b"{not json", 400, None, "invalid_json"),
+    (b"[1, 2]", 400, None, "invalid_json"),
+    ({"max_tokens": 4}, 400, "prompt", "invalid_value"),
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "invalid_value"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ({"prompt": "x", "max_tokens": 10 ** 9}, 400, "max_tokens", "invalid_value"),
+    ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens", "invalid_value"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop", "invalid_value"),
+    ({"prompt": "x", "stop": 3}, 400, "stop", "invalid_value"),
+    ({"prompt": "x", "n": 2}, 400, "n", "unsupported_value"),
+    ({"prompt": "x", "model": "../../etc/passwd"}, 404, "model", "model_not_found"),
+    ({"prompt": "x", "method": "async"}, 400, "method", "unsupported_value"),
+    ({"prompt": "def " * 600}, 400, "prompt", "context_length_exceeded"),
+    ({"prompt": "x", "temperature": 3}, 400, "temperature", "invalid_value"),
+    ({"prompt": "x", "logprobs": 6}, 400, "logprobs", "invalid_value"),
+    ({"prompt": ["a", "b"]}, 400, "prompt", "unsupported_value"),
+    ({"prompt": ""}, 400, "prompt", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,code", BAD)
+def test_bad_completion_requests_get_openai_shaped_errors(client, live, body, status, param, code):
+    if isinstance(body, bytes):
+        r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = client.post("/v1/completions", json=body)
+    assert_error(r, status, param, code)
+
+
+def test_bad_chat_requests_and_unknown_routes(client):
+    assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400, "messages")
+    assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}),
+                 400, "messages")
+    assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 3}),
+                 400, "n", "unsupported_value")
+    assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                           "top_logprobs": 2}), 400, "top_logprobs")
+    assert_error(client.get("/v1/nothing"), 404)
+
+
+# ---- disconnects, overload, a dead engine -------------------------------------------------------------
+def test_a_client_disconnect_mid_stream_aborts_and_frees_the_blocks(live):
+    server = live.state
+    aborted = server.metrics.requests.labels("aborted")._value.get()
+    with httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0,
+                                                       "stream": True, "ignore_eos": True, "method": "tree"}) as r:
+            lines = r.iter_lines()
+            got = [ln for ln in (next(lines) for _ in range(4)) if ln.startswith("data: ")]
+            assert got and any(e.requests for e in server.engines.values())
+    t0 = time.monotonic()
+    wait_clean(server, timeout=2.0)
+    assert time.monotonic() - t0 < 2.0
+    assert server.metrics.requests.labels("aborted")._value.get() == aborted + 1
+    complete(httpx.Client(base_url=live.url, headers=AUTH, timeout=60), prompt=PROMPTS[3])  # still serving
+
+
+def test_a_full_queue_gets_503_with_retry_after_then_health_503_once_the_engine_is_gone(pair):
+    s = make_server(pair, methods=("ar",), max_pending=1)
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                lines = r.iter_lines()  # NOTE: keep it: a dropped iterator closes the stream (a disconnect)
+                assert next(lines).startswith("data: ")
+                busy = c.post("/v1/completions", json=body)
+                assert_error(busy, 503, code="server_busy")
+                assert busy.headers["retry-after"] == "1"
+            wait_clean(s.state)
+            assert complete(c, prompt=PROMPTS[1])["choices"][0]["finish_reason"] in ("length", "stop")
+            assert s.state.metrics.requests.labels("rejected")._value.get() == 1
+            s.state.driver.stop()
+            t0 = time.monotonic()
+            assert_error(c.get("/health"), 503, code="engine_unavailable")
+            assert_error(c.post("/v1/completions", json=body), 503, code="engine_unavailable")
+            assert time.monotonic() - t0 < 1.0
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("args,message", [(["--methods", "ar,warp"], "unknown method 'warp' in --methods"),
+                                          (["--max-pending", "0"], "--max-pending must be >= 1"),
+                                          (["--methods", "ar,ar"], "names a method twice")])
+def test_serve_cli_refuses_bad_flags_in_one_line(capsys, args, message):
+    from tandem.cli import main
+
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_an_exception_in_an_engine_step_fails_its_requests_only_and_the_server_keeps_serving(live, client):
+    engine = live.state.engines["tree"]
+    real_step = engine.step
+
+    def faulty_step():  # fault injection: the next tree step raises once
+        engine.step = real_step
+        raise RuntimeError("injected fault")
+
+    engine.step = faulty_step
+    try:
+        r = client.post("/v1/completions", json={"prompt": PROMPTS[4], "max_tokens": 8, "temperature": 0,
+                                                 "method": "tree"})
+    finally:
+        engine.step = real_step
+    err = assert_error(r, 500, code="engine_error")
+    assert "injected" not in err["message"]  # the exception is logged, not sent
+    wait_clean(live.state)
+    assert httpx.get(live.url + "/health").status_code == 200
+    for method in ("tree", "ar"):
+        assert complete(client, prompt=PROMPTS[4], method=method)["usage"]["completion_tokens"] == 8
