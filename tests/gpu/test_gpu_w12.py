@@ -84,7 +84,7 @@ def test_w12_gemm_matches_reference(name, shape, rows):
     assert torch.equal(got, w12_linear(x, packed))  # fixed reduction order: the same bits every call
 
 
-@pytest.mark.parametrize("name,shape", [SHAPES[1], SHAPES[3]], ids=[SHAPES[1][0], SHAPES[3][0]])
+@pytest.mark.parametrize("name,shape", [SHAPES[1], SHAPES[6], SHAPES[8]], ids=[SHAPES[i][0] for i in (1, 6, 8)])
 def test_w12_gemm_rows_do_not_depend_on_the_batch(name, shape):
     from tandem.quant.w12_gemm import w12_linear
 
