@@ -92,3 +92,35 @@ def test_non_finite_hidden_state_falls_back_to_the_full_head():
     h[1, 3] = float("nan")
     got = Int8Head(w).argmax(h)
     assert bool(got.survivors[1].all()) and int(got.token[0]) == int(F.linear(h[:1], w).argmax())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_certified_head_greedy_decoding_equals_ar_on_the_bundled_target(dtype):
+    """The opt-in transform (use_certified_head): greedy decoding through the certified head gives the
+    full head's tokens, token for token: `ar` equals `ar`, and `tree` equals `tree` (in bf16 the bundled
+    pair's `tree` and `ar` themselves part at a near-tie on one prompt, which the head does not change).
+    certified_argmax equals the full head's argmax on every row of the run."""
+    from tandem.config import GenerationConfig, SpecConfig
+    from tandem.quant.int8_head import CertifiedHead, certified_argmax, use_certified_head
+    from tandem.runtime.generate import Generator
+
+    name = "float32" if dtype == torch.float32 else "bfloat16"
+    plain, certified = load_pair(dtype=name), load_pair(dtype=name)
+    assert use_certified_head(certified.target) is certified.target
+    use_certified_head(certified.target)  # idempotent
+    assert isinstance(certified.target.lm_head, CertifiedHead)
+    gen = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+    with torch.no_grad():
+        for prompt in PROMPTS[:3]:
+            ids = plain.tokenizer.encode(prompt).ids
+            want = {m: Generator(plain.target, plain.draft, plain.tokenizer).generate(
+                ids, m, spec=SpecConfig(nodes=16), gen=gen).token_ids for m in ("ar", "tree")}
+            engine = Generator(certified.target, certified.draft, certified.tokenizer)
+            for method in ("ar", "tree"):
+                got = engine.generate(ids, method, spec=SpecConfig(nodes=16), gen=gen).token_ids
+                assert got == want[method] and len(got) == 32, (prompt, method)
+            if dtype == torch.float32:
+                assert want["tree"] == want["ar"]
+            want = want["ar"]
+            h = plain.target.hidden_states(torch.tensor([ids + want]))[0]  # [T, H]
+            assert torch.equal(certified_argmax(plain.target, h), F.linear(h, plain.target.lm_head.weight).argmax(-1))

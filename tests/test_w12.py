@@ -16,7 +16,8 @@ from tandem.models.loader import load_model
 from tandem.quant.checkpoint import read_w12_checkpoint, write_w12_checkpoint
 from tandem.quant.w12 import (RECORD_BYTES, VIEW_BYTES, W12Escapes, W12Records, check_w12, decode_w12,
                               decode_w12_view8, dense_escapes, encode_w12, verify_w12, w12_stats)
-from tandem.quant.w12_gemm import w12_linear_emulated, w12_linear_ref
+from tandem.quant.w12_gemm import (FIX_CHUNK, _decode_half_torch, pack_w12, split_for, w12_linear_emulated,
+                                   w12_linear_ref)
 from tandem.runtime.generate import Generator
 from tandem.runtime.pair import BUNDLED_DRAFT, BUNDLED_TARGET, load_pair
 
@@ -143,8 +144,8 @@ def test_inconsistent_parts_are_refused():
 
 
 def test_kernel_emulation_equals_reference():
-    """The Triton kernel's algorithm (tile walk, split halves, escape epilogue) emulated in torch
-    against decode-then-matmul, at a ragged shape with escapes."""
+    """The Triton kernel's algorithm (split-K tile walk, halves, select-free decode, corrections,
+    split sums) emulated in torch against decode-then-matmul, at a ragged shape with escapes."""
     w = _realistic(200, 190, seed=4)
     w[1, :] = 0
     w[2, :50] = _bf16(0x0003)  # denormals
@@ -162,6 +163,95 @@ def test_kernel_emulation_equals_reference():
     assert bool(((ref.double() - exact).abs() <= 1e-2 * scale + 1e-30).all())
     assert torch.equal(got, w12_linear_emulated(x, r, e))  # fixed reduction order: same bits every run
 
+
+
+def _hard_matrix() -> torch.Tensor:
+    w = _with_specials(_realistic(260, 330, seed=9))
+    w[5, :] = 0  # a channel of zeros: B_n = 0, no corrections at all
+    for n, c, sign in ((6, 3, 1), (7, 10, -1)):  # the window bottom itself: an escape whose slot decodes to z_n
+        top = int(((_bits(w[n]).int() >> 7) & 0xFF).max())
+        w[n, c] = sign * 2.0 ** (top - 15 - 127)
+    return w
+
+
+def _kernel_decode(records: W12Records, base7: torch.Tensor) -> torch.Tensor:
+    """The whole matrix as the kernel decodes it tile by tile (reserved slots read z_n, not 0)."""
+    tn, tk, _ = records.data.shape
+    rows = []
+    for pn in range(tn):
+        b7 = base7[pn * 128:(pn + 1) * 128]
+        tiles = []
+        for rec in records.data[pn].int():
+            view, low = rec[:VIEW_BYTES].view(128, 64), rec[VIEW_BYTES:].view(128, 32)
+            tiles += [_decode_half_torch(view[:, :32], low & 0xF, b7), _decode_half_torch(view[:, 32:], low >> 4, b7)]
+        rows.append(torch.cat(tiles, dim=1))
+    n, k = records.shape
+    return torch.cat(rows)[:n, :k]  # [N, K] bf16
+
+
+def test_corrections_restore_every_escaped_slot_exactly():
+    """The kernel decodes every slot without a select (a reserved slot reads z_n = 2^(B_n - 127)) and
+    adds its program's corrections: per slot, decoded value + corrections == the weight, exactly."""
+    import math
+
+    w = _hard_matrix()
+    r, e = encode_w12(w)
+    assert int(r.base.min()) >= 0
+    for sms in (1, 3, 132):
+        p = pack_w12(r, e, "cpu", sms=sms)
+        tn, tk, _ = r.data.shape
+        assert (p.splits, p.per) == split_for(tn, tk, sms) and (p.splits - 1) * p.per < tk <= p.splits * p.per
+        dense = _kernel_decode(r, p.base7).double()  # [N, K] as the kernel decodes
+        fixes: dict[tuple[int, int], list[float]] = {}
+        off = p.fix_off.tolist()
+        assert len(off) == tn * p.splits + 1 and all((b - a) % FIX_CHUNK == 0 for a, b in zip(off, off[1:]))
+        for prog in range(tn * p.splits):
+            pn, s = divmod(prog, p.splits)
+            for i in range(off[prog], off[prog + 1]):
+                n, c, v = pn * 128 + int(p.fix_ch[i]), int(p.fix_col[i]), float(p.fix_val[i])
+                if v == 0 and c == 0 and int(p.fix_ch[i]) == 0:
+                    continue  # padding (adds exactly 0)
+                assert s * p.per <= c // 64 < (s + 1) * p.per, (prog, c)  # in its program's own tiles
+                fixes.setdefault((n, c), []).append(v)
+        got = dense.clone()
+        for (n, c), vals in fixes.items():
+            got[n, c] = math.fsum([float(dense[n, c])] + vals)  # exact: every term is a bf16 value
+        want = w.double()
+        same = (got == want) | (got.isnan() & want.isnan())
+        assert bool(same.all()), same.logical_not().nonzero()[:5]
+        assert not any((5, c) in fixes for c in range(330))  # the zero channel needs nothing
+        assert sorted(fixes[6, 3]) == sorted([float(w[6, 3]), -float(w[6, 3])])  # its value, and -z_n for its slot
+
+
+def test_kernel_emulation_rows_do_not_depend_on_the_batch():
+    """A row's bits are the same alone, in a block of 16, or among 70 rows (the kernel's property)."""
+    w = _hard_matrix()
+    w[:, :] = torch.where(w.float().abs() < 1e30, w, torch.zeros_like(w))  # finite outputs to compare
+    r, e = encode_w12(w)
+    x = torch.randn(70, 330, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    full = w12_linear_emulated(x, r, e)
+    assert bool(torch.isfinite(full.float()).all())
+    for rows in (slice(0, 1), slice(5, 6), slice(16, 33), slice(69, 70)):
+        assert torch.equal(w12_linear_emulated(x[rows], r, e), full[rows]), rows
+
+
+def test_pack_accepts_negative_window_bases_of_older_files():
+    # a channel of tiny weights: top exponent 7. Files written before bases were clamped at 0 stored
+    # B = -8 and offsets exp + 8; decoding is the same, and packing re-encodes to B = 0.
+    w = (torch.rand(3, 64, generator=torch.Generator().manual_seed(2)) + 0.5).to(torch.bfloat16)
+    w[1] = (2.0**-120 * (1 + torch.arange(64) / 64)).to(torch.bfloat16)
+    r, e = encode_w12(w)
+    assert int(r.base[1]) == 0
+    data = r.data.clone()
+    view = data[0, 0, :VIEW_BYTES].view(128, 64)
+    inside = (view[1].int() | data[0, 0, VIEW_BYTES:].view(128, 32)[1].repeat(2).int()) != 0
+    view[1] = torch.where(inside, view[1] + (8 << 3), view[1])  # offset + 8
+    base = r.base.clone()
+    base[1] = -8
+    old = W12Records(data, base, r.shape)
+    assert torch.equal(_bits(decode_w12(old, e)), _bits(w))
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    assert torch.equal(w12_linear_emulated(x, old, e), w12_linear_emulated(x, r, e))
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):

@@ -100,3 +100,45 @@ class Int8Head:
         logits[:, cols] = exact
         logits = logits.masked_fill(~survivors, float("-inf"))  # [B, V]
         return CertifiedArgmax(logits.argmax(dim=-1), survivors, logits)
+
+
+def certified_argmax(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The exact greedy token after each hidden state, through the model's certified INT8 head.
+    hidden: [T, H] (the final-norm output) -> [T] int64, equal to model.lm_head(hidden).argmax(-1).
+    The Int8Head is built once per model and head weight (kept on the model as `int8_head`)."""
+    weight = model.lm_head.weight
+    head = getattr(model, "int8_head", None)
+    if head is None or head.weight is not weight:
+        head = Int8Head(weight)
+        model.int8_head = head
+    return head.argmax(hidden.reshape(-1, hidden.shape[-1])).token.reshape(hidden.shape[:-1])
+
+
+class CertifiedHead(torch.nn.Module):
+    """An LM head for greedy decoding only: the logits of the tokens the INT8 certificate could not
+    prune, exact (the same values the full head gives them), and -inf for every other token, so
+    argmax is the full head's argmax and only the survivors' rows of W are read exactly.
+
+    NOTE: never for sampling, a temperature or top-p: the pruned tokens' probabilities are gone."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("the certified head covers bias-free LM heads only")
+        self.weight = linear.weight  # the same Parameter (tied embeddings stay tied)
+        self.int8 = Int8Head(linear.weight.detach())
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [..., H] -> [..., V]
+        flat = hidden.reshape(-1, hidden.shape[-1])  # [B, H]
+        return self.int8.argmax(flat).logits.reshape(*hidden.shape[:-1], -1)
+
+
+def use_certified_head(model: torch.nn.Module) -> torch.nn.Module:
+    """Opt-in model transform for greedy decoding and greedy verification: replace `model.lm_head`
+    by a CertifiedHead, in place (idempotent), and return the model. Anything that takes the
+    argmax of the model's logits (`ar`, `tree`, `chain`, TLV's exact pass) then reads the INT8 head
+    and rescores only survivors, and its tokens are unchanged. Not for sampling (see CertifiedHead)."""
+    if not isinstance(model.lm_head, CertifiedHead):
+        model.lm_head = CertifiedHead(model.lm_head)
+    return model

@@ -2,7 +2,7 @@
 
 A bf16 weight is sign (1 bit), exponent (8) and mantissa (7). Within one output channel (a row
 of a [N out, K in] matrix) almost every weight lies in the 16 binades below the channel's largest
-exponent E_n, so the exponent fits in a 4-bit offset from the window's bottom B_n = E_n - 15:
+exponent E_n, so the exponent fits in a 4-bit offset from the window's bottom B_n = max(E_n - 15, 0):
 
     code (12 bits) = sign | exponent offset (4) | mantissa (7)
     value          = (-1)^sign * 2^(B_n + offset - 127) * (1 + mantissa / 128)
@@ -97,7 +97,10 @@ def encode_w12(w: torch.Tensor) -> tuple[W12Records, W12Escapes]:
     sign, exp, mant = bits >> 15, (bits >> 7) & 0xFF, bits & 0x7F
     normal = (exp >= 1) & (exp <= 254)  # finite, non-zero, not denormal
     top = torch.where(normal, exp, -1).amax(dim=1) if k else torch.full((n,), -1, dtype=torch.int32, device=w.device)  # [N]
-    base = torch.where(top >= 1, top - (WINDOW - 1), torch.zeros_like(top))  # [N]; 0 for a channel of escapes
+    # NOTE: B_n >= 0 (a channel whose top exponent is below 15 gets the window [0, 15]; exponent 0 is never
+    # inside, as denormals escape). A GEMM decoding without a select relies on it: a reserved slot then
+    # decodes to 2^(B_n - 127) >= 0 (exactly 0 when B_n = 0), never to a negative or non-finite pattern.
+    base = (top - (WINDOW - 1)).clamp_min(0)  # [N]; 0 for a channel of escapes
     off = exp - base[:, None]  # [N, K]
     inside = normal & (off >= 0) & (off <= WINDOW - 1) & ((off | mant) != 0)  # (0, 0) is the reserved code
     hi = torch.where(inside, (sign << 7) | (off << 3) | (mant >> 4), 0)  # [N, K]: the 8-bit view
