@@ -38,6 +38,7 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.bench.env import read_json
@@ -47,6 +48,7 @@ from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecCon
 DEFAULT_ROWS = "1,2,4,8,16,32,48,64,96,128,192,256"
 DEFAULT_WIDTHS = "1,2,4,8"
 DEFAULT_TAU_NODES = "4,8,16,32,64"
+DEFAULT_DRAFTER_NODES = "8,16,32"
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -73,12 +75,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for a in p._actions:  # NOTE: real shapes are for a GPU; the shared --device defaults to cpu
         if "--device" in a.option_strings:
             a.default, a.help = "auto", "cpu | cuda | auto (default: auto, cuda when visible)"
+        if "--draft" in a.option_strings:
+            a.help = ("profile a real pair's drafters instead of preset shapes: draft | block | eagle3 (bundled), "
+                      "a folder, a comma list, or 'bundled' (every bundled drafter); the target is --target "
+                      "(default: the bundled one). With --measure-tau: the pair whose tau is measured")
     p.add_argument("--context", type=int, default=512, help="verified prefix length the steps attend to")
     p.add_argument("--rows", default=DEFAULT_ROWS, help="N values for T_target(N) (rows verified per step)")
     p.add_argument("--widths", default=DEFAULT_WIDTHS, help="w values for T_draft(w)")
     p.add_argument("--width", type=int, default=SpecConfig().width, help="tree width w used in the prediction")
     p.add_argument("--iters", type=int, default=None, help="timed repeats per figure (default 30 GPU, 5 CPU)")
-    p.add_argument("--tau-json", default=None, help="tau(n) table: bench results.json or {\"n\": tau}")
+    p.add_argument("--tau-json", default=None, action="append",
+                   help="tau(n) table: bench results.json or {\"n\": tau}; with --draft, each method's tau "
+                        "(repeat it, one bench results.json per drafter)")
     p.add_argument("--measure-tau", action="store_true",
                    help="measure tau(n) on the real pair (--target/--draft, default bundled) first")
     p.add_argument("--tau-nodes", default=DEFAULT_TAU_NODES, help="node budgets for --measure-tau")
@@ -89,6 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay", default=None,
                    help="re-time a bench results.json's recorded acceptance with these step costs")
     p.add_argument("--seed", type=_seed, default=0, help="any integer (taken modulo 2**63; the draft uses seed + 1)")
+    p.add_argument("--k", type=int, default=SpecConfig().k, help="--draft: chain length k without a --tau-json")
+    p.add_argument("--nodes", default=DEFAULT_DRAFTER_NODES, help="--draft: tree node budgets N without a --tau-json")
+    p.add_argument("--pending-rows", type=int, default=None,
+                   help="--draft: committed tokens fed to the drafter per pass (default: round(tau), 2 without tau)")
     p.add_argument("--out", default="profile-out", help="folder for profile.json and cost_model.png")
     p.add_argument("--no-plots", action="store_true")
 
@@ -266,6 +278,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} must be >= 1 (got {value})")
     if args.tau_json and args.measure_tau:
         raise ConfigError("give either --tau-json FILE or --measure-tau, not both")
+    if args.draft is not None and not args.measure_tau:
+        return run_drafters(args)
+    if args.tau_json and len(args.tau_json) > 1:
+        raise ConfigError("--tau-json is given once without --draft (one tau(n) table)")
     ensure_out_dir(args.out)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype)
@@ -277,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
 
     tau, tau_source = None, None
     if args.tau_json:
-        tau, tau_source = load_tau_json(args.tau_json), str(args.tau_json)
+        tau, tau_source = load_tau_json(args.tau_json[0]), str(args.tau_json[0])
     elif args.measure_tau:
         tau = measure_tau(args, _int_list(args.tau_nodes, "--tau-nodes"))
         tau_source = "measured"
@@ -374,4 +390,415 @@ def format_table(r: dict) -> str:
             lines.append(f"{p['nodes']:>5} {p['depth']:>3} {p['tau']:6.2f} {p['c']:6.2f} {p['draft_term']:6.2f} "
                          f"{p['predicted_speedup']:8.2f}")
         lines.append(f"best node budget: {r['best_nodes']} (predicted {r['best_predicted_speedup']:.2f}x)")
+    return "\n".join(lines)
+
+
+# =============================================================================================
+# Drafter mode (`--draft draft|block|eagle3|DIR|bundled`): a real pair's costs per method
+@dataclass(frozen=True)
+class MethodShape:
+    """One speculative method as a drafter runs it: chain of k, or a tree of N nodes (w, d)."""
+
+    name: str  # the bench's name: chain | tree | tree@N
+    method: str  # chain | tree
+    k: int
+    nodes: int
+    width: int
+    depth: int | None = None
+
+    def spec(self) -> SpecConfig:
+        return SpecConfig(method=self.method, k=self.k, nodes=self.nodes, width=self.width, depth=self.depth)
+
+    @property
+    def max_rows(self) -> int:
+        """Rows a target pass verifies at most (the drafter's tree may be smaller)."""
+        return (self.k if self.method == "chain" else self.nodes) + 1
+
+
+@dataclass
+class TauTable:
+    """Measured tau per method (a bench results.json, or a plain {"N": tau} table for trees)."""
+
+    source: str
+    draft: str | None  # the drafter folder the bench ran, when recorded
+    shapes: list[MethodShape]
+    tau: dict[str, float]  # shape name -> tau
+    skipped: list[str]  # methods with a tau this model does not cover (async, peers)
+
+
+@dataclass(frozen=True)
+class Drafter:
+    label: str  # as given: draft | block | eagle3 | a folder
+    path: Path
+    kind: str  # model | block | eagle3 (tandem.runtime.pair.draft_kind)
+
+
+@dataclass
+class MethodCost:
+    """What one drafter x method costs per target pass, in seconds; tau when measured."""
+
+    drafter: str | None  # None: ar
+    kind: str | None
+    method: str  # ar | chain | tree | tree@N
+    nodes: int | None  # tree node budget N (None: ar, chain)
+    k: int | None  # chain length (None: ar, tree)
+    rows: int  # rows the target verifies per pass
+    pending_rows: int  # committed tokens the drafter is fed per pass
+    t_draft: float
+    t_verify: float
+    tau: float | None
+
+
+def default_shapes(k: int, nodes: list[int], width: int) -> list[MethodShape]:
+    return [MethodShape("chain", "chain", k, SpecConfig().nodes, width)] + [
+        MethodShape(f"tree@{n}", "tree", k, n, width) for n in nodes]
+
+
+def load_method_taus(path: str, k: int, width: int) -> TauTable:
+    """Each method's tau from a `tandem bench` results.json (summary[name].tau, shapes from
+    config.method_specs), or tree@N taus from a plain {"N": tau} / tau_by_nodes table."""
+    data = read_json(path, "--tau-json")
+    if not (isinstance(data, dict) and isinstance(data.get("summary"), dict)):
+        table = load_tau_json(path)
+        return TauTable(str(path), None, [MethodShape(f"tree@{n}", "tree", k, n, width) for n in sorted(table)],
+                        {f"tree@{n}": t for n, t in table.items()}, [])
+    cfg = data.get("config") or {}
+    specs = cfg.get("method_specs") or {}
+    shapes, tau, skipped = [], {}, []
+    for name, summ in data["summary"].items():
+        t = summ.get("tau") if isinstance(summ, dict) else None
+        sp = specs.get(name)
+        kind = sp.get("method", name) if isinstance(sp, dict) else name
+        if name == "ar" or t is None:
+            continue
+        if kind not in ("chain", "tree") or not isinstance(sp, dict):
+            skipped.append(name)
+            continue
+        try:
+            shape = MethodShape(name, kind, int(sp.get("k", k)), int(sp.get("nodes", SpecConfig().nodes)),
+                                int(sp.get("width", width)), None if sp.get("depth") is None else int(sp["depth"]))
+            tau[name] = float(t)
+        except (TypeError, ValueError):
+            raise ConfigError(f"--tau-json {path!r}: method {name!r} has a malformed spec or tau") from None
+        shapes.append(shape)
+    if not shapes:
+        raise ConfigError(f"--tau-json {path!r} has no chain or tree method with a tau")
+    return TauTable(str(path), cfg.get("draft"), shapes, tau, skipped)
+
+
+def resolve_drafters(text: str) -> list[Drafter]:
+    """--draft: bundled names, folders, a comma list of them, or 'bundled' (every bundled drafter)."""
+    from tandem.runtime.pair import BUNDLED_DRAFTERS, draft_kind
+
+    names = [t.strip() for t in str(text).split(",") if t.strip()]
+    if names == ["bundled"]:
+        names = [n for n, d in BUNDLED_DRAFTERS.items() if (d / "config.json").is_file()]
+        if not names:
+            raise ConfigError("--draft bundled: this install has no bundled drafters; pass --draft DIR")
+    if not names:
+        raise ConfigError("--draft needs a drafter: draft, block, eagle3, a folder, or 'bundled'")
+    out = []
+    for n in dict.fromkeys(names):
+        path = BUNDLED_DRAFTERS[n] if n in BUNDLED_DRAFTERS and not Path(n).exists() else Path(n)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--draft {n!r}: no drafter there ({str(path / 'config.json')!r} is missing)")
+        out.append(Drafter(n, path, draft_kind(path)))
+    return out
+
+
+def assign_taus(drafters: list[Drafter], tables: list[TauTable]) -> dict[str, TauTable]:
+    """Which tau table belongs to which drafter: the drafter folder the bench recorded (the
+    same path, else the same folder name); one table and one drafter go together."""
+    out: dict[str, TauTable] = {}
+    for t in tables:
+        match = None
+        if t.draft is not None:
+            rec = Path(t.draft)
+            match = (next((d for d in drafters if d.path.resolve() == rec.resolve()), None)
+                     or next((d for d in drafters if d.path.name == rec.name), None))
+        if match is None and len(drafters) == 1 and len(tables) == 1:
+            match = drafters[0]
+        if match is None:
+            raise ConfigError(f"--tau-json {t.source!r} was measured with draft {t.draft!r}, which is none of the "
+                              f"profiled drafters ({', '.join(d.label for d in drafters)})")
+        if match.label in out:
+            raise ConfigError(f"two --tau-json files belong to drafter {match.label!r}; give one per drafter")
+        out[match.label] = t
+    return out
+
+
+def predict_methods(t_ar: float, costs: list[MethodCost]) -> list[dict]:
+    """One record per method, ar first: pass time, break-even tau (the tau at which the method
+    ties ar: t_pass / t_ar), and with a tau, tok/s = tau / t_pass and the speedup over ar."""
+    recs = [{"drafter": None, "kind": None, "method": "ar", "nodes": None, "k": None, "rows": 1, "pending_rows": 0,
+             "draft_ms": 0.0, "verify_ms": 1e3 * t_ar, "pass_ms": 1e3 * t_ar, "draft_over_verify": 0.0,
+             "break_even_tau": 1.0, "tau": 1.0, "predicted_tokens_per_s": 1.0 / t_ar, "predicted_speedup": 1.0}]
+    for c in costs:
+        t_pass = c.t_draft + c.t_verify
+        tps = None if c.tau is None else c.tau / t_pass
+        recs.append({"drafter": c.drafter, "kind": c.kind, "method": c.method, "nodes": c.nodes, "k": c.k,
+                     "rows": c.rows, "pending_rows": c.pending_rows, "draft_ms": 1e3 * c.t_draft,
+                     "verify_ms": 1e3 * c.t_verify, "pass_ms": 1e3 * t_pass, "draft_over_verify": c.t_draft / c.t_verify,
+                     "break_even_tau": t_pass / t_ar, "tau": c.tau, "predicted_tokens_per_s": tps,
+                     "predicted_speedup": None if tps is None else tps * t_ar})
+    return recs
+
+
+def choose_best(recs: list[dict]) -> dict | None:
+    """The record of highest predicted tok/s; `ar` (first) unless a method beats it strictly.
+    None when no method has a tau (nothing to compare)."""
+    if not any(r["predicted_tokens_per_s"] is not None for r in recs[1:]):
+        return None
+    best = recs[0]
+    for r in recs[1:]:
+        if r["predicted_tokens_per_s"] is not None and r["predicted_tokens_per_s"] > best["predicted_tokens_per_s"]:
+            best = r
+    return best
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+def _load_drafter(d: Drafter, target, tokenizer, device, dtype: str):
+    """A further drafter for the already loaded target (the first comes with load_pair)."""
+    from tandem.models.loader import load_model, load_tokenizer, resolve_dtype
+
+    if d.kind == "block":
+        from tandem.models.block_drafter import load_block_drafter
+
+        return load_block_drafter(d.path, target, device, resolve_dtype(dtype))
+    if d.kind == "eagle3":
+        from tandem.models.eagle3 import load_eagle3
+
+        return load_eagle3(d.path, target, device, resolve_dtype(dtype))
+    if load_tokenizer(d.path).get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"draft {str(d.path)!r} uses another tokenizer than the target")
+    return load_model(d.path, device, dtype)
+
+
+def _target_runner(target, layers, feature_drafter: bool, prompt: list[int], max_rows: int, buckets):
+    """The target's runner as a method decodes with it (features on for a feature drafter, off
+    for ar and a draft model), prefilled with prompt[:-1]. Returns (runner, features [len - 1, F])."""
+    from tandem.runtime.runner import ModelRunner
+
+    target.feature_layers = None  # NOTE: enable_features(None) would keep a previous drafter's layers
+    if feature_drafter:
+        target.enable_features(layers)
+    runner = ModelRunner(target, len(prompt) + max_rows + 1, buckets=buckets)
+    runner.prefill(prompt[:-1])
+    feats = None if runner.last_features is None else runner.last_features.clone()
+    return runner, feats
+
+
+def _accepted_path(tree, accept: int) -> list[int]:
+    """Node indices of a greedy accepted path: from the root, the most probable child, `accept` times."""
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(tree.parents[1:], start=1):
+        kids.setdefault(p, []).append(i)
+    path, node = [], 0
+    while len(path) < accept and kids.get(node):
+        node = max(kids[node], key=lambda c: (tree.logp[c], -c))
+        path.append(node)
+    return path
+
+
+def time_model_drafter(model, shape: MethodShape, prompt: list[int], accept: int, iters: int,
+                       measure) -> tuple[float, int]:
+    """Seconds of a small draft model's work per target pass (TreeDrafter: feed the committed
+    tokens, the expansion rounds, the selection, and the re-root after the verify), with
+    `accept` nodes of the greedy path accepted and a bonus token outside the tree. Greedy chain
+    is the width-1 tree, as the Generator runs it. Returns (seconds, rows verified)."""
+    from tandem.drafting.tree_drafter import TreeDrafter, tree_rows
+    from tandem.runtime.runner import ModelRunner
+    from tandem.verify.verifier import VerifyResult
+
+    spec = shape.spec() if shape.method == "tree" else SpecConfig(
+        method="tree", nodes=shape.k, width=1, depth=shape.k - 1)
+    grow = (iters + 3) * (accept + 1)  # every pass commits accept + 1 tokens
+    runner = ModelRunner(model, len(prompt) + grow + spec.nodes + spec.k + tree_rows(spec) + 1)
+    drafter = TreeDrafter(runner, spec)
+    drafter.start(prompt)
+    box = [drafter.propose()]  # feeds the prompt: the prefix later passes attend to
+
+    def one_pass() -> None:
+        tree = box[0]
+        path = _accepted_path(tree, accept)
+        bonus = next(t for t in range(len(tree.tokens) + 1) if t not in set(tree.tokens))
+        drafter.observe(VerifyResult([0] + path, [tree.tokens[i] for i in path] + [bonus], len(tree.tokens) - 1), tree)
+        box[0] = drafter.propose()
+
+    t = measure(one_pass, iters)
+    return t, len(box[0].tokens)
+
+
+def time_feature_drafter(kind: str, model, shape: MethodShape, prompt: list[int], feats, pending: int,
+                         iters: int, measure) -> tuple[float, int]:
+    """Seconds of a block drafter's or EAGLE-3 head's work per target pass, as decoding runs it:
+    `observe` of `pending` committed tokens with their target features, then `propose` (block:
+    one pass of the pending rows + B - 1 mask rows through its LatticeHead, the lattice read back,
+    the best-first walk or best chain on the host; head: the context pass, the levels of
+    HeadLevels.run, the selection). The prefix is reset after each pass, so every pass attends
+    to the same prompt. Returns (seconds, rows verified)."""
+    from tandem.runtime.runner import ModelRunner
+    from tandem.verify.verifier import VerifyResult
+
+    chain = shape.method == "chain"
+    if kind == "block":
+        from tandem.drafting.lattice_drafter import LatticeDrafter
+
+        block = model.bconfig.block_size
+        runner = ModelRunner(model.lattice_model(), len(prompt) + pending + 2 * block + 1)
+        drafter = LatticeDrafter(runner, shape.spec(), chain=chain)
+    else:
+        from tandem.drafting.eagle_drafter import EagleDrafter
+
+        runner = ModelRunner(model, len(prompt) + pending + EagleDrafter.rows_needed(shape.spec()) + 1)
+        drafter = EagleDrafter(runner, shape.spec(), chain=chain)
+    drafter.start(prompt, feats)
+    box = [drafter.propose()]  # feeds the prompt: the prefix every timed pass attends to
+    base = runner.cache.prefix_len
+    result = VerifyResult(list(range(pending)), prompt[-pending:], 0)
+    pf = feats[-pending:]  # [pending, F] real target features of the committed tokens
+
+    def one_pass() -> None:
+        drafter.observe(result, box[0], pf)
+        box[0] = drafter.propose()
+        runner.cache.truncate(base)
+
+    t = measure(one_pass, iters)
+    return t, len(box[0].tokens)
+
+
+def run_drafters(args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem.bench.env import ensure_out_dir, environment, write_json
+    from tandem.runtime.pair import load_pair
+    from tandem.runtime.runner import DEFAULT_BUCKETS
+
+    if args.replay:
+        raise ConfigError("--replay re-times a trace with preset shapes; it does not combine with --draft")
+    for flag, value in (("--k", args.k), ("--width", args.width), ("--context", args.context),
+                        ("--pending-rows", 1 if args.pending_rows is None else args.pending_rows)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1 (got {value})")
+    nodes = _int_list(args.nodes, "--nodes")
+    drafters = resolve_drafters(args.draft)
+    ensure_out_dir(args.out)
+    taus = assign_taus(drafters, [load_method_taus(f, args.k, args.width) for f in args.tau_json or []])
+    for t in taus.values():
+        if t.skipped:
+            print(f"tandem profile: note: {t.source}: {', '.join(t.skipped)} not modelled (ar, chain and tree are)",
+                  file=sys.stderr)
+    pair = load_pair(args.target, str(drafters[0].path), args.device, args.dtype, need_draft=True)
+    target = pair.target
+    device = target.device
+    iters = args.iters or (30 if device.type == "cuda" else 5)
+    if iters < 1:
+        raise ConfigError(f"--iters must be >= 1 (got {iters})")
+    shapes = {d.label: (taus[d.label].shapes if d.label in taus else default_shapes(args.k, nodes, args.width))
+              for d in drafters}
+    max_rows = max(s.max_rows for ss in shapes.values() for s in ss)
+
+    def pending_for(label: str, shape: MethodShape) -> int:
+        if args.pending_rows is not None:
+            return args.pending_rows
+        t = taus[label].tau.get(shape.name) if label in taus else None
+        return 2 if t is None else max(1, round(t))
+
+    max_pending = max(pending_for(d.label, s) for d in drafters for s in shapes[d.label])
+    window = target.config.max_position_embeddings
+    context = min(args.context, window - 2 * max_rows - max_pending - 34)  # verify rows, tree rows, a block
+    if context < 8:
+        raise ConfigError(f"the context window ({window}) leaves no room for a prefix beside {max_rows} verified rows; "
+                          "lower --nodes / --k")
+    if context < args.context:
+        print(f"tandem profile: note: --context {args.context} lowered to {context} (the pair's window is {window})",
+              file=sys.stderr)
+    g = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, target.config.vocab_size, (context + 1,), generator=g).tolist()
+    buckets = tuple(sorted(set(DEFAULT_BUCKETS) | {s.max_rows for ss in shapes.values() for s in ss}))
+    measure = timer(device)
+    t_verify: dict[tuple, float] = {}  # (feature layers | None, rows) -> seconds
+
+    def verify_s(runner, key, rows: int) -> float:
+        if (key, rows) not in t_verify:
+            t_verify[(key, rows)] = time_target_steps(runner, context, [rows], iters, measure)[rows]
+        return t_verify[(key, rows)]
+
+    costs: list[MethodCost] = []
+    with torch.inference_mode():
+        plain, _ = _target_runner(target, None, False, prompt, max_rows, buckets)
+        t_ar = verify_s(plain, None, 1)
+        for i, d in enumerate(drafters):
+            model = pair.draft if i == 0 else _load_drafter(d, target, pair.tokenizer, device, args.dtype)
+            feature = d.kind in ("block", "eagle3")
+            if feature:
+                layers = model.bconfig.target_feature_layers if d.kind == "block" else model.econfig.feature_layers
+                runner, feats = _target_runner(target, layers, True, prompt, max_rows, buckets)
+                key = tuple(target.feature_layers)
+            else:
+                runner, feats, key = plain, None, None
+            for s in shapes[d.label]:
+                pend = pending_for(d.label, s)
+                if feature:
+                    t_d, rows = time_feature_drafter(d.kind, model, s, prompt, feats, pend, iters, measure)
+                else:
+                    t_d, rows = time_model_drafter(model, s, prompt, pend - 1, iters, measure)
+                tau = taus[d.label].tau.get(s.name) if d.label in taus else None
+                costs.append(MethodCost(d.label, d.kind, s.name, s.nodes if s.method == "tree" else None,
+                                        s.k if s.method == "chain" else None, rows, pend, t_d,
+                                        verify_s(runner, key, rows), tau))
+                print(f"tandem profile: {d.label} {s.name}: draft {1e3 * t_d:.3f} ms, verify {rows} rows "
+                      f"{1e3 * costs[-1].t_verify:.3f} ms", file=sys.stderr)
+            if feature:
+                del runner, feats
+            if i > 0:
+                del model
+        target.feature_layers = None
+
+    recs = predict_methods(t_ar, costs)
+    best = choose_best(recs)
+    report = {
+        "environment": environment(device),
+        "config": {"mode": "drafters", "target": str(pair.target_dir), "device": str(device), "dtype": args.dtype,
+                   "context": context, "iters": iters, "k": args.k, "nodes": nodes, "width": args.width,
+                   "pending_rows": args.pending_rows, "buckets": list(buckets)},
+        "drafters": [{"label": d.label, "path": str(d.path), "kind": d.kind,
+                      "tau_source": taus[d.label].source if d.label in taus else None} for d in drafters],
+        "ar_ms": 1e3 * t_ar,
+        "methods": recs,
+        "best": None if best is None else {k: best[k] for k in ("drafter", "method", "predicted_tokens_per_s",
+                                                                  "predicted_speedup")},
+        "files": ["profile.json"],
+    }
+    out = Path(args.out)
+    write_json(out / "profile.json", report)
+    print(format_drafter_table(report))
+    print(f"tandem profile: wrote {out / 'profile.json'}", file=sys.stderr)
+    return 0
+
+
+def format_drafter_table(r: dict) -> str:
+    def f(v, nd=2):
+        return "-" if v is None else f"{v:.{nd}f}"
+
+    c = r["config"]
+    lines = [f"target {c['target']} on {r['environment']['gpu']}, {c['dtype']}, context {c['context']}", "",
+             "| drafter | method | rows | draft ms | verify ms | draft/verify | break-even tau | tau "
+             "| pred tok/s | pred x ar | best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    best = r["best"]
+    for m in r["methods"]:
+        mark = "**best**" if best and (m["drafter"], m["method"]) == (best["drafter"], best["method"]) else ""
+        lines.append(f"| {m['drafter'] or '-'} | {m['method']} | {m['rows']} | {f(m['draft_ms'], 3)} "
+                     f"| {f(m['verify_ms'], 3)} | {f(m['draft_over_verify'])} | {f(m['break_even_tau'])} "
+                     f"| {f(m['tau'])} | {f(m['predicted_tokens_per_s'], 1)} | {f(m['predicted_speedup'])} | {mark} |")
+    lines.append("")
+    if best is None:
+        lines.append("no tau given: a method pays where its tau exceeds its break-even tau "
+                     "(give --tau-json results.json from `tandem bench` to predict tok/s)")
+    elif best["method"] == "ar":
+        lines.append("best: ar (no drafter method is predicted to beat plain decoding)")
+    else:
+        lines.append(f"best: {best['drafter']} {best['method']} (predicted {best['predicted_tokens_per_s']:.1f} tok/s, "
+                     f"{best['predicted_speedup']:.2f}x ar)")
     return "\n".join(lines)
