@@ -172,3 +172,128 @@ def test_replay_retimes_recorded_acceptance(tmp_path):
     assert m["tree@4"]["pass_ms"] == pytest.approx(pass_ms)
     assert m["tree@4"]["predicted_speedup_vs_ar"] == pytest.approx(8 * t["1"] / (2 * pass_ms))
     assert m["tree@4"]["measured_speedup_vs_ar"] == 1.7
+
+
+# ---- `--draft`: per-drafter costs and predictions -------------------------------------------------
+# Costs in seconds chosen as binary fractions, so every expected figure below is exact.
+def _cost(drafter, method, t_draft, t_verify, tau, rows=9):
+    return profile.MethodCost(drafter, "block", method, None, None, rows, 2, t_draft, t_verify, tau)
+
+
+def test_drafter_predictions_follow_from_costs_and_taus():
+    t_ar = 0.25  # 4 tok/s for ar
+    recs = profile.predict_methods(t_ar, [
+        _cost("block", "tree@32", 0.125, 0.375, 3.0),  # pass 0.5 s: 3 / 0.5 = 6 tok/s, 1.5x ar
+        _cost("eagle3", "chain", 0.25, 0.5, 2.25),  # pass 0.75 s: 3 tok/s, 0.75x ar
+        _cost("draft", "tree@8", 0.5, 0.5, None),  # no tau: costs and break-even only
+    ])
+    assert [(r["drafter"], r["method"]) for r in recs] == [(None, "ar"), ("block", "tree@32"), ("eagle3", "chain"),
+                                                           ("draft", "tree@8")]
+    ar, block, eagle, draft = recs
+    assert (ar["pass_ms"], ar["predicted_tokens_per_s"], ar["predicted_speedup"], ar["break_even_tau"]) == (250.0, 4.0, 1.0, 1.0)
+    assert (block["pass_ms"], block["predicted_tokens_per_s"], block["predicted_speedup"]) == (500.0, 6.0, 1.5)
+    assert (eagle["pass_ms"], eagle["predicted_tokens_per_s"], eagle["predicted_speedup"]) == (750.0, 3.0, 0.75)
+    # break-even tau: the tau at which the method's rate equals ar's, t_pass / t_ar
+    assert (block["break_even_tau"], eagle["break_even_tau"], draft["break_even_tau"]) == (2.0, 3.0, 4.0)
+    assert (block["draft_ms"], block["verify_ms"], block["draft_over_verify"]) == (125.0, 375.0, 0.125 / 0.375)
+    assert draft["predicted_tokens_per_s"] is None and draft["predicted_speedup"] is None
+    assert profile.choose_best(recs) is block
+
+
+def test_drafter_ar_is_best_when_nothing_pays():
+    t_ar = 0.25
+    recs = profile.predict_methods(t_ar, [
+        _cost("block", "tree@32", 0.125, 0.375, 2.0),  # exactly its break-even tau: 4 tok/s, a tie with ar
+        _cost("eagle3", "chain", 0.25, 0.5, 1.5),  # 2 tok/s
+    ])
+    assert [r["predicted_tokens_per_s"] for r in recs] == [4.0, 4.0, 2.0]
+    assert profile.choose_best(recs)["method"] == "ar"  # a tie does not pay for drafting
+    # without any tau there is nothing to choose between
+    assert profile.choose_best(profile.predict_methods(t_ar, [_cost("block", "chain", 0.125, 0.375, None)])) is None
+
+
+def _bench_results(path, draft_dir, taus):
+    """A `tandem bench` results.json as the harness writes it (the keys the profile reads)."""
+    specs = {"ar": {"method": "ar", "k": 2, "nodes": 32, "width": 4, "depth": None},
+             "chain": {"method": "chain", "k": 2, "nodes": 32, "width": 4, "depth": None},
+             "tree@4": {"method": "tree", "k": 2, "nodes": 4, "width": 2, "depth": None},
+             "async": {"method": "async", "k": 2, "nodes": 4, "width": 2, "depth": None}}
+    path.write_text(json.dumps({"config": {"draft": str(draft_dir), "method_specs": specs},
+                                "summary": {m: {"tau": t} for m, t in taus.items()}}))
+    return path
+
+
+def test_load_method_taus_and_assignment(tmp_path):
+    f = _bench_results(tmp_path / "r.json", "/elsewhere/tandem/assets/pair/block",
+                       {"ar": 1.0, "chain": 2.5, "tree@4": 3.25, "async": 3.0})
+    t = profile.load_method_taus(str(f), k=5, width=4)
+    assert t.tau == {"chain": 2.5, "tree@4": 3.25} and t.skipped == ["async"]
+    assert [(s.name, s.method, s.k, s.nodes, s.width, s.max_rows) for s in t.shapes] == [
+        ("chain", "chain", 2, 32, 4, 3), ("tree@4", "tree", 2, 4, 2, 5)]
+    # a plain {"N": tau} table gives tree@N shapes at the profile's --k and --width
+    g = tmp_path / "plain.json"
+    g.write_text(json.dumps({"16": 2.5, "8": 2.0}))
+    p = profile.load_method_taus(str(g), k=5, width=4)
+    assert [(s.name, s.nodes, s.width) for s in p.shapes] == [("tree@8", 8, 4), ("tree@16", 16, 4)]
+    assert p.tau == {"tree@8": 2.0, "tree@16": 2.5}
+    # the bench's recorded draft folder picks the drafter (same folder name on another machine)
+    drafters = profile.resolve_drafters("draft,block")
+    assert [(d.label, d.kind) for d in drafters] == [("draft", "model"), ("block", "block")]
+    assert profile.assign_taus(drafters, [t]) == {"block": t}
+    with pytest.raises(Exception, match="none of the profiled drafters"):
+        profile.assign_taus(drafters, [p])  # no recorded draft, two drafters: ambiguous
+
+
+def test_accepted_path_follows_the_most_probable_child():
+    from tandem.tree.draft_tree import DraftTree
+
+    tree = DraftTree(tokens=[7, 1, 2, 3, 4], parents=[-1, 0, 0, 2, 2], logp=[0.0, -2.0, -0.5, -1.5, -0.75])
+    assert profile._accepted_path(tree, 0) == []
+    assert profile._accepted_path(tree, 1) == [2]
+    assert profile._accepted_path(tree, 5) == [2, 4]  # stops at a leaf
+
+
+needs_bundled = pytest.mark.skipif(
+    not __import__("tandem.runtime.pair", fromlist=["bundled_available"]).bundled_available()
+    or not (__import__("tandem.runtime.pair", fromlist=["BUNDLED_DRAFTERS"]).BUNDLED_DRAFTERS["block"]
+            / "config.json").is_file(), reason="the bundled pair and block drafter are not installed")
+
+
+@needs_bundled
+def test_profile_draft_block_cli(tmp_path, capsys):
+    """`tandem profile --draft block` on the bundled pair, with a bench results.json for the block drafter."""
+    from tandem.runtime.pair import BUNDLED_DRAFTERS
+
+    res = _bench_results(tmp_path / "results.json", BUNDLED_DRAFTERS["block"], {"chain": 2.5, "tree@4": 3.25})
+    out = tmp_path / "p"
+    rc = cli.main(["profile", "--draft", "block", "--device", "cpu", "--dtype", "float32", "--context", "24",
+                   "--iters", "1", "--tau-json", str(res), "--out", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    rep = json.loads((out / "profile.json").read_text())
+    assert rep["config"]["context"] == 24 and rep["drafters"][0]["kind"] == "block"
+    assert rep["drafters"][0]["tau_source"] == str(res)
+    ar, chain, tree = rep["methods"]
+    assert (ar["method"], chain["method"], tree["method"]) == ("ar", "chain", "tree@4")
+    assert (chain["rows"], chain["k"], tree["rows"], tree["nodes"]) == (3, 2, 5, 4)  # k + 1, N + 1 rows verified
+    assert (chain["pending_rows"], tree["pending_rows"]) == (2, 3)  # round(tau) committed tokens fed per pass
+    assert (chain["tau"], tree["tau"]) == (2.5, 3.25)
+    for m in (chain, tree):
+        assert m["draft_ms"] > 0 and m["verify_ms"] > 0
+        assert m["pass_ms"] == pytest.approx(m["draft_ms"] + m["verify_ms"])
+        assert m["predicted_tokens_per_s"] == pytest.approx(1e3 * m["tau"] / m["pass_ms"])
+        assert m["predicted_speedup"] == pytest.approx(m["tau"] * rep["ar_ms"] / m["pass_ms"])
+        assert m["break_even_tau"] == pytest.approx(m["pass_ms"] / rep["ar_ms"])
+    best = max(rep["methods"], key=lambda m: m["predicted_tokens_per_s"])
+    assert (rep["best"]["drafter"], rep["best"]["method"]) == (best["drafter"], best["method"])
+    assert "| drafter | method | rows |" in cap.out and "**best**" in cap.out
+
+
+def test_profile_draft_errors(tmp_path, capsys):
+    rc = cli.main(["profile", "--draft", str(tmp_path / "nowhere"), "--device", "cpu", "--out", str(tmp_path / "p")])
+    assert rc == 2 and "--draft" in capsys.readouterr().err
+    rc = cli.main(["profile", "--draft", "block", "--device", "cpu", "--replay", str(tmp_path / "r.json"),
+                   "--out", str(tmp_path / "p")])
+    assert rc == 2 and "--replay" in capsys.readouterr().err
+    rc = cli.main(["profile", "--draft", "block", "--device", "cpu", "--nodes", "0", "--out", str(tmp_path / "p")])
+    assert rc == 2 and "--nodes" in capsys.readouterr().err

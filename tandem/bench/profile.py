@@ -721,6 +721,9 @@ def run_drafters(args: argparse.Namespace) -> int:
 
     def verify_s(runner, key, rows: int) -> float:
         if (key, rows) not in t_verify:
+            # NOTE: the model's switch decides whether a step (or a graph captured now) keeps
+            # features: on for a feature drafter's runner, off for ar's and a draft model's
+            target.feature_layers = key
             t_verify[(key, rows)] = time_target_steps(runner, context, [rows], iters, measure)[rows]
         return t_verify[(key, rows)]
 
