@@ -31,6 +31,32 @@ steps, T_draft(1) for the first (it feeds the one or two pending tokens) and T_d
 each expansion round (k - 1 rounds of width 1 for chain, d rounds of width w for tree). The
 predicted speedup over ar, tokens * T_AR / replayed time, is the geometric mean over prompts
 of the recorded acceptance on these shapes and this device, beside the measured one.
+
+Drafters (`--draft draft|block|eagle3|DIR`, a comma list, or `bundled` for every bundled
+drafter; the target is --target, by default the bundled one): real weights on the chosen
+device, each figure a median through the real runners and drafters (CUDA graphs on GPU):
+
+    t_verify(R)   one target pass of R rows + argmax read-back: R = 1 for ar, the drafter's
+                  proposed chain or tree plus the root for chain (k + 1) and tree (N + 1); with
+                  the target's features on for a block drafter or head, off for ar and a draft model
+    t_draft       the drafter's work per target pass: observe the committed tokens, then propose.
+                  block: one pass of the pending rows + B - 1 mask rows through its LatticeHead,
+                  the lattice read back, best-first walk / best chain on the host. eagle3: the
+                  context pass, HeadLevels.run, the selection. draft model: TreeDrafter (greedy
+                  chain = width-1 tree), re-rooted after a pass that accepted the greedy path's
+                  first round(tau) - 1 nodes.
+    tok/s         tau / (t_draft + t_verify);  speedup over ar = tok/s * t_ar
+    break-even    tau* = (t_draft + t_verify) / t_ar: the method pays when its tau exceeds it
+
+Pending rows per pass (committed tokens fed to the drafter) are round(tau) of the method, 2
+without a tau, or --pending-rows. tau per method comes from `--tau-json` (repeatable): a
+`tandem bench` results.json (summary[name].tau, shapes from config.method_specs; chain, tree
+and tree@N; matched to a drafter by its recorded config.draft folder) or a plain {"N": tau}
+table; without one, chain at --k and tree at each --nodes N get costs and break-even tau only.
+The best is the highest predicted tok/s, `ar` unless a method beats it. profile.json keys:
+environment, config, drafters [{label, path, kind, tau_source}], ar_ms, methods [{drafter,
+kind, method, nodes, k, rows, pending_rows, draft_ms, verify_ms, pass_ms, draft_over_verify,
+break_even_tau, tau, predicted_tokens_per_s, predicted_speedup}] (ar first), best, files.
 """
 from __future__ import annotations
 
