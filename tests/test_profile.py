@@ -218,8 +218,9 @@ def _bench_results(path, draft_dir, taus):
              "chain": {"method": "chain", "k": 2, "nodes": 32, "width": 4, "depth": None},
              "tree@4": {"method": "tree", "k": 2, "nodes": 4, "width": 2, "depth": None},
              "async": {"method": "async", "k": 2, "nodes": 4, "width": 2, "depth": None}}
-    path.write_text(json.dumps({"config": {"draft": str(draft_dir), "method_specs": specs},
-                                "summary": {m: {"tau": t} for m, t in taus.items()}}))
+    summary = {m: {"tau": t, "pass_ms": {"draft_ms": 0.5 * t, "verify_ms": 2.0}} for m, t in taus.items()}
+    path.write_text(json.dumps({"config": {"draft": str(draft_dir), "method_specs": specs}, "summary": summary,
+                                "speedup": {"vs_ar": {m: {"geomean": t / 2} for m, t in taus.items() if m != "ar"}}}))
     return path
 
 
@@ -228,6 +229,7 @@ def test_load_method_taus_and_assignment(tmp_path):
                        {"ar": 1.0, "chain": 2.5, "tree@4": 3.25, "async": 3.0})
     t = profile.load_method_taus(str(f), k=5, width=4)
     assert t.tau == {"chain": 2.5, "tree@4": 3.25} and t.skipped == ["async"]
+    assert t.measured["tree@4"] == {"speedup": 1.625, "draft_ms": 1.625, "verify_ms": 2.0}
     assert [(s.name, s.method, s.k, s.nodes, s.width, s.max_rows) for s in t.shapes] == [
         ("chain", "chain", 2, 32, 4, 3), ("tree@4", "tree", 2, 4, 2, 5)]
     # a plain {"N": tau} table gives tree@N shapes at the profile's --k and --width
@@ -284,6 +286,9 @@ def test_profile_draft_block_cli(tmp_path, capsys):
         assert m["predicted_tokens_per_s"] == pytest.approx(1e3 * m["tau"] / m["pass_ms"])
         assert m["predicted_speedup"] == pytest.approx(m["tau"] * rep["ar_ms"] / m["pass_ms"])
         assert m["break_even_tau"] == pytest.approx(m["pass_ms"] / rep["ar_ms"])
+        # the bench's own figures ride along, to check the model against
+        assert (m["measured_speedup"], m["measured_draft_ms"], m["measured_verify_ms"]) == (
+            m["tau"] / 2, m["tau"] / 2, 2.0)
     best = max(rep["methods"], key=lambda m: m["predicted_tokens_per_s"])
     assert (rep["best"]["drafter"], rep["best"]["method"]) == (best["drafter"], best["method"])
     assert "| drafter | method | rows |" in cap.out and "**best**" in cap.out
@@ -297,3 +302,9 @@ def test_profile_draft_errors(tmp_path, capsys):
     assert rc == 2 and "--replay" in capsys.readouterr().err
     rc = cli.main(["profile", "--draft", "block", "--device", "cpu", "--nodes", "0", "--out", str(tmp_path / "p")])
     assert rc == 2 and "--nodes" in capsys.readouterr().err
+
+
+@needs_bundled
+def test_profile_draft_context_too_small(tmp_path, capsys):
+    rc = cli.main(["profile", "--draft", "block", "--device", "cpu", "--context", "4", "--out", str(tmp_path / "p")])
+    assert rc == 2 and "no room for a prefix" in capsys.readouterr().err

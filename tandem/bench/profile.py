@@ -56,7 +56,9 @@ table; without one, chain at --k and tree at each --nodes N get costs and break-
 The best is the highest predicted tok/s, `ar` unless a method beats it. profile.json keys:
 environment, config, drafters [{label, path, kind, tau_source}], ar_ms, methods [{drafter,
 kind, method, nodes, k, rows, pending_rows, draft_ms, verify_ms, pass_ms, draft_over_verify,
-break_even_tau, tau, predicted_tokens_per_s, predicted_speedup}] (ar first), best, files.
+break_even_tau, tau, predicted_tokens_per_s, predicted_speedup, and but for ar the bench's
+measured_speedup, measured_draft_ms, measured_verify_ms when its results.json has them}]
+(ar first), best, files.
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.bench.env import read_json
@@ -450,6 +452,8 @@ class TauTable:
     shapes: list[MethodShape]
     tau: dict[str, float]  # shape name -> tau
     skipped: list[str]  # methods with a tau this model does not cover (async, peers)
+    # shape name -> what the bench measured: speedup (geomean vs ar), draft_ms, verify_ms per pass
+    measured: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -509,7 +513,14 @@ def load_method_taus(path: str, k: int, width: int) -> TauTable:
         shapes.append(shape)
     if not shapes:
         raise ConfigError(f"--tau-json {path!r} has no chain or tree method with a tau")
-    return TauTable(str(path), cfg.get("draft"), shapes, tau, skipped)
+    vs_ar = ((data.get("speedup") or {}).get("vs_ar") or {}) if isinstance(data.get("speedup"), dict) else {}
+    measured = {}
+    for s in shapes:
+        pt = data["summary"][s.name].get("pass_ms") or {}
+        sp = vs_ar.get(s.name) or {}
+        measured[s.name] = {"speedup": sp.get("geomean") if isinstance(sp, dict) else None,
+                            "draft_ms": pt.get("draft_ms"), "verify_ms": pt.get("verify_ms")}
+    return TauTable(str(path), cfg.get("draft"), shapes, tau, skipped, measured)
 
 
 def resolve_drafters(text: str) -> list[Drafter]:
@@ -731,11 +742,13 @@ def run_drafters(args: argparse.Namespace) -> int:
         return 2 if t is None else max(1, round(t))
 
     max_pending = max(pending_for(d.label, s) for d in drafters for s in shapes[d.label])
+    if max_pending > 64:
+        raise ConfigError(f"--pending-rows {max_pending} is more than a pass commits; give at most 64")
     window = target.config.max_position_embeddings
     context = min(args.context, window - 2 * max_rows - max_pending - 34)  # verify rows, tree rows, a block
-    if context < 8:
-        raise ConfigError(f"the context window ({window}) leaves no room for a prefix beside {max_rows} verified rows; "
-                          "lower --nodes / --k")
+    if context < max(8, max_pending):
+        raise ConfigError(f"--context {args.context} in the pair's window of {window} leaves no room for a prefix of "
+                          f"{max(8, max_pending)} tokens beside {max_rows} verified rows; lower --nodes / --k")
     if context < args.context:
         print(f"tandem profile: note: --context {args.context} lowered to {context} (the pair's window is {window})",
               file=sys.stderr)
@@ -786,6 +799,10 @@ def run_drafters(args: argparse.Namespace) -> int:
 
     recs = predict_methods(t_ar, costs)
     best = choose_best(recs)
+    for r in recs[1:]:  # beside each prediction, what the bench measured (a check of the model)
+        m = taus[r["drafter"]].measured.get(r["method"], {}) if r["drafter"] in taus else {}
+        r.update(measured_speedup=m.get("speedup"), measured_draft_ms=m.get("draft_ms"),
+                 measured_verify_ms=m.get("verify_ms"))
     report = {
         "environment": environment(device),
         "config": {"mode": "drafters", "target": str(pair.target_dir), "device": str(device), "dtype": args.dtype,
@@ -813,14 +830,15 @@ def format_drafter_table(r: dict) -> str:
     c = r["config"]
     lines = [f"target {c['target']} on {r['environment']['gpu']}, {c['dtype']}, context {c['context']}", "",
              "| drafter | method | rows | draft ms | verify ms | draft/verify | break-even tau | tau "
-             "| pred tok/s | pred x ar | best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| pred tok/s | pred x ar | bench x ar | best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     best = r["best"]
     for m in r["methods"]:
         mark = "**best**" if best and (m["drafter"], m["method"]) == (best["drafter"], best["method"]) else ""
         lines.append(f"| {m['drafter'] or '-'} | {m['method']} | {m['rows']} | {f(m['draft_ms'], 3)} "
                      f"| {f(m['verify_ms'], 3)} | {f(m['draft_over_verify'])} | {f(m['break_even_tau'])} "
-                     f"| {f(m['tau'])} | {f(m['predicted_tokens_per_s'], 1)} | {f(m['predicted_speedup'])} | {mark} |")
+                     f"| {f(m['tau'])} | {f(m['predicted_tokens_per_s'], 1)} | {f(m['predicted_speedup'])} "
+                     f"| {f(m.get('measured_speedup'))} | {mark} |")
     lines.append("")
     if best is None:
         lines.append("no tau given: a method pays where its tau exceeds its break-even tau "
