@@ -187,10 +187,11 @@ def test_drafter_predictions_follow_from_costs_and_taus():
         _cost("eagle3", "chain", 0.25, 0.5, 2.25),  # pass 0.75 s: 3 tok/s, 0.75x ar
         _cost("draft", "tree@8", 0.5, 0.5, None),  # no tau: costs and break-even only
     ])
-    assert [(r["drafter"], r["method"]) for r in recs] == [(None, "ar"), ("block", "tree@32"), ("eagle3", "chain"),
-                                                           ("draft", "tree@8")]
+    assert [(r["drafter"], r["method"]) for r in recs] == [
+        (None, "ar"), ("block", "tree@32"), ("eagle3", "chain"), ("draft", "tree@8")]
     ar, block, eagle, draft = recs
-    assert (ar["pass_ms"], ar["predicted_tokens_per_s"], ar["predicted_speedup"], ar["break_even_tau"]) == (250.0, 4.0, 1.0, 1.0)
+    assert (ar["pass_ms"], ar["predicted_tokens_per_s"], ar["predicted_speedup"], ar["break_even_tau"]) == (
+        250.0, 4.0, 1.0, 1.0)
     assert (block["pass_ms"], block["predicted_tokens_per_s"], block["predicted_speedup"]) == (500.0, 6.0, 1.5)
     assert (eagle["pass_ms"], eagle["predicted_tokens_per_s"], eagle["predicted_speedup"]) == (750.0, 3.0, 0.75)
     # break-even tau: the tau at which the method's rate equals ar's, t_pass / t_ar

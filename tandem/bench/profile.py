@@ -575,7 +575,8 @@ def predict_methods(t_ar: float, costs: list[MethodCost]) -> list[dict]:
         tps = None if c.tau is None else c.tau / t_pass
         recs.append({"drafter": c.drafter, "kind": c.kind, "method": c.method, "nodes": c.nodes, "k": c.k,
                      "rows": c.rows, "pending_rows": c.pending_rows, "draft_ms": 1e3 * c.t_draft,
-                     "verify_ms": 1e3 * c.t_verify, "pass_ms": 1e3 * t_pass, "draft_over_verify": c.t_draft / c.t_verify,
+                     "verify_ms": 1e3 * c.t_verify, "pass_ms": 1e3 * t_pass,
+                     "draft_over_verify": c.t_draft / c.t_verify,
                      "break_even_tau": t_pass / t_ar, "tau": c.tau, "predicted_tokens_per_s": tps,
                      "predicted_speedup": None if tps is None else tps * t_ar})
     return recs
