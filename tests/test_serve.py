@@ -60,11 +60,11 @@ def pair():
     return load_pair(None, None, "cpu", "float32")
 
 
-def make_server(pair, **config):
+def make_server(pair, engine: dict | None = None, **config):
     from tandem.serve.app import Server
 
     cfg = ServerConfig(**config)
-    ecfg = EngineConfig(num_blocks=256, max_num_seqs=8, debug_check=True)
+    ecfg = EngineConfig(num_blocks=256, max_num_seqs=8, debug_check=True, **(engine or {}))
     return LiveServer(Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg,
                              ChatTemplate.for_checkpoint(pair.target_dir)))
 
@@ -390,3 +390,29 @@ def test_an_exception_in_an_engine_step_fails_its_requests_only_and_the_server_k
     assert httpx.get(live.url + "/health").status_code == 200
     for method in ("tree", "ar"):
         assert complete(client, prompt=PROMPTS[4], method=method)["usage"]["completion_tokens"] == 8
+
+
+def test_batch_parallel_server_gives_the_solo_outputs(pair, solo):
+    """`tandem serve --batch-parallel --row-selection`: concurrent requests on the tree engine (two
+    batches alternating, one shared node budget) still return each prompt's solo greedy text, and
+    the ar engine beside it runs plainly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = make_server(pair, engine={"batch_parallel": True, "row_selection": True}, methods=("tree", "ar"))
+    try:
+        assert s.state.engines["tree"].config.batch_parallel and not s.state.engines["ar"].config.batch_parallel
+        with httpx.Client(base_url=s.url, timeout=60) as c, ThreadPoolExecutor(6) as pool:
+            outs = list(pool.map(lambda p: complete(c, prompt=p, method="tree")["choices"][0]["text"],
+                                 PROMPTS * 2))
+        assert outs == [solo[p] for p in PROMPTS * 2]
+        assert s.state.engines["tree"].counters.batch_parallel_steps > 0
+        wait_clean(s.state)
+    finally:
+        s.stop()
+
+
+def test_serve_refuses_batch_parallel_without_a_speculative_method(capsys):
+    from tandem.cli import main
+
+    assert main(["serve", "--methods", "ar", "--batch-parallel", "--port", "0"]) == 2
+    assert "need a speculative method" in capsys.readouterr().err

@@ -129,6 +129,14 @@ class RequestHandle:
             self.server.driver.abort(self.request_id)
 
 
+def engine_config_for(cfg: EngineConfig, method: str) -> EngineConfig:
+    """The engine config of one served method: batch parallelism and row selection apply to the
+    speculative methods only (an `ar` engine has nothing to draft)."""
+    if method == "ar":
+        return replace(cfg, method=method, batch_parallel=False, row_selection=False, prompt_admission=False)
+    return replace(cfg, method=method)
+
+
 class Server:
     """The state behind the routes: engines (one per served method, sharing the models), the driver,
     the tokenizer and chat template, the bounded-queue count (event-loop thread only)."""
@@ -139,7 +147,7 @@ class Server:
         self.config, self.tokenizer = config, tokenizer
         self.chat_template = chat_template or ChatTemplate(BUILTIN_TEMPLATE, builtin=True)
         self.engines = {m: LogprobEngine(target, draft if m != "ar" else None, tokenizer,
-                                         replace(engine_config, method=m)) for m in config.methods}
+                                         engine_config_for(engine_config, m)) for m in config.methods}
         self.context_window = min(e.context_window for e in self.engines.values())
         self.metrics = ServerMetrics()
         self.driver = EngineDriver(self.engines, self.metrics)

@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=spec.nodes, help="node budget N for tree")
     p.add_argument("--width", type=int, default=spec.width, help="leaves expanded per round for tree")
     p.add_argument("--depth", type=int, default=spec.depth, help="expansion rounds for tree (default from N/w)")
+    p.add_argument("--batch-parallel", action="store_true",
+                   help="MineDraft: verify one half of the running requests while the other half drafts")
+    p.add_argument("--row-selection", action="store_true",
+                   help="SpecPilot: one node budget per step shared by all requests (a request may get none)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -49,7 +53,7 @@ def build(args) -> tuple[object, ServerConfig]:
     except ImportError as e:
         raise ConfigError(f"`tandem serve` needs {e.name}; install with pip install 'tandem[serve]'") from None
     from tandem.runtime.pair import load_pair
-    from tandem.serve.app import Server, create_app
+    from tandem.serve.app import Server, create_app, engine_config_for
     from tandem.serve.chat_template import ChatTemplate
 
     with_draft = args.draft is not None or args.target is None
@@ -59,9 +63,12 @@ def build(args) -> tuple[object, ServerConfig]:
     cfg.validate()
     spec = SpecConfig(k=args.k, nodes=args.nodes, width=args.width, depth=args.depth)
     ecfg = EngineConfig(spec=spec, block_size=args.block_size, num_blocks=args.num_blocks,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        batch_parallel=args.batch_parallel, row_selection=args.row_selection)
+    if (args.batch_parallel or args.row_selection) and methods == ("ar",):
+        raise ConfigError("--batch-parallel / --row-selection need a speculative method in --methods (chain or tree)")
     for m in methods:
-        replace(ecfg, method=m).validate()
+        engine_config_for(ecfg, m).validate()
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=any(m != "ar" for m in methods))
     template = ChatTemplate.for_checkpoint(pair.target_dir, args.chat_template)
     server = Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg, template)
