@@ -60,7 +60,7 @@ from tandem.runtime.generate import Emitter, GenerationResult, Launch, Target, r
 from tandem.runtime.runner import ModelRunner, runner_for
 from tandem.runtime.timing import median_seconds
 from tandem.tree.draft_tree import DraftTree
-from tandem.tree.evolving import EvolvingTree
+from tandem.drafting.evolving import EvolvingTree
 
 TRANSPORTS = ("auto", "inline", "streams", "gloo", "nccl")
 POOL_TOKENS = 2048  # prompt + new tokens a worker pool's caches hold at least (a longer request restarts it)
