@@ -4,8 +4,8 @@ An AST scan of every module under tandem/ (imports inside functions count: a laz
 still a dependency, it only moves the failure to run time). Layers, lowest first:
 
     0  config, kernels, tree (DraftTree and its masks: flat records every floor reads)
-    1  kv (cache buffers and the paged pool), quant (the W12 format and the INT8 head)
-    2  models, parallel (a model sharded over processes)
+    1  kv (cache buffers and the paged pool)
+    2  models, quant (the W12 weight format and the INT8 head), parallel (a model over processes)
     3  the runner floor: runtime.runner (model step, graphs), timing, streaming, auto, pair (loading)
     4  verify (greedy walk, rejection sampling; VerifyResult)
     5  drafting (drafters propose trees and observe VerifyResult; the evolving tree cache)
@@ -33,8 +33,8 @@ LAYERS: dict[str, int] = {
     "tandem.kernels": 0,
     "tandem.tree": 0,
     "tandem.kv": 1,
-    "tandem.quant": 1,
     "tandem.models": 2,
+    "tandem.quant": 2,
     "tandem.parallel": 2,
     "tandem.runtime.runner": 3,
     "tandem.runtime.timing": 3,
