@@ -17,7 +17,7 @@ from tandem.config import MAX_DRAFT_TOKENS, MAX_WIDTH, ConfigError, GenerationCo
 
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int
 SUBCOMMANDS = {
-    "bench": ("tandem.bench.harness", "benchmark methods on a workload, paired and checked against ar"),
+    "bench": ("tandem.bench.command", "benchmark methods on a workload, paired and checked against ar"),
     "audit": ("tandem.bench.audit", "token-forcing audit that a method's output is lossless"),
     "profile": ("tandem.bench.profile", "cost model: verify/draft step times and predicted speedup"),
     "train-pair": ("tandem.train", "train the bundled draft/target pair from Python source"),

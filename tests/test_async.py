@@ -129,18 +129,18 @@ def test_polled_link_path_equals_ar():
         LocalLink,
         TargetWorker,
         draft_loop,
-        plan_capacity,
     )
-    from tandem.runtime.generate import Emitter
+    from tandem.runtime.emit import Emitter
+    from tandem.runtime.plan import plan_request
     from tandem.runtime.runner import ModelRunner
 
     prompt, n = [11, 12, 13], 30
     spec = SpecConfig(nodes=6, width=2, depth=2)
-    t_rows, d_rows, tree_rows = plan_capacity(len(prompt), n, spec)
+    plan = plan_request("async", len(prompt), n, spec)
     def run(link_class):
         """The polled (streams) loop on the CPU through `link_class`; returns (tokens, rounds per pass)."""
-        target = TargetWorker(ModelRunner(TARGET, t_rows), GREEDY, torch.Generator(), deferred=False)
-        draft = DraftWorker(ModelRunner(DRAFT, d_rows), spec, tree_rows, inline=False)
+        target = TargetWorker(ModelRunner(TARGET, plan.target_rows), GREEDY, torch.Generator(), deferred=False)
+        draft = DraftWorker(ModelRunner(DRAFT, plan.draft_rows), spec, plan.tree_rows, inline=False)
         draft.tree.device_rounds = False  # polling between rounds is the host path's (device rounds queue all d)
         draft.ctl = DepthController.tuned(0.0, 0.0, spec.depth)
         target.runner.prefill(prompt[:-1])

@@ -1,4 +1,4 @@
-"""Evolving tree cache (tandem.tree.evolving): exact paper cases and a property test.
+"""Evolving tree cache (tandem.drafting.evolving): exact paper cases and a property test.
 
 The reference for every K/V check is a from-scratch recomputation: a fresh cache is fed the
 verified prefix (causal) and then the surviving fed nodes in row order with their ancestor
@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from models_for_tests import unit_scaled_model
 from tandem.models.transformer import Transformer
 from tandem.runtime.runner import ModelRunner
-from tandem.tree.evolving import EvolvingTree
+from tandem.drafting.evolving import EvolvingTree
 
 V = 32
 CAP = 160

@@ -13,10 +13,10 @@ import torch
 
 from models_for_tests import unit_scaled_model
 from tandem.config import SamplingConfig
-from tandem.runtime.generate import Target
+from tandem.runtime.target import Target
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree, ancestor_mask
-from tandem.tree.evolving import EvolvingTree
+from tandem.drafting.evolving import EvolvingTree
 
 V = 32
 CAP = 160

@@ -1,8 +1,10 @@
 """Measuring Tandem: `tandem bench` (harness), `tandem audit` (token forcing), `tandem profile` (cost model).
 
+- `command`: the `tandem bench` entry: a real-pair run (harness) or an acceptance replay (replay).
 - `harness`: methods run paired per prompt on a workload, outputs checked against `ar`,
   per-request tokens/s, TTFT, tau, per-depth acceptance, bootstrap CIs of speed ratios.
 - `workloads`: MBPP, Spec-Bench, MT-Bench, GSM8K, held-out Python source, generic JSONL.
+- `replay`: acceptance replay: a recorded trace's accept counts timed at preset shapes (simulated).
 - `stats`: summaries and the paired geometric-mean ratio with its seeded bootstrap CI.
 - `audit`: SpecPilot token forcing through an fp32 LM head; catches a lossy verifier.
 - `profile` + `presets`: step costs of real model shapes with random weights, c(N), the

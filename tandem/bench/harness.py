@@ -533,18 +533,21 @@ def tokenize_prompts(prompts: list[Prompt], tokenizer, max_prompt_tokens: int | 
     return ids_list, info
 
 
-def run(args: argparse.Namespace) -> int:
+def check_common(args: argparse.Namespace) -> None:
+    """The checks a real-pair run and an acceptance replay share (tandem.bench.command runs them)."""
     from tandem.bench.env import ensure_out_dir
-    from tandem.runtime.async_decode import TRANSPORTS
 
     if not 1 <= args.bootstrap <= MAX_BOOTSTRAP:
         # NOTE: the resample index matrix is bootstrap x prompts int64s, built at once
         raise ConfigError(f"--bootstrap must be in [1, {MAX_BOOTSTRAP}] (got {args.bootstrap})")
     ensure_out_dir(args.out)
-    if args.replay is not None:
-        from tandem.bench.replay import run_replay
 
-        return run_replay(args)
+
+def run(args: argparse.Namespace) -> int:
+    """`tandem bench` with a real pair (`--replay` runs tandem.bench.replay instead; see command.py)."""
+    from tandem.runtime.async_decode import TRANSPORTS
+
+    check_common(args)
     if args.preset is not None or args.draft_preset is not None:
         raise ConfigError("--preset/--draft-preset need --replay TRACE (random weights only make sense with "
                           "recorded acceptance)")

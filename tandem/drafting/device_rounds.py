@@ -16,7 +16,7 @@ Node order matches the host loop's (the children of the j-th fed node in top-k o
 nodes in selection order), so the host tree read back is the one `expand` would have built up
 to ties in log-prob. Children with probability 0 are kept as nodes with log-prob -inf (the
 host never selects them). The state lives in static buffers so the graph can be replayed; the
-host tree (tandem.tree.evolving.EvolvingTree) stays the source of truth between passes:
+host tree (tandem.drafting.evolving.EvolvingTree) stays the source of truth between passes:
 `load` uploads it, `run` expands, `fetch` writes the result back into it.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 from tandem.config import SpecConfig
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree
-from tandem.tree.evolving import EvolvingTree
+from tandem.drafting.evolving import EvolvingTree
 from tandem.verify.verifier import VerifyResult
 
 

@@ -32,7 +32,7 @@ import torch
 
 from tandem.config import ConfigError, SamplingConfig, SpecConfig
 from tandem.drafting.chain_drafter import ChainDrafter
-from tandem.drafting.tree_drafter import TreeDrafter, tree_rows
+from tandem.drafting.tree_drafter import TreeDrafter
 from tandem.engine.batch_manager import BatchManager
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.engine.config import EngineConfig
@@ -41,7 +41,8 @@ from tandem.engine.row_selection import select_step
 from tandem.engine.scheduler import Scheduler, ScheduledRows, StepPlan
 from tandem.kv.paged import PagedKVPool
 from tandem.models.transformer import Transformer
-from tandem.runtime.generate import Emitter
+from tandem.runtime.emit import Emitter
+from tandem.runtime.plan import plan_request
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree, ancestor_mask
 from tandem.verify.sampling import probs_from_logits
@@ -341,8 +342,8 @@ class Engine:
 
     def _new_drafter(self, req: Request):
         spec, sampling = self.spec, req.params.sampling()
-        capacity = len(req.token_ids()) + req.max_new + spec.nodes + spec.k + tree_rows(spec) + 2
-        runner = ModelRunner(self.draft, capacity, use_graphs=False)
+        plan = plan_request("engine", len(req.token_ids()), req.max_new, spec)
+        runner = ModelRunner(self.draft, plan.draft_rows, use_graphs=False)
         if self.config.method == "tree":
             return TreeDrafter(runner, spec)
         if sampling.greedy:  # a greedy chain is the width-1 best-first tree (as in the single-request loop)

@@ -437,7 +437,8 @@ def _hf_key(key: str) -> str | None:
 
 def load_qwen3_5(d: Path, hf: dict[str, Any], device: str | torch.device, dtype: torch.dtype) -> Qwen3_5ForCausalLM:
     """Build the text model from a Qwen3.5 checkpoint directory (text-only or multimodal)."""
-    from tandem.models.loader import _first_line, _weight_files
+    from tandem.models.files import first_line as _first_line
+    from tandem.models.files import weight_files as _weight_files
 
     cfg = Qwen35Config.from_hf(hf)
     with torch.device("meta"):

@@ -65,7 +65,7 @@ def _first_line(e: BaseException) -> str:
 def read_w12_checkpoint(d: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a W12 folder (CPU), matrices decoded to bf16 and checked against the
     original's digest. Raises ConfigError on a damaged, incomplete or unknown-version folder."""
-    from tandem.models.loader import _weight_files
+    from tandem.models.files import weight_files as _weight_files
 
     d = Path(d)
     qc = quantization_config(d) or {}
@@ -145,7 +145,8 @@ def write_w12_checkpoint(src: str | Path, out: str | Path, device: str | torch.d
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from tandem.models.loader import _weight_files, read_config
+    from tandem.models.files import read_config
+    from tandem.models.files import weight_files as _weight_files
 
     src, out = Path(src), Path(out)
     read_config(src)  # the clearest error for a wrong folder

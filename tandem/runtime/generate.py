@@ -8,243 +8,30 @@
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.drafting.chain_drafter import ChainDrafter
-from tandem.drafting.tree_drafter import TreeDrafter, tree_rows
+from tandem.drafting.tree_drafter import TreeDrafter
+from tandem.runtime.emit import Emitter
+from tandem.runtime.plan import RequestPlan, plan_request
+from tandem.runtime.result import GenerationResult
 from tandem.runtime.runner import ModelRunner, runner_for
-from tandem.tree.draft_tree import DraftTree, ancestor_mask
-from tandem.verify.sampling import probs_from_logits
-from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept, replay_accept
+from tandem.runtime.target import Launch, Target, replayed_accept
+from tandem.runtime.timing import PassClock
+from tandem.tree.draft_tree import DraftTree
+
+# NOTE: the records and helpers above live in their own modules so that the async workers,
+# the hybrid loop and the engine import them without importing this loop (no import circle);
+# they stay importable from here for existing callers.
+__all__ = ["METHODS", "Emitter", "GenerationResult", "Generator", "Launch", "PassClock", "Target",
+           "replayed_accept"]
 
 METHODS = ("auto", "ar", "chain", "tree", "async")
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]  # new tokens (EOS included when generation stopped on it)
-    prompt_tokens: int
-    method: str
-    target_passes: int
-    draft_steps: int
-    accept_lengths: list[int]  # accepted draft tokens per target pass (bonus excluded)
-    seconds: float
-    ttft: float  # seconds from start to the first new token
-    finish_reason: str  # eos | length | stop
-    stop_trimmed_text: str | None = None  # text cut before the stop string, when one matched
-    per_depth: list[tuple[int, int]] = field(default_factory=list)  # (offered, accepted) per depth 1..
-    # seconds spent drafting and verifying over the request (serial loop: device time between
-    # CUDA events on the GPU, host time on the CPU; None where not measured)
-    draft_seconds: float | None = None
-    verify_seconds: float | None = None
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def tau(self) -> float:
-        """Tokens committed per target verification pass, bonus included (1.0 for ar)."""
-        return self.new_tokens / max(1, self.target_passes)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens after the first over the time after the first (excludes prefill)."""
-        dt = self.seconds - self.ttft
-        return (self.new_tokens - 1) / dt if dt > 0 and self.new_tokens > 1 else 0.0
-
-
-@dataclass
-class Launch:
-    """A target pass in flight: the tree, its per-node output, and the event marking its end."""
-
-    tree: DraftTree
-    out: torch.Tensor | None  # [n] argmax (greedy, replay) or [n, vocab] probs; None: not run yet
-    event: torch.cuda.Event | None = None
-    forced: int | None = None  # acceptance replay: accept count taken from a trace
-    start: torch.cuda.Event | None = None  # recorded before the pass on the stream (busy time)
-
-
-class Target:
-    """The target model's side of verification: one pass over a tree, accept, commit the path.
-
-    `verify(tree)` is `finish(launch(tree))`. The split serves the async workers: on a CUDA
-    `stream` the pass is queued and an event marks its end (`ready` polls it) while the draft
-    keeps working; `deferred` queues nothing until `finish` (the deterministic inline transport).
-    """
-
-    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, generator: torch.Generator,
-                 stream: torch.cuda.Stream | None = None, deferred: bool = False):
-        self.runner, self.sampling, self.generator = runner, sampling, generator
-        self.stream, self.deferred = stream, deferred
-        # seconds the target was busy verifying: stream time between two events on a CUDA
-        # stream, host time of the pass and the accept otherwise (the async timeline)
-        self.busy_s = 0.0
-        self.path_features: torch.Tensor | None = None  # [accepted + 1, F] of the last pass, see finish
-
-    def ctx(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
-    def launch(self, tree: DraftTree, now: bool = False, forced: int | None = None) -> Launch:
-        if self.deferred and not now:
-            return Launch(tree, None, forced=forced)
-        prefix = self.runner.cache.prefix_len
-        start = None
-        with self.ctx():
-            if self.stream is not None:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(self.stream)
-            logits = self.runner.step(tree.tokens, [prefix + d for d in tree.depth],
-                                      ancestor_mask(tree.parents))  # [n, vocab]
-            greedy = self.sampling.greedy or forced is not None
-            if greedy:  # a graph step computed the argmax already (one launch less)
-                out = self.runner.last_argmax if self.runner.last_argmax is not None else logits.argmax(-1)  # [n]
-            else:
-                out = probs_from_logits(logits, self.sampling)  # [n, V]
-            event = None
-            if self.stream is not None:
-                if greedy:
-                    out = out.to("cpu", non_blocking=True)  # read only after the event
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(self.stream)
-        return Launch(tree, out, event, forced, start)
-
-    def ready(self, launch: Launch) -> bool:
-        return launch.event is None or launch.event.query()
-
-    def finish(self, launch: Launch) -> VerifyResult:
-        t0 = time.perf_counter()
-        if launch.out is None:
-            launch = self.launch(launch.tree, now=True, forced=launch.forced)
-        if launch.event is not None:
-            launch.event.synchronize()
-        if launch.start is not None:
-            self.busy_s += launch.start.elapsed_time(launch.event) / 1e3
-            t0 = time.perf_counter()  # the pass itself was timed on the stream
-        tree = launch.tree
-        with self.ctx():
-            if launch.forced is not None:
-                result = replay_accept(tree, launch.out.tolist(), launch.forced)
-            elif self.sampling.greedy:
-                result = greedy_accept(tree, launch.out.tolist())
-            else:
-                if tree.q is not None and tree.q.shape[-1] != launch.out.shape[-1]:
-                    tree.q = _pad_vocab(tree.q, launch.out.shape[-1])
-                result = rejection_accept(tree, launch.out, self.generator)
-            if self.runner.last_features is not None:
-                # the accepted path's target features [accepted + 1, F] (feature drafters read them);
-                # gathered now: the runner's buffer is overwritten by the next pass
-                self.path_features = self.runner.last_features[result.path]
-            self.runner.cache.commit(result.path)
-        self.busy_s += time.perf_counter() - t0
-        return result
-
-    def verify(self, tree: DraftTree, forced_accept: int | None = None) -> VerifyResult:
-        """One pass over the tree; `forced_accept` replays a recorded acceptance (simulated)."""
-        return self.finish(self.launch(tree, now=True, forced=forced_accept))
-
-
-def _pad_vocab(q: torch.Tensor, v: int) -> torch.Tensor:
-    out = torch.zeros(q.shape[0], v, dtype=q.dtype, device=q.device)
-    n = min(v, q.shape[-1])
-    out[:, :n] = q[:, :n]
-    return out
-
-
-class Emitter:
-    """Cuts committed tokens at EOS / stop string / max_new_tokens, streams them and records the
-    per-pass figures; the serial loop and the async workers both emit through it."""
-
-    def __init__(self, max_new: int, eos: set[int], gen: GenerationConfig, tokenizer, on_tokens, t0: float):
-        self.max_new, self.eos, self.gen, self.tokenizer, self.on_tokens, self.t0 = \
-            max_new, eos, gen, tokenizer, on_tokens, t0
-        self.out: list[int] = []
-        self.accept_lengths: list[int] = []
-        self.per_depth: dict[int, list[int]] = {}  # depth -> [passes offering it, passes accepting it]
-        self.ttft = 0.0
-        self.finish = "length"
-        self.stop_text: str | None = None
-
-    def emit(self, tree: DraftTree, result: VerifyResult) -> bool:
-        """Record one pass; returns True when generation is over."""
-        self.accept_lengths.append(result.accepted)
-        depth = tree.depth
-        for k in {depth[i] for i in range(1, len(tree))}:  # per depth: offered, and accepted that deep
-            rec = self.per_depth.setdefault(k, [0, 0])
-            rec[0] += 1
-            rec[1] += int(result.accepted >= k)
-        new = result.tokens[: self.max_new - len(self.out)]
-        for i, t in enumerate(new):
-            if t in self.eos:
-                new, self.finish = new[: i + 1], "eos"
-                break
-        self.out += new
-        if not self.ttft:
-            self.ttft = time.perf_counter() - self.t0
-        if self.on_tokens is not None:
-            self.on_tokens(new)
-        if self.finish == "eos":
-            return True
-        if self.gen.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(self.out)
-            hit = min((text.find(s) for s in self.gen.stop if s in text), default=-1)
-            if hit >= 0:
-                self.finish, self.stop_text = "stop", text[:hit]
-                return True
-        return len(self.out) >= self.max_new
-
-    def result(self, cls: type[GenerationResult], method: str, prompt_len: int, seconds: float, draft_steps: int,
-               **extra) -> GenerationResult:
-        return cls(token_ids=self.out, prompt_tokens=prompt_len, method=method,
-                   target_passes=len(self.accept_lengths), draft_steps=draft_steps,
-                   accept_lengths=self.accept_lengths, seconds=seconds, ttft=self.ttft, finish_reason=self.finish,
-                   stop_trimmed_text=self.stop_text,
-                   per_depth=[(v[0], v[1]) for _, v in sorted(self.per_depth.items())], **extra)
-
-
-class PassClock:
-    """Draft and verify time of every pass without stalling the loop: CUDA events recorded on the
-    stream (read once, after the request's final sync), host time on the CPU. `mark()` is called
-    before the draft, between draft and verify, and after the verify."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def totals(self) -> tuple[float, float]:
-        """(draft seconds, verify seconds) summed over the passes; call after a sync."""
-        m = self.marks
-        span = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
-        draft = sum(span(m[i], m[i + 1]) for i in range(0, len(m) - 2, 3))
-        verify = sum(span(m[i + 1], m[i + 2]) for i in range(0, len(m) - 2, 3))
-        return draft, verify
-
-
-def replayed_accept(forced_accepts: list[int] | None, pass_index: int) -> int | None:
-    """Acceptance replay: the accept count of target pass `pass_index`, cycling through the
-    recorded list (None: no replay; an empty list accepts nothing)."""
-    if forced_accepts is None:
-        return None
-    return forced_accepts[pass_index % len(forced_accepts)] if forced_accepts else 0
 
 
 class Generator:
@@ -281,7 +68,8 @@ class Generator:
     def _runner(self, which: str, model, capacity: int) -> ModelRunner:
         return runner_for(self._runners, which, model, capacity, self.use_graphs)
 
-    def _drafter(self, method: str, spec: SpecConfig, sampling: SamplingConfig, g: torch.Generator, capacity: int):
+    def _drafter(self, method: str, spec: SpecConfig, sampling: SamplingConfig, g: torch.Generator,
+                 plan: RequestPlan):
         """The drafter for `method` over this Generator's draft: a small draft model (chain, tree)
         or a parallel block drafter (its lattice: best path for chain, best-first tree for tree)."""
         from tandem.models.block_drafter import BlockDrafter
@@ -290,15 +78,15 @@ class Generator:
         if isinstance(self.draft_model, Eagle3Head):
             from tandem.drafting.eagle_drafter import EagleDrafter
 
-            runner = self._runner("draft", self.draft_model, capacity + EagleDrafter.rows_needed(spec))
+            runner = self._runner("draft", self.draft_model, plan.target_rows + EagleDrafter.rows_needed(spec))
             return EagleDrafter(runner, spec, chain=method == "chain")
         if isinstance(self.draft_model, BlockDrafter):
             from tandem.drafting.lattice_drafter import LatticeDrafter
 
             block = self.draft_model.bconfig.block_size
-            runner = self._runner("draft", self.draft_model.lattice_model(), capacity + 2 * block + spec.nodes + spec.k)
+            runner = self._runner("draft", self.draft_model.lattice_model(), plan.target_rows + 2 * block + spec.nodes + spec.k)
             return LatticeDrafter(runner, spec, chain=method == "chain")
-        draft_runner = self._runner("draft", self.draft_model, capacity + spec.nodes + spec.k + tree_rows(spec))
+        draft_runner = self._runner("draft", self.draft_model, plan.draft_rows)
         if method == "tree":
             return TreeDrafter(draft_runner, spec)
         if sampling.greedy:
@@ -383,14 +171,13 @@ class Generator:
                                   runners=self._runners, forced_accepts=forced_accepts,
                                   tensor_parallel_size=tensor_parallel_size,
                                   draft_tensor_parallel_size=draft_tensor_parallel_size)
-        slack = {"ar": 1, "chain": spec.k + 1, "tree": spec.nodes + 1 + spec.width * (spec.resolved_depth() + 1)}[method]
-        capacity = len(prompt_ids) + max_new + slack + 1
+        plan = plan_request(method, len(prompt_ids), max_new, spec)
         g = torch.Generator().manual_seed(sampling.seed)
-        drafter = None if method == "ar" else self._drafter(method, spec, sampling, g, capacity)
+        drafter = None if method == "ar" else self._drafter(method, spec, sampling, g, plan)
         features = getattr(drafter, "needs_features", False)
         if features:  # before the target's runner captures its graphs: they must write the features
             self.target_model.enable_features(drafter.feature_layers)
-        target = Target(self._runner("target", self.target_model, capacity), sampling, g)
+        target = Target(self._runner("target", self.target_model, plan.target_rows), sampling, g)
         if drafter is not None and not features:
             drafter.start(prompt_ids)
 

@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 import torch
 
 from tandem.config import ConfigError, GenerationConfig, SpecConfig
+from tandem.runtime.plan import RequestPlan, plan_request
 from tandem.tree.draft_tree import DraftTree
 from tandem.verify.verifier import VerifyResult, greedy_accept
 
@@ -70,20 +71,20 @@ class HybridTarget:
         return result
 
 
-def hybrid_drafter(method: str, draft_model, spec: SpecConfig, capacity: int,
+def hybrid_drafter(method: str, draft_model, spec: SpecConfig, plan: RequestPlan,
                    use_graphs: bool | str | None = None) -> Drafter | None:
     """The drafter of `method` over an attention-only draft model: a best-first tree (tree) or
     the width-1 tree that a greedy chain is (chain); None for ar."""
     if method == "ar":
         return None
-    from tandem.drafting.tree_drafter import TreeDrafter, tree_rows
+    from tandem.drafting.tree_drafter import TreeDrafter
     from tandem.models.transformer import Transformer
     from tandem.runtime.runner import ModelRunner
 
     if not isinstance(draft_model, Transformer):
         raise ConfigError(f"method {method!r} with a hybrid target needs a small draft model (llama / qwen families); "
                           f"{type(draft_model).__name__} drafters are not supported with hybrid targets yet")
-    runner = ModelRunner(draft_model, capacity + spec.nodes + spec.k + tree_rows(spec), use_graphs)
+    runner = ModelRunner(draft_model, plan.draft_rows, use_graphs)
     if method == "tree":
         return TreeDrafter(runner, spec)
     return TreeDrafter(runner, SpecConfig(method="tree", nodes=spec.k, width=1, depth=spec.k - 1))
@@ -95,7 +96,8 @@ def generate_hybrid(target_model, prompt_ids: list[int], method: str = "tree", d
                     use_graphs: bool | str | None = None):
     """Greedy decoding of one request with a hybrid target; `ar`, `chain` and `tree` give the
     same tokens. `drafter` (optional) replaces the one built from `draft_model`."""
-    from tandem.runtime.generate import Emitter, GenerationResult
+    from tandem.runtime.emit import Emitter
+    from tandem.runtime.result import GenerationResult
 
     if method not in HYBRID_METHODS:
         raise ConfigError(f"method {method!r} is not available for hybrid targets; choose one of "
@@ -116,12 +118,11 @@ def generate_hybrid(target_model, prompt_ids: list[int], method: str = "tree", d
         raise ConfigError(f"prompt is {len(prompt_ids)} tokens but the context window is {ctx}; shorten the prompt")
     spec, _ = spec.capped(ctx)
     max_new = min(gen.max_new_tokens, ctx - len(prompt_ids))
-    slack = {"ar": 1, "chain": spec.k + 1, "tree": spec.nodes + 1}[method]
-    capacity = len(prompt_ids) + max_new + slack + 1
+    plan = plan_request(method, len(prompt_ids), max_new, spec, hybrid=True)
     if drafter is None:
-        drafter = hybrid_drafter(method, draft_model, spec, capacity, use_graphs)
+        drafter = hybrid_drafter(method, draft_model, spec, plan, use_graphs)
     eos = set() if gen.ignore_eos else set(cfg.eos_token_ids)
-    target = HybridTarget(target_model, capacity)
+    target = HybridTarget(target_model, plan.target_rows)
     if drafter is not None:
         drafter.start(prompt_ids)
 

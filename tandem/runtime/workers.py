@@ -85,7 +85,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tandem.config import ConfigError, SamplingConfig, SpecConfig
-from tandem.runtime.async_decode import (
+from tandem.runtime.async_workers import (
     AsyncGenerationResult,
     DepthController,
     DraftWorker,
@@ -93,7 +93,9 @@ from tandem.runtime.async_decode import (
     _warm_buckets,
     draft_loop,
 )
-from tandem.runtime.generate import Emitter, replayed_accept
+from tandem.runtime.emit import Emitter
+from tandem.runtime.plan import RequestPlan
+from tandem.runtime.target import replayed_accept
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree
 
@@ -466,13 +468,13 @@ def _leave_world(failed: bool) -> None:
 @dataclass(frozen=True)
 class PoolConfig:
     """What a pool's workers are started with; a pool serves every request whose config equals
-    this one, rows aside (a request fits when it needs no more rows than the pool holds)."""
+    this one, its plan aside (a request fits when it needs no more rows than the pool holds)."""
 
     transport: str
     tp: int
     dp: int
     spec: SpecConfig
-    rows: tuple[int, int, int]  # target rows, draft rows, draft tree-region rows
+    plan: RequestPlan  # the pool's cache rows (at least the request's: see serves)
     use_graphs: bool | str | None
     timeout_s: float
     startup_timeout_s: float
@@ -480,9 +482,11 @@ class PoolConfig:
     threads: int
 
     def serves(self, other: PoolConfig) -> bool:
-        same = {k: v for k, v in vars(self).items() if k != "rows"} == {k: v for k, v in vars(other).items()
-                                                                         if k != "rows"}
-        return same and all(a >= b for a, b in zip(self.rows, other.rows))
+        same = {k: v for k, v in vars(self).items() if k != "plan"} == {k: v for k, v in vars(other).items()
+                                                                         if k != "plan"}
+        mine, theirs = self.plan, other.plan
+        return same and mine.target_rows >= theirs.target_rows and mine.draft_rows >= theirs.draft_rows \
+            and mine.tree_rows >= theirs.tree_rows
 
 
 @dataclass(frozen=True)
@@ -492,7 +496,7 @@ class Job:
     prompt: list[int]
     sampling: SamplingConfig
     seed_state: torch.Tensor  # the target's generator state (shards draw the same numbers)
-    replay: bool  # acceptance replay: the draft swaps the bonus (async_decode.replay_bonus)
+    replay: bool  # acceptance replay: the draft swaps the bonus (async_workers.replay_bonus)
 
 
 # ---- spawned ranks ----------------------------------------------------------------------------------
@@ -553,10 +557,10 @@ class _DraftSide:
         self.leader = rank == cfg.tp
         self.msg_dev = dev if cfg.transport == "nccl" else torch.device("cpu")
         self.chan = Channel(TARGET, cfg.spec.nodes + 1, self.msg_dev, alive, cfg.timeout_s) if self.leader else None
-        self.runner = shard_runner(model, rank - cfg.tp, cfg.dp, group, dev, cfg.rows[1], cfg.use_graphs,
+        self.runner = shard_runner(model, rank - cfg.tp, cfg.dp, group, dev, cfg.plan.draft_rows, cfg.use_graphs,
                                    cfg.transport)
         spec = cfg.spec
-        probe = DraftWorker(self.runner, spec, cfg.rows[2])
+        probe = DraftWorker(self.runner, spec, cfg.plan.tree_rows)
         _warm_buckets(None, self.runner, spec, 1)
         self.t_draft = probe.profile() if spec.depth is None else 0.0
         t_target = 0.0
@@ -569,7 +573,7 @@ class _DraftSide:
         self.info = {"t_draft_s": self.t_draft}
 
     def run(self, job: Job) -> dict:
-        draft = DraftWorker(self.runner, self.cfg.spec, self.cfg.rows[2])
+        draft = DraftWorker(self.runner, self.cfg.spec, self.cfg.plan.tree_rows)
         draft.replay = job.replay
         _warm_buckets(None, self.runner, self.cfg.spec, len(job.prompt))
         self.ctl.new_request()
@@ -590,7 +594,7 @@ class _TargetShard:
 
     def __init__(self, cfg: PoolConfig, rank: int, dev: torch.device, model, group, fault: Fault):
         self.cfg, self.fault = cfg, fault
-        self.runner = shard_runner(model, rank, cfg.tp, group, dev, cfg.rows[0], cfg.use_graphs, cfg.transport)
+        self.runner = shard_runner(model, rank, cfg.tp, group, dev, cfg.plan.target_rows, cfg.use_graphs, cfg.transport)
         _warm_buckets(self.runner, None, cfg.spec, 1)
         if cfg.spec.depth is None:  # the leader profiles; its all-reduces need ours
             TargetWorker(self.runner, SamplingConfig(), torch.Generator()).profile(cfg.spec.nodes)
@@ -741,7 +745,7 @@ class WorkerPool:
                                      cfg.startup_timeout_s)
             self.msg_dev = t_dev if cfg.transport == "nccl" else torch.device("cpu")
             self.chan = Channel(tp, cfg.spec.nodes + 1, self.msg_dev, self._all_alive, cfg.timeout_s)
-            self.runner = shard_runner(target_model, TARGET, tp, group, t_dev, cfg.rows[0], cfg.use_graphs,
+            self.runner = shard_runner(target_model, TARGET, tp, group, t_dev, cfg.plan.target_rows, cfg.use_graphs,
                                        cfg.transport)
             self.trees = TreeBroadcast(group, cfg.spec.nodes + 1, self.msg_dev) if tp > 1 else None
             _warm_buckets(self.runner, None, cfg.spec, 1)
@@ -933,13 +937,13 @@ def _stop(proc, graceful: bool) -> None:
 
 # ---- the entry point of generate_async --------------------------------------------------------------
 def run_process_pair(target_model, draft_model, prompt_ids, spec, sampling, gen, eos, max_new, transport,
-                     on_tokens, tokenizer, generator, rows, *, verbose, use_graphs,
+                     on_tokens, tokenizer, generator, plan: RequestPlan, *, verbose, use_graphs,
                      timeout_s: float | None = None, tp: int = 1, dp: int = 1, runners: dict | None = None,
                      forced_accepts: list[int] | None = None) -> AsyncGenerationResult:
     """One request over a worker pool: the one kept in `runners` when it serves this request,
     else a new one (kept in `runners`, or closed after the request when `runners` is None)."""
     timeout, startup = resolve_timeouts(timeout_s)
-    cfg = PoolConfig(transport, tp, dp, spec, tuple(rows), use_graphs, timeout, startup, verbose,
+    cfg = PoolConfig(transport, tp, dp, spec, plan, use_graphs, timeout, startup, verbose,
                      torch.get_num_threads())
     key = ("worker-pool", transport)
     pool = runners.get(key) if runners is not None else None

@@ -12,7 +12,7 @@ from gpu_lane import bundled_pair, cpu, cuda, graphs_for, preset_model, rel_err
 from models_for_tests import tiny_model, unit_scaled_model
 from tandem.runtime.runner import DEFAULT_BUCKETS, ModelRunner
 from tandem.tree.draft_tree import ancestor_mask
-from tandem.tree.evolving import EvolvingTree
+from tandem.drafting.evolving import EvolvingTree
 
 TOL = {"float32": 1e-4, "bfloat16": 3e-2}  # graph vs eager, relative (norm) error
 

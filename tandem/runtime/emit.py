@@ -1,0 +1,61 @@
+"""Emitter: committed tokens cut at EOS / stop string / max_new_tokens, streamed, with the
+per-pass figures; the serial loop, the async workers, the hybrid loop and the engine emit through it."""
+from __future__ import annotations
+
+import time
+
+from tandem.config import GenerationConfig
+from tandem.runtime.result import GenerationResult
+from tandem.tree.draft_tree import DraftTree
+from tandem.verify.verifier import VerifyResult
+
+
+class Emitter:
+    """Cuts committed tokens at EOS / stop string / max_new_tokens, streams them and records the
+    per-pass figures; the serial loop and the async workers both emit through it."""
+
+    def __init__(self, max_new: int, eos: set[int], gen: GenerationConfig, tokenizer, on_tokens, t0: float):
+        self.max_new, self.eos, self.gen, self.tokenizer, self.on_tokens, self.t0 = \
+            max_new, eos, gen, tokenizer, on_tokens, t0
+        self.out: list[int] = []
+        self.accept_lengths: list[int] = []
+        self.per_depth: dict[int, list[int]] = {}  # depth -> [passes offering it, passes accepting it]
+        self.ttft = 0.0
+        self.finish = "length"
+        self.stop_text: str | None = None
+
+    def emit(self, tree: DraftTree, result: VerifyResult) -> bool:
+        """Record one pass; returns True when generation is over."""
+        self.accept_lengths.append(result.accepted)
+        depth = tree.depth
+        for k in {depth[i] for i in range(1, len(tree))}:  # per depth: offered, and accepted that deep
+            rec = self.per_depth.setdefault(k, [0, 0])
+            rec[0] += 1
+            rec[1] += int(result.accepted >= k)
+        new = result.tokens[: self.max_new - len(self.out)]
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new, self.finish = new[: i + 1], "eos"
+                break
+        self.out += new
+        if not self.ttft:
+            self.ttft = time.perf_counter() - self.t0
+        if self.on_tokens is not None:
+            self.on_tokens(new)
+        if self.finish == "eos":
+            return True
+        if self.gen.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(self.out)
+            hit = min((text.find(s) for s in self.gen.stop if s in text), default=-1)
+            if hit >= 0:
+                self.finish, self.stop_text = "stop", text[:hit]
+                return True
+        return len(self.out) >= self.max_new
+
+    def result(self, cls: type[GenerationResult], method: str, prompt_len: int, seconds: float, draft_steps: int,
+               **extra) -> GenerationResult:
+        return cls(token_ids=self.out, prompt_tokens=prompt_len, method=method,
+                   target_passes=len(self.accept_lengths), draft_steps=draft_steps,
+                   accept_lengths=self.accept_lengths, seconds=seconds, ttft=self.ttft, finish_reason=self.finish,
+                   stop_trimmed_text=self.stop_text,
+                   per_depth=[(v[0], v[1]) for _, v in sorted(self.per_depth.items())], **extra)
