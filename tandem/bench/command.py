@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.bench import harness
+from tandem.bench import concurrency, harness
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     harness.add_arguments(p)
+    concurrency.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.concurrency is not None:
+        return concurrency.run(args)
     if args.replay is not None:
         from tandem.bench.replay import run_replay
 

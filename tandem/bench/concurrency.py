@@ -1,0 +1,486 @@
+"""`tandem bench --concurrency 1,8,16,32,64`: offline throughput and per-request latency of the
+batched engine (tandem.engine) by concurrency, beside transformers on the same model.
+
+    prompts  = load_workload(...)                           # tokenized, truncated from the left
+    refs     = each prompt alone through the engine, method ar (greedy: the reference output)
+    for each method (ar, chain, tree) and each concurrency C:
+        warm up on a throwaway engine, then a fresh engine gets C requests (prompts cycled) at once
+        -> tok/s (all new tokens / wall seconds), TTFT, inter-token, end to end per request
+    peers (--peers): transformers' continuous batching `generate_batch` (when this transformers
+        has it) and its padded batched `generate`, the same C prompts, greedy
+    check every output against its prompt's solo ar output; write results.json / results.md / PNG
+
+Per-request latency, measured from the moment all C requests are submitted: TTFT = first new
+token; end to end = last new token; inter-token = (end to end - TTFT) / (new tokens - 1), the
+mean gap after the first token (speculation emits tokens in bursts; this is their average). The
+engine is timed after each step (a step ends on a host read of the verified tokens, so no extra
+sync is needed); padded `generate` gives every row the batch's times; `generate_batch` reports
+each request's token timestamps. A peer's time is its whole call, its own setup included.
+
+Exit status: 0; 1 when an engine output differs from the solo ar output (unless
+--allow-mismatch). Peer differences are reported as peer mismatches only.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from tandem.bench import harness
+from tandem.bench.workloads import load_workload
+from tandem.cli import configs_from_args
+from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
+
+ENGINE_METHODS = ("ar", "chain", "tree")
+PEERS = ("generate_batch", "generate")  # transformers: continuous batching, padded batched generate
+REFERENCE = "ar"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", default=None, metavar="C1,C2,...",
+                   help="batched-engine mode: requests decoded together, a comma list (e.g. 1,8,16,32,64); "
+                        "offline tok/s and TTFT / inter-token / end-to-end latency per method")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help="with --concurrency: transformers peers run on the same prompts, a comma list of "
+                        f"{', '.join(PEERS)} (or 'none')")
+
+
+# ---------------------------------------------------------------------------------------------
+# Records
+@dataclass(frozen=True)
+class Timed:
+    """One request of one run: its output and latencies (seconds from submission)."""
+
+    index: int  # within the run (0..C-1)
+    prompt_index: int
+    token_ids: list[int]
+    ttft: float
+    e2e: float
+
+    @property
+    def itl(self) -> float | None:
+        """Mean inter-token latency after the first token (None with fewer than two tokens)."""
+        n = len(self.token_ids)
+        return (self.e2e - self.ttft) / (n - 1) if n > 1 else None
+
+
+@dataclass
+class RunResult:
+    """One (method or peer, concurrency) run."""
+
+    name: str
+    concurrency: int
+    peer: bool
+    seconds: float = 0.0
+    requests: list[Timed] | None = None
+    steps: int | None = None  # engine steps (one target pass each); None for peers
+    tau: float | None = None  # tokens per verify pass over the run (engine)
+    cached_tokens: int | None = None  # prompt tokens served by the engine's prefix cache
+    skipped: str | None = None  # why a peer did not run
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests or [])
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.new_tokens / self.seconds if self.requests and self.seconds > 0 else None
+
+    def to_dict(self) -> dict:
+        from tandem.bench.stats import summarize
+
+        reqs = self.requests or []
+        return {"name": self.name, "concurrency": self.concurrency, "peer": self.peer, "skipped": self.skipped,
+                "seconds": self.seconds, "new_tokens": self.new_tokens, "tokens_per_s": self.tokens_per_s,
+                "steps": self.steps, "tau": self.tau, "cached_tokens": self.cached_tokens,
+                "ttft_s": summarize([r.ttft for r in reqs]).to_dict(),
+                "itl_s": summarize([r.itl for r in reqs if r.itl is not None]).to_dict(),
+                "e2e_s": summarize([r.e2e for r in reqs]).to_dict(),
+                "requests": [{**asdict(r), "itl": r.itl} for r in reqs]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+def parse_concurrency(text: str) -> list[int]:
+    """`1,8,16` -> [1, 8, 16]; every value a positive integer."""
+    vals = []
+    for t in [t.strip() for t in text.split(",")]:
+        try:
+            v = int(t)
+        except ValueError:
+            raise ConfigError(f"--concurrency takes a comma list of positive integers (got {text!r})") from None
+        if v < 1:
+            raise ConfigError(f"--concurrency values must be >= 1 (got {v} in {text!r})")
+        vals.append(v)
+    return list(dict.fromkeys(vals))
+
+
+def parse_engine_methods(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in ENGINE_METHODS]
+    if bad:
+        raise ConfigError(f"--concurrency runs the engine methods {', '.join(ENGINE_METHODS)} (got {bad[0]!r}); "
+                          "transformers peers come from --peers")
+    if not names:
+        raise ConfigError("--methods is empty; e.g. --methods ar,tree")
+    return list(dict.fromkeys([REFERENCE] + names))  # ar: the reference and the speed baseline
+
+
+def parse_peers(text: str) -> list[str]:
+    if text.strip() == "none":
+        return []
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in PEERS]
+    if bad:
+        raise ConfigError(f"unknown peer {bad[0]!r} in --peers; choose from {', '.join(PEERS)} or 'none'")
+    return list(dict.fromkeys(names))
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs
+def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], prompt_index: list[int],
+               params, num_batched: int) -> RunResult:
+    """C requests submitted together to a fresh engine, stepped to the end; each step is timed."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.engine import Engine
+
+    c = len(prompts)
+    rows = max(num_batched, c * (1 + max(spec.k, spec.nodes)))
+    cfg = EngineConfig(method=method, spec=spec, max_num_seqs=c, max_num_batched_tokens=rows)
+    engine = Engine(pair.target, pair.draft if method != "ar" else None, pair.tokenizer, cfg)
+    harness._sync(pair.target.device)
+    t0 = time.perf_counter()
+    reqs = [engine.add_request(p, params) for p in prompts]
+    first: list[float | None] = [None] * c
+    last = [t0] * c
+    seen = [0] * c
+    while engine.has_unfinished():
+        engine.step()
+        now = time.perf_counter()
+        for i, r in enumerate(reqs):
+            n = len(r.output_ids)
+            if n > seen[i]:
+                seen[i], last[i] = n, now
+                if first[i] is None:
+                    first[i] = now
+    seconds = time.perf_counter() - t0
+    timed = [Timed(i, prompt_index[i], list(r.output_ids), (first[i] or last[i]) - t0, last[i] - t0)
+             for i, r in enumerate(reqs)]
+    passes = sum(r.figures.target_passes for r in reqs)
+    return RunResult(method, c, False, seconds, timed, engine.steps,
+                     sum(len(t.token_ids) for t in timed) / passes if passes else None,
+                     sum(r.figures.cached_tokens for r in reqs))
+
+
+class _StepTimes:
+    """A transformers streamer noting when each batched step's tokens arrive (the first put is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _eos_ids(gc) -> set[int]:
+    e = gc.eos_token_id
+    return set(e) if isinstance(e, list) else ({e} if e is not None else set())
+
+
+def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """A padded row ends at its first EOS (kept, as the engine keeps it); the rest is padding."""
+    for j, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:j + 1]
+    return tokens
+
+
+def padded_generate_run(model, prompts: list[list[int]], prompt_index: list[int], gc) -> RunResult:
+    """transformers `generate` on the C prompts as one left-padded batch."""
+    import torch
+
+    dev = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    pad = gc.pad_token_id
+    x = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=dev)  # [C, width]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)  # [C, width]
+    timer = _StepTimes()
+    harness._sync(dev)
+    t0 = time.perf_counter()
+    with torch.inference_mode(), harness._quiet_transformers():
+        out = model.generate(x, attention_mask=mask, generation_config=gc, streamer=timer)  # [C, width + new]
+    harness._sync(dev)
+    seconds = time.perf_counter() - t0
+    ttft = (timer.times[1] if len(timer.times) > 1 else t0 + seconds) - t0
+    eos = _eos_ids(gc)
+    # NOTE: every row of a padded batch finishes when the batch does
+    timed = [Timed(i, prompt_index[i], _cut_at_eos(out[i, width:].tolist(), eos), ttft, seconds)
+             for i in range(len(prompts))]
+    return RunResult("hf generate (padded)", len(prompts), True, seconds, timed)
+
+
+def generate_batch_run(model, prompts: list[list[int]], prompt_index: list[int], gc) -> RunResult:
+    """transformers continuous batching (`generate_batch`), token timestamps per request."""
+    import torch
+
+    t0 = time.perf_counter()
+    with torch.inference_mode(), harness._quiet_transformers():
+        outs = model.generate_batch(inputs=prompts, generation_config=gc, record_timestamps=True,
+                                    progress_bar=False)
+    harness._sync(next(model.parameters()).device)
+    seconds = time.perf_counter() - t0
+    # NOTE: request ids are `req_<submission index>`; C copies of one prompt are told apart by them
+    ordered = sorted(outs.values(), key=lambda o: int(str(o.request_id).rsplit("_", 1)[-1]))
+    if len(ordered) != len(prompts):
+        raise RuntimeError(f"generate_batch returned {len(ordered)} outputs for {len(prompts)} prompts")
+    timed = []
+    for i, o in enumerate(ordered):
+        ts = list(o.timestamps or [])
+        toks = list(o.generated_tokens)
+        ttft = (ts[0] if ts else t0 + seconds) - t0
+        e2e = (ts[len(toks) - 1] if len(ts) >= len(toks) and toks else t0 + seconds) - t0
+        timed.append(Timed(i, prompt_index[i], toks, ttft, e2e))
+    return RunResult("hf generate_batch", len(prompts), True, seconds, timed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking and tables
+def check(runs: list[RunResult], refs: list[list[int]], greedy: bool) -> dict:
+    """Each run's outputs against its prompts' solo ar outputs: counts and the first divergence."""
+    report: dict = {"checked": greedy, "reference": "solo ar (engine, concurrency 1)", "mismatch_count": 0,
+                    "peer_mismatch_count": 0, "runs": {}, "first_divergence": None}
+    if not greedy:
+        report["note"] = "sampling (--temperature > 0): outputs legitimately differ, not checked"
+        return report
+    for run in runs:
+        if run.requests is None:
+            continue
+        divs = []
+        for r in run.requests:
+            d = harness.first_divergence(refs[r.prompt_index], r.token_ids)
+            if d is not None:
+                divs.append({"request": r.index, "prompt_index": r.prompt_index, "position": d[0],
+                             "expected": d[1], "got": d[2]})
+        key = f"{run.name}@{run.concurrency}"
+        report["runs"][key] = {"mismatches": len(divs), "of": len(run.requests), "first": divs[0] if divs else None}
+        report["peer_mismatch_count" if run.peer else "mismatch_count"] += len(divs)
+        if divs and not run.peer and report["first_divergence"] is None:
+            report["first_divergence"] = {"run": key, **divs[0]}
+    return report
+
+
+def markdown(results: dict) -> str:
+    def f(x, scale=1.0, nd=1):
+        return "-" if x is None else f"{x * scale:.{nd}f}"
+
+    cfg, env = results["config"], results["environment"]
+    lines = [f"# tandem bench --concurrency: {cfg['workload']}, {cfg['num_prompts']} distinct prompts (cycled), "
+             f"{cfg['max_new_tokens']} new tokens", "",
+             f"{env['gpu']}, {cfg['dtype']}, torch {env['torch']}, transformers {env['transformers']}, "
+             f"commit {env['git_commit']}", "",
+             "Latency in ms from submission of all C requests: median / p95.", "",
+             "| method | C | tok/s | vs ar | TTFT | inter-token | end to end | tau | steps | equal to solo ar |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    ar = {r["concurrency"]: r["tokens_per_s"] for r in results["runs"] if r["name"] == REFERENCE}
+    runs_chk = results["check"].get("runs", {})
+    for r in results["runs"]:
+        if r["skipped"]:
+            continue
+        chk = runs_chk.get(f"{r['name']}@{r['concurrency']}")
+        eq = "-" if chk is None else f"{chk['of'] - chk['mismatches']}/{chk['of']}"
+        base = ar.get(r["concurrency"])
+        vs = f"{r['tokens_per_s'] / base:.2f}x" if base and r["tokens_per_s"] else "-"
+
+        def lat(s):
+            return f"{f(s['median'], 1e3)} / {f(s['p95'], 1e3)}"
+
+        lines.append(f"| {r['name']} | {r['concurrency']} | {f(r['tokens_per_s'])} | {vs} | {lat(r['ttft_s'])} | "
+                     f"{lat(r['itl_s'])} | {lat(r['e2e_s'])} | {f(r['tau'], nd=2)} | {r['steps'] or '-'} | {eq} |")
+    for name, why in results["peers_skipped"].items():
+        lines += ["", f"Peer {name} skipped: {why}"]
+    chk = results["check"]
+    lines.append("")
+    if not chk["checked"]:
+        lines.append(f"Output check: {chk['note']}")
+    else:
+        lines.append(f"Output check vs solo ar: {chk['mismatch_count']} mismatching engine request(s); "
+                     f"{chk['peer_mismatch_count']} peer (transformers) mismatch(es).")
+        if chk["first_divergence"]:
+            d = chk["first_divergence"]
+            lines.append(f"First divergence: {d['run']} request {d['request']} (prompt {d['prompt_index']}) at new "
+                         f"token {d['position']}: expected {d['expected']}, got {d['got']}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> Path | None:
+    """tok/s vs concurrency, one line per method and peer; None when matplotlib is missing."""
+    try:
+        from tandem.bench.plots import _plt, _save
+        plt = _plt()
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    by: dict[str, list[tuple[int, float]]] = {}
+    for r in results["runs"]:
+        if r["tokens_per_s"]:
+            by.setdefault(r["name"], []).append((r["concurrency"], r["tokens_per_s"]))
+    for name, pts in by.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency (requests decoded together)")
+    ax.set_ylabel("tokens/s (all requests)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Offline throughput by concurrency")
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+def run(args: argparse.Namespace) -> int:
+    """`tandem bench --concurrency ...` (tandem.bench.command dispatches here)."""
+    from tandem.bench.env import ensure_out_dir
+
+    levels = parse_concurrency(args.concurrency)
+    methods = parse_engine_methods(args.methods)
+    peers = parse_peers(args.peers)
+    if args.replay is not None or args.preset is not None or args.draft_preset is not None:
+        raise ConfigError("--concurrency measures the real pair; it does not take --replay / --preset")
+    budgets = harness.parse_nodes(args.nodes)
+    if len(budgets) > 1:
+        raise ConfigError(f"--concurrency takes one --nodes budget (got {args.nodes!r})")
+    args.nodes = budgets[0]
+    spec, sampling, gen = configs_from_args(args)
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0 (got {args.warmup})")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise ConfigError(f"--max-prompt-tokens must be >= 1 (got {args.max_prompt_tokens})")
+    ensure_out_dir(args.out)
+    prompts = load_workload(args.workload, args.num_prompts, args.data_dir, args.source_lines)
+    results = run_concurrency(prompts, methods, peers, levels, spec, sampling, gen, args)
+    out = Path(args.out)
+    write(results, out, plots=not args.no_plots)
+    print(markdown(results), end="")
+    print(f"tandem bench: wrote {out / 'results.json'}, {out / 'results.md'}", file=sys.stderr)
+    chk = results["check"]
+    if chk["mismatch_count"]:
+        d = chk["first_divergence"]
+        print(f"tandem bench: OUTPUT MISMATCH: {chk['mismatch_count']} engine request(s) differ from solo ar; "
+              f"first: {d['run']} request {d['request']} at new token {d['position']}", file=sys.stderr)
+        return 0 if args.allow_mismatch else 1
+    return 0
+
+
+def run_concurrency(prompts, methods: list[str], peers: list[str], levels: list[int], spec: SpecConfig,
+                    sampling: SamplingConfig, gen: GenerationConfig, args: argparse.Namespace) -> dict:
+    import torch
+
+    from tandem.bench.env import environment
+    from tandem.engine.request import SamplingParams
+    from tandem.runtime.pair import load_pair
+
+    pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=methods != [REFERENCE])
+    dev = pair.target.device
+    ids_list, prompt_info = harness.tokenize_prompts(prompts, pair.tokenizer, args.max_prompt_tokens)
+    if any(not ids for ids in ids_list):
+        raise ConfigError("a prompt tokenizes to nothing")
+    params = SamplingParams(max_tokens=gen.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                            seed=sampling.seed, ignore_eos=gen.ignore_eos)
+    num_batched = 2048  # EngineConfig's default row budget, raised to hold every request's tree
+
+    def batch(c: int) -> tuple[list[list[int]], list[int]]:
+        idx = [i % len(ids_list) for i in range(c)]
+        return [ids_list[i] for i in idx], idx
+
+    runs: list[RunResult] = []
+    skipped: dict[str, str] = {}
+    with torch.inference_mode():
+        # the reference: each distinct prompt alone, greedy ar
+        refs = [engine_run(pair, "ar", spec, [p], [i], params, num_batched).requests[0].token_ids
+                for i, p in enumerate(ids_list)]
+        for method in methods:
+            mspec = replace(spec, method=method)
+            for c in levels:
+                ps, idx = batch(c)
+                if args.warmup:  # a throwaway engine: kernels compiled, allocator warm, prefix cache cold
+                    engine_run(pair, method, mspec, ps, idx, params, num_batched)
+                r = engine_run(pair, method, mspec, ps, idx, params, num_batched)
+                runs.append(r)
+                _progress(r)
+    if peers:
+        hf = None
+        try:
+            hf = harness.load_hf_model(pair.target_dir, dev, args.dtype)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot load is skipped, with the reason
+            for name in peers:
+                skipped[name] = f"transformers cannot load {pair.target_dir}: {str(e).splitlines()[0]}"
+        if hf is not None:
+            runs += peer_runs(hf, peers, levels, batch, gen, sampling, args.warmup, skipped)
+        del hf
+    for name, why in skipped.items():
+        print(f"tandem bench: peer {name} skipped: {why}", file=sys.stderr)
+    chk = check(runs, refs, sampling.greedy)
+    config = {"methods": methods, "peers": peers, "concurrency": levels, "max_new_tokens": gen.max_new_tokens,
+              "temperature": sampling.temperature, "ignore_eos": gen.ignore_eos, "target": str(pair.target_dir),
+              "draft": None if pair.draft_dir is None else str(pair.draft_dir), "device": str(dev),
+              "dtype": args.dtype, "warmup": args.warmup, "workload": args.workload, "num_prompts": len(prompts),
+              "max_prompt_tokens": args.max_prompt_tokens, "spec": asdict(spec)}
+    return {"environment": environment(dev), "config": config, "prompts": prompt_info,
+            "reference_outputs": refs, "runs": [r.to_dict() for r in runs], "peers_skipped": skipped,
+            "check": chk}
+
+
+def peer_runs(hf, peers: list[str], levels: list[int], batch, gen: GenerationConfig, sampling: SamplingConfig,
+              warmup: int, skipped: dict[str, str]) -> list[RunResult]:
+    runs: list[RunResult] = []
+    if not sampling.greedy:
+        for name in peers:
+            skipped[name] = "peers run greedy only (--temperature > 0)"
+        return runs
+    fns = {"generate": padded_generate_run, "generate_batch": generate_batch_run}
+    if "generate_batch" in peers and not hasattr(hf, "generate_batch"):
+        import transformers
+
+        skipped["generate_batch"] = (f"transformers {transformers.__version__} has no generate_batch "
+                                     "(continuous batching)")
+    for name in peers:
+        if name in skipped:
+            continue
+        gc = harness._hf_generation_config(hf, gen, sampling, gen.max_new_tokens)
+        try:
+            for c in levels:
+                ps, idx = batch(c)
+                if warmup:
+                    fns[name](hf, ps, idx, gc)
+                r = fns[name](hf, ps, idx, gc)
+                runs.append(r)
+                _progress(r)
+        except Exception as e:  # noqa: BLE001 - a failing peer must not lose the engine's results
+            skipped[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return runs
+
+
+def _progress(r: RunResult) -> None:
+    print(f"tandem bench: {r.name} C={r.concurrency}: {r.tokens_per_s or 0:.1f} tok/s", file=sys.stderr, flush=True)
+
+
+def write(results: dict, out: Path, plots: bool = True) -> list[Path]:
+    """results.json, results.md and (matplotlib present, plots on) tokens_per_s_vs_concurrency.png."""
+    from tandem.bench.env import write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "results.json", out / "results.md"]
+    if plots:
+        png = plot(results, out / "tokens_per_s_vs_concurrency.png")
+        if png is not None:
+            written.append(png)
+    results["files"] = [p.name for p in written]
+    write_json(out / "results.json", results)
+    (out / "results.md").write_text(markdown(results))
+    return written
