@@ -1,0 +1,121 @@
+"""`tandem bench --concurrency`: the batched engine at several concurrencies beside transformers'
+padded `generate`, on a tiny random checkpoint (draft = target, so the tree accepts a lot).
+
+Every output is compared here with the single-request loop's greedy `ar` output (an independent
+reference: `Generator`, not the engine). `generate_batch` is left out: its manager setup alone
+takes ~10 s per call on a CPU; the lead's GPU run covers it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem import cli
+from tandem.bench.concurrency import parse_concurrency
+from tandem.config import ConfigError, GenerationConfig
+
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from conftest import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("pair") / "target", "llama_untied", seed=0)
+
+
+def _prompts_file(tmp_path: Path) -> Path:
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(json.dumps({"id": "add", "prompt": "def add(a, b):\n"}) + "\n"
+                 + json.dumps({"id": "stack", "prompt": "class Stack:\n    def push(self, x):\n"}) + "\n"
+                 + json.dumps({"id": "fib", "prompt": "def fib(n):\n    if n < 2:"}) + "\n")
+    return f
+
+
+def test_concurrency_runs_write_results_and_every_output_equals_solo_ar(tiny, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    rc = cli.main(["bench", "--target", str(tiny), "--draft", str(tiny), "--workload", str(_prompts_file(tmp_path)),
+                   "--num-prompts", "3", "--max-new-tokens", str(MAX_NEW), "--ignore-eos", "--methods", "tree",
+                   "--nodes", "4", "--concurrency", "1,4", "--peers", "generate", "--warmup", "0", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["methods"] == ["ar", "tree"] and res["config"]["concurrency"] == [1, 4]
+    runs = {(r["name"], r["concurrency"]): r for r in res["runs"]}
+    assert set(runs) == {(n, c) for n in ("ar", "tree", "hf generate (padded)") for c in (1, 4)}
+
+    # the independent reference: each prompt alone through the single-request loop
+    from tandem.runtime.generate import Generator
+    from tandem.runtime.pair import load_pair
+
+    pair = load_pair(str(tiny), None, "cpu", "float32", need_draft=False)
+    g = Generator(pair.target, None, pair.tokenizer)
+    texts = [json.loads(line)["prompt"] for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    refs = [g.generate(pair.tokenizer.encode(t).ids, "ar", gen=GenerationConfig(max_new_tokens=MAX_NEW,
+                                                                                 ignore_eos=True)).token_ids
+            for t in texts]
+    assert res["reference_outputs"] == refs
+    for (name, c), r in runs.items():
+        assert len(r["requests"]) == c and r["new_tokens"] == c * MAX_NEW
+        # prompts are cycled: request i decodes prompt i % 3
+        assert [q["prompt_index"] for q in r["requests"]] == [i % 3 for i in range(c)]
+        assert [q["token_ids"] for q in r["requests"]] == [refs[i % 3] for i in range(c)], (name, c)
+        for q in r["requests"]:
+            assert 0 < q["ttft"] <= q["e2e"] and q["itl"] is not None and q["itl"] >= 0
+        assert r["tokens_per_s"] > 0 and r["ttft_s"]["n"] == c
+    assert runs[("ar", 4)]["tau"] == 1.0 and runs[("ar", 4)]["steps"] >= MAX_NEW
+    # draft = target: every draft token is accepted, so the tree takes fewer passes than ar
+    assert runs[("tree", 4)]["tau"] > 1.5 and runs[("tree", 4)]["steps"] < runs[("ar", 4)]["steps"]
+    chk = res["check"]
+    assert chk["checked"] and chk["mismatch_count"] == 0 and chk["peer_mismatch_count"] == 0
+    assert chk["runs"]["tree@4"] == {"mismatches": 0, "of": 4, "first": None}
+
+    md = (out / "results.md").read_text()
+    assert "| tree | 4 |" in md and "| hf generate (padded) | 4 |" in md and "0 mismatching engine" in md
+    assert md == captured.out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert res["files"] == ["results.json", "results.md"]
+    else:
+        assert (out / "tokens_per_s_vs_concurrency.png").stat().st_size > 0
+        assert "tokens_per_s_vs_concurrency.png" in res["files"]
+
+
+@pytest.mark.parametrize("value,message", [
+    ("0", "--concurrency values must be >= 1 (got 0"),
+    ("-4", "--concurrency values must be >= 1 (got -4"),
+    ("1,-2", "--concurrency values must be >= 1 (got -2"),
+    ("2.5", "--concurrency takes a comma list of positive integers (got '2.5')"),
+    ("1,x", "--concurrency takes a comma list of positive integers (got '1,x')"),
+    ("", "--concurrency takes a comma list of positive integers (got '')"),
+])
+def test_bad_concurrency_values_are_one_line_errors(tiny, tmp_path, capsys, value, message):
+    rc = cli.main(["bench", "--target", str(tiny), f"--concurrency={value}", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith(f"tandem: error: {message}")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "x").exists()  # checked before any work
+
+
+def test_bad_methods_and_peers_are_one_line_errors(tiny, tmp_path, capsys):
+    base = ["bench", "--target", str(tiny), "--concurrency", "1,2", "--out", str(tmp_path / "x")]
+    assert cli.main(base + ["--methods", "ar,hf"]) == 2
+    err = capsys.readouterr().err
+    assert "runs the engine methods ar, chain, tree (got 'hf')" in err and err.count("\n") == 1
+    assert cli.main(base + ["--peers", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown peer 'vllm' in --peers" in err and err.count("\n") == 1
+    assert cli.main(base + ["--nodes", "4,8"]) == 2
+    assert "one --nodes budget" in capsys.readouterr().err
+
+
+def test_parse_concurrency():
+    assert parse_concurrency("1,8,16,32,64") == [1, 8, 16, 32, 64]
+    assert parse_concurrency(" 4 , 1,4") == [4, 1]  # order kept, repeats dropped
+    with pytest.raises(ConfigError, match="positive integers"):
+        parse_concurrency("1,,2")
