@@ -66,6 +66,7 @@ def test_concurrency_runs_write_results_and_every_output_equals_solo_ar(tiny, tm
         for q in r["requests"]:
             assert 0 < q["ttft"] <= q["e2e"] and q["itl"] is not None and q["itl"] >= 0
         assert r["tokens_per_s"] > 0 and r["ttft_s"]["n"] == c
+    assert all(runs[(n, c)]["preemptions"] == 0 for n in ("ar", "tree") for c in (1, 4))
     assert runs[("ar", 4)]["tau"] == 1.0 and runs[("ar", 4)]["steps"] >= MAX_NEW
     # draft = target: every draft token is accepted, so the tree takes fewer passes than ar
     assert runs[("tree", 4)]["tau"] > 1.5 and runs[("tree", 4)]["steps"] < runs[("ar", 4)]["steps"]

@@ -1,5 +1,6 @@
 """`tandem bench`: the flags (harness.add_arguments) and the dispatch between a real-pair run
-(tandem.bench.harness) and an acceptance replay at preset shapes (tandem.bench.replay).
+(tandem.bench.harness), an acceptance replay at preset shapes (tandem.bench.replay) and the
+batched engine by concurrency (tandem.bench.concurrency, `--concurrency`).
 
 NOTE: the dispatch lives here, above both, so that replay may use the harness's records and
 tables while the harness knows nothing of replay (no import circle).

@@ -79,6 +79,7 @@ class RunResult:
     steps: int | None = None  # engine steps (one target pass each); None for peers
     tau: float | None = None  # tokens per verify pass over the run (engine)
     cached_tokens: int | None = None  # prompt tokens served by the engine's prefix cache
+    preemptions: int | None = None  # engine: requests preempted (0 expected: the pool holds them all)
     skipped: str | None = None  # why a peer did not run
     call_seconds: float | None = None  # generate_batch: the whole call, manager setup included
 
@@ -97,7 +98,7 @@ class RunResult:
         return {"name": self.name, "concurrency": self.concurrency, "peer": self.peer, "skipped": self.skipped,
                 "seconds": self.seconds, "new_tokens": self.new_tokens, "tokens_per_s": self.tokens_per_s,
                 "call_seconds": self.call_seconds, "steps": self.steps, "tau": self.tau,
-                "cached_tokens": self.cached_tokens,
+                "cached_tokens": self.cached_tokens, "preemptions": self.preemptions,
                 "ttft_s": summarize([r.ttft for r in reqs]).to_dict(),
                 "itl_s": summarize([r.itl for r in reqs if r.itl is not None]).to_dict(),
                 "e2e_s": summarize([r.e2e for r in reqs]).to_dict(),
@@ -150,8 +151,14 @@ def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], pr
     from tandem.engine.engine import Engine
 
     c = len(prompts)
-    rows = max(num_batched, c * (1 + max(spec.k, spec.nodes)))
-    cfg = EngineConfig(method=method, spec=spec, max_num_seqs=c, max_num_batched_tokens=rows)
+    draft_rows = 1 + max(spec.k, spec.nodes)
+    rows = max(num_batched, c * draft_rows)
+    # NOTE: the pool holds every request whole (no preemption), sized for this workload rather
+    # than the default C full context windows, which at C=64 would hold tens of GB for nothing
+    block = EngineConfig().block_size
+    per_request = -(-(max(map(len, prompts)) + params.max_tokens + draft_rows) // block)
+    cfg = EngineConfig(method=method, spec=spec, max_num_seqs=c, max_num_batched_tokens=rows,
+                       num_blocks=c * per_request)
     engine = Engine(pair.target, pair.draft if method != "ar" else None, pair.tokenizer, cfg)
     harness._sync(pair.target.device)
     t0 = time.perf_counter()
@@ -174,7 +181,7 @@ def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], pr
     passes = sum(r.figures.target_passes for r in reqs)
     return RunResult(method, c, False, seconds, timed, engine.steps,
                      sum(len(t.token_ids) for t in timed) / passes if passes else None,
-                     sum(r.figures.cached_tokens for r in reqs))
+                     sum(r.figures.cached_tokens for r in reqs), sum(r.figures.preemptions for r in reqs))
 
 
 class _StepTimes:
