@@ -120,3 +120,22 @@ def test_parse_concurrency():
     assert parse_concurrency(" 4 , 1,4") == [4, 1]  # order kept, repeats dropped
     with pytest.raises(ConfigError, match="positive integers"):
         parse_concurrency("1,,2")
+
+
+def test_check_counts_engine_and_peer_mismatches_apart():
+    from tandem.bench.concurrency import RunResult, Timed, check
+
+    refs = [[5, 6, 7], [8, 9]]
+    tree = RunResult("tree", 3, False, 1.0, [Timed(0, 0, [5, 6, 7], 0.1, 0.3), Timed(1, 1, [8, 4], 0.1, 0.2),
+                                             Timed(2, 0, [5, 6], 0.1, 0.2)])
+    peer = RunResult("hf generate (padded)", 2, True, 1.0, [Timed(0, 0, [5, 6, 1], 0.1, 0.3),
+                                                            Timed(1, 1, [8, 9], 0.1, 0.2)])
+    skipped = RunResult("hf generate_batch", 2, True, skipped="no generate_batch")
+    rep = check([tree, peer, skipped], refs, greedy=True)
+    assert rep["mismatch_count"] == 2 and rep["peer_mismatch_count"] == 1
+    assert rep["runs"]["tree@3"]["mismatches"] == 2 and rep["runs"]["tree@3"]["of"] == 3
+    # request 1 differs at new token 1; request 2 ended early (got None at token 2)
+    assert rep["first_divergence"] == {"run": "tree@3", "request": 1, "prompt_index": 1, "position": 1,
+                                       "expected": 9, "got": 4}
+    assert "hf generate_batch@2" not in rep["runs"]
+    assert check([tree], refs, greedy=False)["checked"] is False
