@@ -1,5 +1,6 @@
 """`tandem bench`: the flags (harness.add_arguments) and the dispatch between a real-pair run
-(tandem.bench.harness) and an acceptance replay at preset shapes (tandem.bench.replay).
+(tandem.bench.harness), an acceptance replay at preset shapes (tandem.bench.replay) and an online
+load of a server over HTTP (tandem.bench.online, `--online`).
 
 NOTE: the dispatch lives here, above both, so that replay may use the harness's records and
 tables while the harness knows nothing of replay (no import circle).
@@ -8,14 +9,17 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.bench import harness
+from tandem.bench import harness, online
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     harness.add_arguments(p)
+    online.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.online:
+        return online.run(args)
     if args.replay is not None:
         from tandem.bench.replay import run_replay
 
