@@ -180,17 +180,15 @@ async def run_level(load: Load, prompts: list[str], method: str | None, concurre
 # A server in this process
 class LocalServer:
     """`tandem serve`'s app under uvicorn in a thread, bound to 127.0.0.1 on a port the OS picks.
-    `stop()` is uvicorn's graceful shutdown: in-flight requests finish, then the lifespan stops the
-    engine thread."""
+    `stop()` is `tandem serve`'s SIGTERM path (tandem.serve.runner): in-flight requests finish
+    within the server's shutdown grace, then the engine thread stops."""
 
     def __init__(self, server, start_timeout_s: float = 60.0):
-        import uvicorn
-
         from tandem.serve.app import create_app
+        from tandem.serve.runner import make_server
 
         self.state = server
-        self.uvicorn = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=0,
-                                                     log_level="warning", timeout_graceful_shutdown=30))
+        self.uvicorn = make_server(create_app(server), server, "127.0.0.1", 0, log_level="warning")
         self.thread = threading.Thread(target=self.uvicorn.run, name="tandem-uvicorn", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout_s
