@@ -504,10 +504,11 @@ def test_sigterm_on_tandem_serve_drains_and_exits_by_the_signal(tmp_path):
     import signal
     import subprocess
     import sys
+    from pathlib import Path
 
     log = tmp_path / "serve.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(__import__("pathlib").Path(__file__).parents[1]),
-                                                       os.environ.get("PYTHONPATH", "")])}
+    root = str(Path(__file__).resolve().parents[1])  # this checkout, not an installed copy
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "--port", "0", "--methods", "ar",
                                  "--shutdown-grace", "0.3", "--log-level", "info"], stdout=f, stderr=f, env=env)
