@@ -30,16 +30,15 @@ PROMPTS = ["def fib(n):", "import os\n", "class Stack:", "for i in range(", "# s
 
 
 class LiveServer:
-    """uvicorn in a thread, bound to 127.0.0.1 on a port the OS picks."""
+    """uvicorn in a thread, bound to 127.0.0.1 on a port the OS picks; `stop()` takes the path
+    SIGTERM takes in `tandem serve` (tandem.serve.runner)."""
 
     def __init__(self, server):
-        import uvicorn
-
         from tandem.serve.app import create_app
+        from tandem.serve.runner import make_server
 
         self.state = server
-        cfg = uvicorn.Config(create_app(server), host="127.0.0.1", port=0, log_level="warning")
-        self.uvicorn = uvicorn.Server(cfg)
+        self.uvicorn = make_server(create_app(server), server, "127.0.0.1", 0, log_level="warning")
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -416,3 +415,139 @@ def test_serve_refuses_batch_parallel_without_a_speculative_method(capsys):
 
     assert main(["serve", "--methods", "ar", "--batch-parallel", "--port", "0"]) == 2
     assert "need a speculative method" in capsys.readouterr().err
+
+
+# ---- shutdown ---------------------------------------------------------------------------------------
+def stream_in_thread(url: str, body: dict, started: threading.Event, out: list) -> threading.Thread:
+    """A streamed completion in a thread: `started` once its first chunk arrived; `out` gets the
+    events (the last one `[DONE]`) or the transport error."""
+    def go():
+        try:
+            with httpx.Client(base_url=url, timeout=60) as c:
+                with c.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                               "stream_options": {"include_usage": True}}) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            started.set()
+                            out.append(line[len("data: "):])
+        except httpx.HTTPError as e:
+            out.append(e)
+        finally:
+            started.set()
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    return th
+
+
+def assert_stopped_clean(s: LiveServer) -> None:
+    s.thread.join(30)
+    assert not s.thread.is_alive() and not s.state.driver.thread.is_alive()
+    for e in s.state.engines.values():
+        assert not e.requests and not e.has_unfinished()
+        assert e.pool.check() == [] and e.pool.num_free == e.pool.num_blocks and e.pool.seqs == {}
+    with pytest.raises(httpx.ConnectError):  # no longer listening
+        httpx.get(s.url + "/health", timeout=5)
+
+
+def test_shutdown_lets_in_flight_requests_finish_and_stops_the_engine_clean(pair):
+    s = make_server(pair, methods=("tree", "ar"))
+    body = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    runs = []
+    for i, method in enumerate(("tree", "ar", "tree")):
+        started, out = threading.Event(), []
+        runs.append((stream_in_thread(s.url, {**body, "prompt": PROMPTS[i], "method": method}, started, out),
+                     started, out))
+    for _, started, _ in runs:
+        assert started.wait(30)
+    s.uvicorn.should_exit = True  # what uvicorn's SIGTERM handler sets
+    for th, _, out in runs:
+        th.join(60)
+        assert out[-1] == "[DONE]", out[-3:]
+        events = [json.loads(e) for e in out[:-1]]
+        assert events[-1]["usage"]["completion_tokens"] == 16
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert s.state.metrics.requests.labels("completed")._value.get() == 3
+    assert_stopped_clean(s)
+
+
+def test_shutdown_past_the_grace_ends_in_flight_requests_with_a_clear_503(pair):
+    s = make_server(pair, methods=("ar",), shutdown_grace_s=0.3)
+    body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    started, out = threading.Event(), []
+    th = stream_in_thread(s.url, body, started, out)
+    plain: list = []
+    pt = threading.Thread(target=lambda: plain.append(httpx.post(s.url + "/v1/completions", json=body, timeout=60)))
+    pt.start()
+    assert started.wait(30)
+    while s.state.pending < 2:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    s.uvicorn.should_exit = True
+    th.join(30)
+    pt.join(30)
+    assert time.monotonic() - t0 < 5.0  # the grace, not the 400 tokens
+    assert out[-1] == "[DONE]"
+    err = json.loads(out[-2])["error"]
+    assert err["code"] == "server_shutting_down" and "shutting down" in err["message"]
+    assert_error(plain[0], 503, code="server_shutting_down")
+    assert s.state.metrics.requests.labels("failed")._value.get() == 2
+    assert_stopped_clean(s)
+
+
+def test_sigterm_on_tandem_serve_drains_and_exits_by_the_signal(tmp_path):
+    """The real process: `tandem serve` gets SIGTERM with a stream in flight; the stream ends with
+    the 503 event and `[DONE]`, the app's shutdown completes, and the process ends by SIGTERM
+    (uvicorn re-raises the signal after a clean shutdown, so a supervisor sees why it stopped)."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    log = tmp_path / "serve.log"
+    root = str(Path(__file__).resolve().parents[1])  # this checkout, not an installed copy
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "--port", "0", "--methods", "ar",
+                                 "--shutdown-grace", "0.3", "--log-level", "info"], stdout=f, stderr=f, env=env)
+    try:
+        deadline, url = time.monotonic() + 60, None
+        while url is None:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            m = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log.read_text())
+            url = m.group(1) if m else None
+            time.sleep(0.05)
+        started, out = threading.Event(), []
+        th = stream_in_thread(url, {"prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True},
+                              started, out)
+        assert started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == -signal.SIGTERM, log.read_text()[-2000:]
+        th.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert out[-1] == "[DONE]" and json.loads(out[-2])["error"]["code"] == "server_shutting_down"
+    text = log.read_text()
+    assert "Application shutdown complete" in text and "Traceback" not in text
+
+
+# ---- the official client ----------------------------------------------------------------------------
+def test_the_official_openai_client_gets_a_completion_and_a_streamed_chat(live, client, solo):
+    openai = pytest.importorskip("openai")
+    oc = openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    out = oc.completions.create(model="tandem", prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                extra_body={"method": "tree"})
+    assert out.choices[0].text == solo[PROMPTS[2]] and out.usage.completion_tokens == 8
+    messages = [{"role": "user", "content": "a loop"}]
+    full = client.post("/v1/chat/completions", json={"messages": messages, "temperature": 0, "max_tokens": 8})
+    chunks = list(oc.chat.completions.create(model="tandem", messages=messages, max_tokens=8, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.json()["choices"][0]["message"]["content"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].usage.completion_tokens == full.json()["usage"]["completion_tokens"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0).models.list()

@@ -1,6 +1,7 @@
 """`tandem bench`: the flags (harness.add_arguments) and the dispatch between a real-pair run
-(tandem.bench.harness), an acceptance replay at preset shapes (tandem.bench.replay) and the
-batched engine by concurrency (tandem.bench.concurrency, `--concurrency`).
+(tandem.bench.harness), an acceptance replay at preset shapes (tandem.bench.replay), the batched
+engine by concurrency (tandem.bench.concurrency, `--concurrency`) and an online load of a server
+over HTTP (tandem.bench.online, `--online`, which reads the same `--concurrency` levels).
 
 NOTE: the dispatch lives here, above both, so that replay may use the harness's records and
 tables while the harness knows nothing of replay (no import circle).
@@ -9,15 +10,18 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.bench import concurrency, harness
+from tandem.bench import concurrency, harness, online
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     harness.add_arguments(p)
-    concurrency.add_arguments(p)
+    concurrency.add_arguments(p)  # NOTE: before online's: it registers --concurrency, online reuses it
+    online.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.online:
+        return online.run(args)
     if args.concurrency is not None:
         return concurrency.run(args)
     if args.replay is not None:

@@ -93,3 +93,26 @@ def _save(fig, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+def online_levels(levels: list[dict], path: Path) -> Path:
+    """`bench --online`: output tokens/s and p50/p99 inter-token latency against concurrency, per method."""
+    plt = _plt()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4.2))
+    for method in dict.fromkeys(r["method"] for r in levels):
+        rows = [r for r in levels if r["method"] == method]
+        conc = [r["concurrency"] for r in rows]
+        ax.plot(conc, [r["output_tokens_per_s"] for r in rows], marker="o", label=method)
+        for q, style in (("p50", "-"), ("p99", "--")):
+            ax2.plot(conc, [r["itl_ms"][q] for r in rows], style, marker="o", label=f"{method} {q}")
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Throughput")
+    ax2.set_xlabel("concurrency")
+    ax2.set_ylabel("inter-token latency (ms)")
+    ax2.set_title("Inter-token latency")
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    return _save(fig, path)

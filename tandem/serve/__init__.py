@@ -8,6 +8,7 @@
     driver.py         EngineDriver: ONE thread steps the engines; per-request events handed to asyncio
     metrics.py        Prometheus counters, gauges and histograms (one registry per server)
     app.py            the FastAPI app: routes, auth, body limit, streaming (server-sent events)
+    runner.py         GracefulServer: uvicorn whose shutdown (SIGTERM) drains, then stops the engine
     cli.py            `tandem serve` (add_arguments / run)
 
 Needs the `serve` extra: pip install 'tandem[serve]' (fastapi, uvicorn, prometheus_client, jinja2).

@@ -266,7 +266,7 @@ class Server:
                 if isinstance(ev, Finished):
                     return ev
                 if isinstance(ev, Failed):
-                    raise APIError(500, ev.message, code="engine_error")
+                    raise APIError(ev.status, ev.message, code=ev.code)
         finally:
             handle.close()
 
@@ -469,7 +469,7 @@ def create_app(server: Server) -> FastAPI:
                     yield "data: [DONE]\n\n"
                     return
                 else:
-                    yield sse(error_body(500, ev.message, code="engine_error"))
+                    yield sse(error_body(ev.status, ev.message, code=ev.code))
                     yield "data: [DONE]\n\n"
                     return
 

@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="MineDraft: verify one half of the running requests while the other half drafts")
     p.add_argument("--row-selection", action="store_true",
                    help="SpecPilot: one node budget per step shared by all requests (a request may get none)")
+    p.add_argument("--shutdown-grace", type=float, default=s.shutdown_grace_s,
+                   help="seconds in-flight requests may run after SIGTERM; then each gets 503")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -59,7 +61,8 @@ def build(args) -> tuple[object, ServerConfig]:
     with_draft = args.draft is not None or args.target is None
     methods = tuple(m.strip() for m in (args.methods or ("tree,ar" if with_draft else "ar")).split(",") if m.strip())
     cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
-                       methods=methods, max_pending=args.max_pending, max_tokens_limit=args.max_tokens_limit)
+                       methods=methods, max_pending=args.max_pending, max_tokens_limit=args.max_tokens_limit,
+                       shutdown_grace_s=args.shutdown_grace)
     cfg.validate()
     spec = SpecConfig(k=args.k, nodes=args.nodes, width=args.width, depth=args.depth)
     ecfg = EngineConfig(spec=spec, block_size=args.block_size, num_blocks=args.num_blocks,
@@ -76,13 +79,13 @@ def build(args) -> tuple[object, ServerConfig]:
 
 
 def run(args) -> int:
-    import uvicorn
-
     app, cfg = build(args)
+    from tandem.serve.runner import make_server
+
     if cfg.host not in (LOOPBACK, "localhost", "::1"):
         print(f"tandem: note: binding {cfg.host}: reachable from other machines"
               + ("" if cfg.api_key else " WITHOUT an API key"), file=sys.stderr)
-    # NOTE: uvicorn handles SIGINT / SIGTERM: stop accepting, let in-flight requests finish (up to the
-    # timeout), then the app's lifespan stops the engine thread, aborting whatever is left
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+    # NOTE: uvicorn handles SIGINT / SIGTERM: stop accepting, let in-flight requests finish for
+    # --shutdown-grace seconds, then each one left gets 503 server_shutting_down (runner.py)
+    make_server(app, app.state.server, cfg.host, cfg.port, args.log_level).run()
     return 0

@@ -23,6 +23,7 @@ class ServerConfig:
     max_stop: int = 4  # stop strings per request (OpenAI's limit)
     max_stop_chars: int = 256  # characters per stop string
     max_top_logprobs: int = 20  # chat's top_logprobs (completions' logprobs: at most 5, as OpenAI)
+    shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests may finish this long, then get 503
 
     def validate(self) -> None:
         if not self.methods:
@@ -37,6 +38,8 @@ class ServerConfig:
         for name in ("max_pending", "max_body_bytes", "max_tokens_limit", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        if not self.shutdown_grace_s >= 0:
+            raise ConfigError(f"--shutdown-grace must be >= 0 seconds (got {self.shutdown_grace_s})")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("--api-key is empty; give a key or leave the flag out")
         if not self.served_model_name:

@@ -44,7 +44,9 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    message: str
+    message: str  # for the client: never the exception's text
+    status: int = 500
+    code: str = "engine_error"
 
 
 Event = Union[Delta, Finished, Failed]
@@ -117,9 +119,12 @@ class EngineDriver:
             self.error = f"{type(e).__name__}: {e}"
         finally:
             self.metrics.engine_alive.set(0)
-            reason = "the server is shutting down" if self.error is None else "the engine stopped"
             for rid in list(self.live):
-                self._fail(self.live.pop(rid), reason)
+                if self.error is None:  # stop(): a shutdown, not a fault
+                    self._fail(self.live.pop(rid), "the server is shutting down; retry on a running server",
+                               status=503, code="server_shutting_down")
+                else:
+                    self._fail(self.live.pop(rid), "the engine stopped")
             self._drain(block=False)  # adds that raced the stop: refused
             self._gauges()
 
@@ -218,12 +223,12 @@ class EngineDriver:
         if problems or engine.has_unfinished():
             raise RuntimeError(f"the KV pool is inconsistent after a failed step: {problems[:3]}")
 
-    def _fail(self, lv: _Live, message: str) -> None:
+    def _fail(self, lv: _Live, message: str, status: int = 500, code: str = "engine_error") -> None:
         if lv.engine.requests.get(lv.job.request_id) is not None:
             lv.engine.abort(lv.job.request_id)
         lv.engine.forget(lv.job.request_id)
         self.metrics.requests.labels("failed").inc()
-        self._send(lv, Failed(message))
+        self._send(lv, Failed(message, status, code))
 
     def _send(self, lv: _Live, event: Event) -> None:
         try:

@@ -1,0 +1,387 @@
+"""`tandem bench --online`: load an OpenAI-compatible server over HTTP and measure what clients see.
+
+    server  = --url URL, or `tandem serve`'s app started here on 127.0.0.1 (a free port, a thread)
+    for method in --methods, for c in --concurrency:
+        send --requests streamed completions (prompts cycled from the workload), at most c in flight,
+        at most --request-rate starts per second, none started after --max-seconds
+    report per (method, c): requests/s, output tokens/s, TTFT, inter-token and end-to-end p50/p99,
+    errors by kind -> results.json, results.md, online_latency.png
+
+TTFT is from sending the request to the first SSE chunk carrying text; inter-token latency is the
+gap between consecutive text chunks (a chunk may carry several tokens: text alone cannot split
+them); end-to-end is from sending to `[DONE]`. Output tokens come from the stream's usage chunk.
+Errors (an HTTP status, a transport error, an error event inside the stream) are counted, never
+raised. Exit status 0; 1 when any request failed. Only loopback URLs unless --allow-remote.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from tandem.config import ConfigError
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+DEFAULT_LEVELS = (1, 4, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Records
+@dataclass(frozen=True)
+class Load:
+    """What each level sends and its bounds."""
+
+    url: str
+    api_key: str | None
+    max_tokens: int
+    requests: int  # per level
+    max_seconds: float  # per level: no request starts after this
+    request_rate: float | None  # starts per second (evenly spaced); None: as fast as concurrency allows
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request as the client saw it (seconds); `error` set when it failed."""
+
+    ttft: float | None = None
+    e2e: float | None = None
+    tokens: int = 0
+    itl: tuple[float, ...] = ()
+    error: str | None = None
+
+
+@dataclass
+class Level:
+    """One (method, concurrency) level's figures (milliseconds for latencies)."""
+
+    method: str
+    concurrency: int
+    request_rate: float | None
+    sent: int
+    completed: int
+    skipped: int  # not started: past --max-seconds
+    errors: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+    requests_per_s: float = 0.0
+    output_tokens_per_s: float = 0.0
+    ttft_ms: dict = field(default_factory=dict)
+    itl_ms: dict = field(default_factory=dict)
+    e2e_ms: dict = field(default_factory=dict)
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """Nearest-rank percentile q (0..100) of xs; None when empty."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def _ms(xs: list[float], mean: bool = False) -> dict:
+    def r(v):
+        return None if v is None else round(1000 * v, 2)
+
+    out = {"p50": r(pct(xs, 50)), "p99": r(pct(xs, 99))}
+    if mean:
+        out["mean"] = r(statistics.fmean(xs) if xs else None)
+    return out
+
+
+def summarize(method: str, concurrency: int, rate: float | None, samples: list[Sample | None], wall: float) -> Level:
+    ok = [s for s in samples if s is not None and s.error is None]
+    errors: dict[str, int] = {}
+    for s in samples:
+        if s is not None and s.error is not None:
+            errors[s.error] = errors.get(s.error, 0) + 1
+    wall = max(wall, 1e-9)
+    return Level(method, concurrency, rate, sent=sum(s is not None for s in samples), completed=len(ok),
+                 skipped=sum(s is None for s in samples), errors=errors, wall_s=round(wall, 3),
+                 requests_per_s=round(len(ok) / wall, 3),
+                 output_tokens_per_s=round(sum(s.tokens for s in ok) / wall, 1),
+                 ttft_ms=_ms([s.ttft for s in ok]), itl_ms=_ms([x for s in ok for x in s.itl], mean=True),
+                 e2e_ms=_ms([s.e2e for s in ok]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The client
+async def one(client, prompt: str, load: Load, method: str | None) -> Sample:
+    """One streamed completion; never raises for a server or transport failure."""
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": load.max_tokens, "temperature": load.temperature, "top_p": load.top_p,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": load.ignore_eos}
+    if load.seed is not None:
+        body["seed"] = load.seed
+    if method is not None:
+        body["method"] = method
+    t0 = time.perf_counter()
+    first, marks, tokens = None, [], 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return Sample(error=f"HTTP {r.status_code}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[len("data: "):])
+                if "error" in ev:  # the server failed the request after the 200
+                    return Sample(error=f"stream {ev['error'].get('code') or 'error'}")
+                if ev.get("usage"):
+                    tokens = ev["usage"]["completion_tokens"]
+                if ev.get("choices") and ev["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    first = now if first is None else first
+                    marks.append(now)
+    except httpx.HTTPError as e:
+        return Sample(error=type(e).__name__)
+    except json.JSONDecodeError:
+        return Sample(error="bad SSE event")
+    end = time.perf_counter()
+    return Sample(ttft=(first if first is not None else end) - t0, e2e=end - t0, tokens=tokens,
+                  itl=tuple(b - a for a, b in zip(marks, marks[1:])))
+
+
+async def run_level(load: Load, prompts: list[str], method: str | None, concurrency: int) -> Level:
+    """`load.requests` requests, at most `concurrency` in flight; a start past the deadline is skipped."""
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
+    t0 = time.perf_counter()
+    deadline = t0 + load.max_seconds
+
+    async def guarded(i: int, client) -> Sample | None:
+        if load.request_rate is not None:  # evenly spaced arrivals
+            await asyncio.sleep(max(0.0, t0 + i / load.request_rate - time.perf_counter()))
+        async with sem:
+            if time.perf_counter() > deadline:
+                return None
+            return await one(client, prompts[i % len(prompts)], load, method)
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=load.url, headers=headers, timeout=load.max_seconds + 60,
+                                 limits=limits) as client:
+        samples = await asyncio.gather(*(guarded(i, client) for i in range(load.requests)))
+    return summarize(method or "default", concurrency, load.request_rate, list(samples), time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------------------------
+# A server in this process
+class LocalServer:
+    """`tandem serve`'s app under uvicorn in a thread, bound to 127.0.0.1 on a port the OS picks.
+    `stop()` is `tandem serve`'s SIGTERM path (tandem.serve.runner): in-flight requests finish
+    within the server's shutdown grace, then the engine thread stops."""
+
+    def __init__(self, server, start_timeout_s: float = 60.0):
+        from tandem.serve.app import create_app
+        from tandem.serve.runner import make_server
+
+        self.state = server
+        self.uvicorn = make_server(create_app(server), server, "127.0.0.1", 0, log_level="warning")
+        self.thread = threading.Thread(target=self.uvicorn.run, name="tandem-uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self.uvicorn.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+        self.port = self.uvicorn.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> "LocalServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def build_local_server(args: argparse.Namespace, methods: list[str], max_concurrency: int):
+    """The Server (tandem.serve.app) for --target/--draft (default: the bundled pair) serving `methods`."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"`tandem bench --online` needs {e.name}; install with pip install 'tandem[serve]'") from None
+    from tandem.bench.harness import parse_nodes
+    from tandem.config import SpecConfig
+    from tandem.engine.config import ENGINE_METHODS, EngineConfig
+    from tandem.runtime.pair import load_pair
+    from tandem.serve.app import Server, engine_config_for
+    from tandem.serve.chat_template import ChatTemplate
+    from tandem.serve.config import ServerConfig
+
+    for m in methods:
+        if m not in ENGINE_METHODS:
+            raise ConfigError(f"--online serves {', '.join(ENGINE_METHODS)}; {m!r} is not one of them")
+    spec = SpecConfig(k=args.k, nodes=parse_nodes(args.nodes)[0], width=args.width, depth=args.depth)
+    ecfg = EngineConfig(spec=spec, max_num_seqs=max(EngineConfig().max_num_seqs, max_concurrency))
+    for m in methods:
+        engine_config_for(ecfg, m).validate()
+    cfg = ServerConfig(methods=tuple(methods), max_pending=max(ServerConfig().max_pending, max_concurrency))
+    pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=any(m != "ar" for m in methods))
+    return Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg, ChatTemplate.for_checkpoint(pair.target_dir))
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags, checks, outputs
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """--online and its flags (the rest: harness.add_arguments). --concurrency may exist already."""
+    p.add_argument("--online", action="store_true",
+                   help="load a server over HTTP (--url, or `tandem serve`'s app started here on 127.0.0.1)")
+    p.add_argument("--url", default=None, help="with --online: a running OpenAI-compatible server")
+    p.add_argument("--api-key", default=None, help="with --online --url: sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--allow-remote", action="store_true", help="with --online: allow a --url that is not loopback")
+    if "--concurrency" not in p._option_string_actions:
+        p.add_argument("--concurrency", default=None,
+                       help="comma list of requests in flight (default 1,4,8 with --online)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="with --online: request starts per second (evenly spaced); default: as concurrency allows")
+    p.add_argument("--requests", type=int, default=16, help="with --online: requests per level")
+    p.add_argument("--max-seconds", type=float, default=120.0,
+                   help="with --online: per level; requests not started by then are skipped")
+
+
+def parse_levels(value) -> list[int]:
+    """--concurrency as a comma string, an int or a list of ints (whoever registered the flag)."""
+    if value is None:
+        return list(DEFAULT_LEVELS)
+    if isinstance(value, int):
+        levels = [value]
+    elif isinstance(value, str):
+        try:
+            levels = [int(c) for c in value.split(",") if c.strip()]
+        except ValueError:
+            raise ConfigError(f"--concurrency takes integers, e.g. 1,8,32 (got {value!r})") from None
+    else:
+        levels = [int(c) for c in value]
+    if not levels or any(c < 1 for c in levels):
+        raise ConfigError(f"--concurrency levels must be >= 1 (got {value!r})")
+    return levels
+
+
+def check(args: argparse.Namespace) -> tuple[list[int], list[str] | None]:
+    """Bad flags -> ConfigError before any load; returns (levels, methods or None for the server's)."""
+    from tandem.bench.env import ensure_out_dir
+
+    levels = parse_levels(args.concurrency)
+    if args.requests < 1:
+        raise ConfigError(f"--requests must be >= 1 (got {args.requests})")
+    if not args.max_seconds > 0:
+        raise ConfigError(f"--max-seconds must be > 0 (got {args.max_seconds})")
+    if args.request_rate is not None and not args.request_rate > 0:
+        raise ConfigError(f"--request-rate must be > 0 (got {args.request_rate})")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise ConfigError("--methods is empty")
+    if args.url is not None:
+        host = urlparse(args.url).hostname
+        if host is None:
+            raise ConfigError(f"--url {args.url!r} is not a URL (e.g. http://127.0.0.1:8000)")
+        if host not in LOOPBACK_HOSTS and not args.allow_remote:
+            raise ConfigError(f"--url {args.url} is not loopback; pass --allow-remote to load another host")
+    elif args.api_key is not None:
+        raise ConfigError("--api-key goes with --url (the server started here has no key)")
+    ensure_out_dir(args.out)
+    return levels, (None if methods == ["default"] else methods)
+
+
+def prompt_texts(args: argparse.Namespace, tokenizer) -> list[str]:
+    """The workload's prompt texts; with a tokenizer and --max-prompt-tokens, cut from the left."""
+    from tandem.bench.workloads import load_workload
+
+    texts = [p.text for p in load_workload(args.workload, args.num_prompts, args.data_dir, args.source_lines)]
+    if tokenizer is not None and args.max_prompt_tokens is not None:
+        if args.max_prompt_tokens < 1:
+            raise ConfigError(f"--max-prompt-tokens must be >= 1 (got {args.max_prompt_tokens})")
+        texts = [tokenizer.decode(tokenizer.encode(t).ids[-args.max_prompt_tokens:]) for t in texts]
+    return texts
+
+
+def markdown(results: dict) -> str:
+    c = results["config"]
+    lines = [f"# tandem bench --online ({c['server']})", "",
+             f"{c['requests']} requests per level, max_tokens {c['max_tokens']}, "
+             f"request rate {c['request_rate'] or 'unbounded'}, {c['max_seconds']} s per level at most.", "",
+             "| method | conc | ok | errors | skipped | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms "
+             "| e2e p50/p99 ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["levels"]:
+        errs = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "0"
+        lines.append(f"| {r['method']} | {r['concurrency']} | {r['completed']} | {errs} | {r['skipped']} | "
+                     f"{r['requests_per_s']} | {r['output_tokens_per_s']} | "
+                     f"{r['ttft_ms']['p50']}/{r['ttft_ms']['p99']} | {r['itl_ms']['p50']}/{r['itl_ms']['p99']} | "
+                     f"{r['e2e_ms']['p50']}/{r['e2e_ms']['p99']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(results: dict, out: Path, plots: bool = True) -> list[Path]:
+    from tandem.bench.env import write_json
+
+    written = [out / "results.json", out / "results.md"]
+    if plots:
+        try:
+            from tandem.bench import plots as P
+
+            written.append(P.online_levels(results["levels"], out / "online_latency.png"))
+        except ImportError:  # matplotlib is optional
+            pass
+    results["files"] = [p.name for p in written]
+    write_json(out / "results.json", results)
+    (out / "results.md").write_text(markdown(results))
+    return written
+
+
+def run(args: argparse.Namespace) -> int:
+    """`tandem bench --online`."""
+    from tandem.bench.env import environment
+
+    levels, methods = check(args)
+    local = None
+    if args.url is None:
+        methods = methods or ["ar"]
+        server = build_local_server(args, methods, max(levels))
+        prompts = prompt_texts(args, server.tokenizer)
+        local = LocalServer(server)
+        url = local.url
+    else:
+        prompts = prompt_texts(args, None)
+        url = args.url
+    load = Load(url, args.api_key, args.max_new_tokens, args.requests, args.max_seconds, args.request_rate,
+                temperature=args.temperature, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    try:
+        # warm-up: one short request per method, not measured (first-call costs on both sides)
+        for m in methods or [None]:
+            asyncio.run(run_level(Load(**{**asdict(load), "requests": 1, "max_tokens": 2}), prompts, m, 1))
+        rows = [asyncio.run(run_level(load, prompts, m, c)) for m in (methods or [None]) for c in levels]
+    finally:
+        if local is not None:
+            local.stop()
+    from tandem.runtime.pair import resolve_device
+
+    results = {"env": environment(resolve_device(args.device) if local is not None else "cpu"),
+               "config": {"server": "in-process tandem serve" if local is not None else args.url,
+                          "methods": methods or ["default"], "concurrency": levels, "requests": args.requests,
+                          "max_tokens": args.max_new_tokens, "max_seconds": args.max_seconds,
+                          "request_rate": args.request_rate, "workload": args.workload, "num_prompts": len(prompts)},
+               "levels": [asdict(r) for r in rows]}
+    out = Path(args.out)
+    write_outputs(results, out, plots=not args.no_plots)
+    print(markdown(results), end="")
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}")
+    return 0 if all(not r.errors for r in rows) else 1
