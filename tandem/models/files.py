@@ -51,3 +51,29 @@ def weight_files(d: Path) -> list[Path]:
 def first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__
+
+
+def install_state(model, d: Path, state: dict, expected: dict, unexpected: list[str], tied: bool) -> None:
+    """Check a checkpoint's tensors against the model built from its config.json, then load them
+    into `model` (built on the meta device) in place. `state`: checkpoint name -> tensor (already
+    cast); `expected`: the model's state dict; `unexpected`: names the config does not describe.
+    Every mismatch is one ConfigError line naming the first offending tensor."""
+    if unexpected:
+        # e.g. biases the config does not announce: silently dropping them would change the logits
+        raise ConfigError(f"checkpoint {str(d)!r} has {len(unexpected)} tensor(s) its config.json does not describe, "
+                          f"first {sorted(unexpected)[0]!r}; this architecture variant is not supported")
+    if tied:
+        state.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ConfigError(f"checkpoint {str(d)!r} lacks {len(missing)} tensor(s), first {missing[0]!r}; it does not "
+                          f"match its config.json")
+    for key, t in state.items():
+        if tuple(t.shape) != tuple(expected[key].shape):
+            raise ConfigError(f"tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
+                              f"{tuple(expected[key].shape)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+

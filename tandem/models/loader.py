@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from tandem.config import ConfigError
 from tandem.models.files import first_line as _first_line
-from tandem.models.files import read_config
+from tandem.models.files import install_state, read_config
 from tandem.models.files import weight_files as _weight_files
 from tandem.models.layers import rope_inv_freq
 from tandem.models.transformer import Transformer
@@ -76,22 +76,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
                     state[key] = t.to(device=device, dtype=dt)
                 elif not key.endswith("rotary_emb.inv_freq"):  # old exports saved this buffer
                     unexpected.append(key)
-    if unexpected:
-        # e.g. biases the config does not announce: silently dropping them would change the logits
-        raise ConfigError(f"checkpoint {str(d)!r} has {len(unexpected)} tensor(s) its config.json does not describe, "
-                          f"first {sorted(unexpected)[0]!r}; this architecture variant is not supported")
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-        expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ConfigError(f"checkpoint {str(d)!r} lacks {len(missing)} tensor(s), first {missing[0]!r}; it does not match its config.json")
-    for key, t in state.items():
-        if tuple(t.shape) != tuple(expected[key].shape):
-            raise ConfigError(f"tensor {key!r} has shape {tuple(t.shape)}, config.json implies {tuple(expected[key].shape)}")
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    install_state(model, d, state, expected, unexpected, cfg.tie_word_embeddings)
     model.inv_freq = rope_inv_freq(cfg).to(device)
     return model.eval().requires_grad_(False)
 

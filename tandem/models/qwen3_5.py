@@ -438,6 +438,7 @@ def _hf_key(key: str) -> str | None:
 def load_qwen3_5(d: Path, hf: dict[str, Any], device: str | torch.device, dtype: torch.dtype) -> Qwen3_5ForCausalLM:
     """Build the text model from a Qwen3.5 checkpoint directory (text-only or multimodal)."""
     from tandem.models.files import first_line as _first_line
+    from tandem.models.files import install_state
     from tandem.models.files import weight_files as _weight_files
 
     cfg = Qwen35Config.from_hf(hf)
@@ -465,21 +466,7 @@ def load_qwen3_5(d: Path, hf: dict[str, Any], device: str | torch.device, dtype:
                 except Exception as e:
                     raise ConfigError(f"cannot read tensor {key!r} from {f}: {_first_line(e)}; the file is damaged") from None
                 state[ours] = t.to(device=device, dtype=dtype)
-    if unexpected:
-        raise ConfigError(f"checkpoint {str(d)!r} has {len(unexpected)} tensor(s) its config.json does not describe, "
-                          f"first {sorted(unexpected)[0]!r}; this architecture variant is not supported")
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-        expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ConfigError(f"checkpoint {str(d)!r} lacks {len(missing)} tensor(s), first {missing[0]!r}; it does not match its config.json")
-    for key, t in state.items():
-        if tuple(t.shape) != tuple(expected[key].shape):
-            raise ConfigError(f"tensor {key!r} has shape {tuple(t.shape)}, config.json implies {tuple(expected[key].shape)}")
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    install_state(model, d, state, expected, unexpected, cfg.tie_word_embeddings)
     r = cfg.rotary_dim
     model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))).to(device)
     return model.eval().requires_grad_(False)
