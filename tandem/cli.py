@@ -121,7 +121,7 @@ def _generate(args) -> int:
         raise ConfigError("no prompt: give PROMPT or --prompt-file F")
     spec, sampling, gen = configs_from_args(args)
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar")
-    engine = Generator(pair.target, pair.draft, pair.tokenizer)
+    engine = Generator(pair.target, pair.draft, pair.tokenizer, certified_head=args.certified_head)
     ids = pair.tokenizer.encode(prompt).ids
     ctx = engine.context_window
     for note in spec.capped(ctx)[1]:
@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and use the fastest (instead of the two tensor-parallel sizes)")
     add_model_arguments(g)
     add_decoding_arguments(g)
+    g.add_argument("--certified-head", action="store_true",
+                   help="greedy ar/chain/tree: verify through the certified INT8 LM head (same tokens; the "
+                        "target runs without CUDA graphs); refused with sampling")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=_generate)

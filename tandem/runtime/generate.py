@@ -17,6 +17,8 @@ import torch
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.drafting.chain_drafter import ChainDrafter
 from tandem.drafting.tree_drafter import TreeDrafter
+from tandem.quant.int8_head import CertifiedHead
+from tandem.runtime.certified import certified_lm_head, check_certified
 from tandem.runtime.emit import Emitter
 from tandem.runtime.plan import RequestPlan, plan_request
 from tandem.runtime.result import GenerationResult
@@ -37,9 +39,12 @@ METHODS = ("auto", "ar", "chain", "tree", "async")
 class Generator:
     """Holds a target (and optional draft) model and decodes one request at a time."""
 
-    def __init__(self, target_model, draft_model=None, tokenizer=None, use_graphs: bool | None = None):
+    def __init__(self, target_model, draft_model=None, tokenizer=None, use_graphs: bool | None = None,
+                 certified_head: bool = False):
         self.target_model, self.draft_model, self.tokenizer = target_model, draft_model, tokenizer
         self.use_graphs = use_graphs
+        # greedy verification through the certified INT8 LM head (tandem.runtime.certified)
+        self.certified_head = certified_head
         self._runners: dict[str, ModelRunner] = {}
         from tandem.runtime.auto import AutoSelector
 
@@ -119,6 +124,11 @@ class Generator:
         spec.validate(), sampling.validate(), gen.validate()
         if not prompt_ids:
             raise ConfigError("the prompt is empty; give at least one token of text")
+        if self.certified_head and not isinstance(self.target_model.lm_head, CertifiedHead):
+            check_certified(method, sampling, getattr(self.target_model, "is_hybrid", False))
+            with certified_lm_head(self.target_model):  # this request only; the full head comes back after
+                return self.generate(prompt_ids, method, spec, sampling, gen, on_tokens, transport, forced_accepts,
+                                     tensor_parallel_size, draft_tensor_parallel_size, split_search)
         if getattr(self.target_model, "is_hybrid", False):  # Qwen3.5: recurrent layers (runtime/hybrid.py)
             if not sampling.greedy:
                 raise ConfigError("hybrid targets (Qwen3.5) decode greedily for now; use --temperature 0")
@@ -177,7 +187,12 @@ class Generator:
         features = getattr(drafter, "needs_features", False)
         if features:  # before the target's runner captures its graphs: they must write the features
             self.target_model.enable_features(drafter.feature_layers)
-        target = Target(self._runner("target", self.target_model, plan.target_rows), sampling, g)
+        if self.certified_head:  # its own eager runner: a graph cannot capture the head's pruning
+            target_runner = runner_for(self._runners, "target-certified", self.target_model, plan.target_rows,
+                                       "emulate" if self.use_graphs == "emulate" else False)
+        else:
+            target_runner = self._runner("target", self.target_model, plan.target_rows)
+        target = Target(target_runner, sampling, g)
         if drafter is not None and not features:
             drafter.start(prompt_ids)
 

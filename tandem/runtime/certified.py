@@ -1,0 +1,55 @@
+"""`--certified-head` for the serial loop: greedy verification reads the certified INT8 LM head.
+
+While a request decodes, the target's `lm_head` is a CertifiedHead (tandem.quant.int8_head): the
+exact logits of the tokens the INT8 certificate could not prune, -inf elsewhere, so every argmax
+the loop takes (ar, chain, tree verification) is the full head's argmax, and the output is
+unchanged. The full head is put back after the request, so the same model serves requests
+without the flag (and other Generators) untouched.
+
+NOTE: the certified head prunes with data-dependent shapes (a nonzero over the survivors), which a
+CUDA graph cannot capture; the target's runner runs eagerly under this flag (a runner of its own,
+so graphs captured with the full head are never replayed for it). Closing that gap needs a
+fixed-shape survivor kernel; until then the flag trades the graph path's launch savings for the
+head's fewer bytes, and `tandem bench` decides whether that pays on a deployment.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from tandem.config import ConfigError, SamplingConfig
+from tandem.quant.int8_head import CertifiedHead
+
+CERTIFIED_METHODS = ("auto", "ar", "chain", "tree")
+
+
+def check_certified(method: str, sampling: SamplingConfig, hybrid: bool) -> None:
+    """The one-line refusals: where the certified head cannot give the same output."""
+    if not sampling.greedy:
+        raise ConfigError("--certified-head is for greedy decoding (--temperature 0): sampling needs the full "
+                          "head's exact distribution")
+    if method not in CERTIFIED_METHODS:
+        raise ConfigError(f"--certified-head works with --method ar, chain, tree or auto, not {method!r}")
+    if hybrid:
+        raise ConfigError("--certified-head covers Llama-family targets, not hybrid (Qwen3.5) ones")
+
+
+@contextlib.contextmanager
+def certified_lm_head(model: torch.nn.Module):
+    """Swap `model.lm_head` for its CertifiedHead (built once per head weight, kept on the model)
+    for the duration of the block; re-entrant (an inner use leaves the outer swap alone)."""
+    full = model.lm_head
+    if isinstance(full, CertifiedHead):
+        yield model
+        return
+    head = getattr(model, "certified_head_cache", None)
+    if head is None or head.weight is not full.weight:
+        head = CertifiedHead(full)
+        # NOTE: object.__setattr__ keeps the cache out of the module tree (state_dict, .to())
+        object.__setattr__(model, "certified_head_cache", head)
+    model.lm_head = head
+    try:
+        yield model
+    finally:
+        model.lm_head = full
