@@ -103,7 +103,7 @@ def _check_generate_args(args) -> None:
         raise ConfigError(f"{workers} worker processes asked for (tensor-parallel sizes or --split-search); "
                           f"at most {MAX_PROCESSES} on this machine")
     # NOTE: named serial methods, so a future method that may run async (auto) is not refused
-    if args.method in ("auto", "ar", "chain", "tree") and args.transport != "auto":
+    if args.method in ("auto", "ar", "chain", "tree", "tlv") and args.transport != "auto":
         raise ConfigError(f"--transport works with --method async, not {args.method!r}")
 
 
@@ -148,6 +148,7 @@ def _generate(args) -> int:
             "seconds": round(res.seconds, 4), "ttft": round(res.ttft, 4),
             "tokens_per_s": round(res.tokens_per_s, 2), "device": str(pair.target.device),
             "dtype": args.dtype,
+            **({"q_agreement": round(res.q_agreement, 4)} if hasattr(res, "q_agreement") else {}),
         }))
     else:
         sys.stdout.write(streamer.finish(text) + "\n")
@@ -172,8 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt", nargs="?", default=None)
     g.add_argument("--prompt-file", default=None)
-    g.add_argument("--method", default="auto", choices=["auto", "ar", "chain", "tree", "async"],
-                   help="auto (default): the fastest of ar / chain / tree, measured on a short trial and printed")
+    g.add_argument("--method", default="auto", choices=["auto", "ar", "chain", "tree", "async", "tlv"],
+                   help="auto (default): the fastest of ar / chain / tree, measured on a short trial and printed; "
+                        "tlv: two-level verification (greedy)")
     g.add_argument("--transport", default="auto", choices=["auto", "inline", "streams", "gloo", "nccl"],
                    help="async only: how draft and target workers talk (auto: streams on CUDA, inline on CPU)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,

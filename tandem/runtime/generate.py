@@ -33,7 +33,7 @@ from tandem.tree.draft_tree import DraftTree
 __all__ = ["METHODS", "Emitter", "GenerationResult", "Generator", "Launch", "PassClock", "Target",
            "replayed_accept"]
 
-METHODS = ("auto", "ar", "chain", "tree", "async")
+METHODS = ("auto", "ar", "chain", "tree", "async", "tlv")
 
 
 class Generator:
@@ -181,6 +181,11 @@ class Generator:
                                   runners=self._runners, forced_accepts=forced_accepts,
                                   tensor_parallel_size=tensor_parallel_size,
                                   draft_tensor_parallel_size=draft_tensor_parallel_size)
+        if method == "tlv":  # two-level verification, greedy (runtime/tlv.py)
+            from tandem.runtime.tlv import check_tlv, generate_tlv
+
+            check_tlv(self.draft_model, sampling, forced_accepts)
+            return generate_tlv(self, prompt_ids, spec, gen, max_new, eos, on_tokens)
         plan = plan_request(method, len(prompt_ids), max_new, spec)
         g = torch.Generator().manual_seed(sampling.seed)
         drafter = None if method == "ar" else self._drafter(method, spec, sampling, g, plan)
