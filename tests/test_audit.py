@@ -40,7 +40,7 @@ def _ids(pair):
 GEN = GenerationConfig(max_new_tokens=16, ignore_eos=True)
 
 
-@pytest.mark.parametrize("method", ["chain", "tree", "async"])
+@pytest.mark.parametrize("method", ["chain", "tree", "async", "tlv"])
 def test_correct_method_passes(pair, method):
     rep = audit.run_audit(_ids(pair), method, SpecConfig(k=3, nodes=8, width=2), GEN, pair)
     assert rep["passed"], rep["reasons"]
@@ -50,7 +50,7 @@ def test_correct_method_passes(pair, method):
     assert all(o["ar"] == o[method] for o in rep["outputs"]) and rep["outputs_differing_from_ar"] == 0
 
 
-@pytest.mark.parametrize("method", ["chain", "tree", "async"])
+@pytest.mark.parametrize("method", ["chain", "tree", "async", "tlv"])
 def test_faulty_verifier_is_caught(pair, method):
     rep = audit.run_audit(_ids(pair), method, SpecConfig(k=3, nodes=8, width=2), GEN, pair, fault_bias=(65, 5.0))
     assert not rep["passed"]

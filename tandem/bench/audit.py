@@ -133,8 +133,8 @@ def run_audit(prompt_ids: list[list[int]], method: str, spec: SpecConfig, gen: G
 
     from tandem.runtime.generate import Generator
 
-    if method not in ("chain", "tree", "async"):
-        raise ConfigError(f"--method must be chain, tree or async (got {method!r})")
+    if method not in ("chain", "tree", "async", "tlv"):
+        raise ConfigError(f"--method must be chain, tree, async or tlv (got {method!r})")
     sampling = SamplingConfig()  # token forcing audits greedy decoding
     spec = SpecConfig(**{**asdict(spec), "method": method})
     engine = Generator(pair.target, pair.draft, pair.tokenizer)
@@ -178,7 +178,8 @@ def run_audit(prompt_ids: list[list[int]], method: str, spec: SpecConfig, gen: G
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="tree", choices=["chain", "tree", "async"], help="method audited against ar")
+    p.add_argument("--method", default="tree", choices=["chain", "tree", "async", "tlv"],
+                   help="method audited against ar")
     add_model_arguments(p)
     add_decoding_arguments(p)
     add_workload_arguments(p, num_prompts=8)
