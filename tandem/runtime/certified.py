@@ -35,6 +35,23 @@ def check_certified(method: str, sampling: SamplingConfig, hybrid: bool) -> None
         raise ConfigError("--certified-head covers Llama-family targets, not hybrid (Qwen3.5) ones")
 
 
+class Fp32ReductionHead(CertifiedHead):
+    """The certified head with fp32 accumulation forced for its own products on CUDA: its certificate
+    assumes it (tandem.quant.int8_head), and cuBLAS may reduce bf16/fp16 GEMMs in lower precision
+    otherwise. Only the head's calls are affected; the rest of the model runs as without the flag."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.device.type != "cuda":
+            return super().forward(hidden)
+        m = torch.backends.cuda.matmul
+        saved = m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction
+        m.allow_bf16_reduced_precision_reduction = m.allow_fp16_reduced_precision_reduction = False
+        try:
+            return super().forward(hidden)
+        finally:
+            m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = saved
+
+
 @contextlib.contextmanager
 def certified_lm_head(model: torch.nn.Module):
     """Swap `model.lm_head` for its CertifiedHead (built once per head weight, kept on the model)
@@ -45,7 +62,7 @@ def certified_lm_head(model: torch.nn.Module):
         return
     head = getattr(model, "certified_head_cache", None)
     if head is None or head.weight is not full.weight:
-        head = CertifiedHead(full)
+        head = Fp32ReductionHead(full)
         # NOTE: object.__setattr__ keeps the cache out of the module tree (state_dict, .to())
         object.__setattr__(model, "certified_head_cache", head)
     model.lm_head = head
