@@ -259,15 +259,22 @@ class Server:
         return handle
 
     async def collect(self, request: Request, handle: RequestHandle) -> Finished:
-        """Wait for the end of a non-streamed request; abort it if the client goes away."""
+        """Wait for the end of a non-streamed request; abort it if the client goes away.
+
+        The disconnect poll runs on a clock, not only when no event came: a decoding request's
+        events arrive every step, so polling only on a quiet spell never polled at all."""
+        loop = asyncio.get_running_loop()
+        next_poll = loop.time() + DISCONNECT_POLL_S
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(handle.next(), DISCONNECT_POLL_S)
+                    ev = await asyncio.wait_for(handle.next(), max(next_poll - loop.time(), 0.001))
                 except asyncio.TimeoutError:
+                    ev = None
+                if loop.time() >= next_poll:
                     if await request.is_disconnected():
                         raise APIError(499, "client disconnected") from None
-                    continue
+                    next_poll = loop.time() + DISCONNECT_POLL_S
                 if isinstance(ev, Finished):
                     return ev
                 if isinstance(ev, Failed):
