@@ -16,9 +16,15 @@ import sys
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from tandem.serve.app import Server
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 MAX_ERROR_BYTES = 4096
@@ -41,9 +47,9 @@ class CheckResult:
 @dataclass
 class Target:
     url: str
-    server: object  # tandem.serve.app.Server (its engines, driver, metrics)
+    server: "Server"  # in-process: its engines' pools, pending count, config
     api_key: str
-    app: object = None  # the FastAPI app, for the list of routes
+    app: "FastAPI | None" = None  # for the list of routes
 
     @property
     def auth(self) -> dict[str, str]:
