@@ -290,6 +290,9 @@ BAD = [
     ({"prompt": "x", "n": 2}, 400, "n", "unsupported_value"),
     ({"prompt": "x", "model": "../../etc/passwd"}, 404, "model", "model_not_found"),
     ({"prompt": "x", "method": "async"}, 400, "method", "unsupported_value"),
+    # a name echoed in full made a 5 KB error body (found by the reliability harness): it is clipped
+    ({"prompt": "x", "model": "m" * 5000}, 404, "model", "model_not_found"),
+    ({"prompt": "x", "method": "m" * 5000}, 400, "method", "unsupported_value"),
     ({"prompt": "def " * 600}, 400, "prompt", "context_length_exceeded"),
     ({"prompt": "x", "temperature": 3}, 400, "temperature", "invalid_value"),
     ({"prompt": "x", "logprobs": 6}, 400, "logprobs", "invalid_value"),

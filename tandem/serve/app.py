@@ -129,6 +129,11 @@ class RequestHandle:
             self.server.driver.abort(self.request_id)
 
 
+def clip(value: str, limit: int = 64) -> str:
+    """A client's string echoed in an error message, cut short: an error body stays small (<= 4 KB)."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value)} characters)"
+
+
 def engine_config_for(cfg: EngineConfig, method: str) -> EngineConfig:
     """The engine config of one served method: batch parallelism and row selection apply to the
     speculative methods only (an `ar` engine has nothing to draft)."""
@@ -186,7 +191,7 @@ class Server:
         """Bounds of the shared fields -> the engine's SamplingParams and the method."""
         c = self.config
         if body.model is not None and body.model != c.served_model_name:
-            raise APIError(404, f"model {body.model!r} is not served here; this server serves "
+            raise APIError(404, f"model {clip(body.model)} is not served here; this server serves "
                                 f"{c.served_model_name!r}", param="model", code="model_not_found")
         if body.n != 1:
             raise APIError(400, f"n={body.n} is not supported: this server returns one choice per request (n=1)",
@@ -198,7 +203,7 @@ class Server:
             raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_value")
         method = body.method or c.methods[0]
         if method not in self.engines:
-            raise APIError(400, f"method {method!r} is not served here; choose one of {', '.join(c.methods)}",
+            raise APIError(400, f"method {clip(method)} is not served here; choose one of {', '.join(c.methods)}",
                            param="method", code="unsupported_value")
         if prompt_len >= self.context_window:
             raise APIError(400, f"the prompt is {prompt_len} tokens but the context window is "
@@ -254,15 +259,22 @@ class Server:
         return handle
 
     async def collect(self, request: Request, handle: RequestHandle) -> Finished:
-        """Wait for the end of a non-streamed request; abort it if the client goes away."""
+        """Wait for the end of a non-streamed request; abort it if the client goes away.
+
+        The disconnect poll runs on a clock, not only when no event came: a decoding request's
+        events arrive every step, so polling only on a quiet spell never polled at all."""
+        loop = asyncio.get_running_loop()
+        next_poll = loop.time() + DISCONNECT_POLL_S
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(handle.next(), DISCONNECT_POLL_S)
+                    ev = await asyncio.wait_for(handle.next(), max(next_poll - loop.time(), 0.001))
                 except asyncio.TimeoutError:
+                    ev = None
+                if loop.time() >= next_poll:
                     if await request.is_disconnected():
                         raise APIError(499, "client disconnected") from None
-                    continue
+                    next_poll = loop.time() + DISCONNECT_POLL_S
                 if isinstance(ev, Finished):
                     return ev
                 if isinstance(ev, Failed):

@@ -1,0 +1,97 @@
+"""The full reliability run of `tandem serve` (issue 13, item 5): an in-process server on 127.0.0.1
+(the bundled pair, tree + ar, an API key), each check of tandem.serve.reliability in turn, the KV
+invariant of every pool after each phase; a JSON and a Markdown report.
+
+    python bench/serve_reliability.py --out out/reliability             (CPU: a few minutes)
+    python bench/serve_reliability.py --device cuda --out $OUT          (device tool)
+    python bench/serve_reliability.py --quick                           (the CI-sized figures)
+
+Exit status 0 when every check passed, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from tandem.engine.config import EngineConfig  # noqa: E402
+from tandem.runtime.pair import load_pair  # noqa: E402
+from tandem.serve import reliability as rel  # noqa: E402
+from tandem.serve.chat_template import ChatTemplate  # noqa: E402
+from tandem.serve.config import ServerConfig  # noqa: E402
+
+KEY = "sk-reliability"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="out/serve_reliability")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--capacity", type=int, default=8, help="the server's max_pending")
+    ap.add_argument("--quick", action="store_true", help="the CI-sized figures (60 generated bodies, 8 disconnects)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    generated, disconnects, stream_prompts = (60, 8, 2) if args.quick else (1000, 200, len(rel.PROMPTS))
+
+    from tandem.serve.app import Server
+
+    pair = load_pair(None, None, args.device, args.dtype)
+    server = Server(pair.target, pair.draft, pair.tokenizer,
+                    ServerConfig(api_key=KEY, methods=("tree", "ar"), max_pending=args.capacity),
+                    EngineConfig(num_blocks=512, max_num_seqs=8, debug_check=True),
+                    ChatTemplate.for_checkpoint(pair.target_dir))
+    live = rel.LoopbackServer(server, KEY)
+    t = live.target
+    phases = [
+        ("bad inputs", lambda: rel.check_bad_inputs(t, generated=generated, seed=args.seed)),
+        ("status map", lambda: rel.check_status_map(t)),
+        ("burst", lambda: rel.check_burst(t, factor=4)),
+        ("disconnects", lambda: rel.check_disconnects(t, n=disconnects, seed=args.seed)),
+        ("streaming", lambda: rel.check_streaming(t, prompts=rel.PROMPTS[:stream_prompts])),
+        ("ledger", lambda: rel.check_ledger(t, rounds=2 if args.quick else 5)),
+        ("security", lambda: rel.check_security(t)),
+    ]
+    results: list[tuple[rel.CheckResult, float]] = []
+    try:
+        for phase, run in phases:
+            t0 = time.monotonic()
+            try:
+                res = run()
+            except Exception as e:  # a check that crashes is a failed check, and the run goes on
+                res = rel.CheckResult(phase.replace(" ", "_"), "crashed", False, (f"{type(e).__name__}: {e}",))
+            results.append((res, time.monotonic() - t0))
+            print(f"{'PASS' if res.passed else 'FAIL'}  {res.name}: {res.figure}", flush=True)
+            kv = rel.check_kv_invariant(t, phase)
+            results.append((kv, 0.0))
+            print(f"{'PASS' if kv.passed else 'FAIL'}  {kv.name}: {kv.figure}", flush=True)
+    finally:
+        live.stop()
+
+    os.makedirs(args.out, exist_ok=True)
+    report = {"device": args.device, "dtype": args.dtype, "capacity": args.capacity, "quick": args.quick,
+              "python": platform.python_version(), "passed": all(r.passed for r, _ in results),
+              "checks": [{**r.as_dict(), "seconds": round(s, 2)} for r, s in results]}
+    with open(os.path.join(args.out, "serve_reliability.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    lines = ["# tandem serve: reliability", "",
+             f"{args.device} / {args.dtype}, capacity {args.capacity}{' (quick)' if args.quick else ''}: "
+             f"{sum(r.passed for r, _ in results)} of {len(results)} checks passed.", "",
+             "| check | figure reached | passed | seconds |", "|---|---|---|---|"]
+    lines += [f"| {r.name} | {r.figure} | {'yes' if r.passed else '**no**'} | {s:.1f} |" for r, s in results]
+    for r, _ in results:
+        if r.details:
+            lines += ["", f"## {r.name}", ""] + [f"- `{d}`" for d in r.details]
+    with open(os.path.join(args.out, "serve_reliability.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"report: {args.out}/serve_reliability.{{json,md}}")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
