@@ -41,7 +41,7 @@ class Load:
     api_key: str | None
     max_tokens: int
     requests: int  # per level
-    max_seconds: float  # per level: no request starts after this
+    max_seconds: float  # per level: no request but the first starts after this
     request_rate: float | None  # starts per second (evenly spaced); None: as fast as concurrency allows
     temperature: float = 0.0
     top_p: float = 1.0
@@ -158,21 +158,21 @@ async def run_level(load: Load, prompts: list[str], method: str | None, concurre
 
     sem = asyncio.Semaphore(concurrency)
     headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
-    t0 = time.perf_counter()
-    deadline = t0 + load.max_seconds
 
-    async def guarded(i: int, client) -> Sample | None:
+    async def guarded(i: int, client, t0: float) -> Sample | None:
         if load.request_rate is not None:  # evenly spaced arrivals
             await asyncio.sleep(max(0.0, t0 + i / load.request_rate - time.perf_counter()))
         async with sem:
-            if time.perf_counter() > deadline:
+            # NOTE: the first request always starts (a level that sent nothing measures nothing)
+            if i > 0 and time.perf_counter() > t0 + load.max_seconds:
                 return None
             return await one(client, prompts[i % len(prompts)], load, method)
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=load.url, headers=headers, timeout=load.max_seconds + 60,
                                  limits=limits) as client:
-        samples = await asyncio.gather(*(guarded(i, client) for i in range(load.requests)))
+        t0 = time.perf_counter()  # the level's clock starts once the client exists, not before
+        samples = await asyncio.gather(*(guarded(i, client, t0) for i in range(load.requests)))
     return summarize(method or "default", concurrency, load.request_rate, list(samples), time.perf_counter() - t0)
 
 
