@@ -77,3 +77,14 @@ def install_state(model, d: Path, state: dict, expected: dict, unexpected: list[
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
 
+
+def open_safetensors(f: Path):
+    """(the open safetensors file, its tensor names); a damaged file is one ConfigError line."""
+    from safetensors import safe_open
+
+    try:
+        sf = safe_open(str(f), framework="pt", device="cpu")
+        return sf, list(sf.keys())
+    except Exception as e:  # safetensors raises its own error types for truncated files
+        raise ConfigError(f"cannot read {f}: {first_line(e)}; the file is damaged or not safetensors") from None
+

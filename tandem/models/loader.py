@@ -5,11 +5,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 
 from tandem.config import ConfigError
 from tandem.models.files import first_line as _first_line
-from tandem.models.files import install_state, read_config
+from tandem.models.files import install_state, open_safetensors, read_config
 from tandem.models.files import weight_files as _weight_files
 from tandem.models.layers import rope_inv_freq
 from tandem.models.transformer import Transformer
@@ -60,11 +59,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
             elif not key.endswith("rotary_emb.inv_freq"):
                 unexpected.append(key)
     for f in _weight_files(d) if w12 is None else []:
-        try:
-            sf = safe_open(str(f), framework="pt", device="cpu")
-            keys = list(sf.keys())
-        except Exception as e:  # safetensors raises its own error types for truncated files
-            raise ConfigError(f"cannot read {f}: {_first_line(e)}; the file is damaged or not safetensors") from None
+        sf, keys = open_safetensors(f)
         with sf:
             for key in keys:
                 if key in expected:

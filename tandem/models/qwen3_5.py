@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from tandem.config import ConfigError
@@ -438,7 +437,7 @@ def _hf_key(key: str) -> str | None:
 def load_qwen3_5(d: Path, hf: dict[str, Any], device: str | torch.device, dtype: torch.dtype) -> Qwen3_5ForCausalLM:
     """Build the text model from a Qwen3.5 checkpoint directory (text-only or multimodal)."""
     from tandem.models.files import first_line as _first_line
-    from tandem.models.files import install_state
+    from tandem.models.files import install_state, open_safetensors
     from tandem.models.files import weight_files as _weight_files
 
     cfg = Qwen35Config.from_hf(hf)
@@ -448,11 +447,7 @@ def load_qwen3_5(d: Path, hf: dict[str, Any], device: str | torch.device, dtype:
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for f in _weight_files(d):
-        try:
-            sf = safe_open(str(f), framework="pt", device="cpu")
-            keys = list(sf.keys())
-        except Exception as e:  # safetensors raises its own error types for truncated files
-            raise ConfigError(f"cannot read {f}: {_first_line(e)}; the file is damaged or not safetensors") from None
+        sf, keys = open_safetensors(f)
         with sf:
             for key in keys:
                 ours = _hf_key(key)
