@@ -26,13 +26,18 @@ class Emitter:
 
     def emit(self, tree: DraftTree, result: VerifyResult) -> bool:
         """Record one pass; returns True when generation is over."""
-        self.accept_lengths.append(result.accepted)
         depth = tree.depth
-        for k in {depth[i] for i in range(1, len(tree))}:  # per depth: offered, and accepted that deep
+        return self.emit_pass(result.tokens, result.accepted, {depth[i] for i in range(1, len(tree))})
+
+    def emit_pass(self, tokens: list[int], accepted: int, depths: set[int] | range) -> bool:
+        """Record one pass that committed `tokens` (accepted drafts, then the bonus) from a tree
+        offering nodes at `depths`; returns True when generation is over."""
+        self.accept_lengths.append(accepted)
+        for k in depths:  # per depth: offered, and accepted that deep
             rec = self.per_depth.setdefault(k, [0, 0])
             rec[0] += 1
-            rec[1] += int(result.accepted >= k)
-        new = result.tokens[: self.max_new - len(self.out)]
+            rec[1] += int(accepted >= k)
+        new = tokens[: self.max_new - len(self.out)]
         for i, t in enumerate(new):
             if t in self.eos:
                 new, self.finish = new[: i + 1], "eos"

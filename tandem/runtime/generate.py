@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Callable
 
@@ -40,11 +41,13 @@ class Generator:
     """Holds a target (and optional draft) model and decodes one request at a time."""
 
     def __init__(self, target_model, draft_model=None, tokenizer=None, use_graphs: bool | None = None,
-                 certified_head: bool = False):
+                 certified_head: bool = False, resident: bool | None = None):
         self.target_model, self.draft_model, self.tokenizer = target_model, draft_model, tokenizer
         self.use_graphs = use_graphs
         # greedy verification through the certified INT8 LM head (tandem.runtime.certified)
         self.certified_head = certified_head
+        # the device-resident loop for greedy ar / block-drafter chain and tree (None: on CUDA)
+        self.resident = resident
         self._runners: dict[str, ModelRunner] = {}
         from tandem.runtime.auto import AutoSelector
 
@@ -100,6 +103,58 @@ class Generator:
             return TreeDrafter(draft_runner, SpecConfig(method="tree", nodes=spec.k, width=1, depth=spec.k - 1))
         # a sampled chain keeps each token's draft distribution q for rejection sampling
         return ChainDrafter(draft_runner, sampling, spec.k, g)
+
+    def _resident(self, method: str, sampling: SamplingConfig, forced_accepts) -> bool:
+        """Whether this request runs the device-resident loop (tandem.runtime.resident): greedy
+        `ar`, and `chain` / `tree` with a block drafter. By default on CUDA with graphs;
+        `resident=True` forces it (tests run it on the CPU), TANDEM_RESIDENT=0 turns it off."""
+        from tandem.models.block_drafter import BlockDrafter
+
+        if not sampling.greedy or forced_accepts is not None or self.certified_head or method not in ("ar", "chain", "tree"):
+            return False
+        if method != "ar" and not isinstance(self.draft_model, BlockDrafter):
+            return False
+        if self.resident is not None:
+            return self.resident
+        return (os.environ.get("TANDEM_RESIDENT", "1") != "0" and self.target_model.device.type == "cuda"
+                and self.use_graphs is not False and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0")
+
+    def _generate_resident(self, prompt_ids: list[int], method: str, spec: SpecConfig, gen: GenerationConfig,
+                           max_new: int, eos: set[int], on_tokens) -> GenerationResult:
+        from tandem.drafting.lattice_drafter import CONTEXT_CHUNK, LatticeDrafter
+        from tandem.runtime.resident import resident_loop
+
+        drafting = method != "ar"
+        block = self.draft_model.bconfig.block_size if drafting else 0
+        nodes = (spec.k if method == "chain" else spec.nodes) if drafting else 0
+        # the caches hold the prompt, the new tokens and the steps queued past the end
+        rows = len(prompt_ids) + max_new + 4 * (block + 1) + nodes + 2
+        if drafting:
+            self.target_model.enable_features(self.draft_model.bconfig.target_feature_layers)
+        target = self._runner("target", self.target_model, rows)
+        draft = self._runner("draft", self.draft_model.lattice_model(), rows + 2 * block) if drafting else None
+        loop = resident_loop(target, draft, nodes, method == "chain")
+        t0 = time.perf_counter()
+        target.prefill(prompt_ids[:-1])
+        if drafting:  # the prompt's context rows, fed in chunks until at most one step's worth is left
+            ld = LatticeDrafter(draft, spec)
+            ld.start(prompt_ids, target.last_features if len(prompt_ids) > 1 else None)
+            while len(ld.pending) > loop.pmax:
+                c = min(CONTEXT_CHUNK, len(ld.pending) - loop.pmax)
+                ld._feed(ld.pending[:c], ld.pending_feats[:c], 0)
+                ld.pending, ld.pending_feats = ld.pending[c:], ld.pending_feats[c:]
+            pending, feats = ld.pending, ld.pending_feats
+        else:
+            pending, feats = [prompt_ids[-1]], None
+        prefix, dprefix = target.cache.prefix_len, draft.cache.prefix_len if drafting else 0
+        loop.start(prefix, dprefix, pending, feats)
+        emitter = Emitter(max_new, eos, gen, self.tokenizer, on_tokens, t0)
+        steps, draft_s, verify_s = loop.run(emitter, prefix, dprefix, len(pending))
+        if self.target_model.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        return emitter.result(GenerationResult, method, len(prompt_ids), seconds, steps if drafting else 0,
+                              draft_seconds=draft_s if drafting else 0.0, verify_seconds=verify_s)
 
     def _split(self, k: int, prompt_ids: list[int], spec: SpecConfig, transport: str) -> tuple[int, int]:
         """The x : k-x split, searched on the first request (tandem.runtime.placement), then kept."""
@@ -186,6 +241,8 @@ class Generator:
 
             check_tlv(self.draft_model, sampling, forced_accepts)
             return generate_tlv(self, prompt_ids, spec, gen, max_new, eos, on_tokens)
+        if self._resident(method, sampling, forced_accepts):
+            return self._generate_resident(prompt_ids, method, spec, gen, max_new, eos, on_tokens)
         plan = plan_request(method, len(prompt_ids), max_new, spec)
         g = torch.Generator().manual_seed(sampling.seed)
         drafter = None if method == "ar" else self._drafter(method, spec, sampling, g, plan)

@@ -1,0 +1,262 @@
+"""The device-resident loop: draft, verify, accept and commit stay on the device (greedy).
+
+The host-driven loop (generate.py) waits for the device twice per target pass: for the drafter's
+lattice (to build the tree) and for the target's argmax (to accept). On a GPU fed by a slow host
+that waiting, and the Python between, costs as much as the passes themselves. Here a step is
+two CUDA graphs that read and write only device state:
+
+    draft graph:   the block drafter's pass over the pending context rows (the tokens the last
+                   step committed, each with the target features of the position before it)
+                   and B - 1 mask rows -> the lattice -> the best-first tree over it
+                   (tandem.drafting.device_tree) -> its ancestor mask
+    verify graph:  the target's pass over the tree -> greedy accept (a node is accepted when it
+                   and all its ancestors match the target's argmax of their parent) -> the path's
+                   K/V gathered to the prefix end -> the committed tokens and the path's features
+                   become the next pending context, and the step's record
+
+`ar` is the verify graph over a one-node tree. The host queues steps ahead and reads each step's
+record (committed tokens, accept count, tree depth) from a pinned ring once the step's event has
+fired, so it is at most `LAG` steps behind the device and never stalls it; streaming and stop
+strings work on those records. The price is up to `LAG` steps computed past the end of a request.
+
+Graphs are captured per attention width bucket (the runners' `width_for`), lazily; state
+tensors live as long as the runners (kept in the target runner's `attached`), so graphs are
+reused across requests. On the CPU (tests) the same bodies run eagerly.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from functools import partial
+
+import torch
+
+from tandem.drafting.device_tree import ancestors, best_chain_device, best_first_tree_device, lattice_tables
+from tandem.runtime.emit import Emitter
+from tandem.runtime.runner import ModelRunner
+
+LAG = 2  # steps queued ahead of the one the host reads
+
+
+class ResidentLoop:
+    """Device state and step graphs for one target runner and, for chain / tree, one block drafter
+    runner and tree shape (`nodes` draft nodes; `chain`: the greedy path of `nodes` nodes)."""
+
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None = None, nodes: int = 0, chain: bool = False):
+        self.t, self.d, self.chain = target, draft, chain
+        dev = target.device
+        lng = dict(dtype=torch.long, device=dev)
+        if draft is not None:
+            self.drafter = draft.model.drafter  # the BlockDrafter behind its LatticeHead
+            cfg = self.drafter.bconfig
+            self.B, self.K = cfg.block_size, cfg.num_candidates
+            self.pmax = self.B + 1  # context rows per draft pass: at most the accepted path + bonus
+            # (a tree cannot hold more nodes than the lattice has)
+            nodes = min(nodes, self.B) if chain else min(nodes, sum(self.K ** d for d in range(1, self.B + 1)))
+            self.T = self.pmax + self.B - 1  # rows of a draft pass: context, then B - 1 mask rows
+            self.rows_T = torch.arange(self.T, **lng)
+            self.mask_ids = torch.full((self.B - 1,), self.drafter.mask_id, **lng)
+            self.ctx_feat = torch.zeros(self.pmax, self.drafter.bconfig.feature_size, device=dev,
+                                        dtype=self.drafter.dtype)  # [pmax, F]
+        else:
+            self.B, self.pmax, nodes = 0, 1, 0
+        self.M = nodes + 1  # tree nodes, root included
+        # ---- state (device) -------------------------------------------------------------
+        self.prefix = torch.zeros(1, **lng)  # the target's verified rows
+        self.dprefix = torch.zeros(1, **lng)  # the drafter's
+        self.P = torch.ones(1, **lng)  # pending context rows (the root last)
+        self.ctx_tok = torch.zeros(self.pmax, **lng)  # [pmax] pending context tokens, right-aligned
+        self.tree_tok = torch.zeros(self.M, **lng)  # [M] root first, topological order
+        self.tree_par = torch.full((self.M,), -1, **lng)
+        self.tree_depth = torch.zeros(self.M, **lng)
+        self.anc = torch.eye(self.M, dtype=torch.bool, device=dev)  # [M, M]
+        self.rec = torch.zeros(3 + self.pmax, **lng)  # the step's record: P, accepted, depth, tokens
+        # ---- constants -------------------------------------------------------------------
+        self.ar_M = torch.arange(self.M, **lng)
+        self.ar_P = torch.arange(self.pmax + 1, **lng)
+        self._cols: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.use_graphs = target.use_graphs and not target.emulate and dev.type == "cuda"
+
+    def _state(self) -> list[torch.Tensor]:
+        s = [self.prefix, self.dprefix, self.P, self.ctx_tok, self.tree_tok, self.tree_par, self.tree_depth,
+             self.anc, self.rec]
+        return s + ([self.ctx_feat] if self.d is not None else [])
+
+    def cols(self, width: int) -> torch.Tensor:
+        if width not in self._cols:
+            self._cols[width] = torch.arange(width, device=self.t.device)
+        return self._cols[width]
+
+    # ---- the step's two bodies --------------------------------------------------------------
+    def _draft_body(self, width: int) -> None:
+        # Rows are right-aligned: [padding | the P context rows, the root last | B - 1 mask rows],
+        # so the root's row is always row pmax - 1 and the mask rows follow it, as in the host
+        # loop's pass (the Markov head conditions row i on row i - 1's candidates). In the
+        # cache the P + B - 1 real rows go to dprefix.. (the mask rows are overwritten next
+        # step); padding rows write the scratch row and see column 0 only.
+        P, pre, r = self.P, self.dprefix, self.rows_T
+        q = r - (self.pmax - P)  # [T] the row's index among the real rows (< 0: padding)
+        real = q >= 0
+        ids = torch.cat([self.ctx_tok, self.mask_ids])  # [T]
+        pos = pre + q.clamp(min=0)
+        slots = torch.where(real, pre + q, self.d.scratch)
+        cols = self.cols(width)
+        rel = cols[None, :] - pre  # [1, W]
+        see = torch.where(real[:, None], (rel < 0) | (rel <= q[:, None]), cols[None, :] == 0)  # [T, W] causal
+        self.drafter.feature_in[0, :self.pmax].copy_(self.ctx_feat)
+        out = self.d.model(ids[None], pos[None], self.d.cache, slots[None], see[None, None])  # [1, T, X]
+        tok, cond = lattice_tables(out[0, self.pmax - 1:], self.K)  # the root's row, then the mask rows
+        root = self.ctx_tok[self.pmax - 1:]  # [1]
+        build = best_chain_device if self.chain else best_first_tree_device
+        t, p, depth = build(tok, cond, root, self.M - 1)
+        self.tree_tok.copy_(t)
+        self.tree_par.copy_(p)
+        self.tree_depth.copy_(depth)
+        self.anc.copy_(ancestors(p, self.B))
+        self.dprefix.add_(P)
+
+    def _verify_body(self, width: int) -> None:
+        pre, M, pmax = self.prefix, self.M, self.pmax
+        if self.d is None:  # ar: the tree is the root alone
+            self.tree_tok.copy_(self.ctx_tok)
+        rel = self.cols(width) - pre  # [W]
+        inside = (rel >= 0) & (rel < M)
+        tree = self.anc.gather(1, rel.clamp(0, M - 1).expand(M, -1)) & inside  # [M, W]
+        see = (rel < 0)[None, :] | tree
+        model = self.t.model
+        logits = model(self.tree_tok[None], (pre + self.tree_depth)[None], self.t.cache, (pre + self.ar_M)[None],
+                       see[None, None])  # [1, M, V]
+        am = logits[0].argmax(-1)  # [M] the target's next token after each node
+        match = (self.tree_tok == am.index_select(0, self.tree_par.clamp(min=0))) | (self.ar_M == 0)
+        acc = ~(self.anc & ~match[None, :]).any(-1)  # [M] the node and all its ancestors match
+        accepted, deepest = torch.where(acc, self.tree_depth, -1).max(0)  # 0-dim each
+        bonus = am.index_select(0, deepest[None])  # [1]
+        ctx = bonus
+        if M > 1:
+            path = self.ar_P.clone()  # [pmax + 1] depth -> accepted node (beyond: itself); last: a dump
+            path.scatter_(0, torch.where(acc, self.tree_depth, pmax), self.ar_M)
+            path = path[:pmax]
+            kv = self.t.cache.kv  # [2, layers, 1, kv_heads, rows, D]: the path's rows to the prefix end
+            kv.index_copy_(4, pre + self.ar_P[:pmax], kv.index_select(4, pre + path))
+            # the next context, right-aligned: entry o holds path depth i = o - (pmax - 1 - accepted)
+            i = self.ar_P[:pmax] - (pmax - 1) + accepted  # [pmax]; < 0: padding
+            node = path.index_select(0, i.clamp(0, pmax - 1)).clamp(max=M - 1)  # the root / accepted nodes
+            child = path.index_select(0, (i + 1).clamp(0, pmax - 1)).clamp(max=M - 1)  # the token after it
+            ctx = torch.where(i == accepted, bonus, self.tree_tok.index_select(0, child))  # [pmax]
+            if self.d is not None:  # each context token's target features are those of the node before it
+                self.ctx_feat.copy_(model.last_features[0].index_select(0, node))
+        self.ctx_tok.copy_(ctx)
+        self.P.copy_(accepted + 1)
+        self.prefix.add_(accepted + 1)
+        self.rec.copy_(torch.cat([(accepted + 1)[None], accepted[None], self.tree_depth.max()[None], ctx]))
+
+    # ---- graphs ----------------------------------------------------------------------------
+    def _run(self, part: str, width: int) -> None:
+        runner = self.d if part == "draft" else self.t
+        body = partial(self._draft_body if part == "draft" else self._verify_body, width)
+        if not self.use_graphs:
+            with torch.no_grad():
+                body()
+            return
+        key = (part, width)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(runner, body)
+        self._graphs[key].replay()
+
+    @torch.no_grad()
+    def _capture(self, runner: ModelRunner, body) -> torch.cuda.CUDAGraph:
+        saved = [t.clone() for t in self._state()]  # the warm-up runs the body for real: undo it
+        s = runner.capture_stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # Triton compilation, cuBLAS handles
+                body()
+        torch.cuda.current_stream().wait_stream(s)
+        for t, v in zip(self._state(), saved):
+            t.copy_(v)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=runner.graph_pool(), stream=s):
+            body()
+        return graph
+
+    # ---- a request ---------------------------------------------------------------------------
+    def start(self, prefix: int, dprefix: int, ctx: list[int], feats: torch.Tensor | None) -> None:
+        """The state after the prompt: the target's and drafter's prefixes, the pending context
+        (<= pmax tokens, the root last) and its features [len(ctx), F]."""
+        if not 1 <= len(ctx) <= self.pmax:
+            raise ValueError(f"{len(ctx)} pending rows; the loop takes 1 to {self.pmax}")
+        self.prefix.fill_(prefix)
+        self.dprefix.fill_(dprefix)
+        self.P.fill_(len(ctx))
+        pad = self.pmax - len(ctx)  # right-aligned (see _draft_body)
+        self.ctx_tok.copy_(torch.tensor([0] * pad + ctx))
+        if self.d is not None:
+            self.ctx_feat.zero_()
+            if feats is not None:
+                self.ctx_feat[pad:].copy_(feats)
+
+    def run(self, emitter: Emitter, prefix: int, dprefix: int, pending: int) -> tuple[int, float, float]:
+        """Queue steps until the emitter is done; returns (steps, draft seconds, verify seconds),
+        the seconds measured on the device (CUDA events) or on the host (CPU)."""
+        cuda = self.use_graphs or self.t.device.type == "cuda"
+        ring = torch.zeros(LAG + 2, self.rec.shape[0], dtype=torch.long, pin_memory=cuda)
+        inflight: deque = deque()  # (ring slot, events or host seconds)
+        t_base, d_base, last_p = prefix, dprefix, pending
+        steps = slot = 0
+        draft_s = verify_s = 0.0
+        queueing, finished = True, False
+        while queueing or inflight:
+            if queueing:
+                ahead = len(inflight) + 1
+                need_v = t_base + ahead * self.pmax + max(self.M, self.pmax)
+                need_d = d_base + last_p + ahead * self.pmax + (self.T if self.d is not None else 0)
+                if need_v > self.t.capacity or (self.d is not None and need_d > self.d.capacity):
+                    queueing = False  # the caches are full (the request's end is already queued)
+                else:
+                    marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else [time.perf_counter()]
+                    if cuda:
+                        marks[0].record()
+                    if self.d is not None:
+                        self._run("draft", self.d.width_for(need_d))
+                    if cuda:
+                        marks[1].record()
+                    else:
+                        marks.append(time.perf_counter())
+                    self._run("verify", self.t.width_for(need_v))
+                    ring[slot].copy_(self.rec, non_blocking=cuda)
+                    if cuda:
+                        marks[2].record()
+                    else:
+                        marks.append(time.perf_counter())
+                    inflight.append((slot, marks))
+                    slot = (slot + 1) % ring.shape[0]
+                    steps += 1
+            if inflight and (len(inflight) > LAG or not queueing):
+                s, marks = inflight.popleft()
+                if cuda:
+                    marks[2].synchronize()
+                    draft_s += marks[0].elapsed_time(marks[1]) / 1e3
+                    verify_s += marks[1].elapsed_time(marks[2]) / 1e3
+                else:
+                    draft_s += marks[1] - marks[0]
+                    verify_s += marks[2] - marks[1]
+                if finished:
+                    continue  # past the end: drained, not emitted
+                rec = ring[s].tolist()
+                p, accepted, depth = rec[0], rec[1], rec[2]
+                t_base += p
+                d_base += last_p
+                last_p = p
+                if emitter.emit_pass(rec[len(rec) - p:], accepted, range(1, depth + 1)):
+                    queueing, finished = False, True
+        return steps, draft_s, verify_s
+
+
+def resident_loop(target: ModelRunner, draft: ModelRunner | None, nodes: int, chain: bool) -> ResidentLoop:
+    """The loop kept for these runners and this tree shape (its graphs outlive requests)."""
+    key = ("resident", nodes, chain)
+    held = target.attached.get(key)
+    if held is None or held[0] is not draft:
+        held = target.attached[key] = (draft, ResidentLoop(target, draft, nodes, chain))
+    return held[1]

@@ -1,0 +1,164 @@
+"""The device-resident loop (tandem.runtime.resident) and its device-built tree
+(tandem.drafting.device_tree): same tree as the host walk, same tokens as `ar`, same accepts as
+the host-driven loop, and streaming / EOS / stop strings / max_new_tokens on its records."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models_for_tests import tiny_model
+from test_block_drafter import make_drafter
+from tandem.config import GenerationConfig, SpecConfig
+from tandem.drafting import device_tree as dt
+from tandem.drafting.lattice import Lattice, best_chain, best_first_tree
+from tandem.runtime.generate import Generator
+from tandem.tree.draft_tree import ancestor_mask
+
+
+def _random_lattice(seed: int, B: int = 16, K: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.stack([torch.randperm(500, generator=g)[:K] for _ in range(B)])  # distinct per position
+    cond = torch.log_softmax(2 * torch.randn(B, K, K, generator=g), -1) - torch.rand(B, K, 1, generator=g)
+    return tok, cond, Lattice(tokens=tok.numpy(), cond=cond.double().numpy())
+
+
+def _paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
+    """Each node as the token path from the root (a node's identity in a lattice tree)."""
+    out = set()
+    for i in range(1, len(tokens)):
+        p, j = [], i
+        while j > 0:
+            p.append(tokens[j])
+            j = parents[j]
+        out.add(tuple(reversed(p)))
+    return out
+
+
+@pytest.mark.parametrize("nodes", [1, 7, 32, 60])
+def test_device_tree_is_the_host_best_first_tree(nodes):
+    for seed in range(6):
+        tok, cond, lat = _random_lattice(seed)
+        want = best_first_tree(lat, 3, nodes)
+        t, p, d = dt.best_first_tree_device(tok, cond, torch.tensor([3]), nodes)
+        t, p, d = t.tolist(), p.tolist(), d.tolist()
+        assert len(t) == nodes + 1 and t[0] == 3 and p[0] == -1
+        assert all(0 <= p[i] < i for i in range(1, len(p)))  # prefix-closed, topological
+        assert d == [0] + [d[p[i]] + 1 for i in range(1, len(p))]
+        assert _paths(t, p) == _paths(want.tokens, want.parents)
+
+
+def test_device_chain_is_the_host_greedy_chain():
+    for seed in range(6):
+        tok, cond, lat = _random_lattice(seed)
+        t, p, d = dt.best_chain_device(tok, cond, torch.tensor([9]), 8)
+        assert t.tolist() == best_chain(lat, 9, 8).tokens
+        assert p.tolist() == list(range(-1, 8)) and d.tolist() == list(range(9))
+
+
+def test_level_beams_break_ties_toward_the_earlier_candidate():
+    cond = torch.zeros(3, 4, 4) - 1.0  # every candidate ties
+    scores, cands, pslots = dt.beam_levels_ref(cond, 4)
+    assert cands[0].tolist() == [0, 1, 2, 3] and pslots[1].tolist() == [0, 0, 0, 0]
+    assert torch.equal(scores[2], torch.full((4,), -3.0))
+
+
+def test_score_keys_order_like_the_floats():
+    x = torch.tensor([-0.0, 0.0, -1.5, 2.0, float("-inf"), -1e-30, 3.0, -1.5])
+    keys = dt.score_keys(x)
+    assert torch.equal(dt.key_score(keys), x)
+    order = keys.argsort(descending=True).tolist()
+    assert [x[i].item() for i in order] == sorted(x.tolist(), reverse=True)
+    assert order.index(2) < order.index(7)  # equal scores: the lower index first
+
+
+def test_ancestors_equal_the_host_mask():
+    parents = [-1, 0, 1, 1, 0, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 2]
+    assert torch.equal(dt.ancestors(torch.tensor(parents), 16), ancestor_mask(parents))
+
+
+# ---- decoding -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    target = tiny_model(seed=3)
+    return target, make_drafter(target)
+
+
+@pytest.mark.parametrize("method,spec", [("ar", SpecConfig()), ("chain", SpecConfig(k=4)),
+                                         ("tree", SpecConfig(nodes=12)), ("tree", SpecConfig(nodes=40))])
+def test_resident_greedy_equals_ar_on_a_tiny_pair(tiny, method, spec):
+    target, draft = tiny
+    ar = Generator(target, None, use_graphs=False, resident=False)
+    res = Generator(target, draft, use_graphs=False, resident=True)
+    g = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    for p in ([1, 5, 9, 2], [7], list(range(3, 90))):  # 87 tokens: the prompt's context is fed in chunks
+        want = ar.generate(p, "ar", gen=g).token_ids
+        got = res.generate(p, method, spec, gen=g)
+        assert got.token_ids == want
+        assert got.target_passes == len(got.accept_lengths) and got.verify_seconds > 0
+
+
+def _bundled():
+    from tandem.runtime.pair import BUNDLED_TARGET, load_pair
+
+    if not (BUNDLED_TARGET / "config.json").is_file():
+        pytest.skip("no bundled target")
+    return load_pair(None, "block", device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("method,spec", [("chain", SpecConfig(k=8)), ("tree", SpecConfig(nodes=32))])
+def test_resident_loop_accepts_what_the_host_loop_accepts(method, spec):
+    """The bundled pair and its trained block drafter: same tokens as ar, and pass for pass the
+    same accept counts as the host-driven loop (the same drafter context, tree and features)."""
+    pair = _bundled()
+    host = Generator(pair.target, pair.draft, use_graphs=False, resident=False)
+    res = Generator(pair.target, pair.draft, use_graphs=False, resident=True)
+    g = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    texts = ["import numpy as np\n\ndef mean(xs):\n    ",
+             "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):"]
+    for text in texts:
+        p = pair.tokenizer.encode(text).ids
+        want = host.generate(p, "ar", gen=g).token_ids
+        a, b = host.generate(p, method, spec, gen=g), res.generate(p, method, spec, gen=g)
+        assert b.token_ids == want == a.token_ids
+        assert b.accept_lengths == a.accept_lengths
+        assert b.tau > 1.5  # the drafter's proposals were accepted: the tree path was exercised
+
+
+def test_resident_streams_and_stops_like_the_host_loop(monkeypatch):
+    import dataclasses
+
+    pair = _bundled()
+    host = Generator(pair.target, pair.draft, tokenizer=pair.tokenizer, use_graphs=False, resident=False)
+    res = Generator(pair.target, pair.draft, tokenizer=pair.tokenizer, use_graphs=False, resident=True)
+    p = pair.tokenizer.encode("def fib(n):\n").ids
+    full = host.generate(p, "tree", SpecConfig(nodes=32), gen=GenerationConfig(max_new_tokens=40, ignore_eos=True))
+    eos = full.token_ids[9]  # treat the tenth new token as EOS: generation must end on it
+    with monkeypatch.context() as m:
+        m.setattr(pair.target, "config", dataclasses.replace(pair.target.config, eos_token_ids=(eos,)))
+        chunks: list[list[int]] = []
+        r = res.generate(p, "tree", SpecConfig(nodes=32), gen=GenerationConfig(max_new_tokens=40),
+                         on_tokens=chunks.append)
+    first = full.token_ids.index(eos)
+    assert r.finish_reason == "eos" and r.token_ids == full.token_ids[:first + 1]
+    assert sum(chunks, []) == r.token_ids and len(chunks) >= 2  # streamed as the records arrived
+    one = res.generate(p, "tree", SpecConfig(nodes=32), gen=GenerationConfig(max_new_tokens=1, ignore_eos=True))
+    assert one.token_ids == full.token_ids[:1] and one.finish_reason == "length"
+    stop = pair.tokenizer.decode(full.token_ids[5:8])
+    gs = GenerationConfig(max_new_tokens=40, ignore_eos=True, stop=[stop])
+    a, b = host.generate(p, "tree", SpecConfig(nodes=32), gen=gs), res.generate(p, "tree", SpecConfig(nodes=32), gen=gs)
+    assert b.finish_reason == "stop" == a.finish_reason and b.stop_trimmed_text == a.stop_trimmed_text
+
+
+def test_resident_is_off_on_the_cpu_by_default_and_for_sampling(tiny, monkeypatch):
+    from tandem.config import SamplingConfig
+
+    target, draft = tiny
+    gen = Generator(target, draft, use_graphs=False)
+    assert not gen._resident("tree", SamplingConfig(), None)
+    on = Generator(target, draft, use_graphs=False, resident=True)
+    assert on._resident("tree", SamplingConfig(), None) and on._resident("ar", SamplingConfig(), None)
+    assert not on._resident("tree", SamplingConfig(temperature=0.8), None)  # sampling: the host loop
+    assert not on._resident("tree", SamplingConfig(), [1, 2])  # acceptance replay: the host loop
+    assert not Generator(target, tiny_model(seed=4), resident=True)._resident("tree", SamplingConfig(), None)
+    np.testing.assert_equal(on._resident("async", SamplingConfig(), None), False)
