@@ -138,7 +138,7 @@ def ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     Reachability by squaring (I + P): log2(max_depth) small matrix products, no host loop."""
     M = parents.shape[0]
     a = torch.eye(M, device=parents.device)
-    a[torch.arange(1, M, device=parents.device), parents[1:].clamp(min=0)] = 1.0
+    a[1:].scatter_(1, parents[1:, None].clamp(min=0), 1.0)  # (a scalar value: nothing copied from the host)
     for _ in range(max(1, max_depth - 1).bit_length()):
         a = (a @ a).clamp_(max=1.0)
     return a > 0
