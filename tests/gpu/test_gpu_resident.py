@@ -42,4 +42,4 @@ def test_resident_loop_matches_an_uncached_forward_and_the_host_loop(device, met
         if h.token_ids == r.token_ids:  # (a near-tie may split them; then the passes differ too)
             assert r.accept_lengths == h.accept_lengths
         if device == "cuda" and method != "ar":
-            assert r.tau > 2.0  # the trained drafter's trees were accepted deep
+            assert r.tau > 1.5  # the trained drafter's trees were accepted deep
