@@ -26,7 +26,7 @@ def main() -> None:
     gen = Generator(pair.target, pair.draft, pair.tokenizer)
     ids = pair.tokenizer.encode("def merge_sort(xs):\n    \"\"\"Sort a list.\"\"\"\n").ids
     g = GenerationConfig(max_new_tokens=128, ignore_eos=True)
-    for m, spec in (("ar", SpecConfig()), ("chain", SpecConfig(k=8)), ("tree", SpecConfig(nodes=a.nodes))):
+    for m, spec in (("tree", SpecConfig(nodes=a.nodes)), ("chain", SpecConfig(k=8)), ("ar", SpecConfig())):
         gen.generate(ids, m, spec, gen=g)
         r = gen.generate(ids, m, spec, gen=g)
         print(f"{m}: {r.decode_tokens_per_s:.0f} tok/s, tau {r.tau:.2f}")
@@ -61,7 +61,7 @@ def main() -> None:
                     torch.cuda.synchronize()
                     body(width)
                     torch.cuda.synchronize()
-            ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+            ev = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
             n = sum(e.count for e in ev if "Memcpy" not in e.key)
             total = sum(e.self_device_time_total for e in ev)
             print(f"\n{key} {part}: {n} kernels, {total:.0f} us of kernel time (eager, one run)")
