@@ -129,6 +129,8 @@ class Generator:
         nodes = (spec.k if method == "chain" else spec.nodes) if drafting else 0
         # the caches hold the prompt, the new tokens and the steps queued past the end
         rows = len(prompt_ids) + max_new + 4 * (block + 1) + nodes + 2
+        # rounded up, so requests of other lengths reuse the runners and their captured graphs
+        rows = min(max(512, 1 << (rows - 1).bit_length()), self.context_window + 4 * (block + 1) + nodes + 2)
         if drafting:
             self.target_model.enable_features(self.draft_model.bconfig.target_feature_layers)
         target = self._runner("target", self.target_model, rows)
