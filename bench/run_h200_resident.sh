@@ -23,7 +23,10 @@ bench() {  # bench NAME DTYPE WORKLOAD DRAFT METHODS [extra]
 }
 bench mbpp_block_resident bfloat16 mbpp block ar,chain,tree,auto --allow-mismatch
 [ "${HOST:-1}" = 1 ] && TANDEM_RESIDENT=0 bench mbpp_block_host bfloat16 mbpp block ar,chain,tree --allow-mismatch
+bench mbpp_eagle3 bfloat16 mbpp eagle3 ar,chain,tree --allow-mismatch
+bench mbpp_draft bfloat16 mbpp draft ar,chain,tree --allow-mismatch
 NP=8 bench fp32_block_resident float32 mbpp block ar,chain,tree
 bench source_block_resident bfloat16 source block ar,chain,tree --allow-mismatch
 echo "== peer: gpt-fast compiled AR (ms/token)"
 timeout 100 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
+tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"

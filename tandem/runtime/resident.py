@@ -105,8 +105,12 @@ class ResidentLoop:
         rel = cols[None, :] - pre  # [1, W]
         see = torch.where(real[:, None], (rel < 0) | (rel <= q[:, None]), cols[None, :] == 0)  # [T, W] causal
         self.drafter.feature_in[0, :self.pmax].copy_(self.ctx_feat)
-        out = self.d.model(ids[None], pos[None], self.d.cache, slots[None], see[None, None])  # [1, T, X]
-        tok, cond = lattice_tables(out[0, self.pmax - 1:], self.K)  # the root's row, then the mask rows
+        drafter, last = self.drafter, self.pmax - 1
+        h = drafter.hidden(drafter.embed(ids[None], drafter.feature_in[:, :self.T]), pos[None], self.d.cache,
+                           slots[None], see[None, None])  # [1, T, hidden]
+        # only the root's row and the mask rows need the LM head and the lattice (B of T rows)
+        rows = drafter.lattice_rows(drafter.shared["lm_head"](h[:, last:]), ids[None, last:])  # [1, B, X]
+        tok, cond = lattice_tables(rows[0], self.K)
         root = self.ctx_tok[self.pmax - 1:]  # [1]
         build = best_chain_device if self.chain else best_first_tree_device
         t, p, depth = build(tok, cond, root, self.M - 1)
