@@ -162,3 +162,20 @@ def test_resident_is_off_on_the_cpu_by_default_and_for_sampling(tiny, monkeypatc
     assert not on._resident("tree", SamplingConfig(), [1, 2])  # acceptance replay: the host loop
     assert not Generator(target, tiny_model(seed=4), resident=True)._resident("tree", SamplingConfig(), None)
     np.testing.assert_equal(on._resident("async", SamplingConfig(), None), False)
+
+
+@pytest.mark.parametrize("markov", [8, 0])
+def test_the_resident_lattice_is_the_drafters_lattice(tiny, markov):
+    """kernels.resident.lattice_ref (what the resident step computes from the B rows' logits)
+    equals BlockDrafter.lattice_rows + device_tree.lattice_tables (what the host loop reads)."""
+    from tandem.kernels.resident import lattice_ref
+
+    target, _ = tiny
+    draft = make_drafter(target, block=5, k=4, markov=markov, seed=1)
+    logits = torch.randn(1, 5, target.config.vocab_size)
+    ids = torch.tensor([[11] + [draft.mask_id] * 4])  # the root's row, then mask rows
+    tok_want, cond_want = dt.lattice_tables(draft.lattice_rows(logits, ids)[0], 4)
+    tok, cond = lattice_ref(logits[0], torch.tensor([11]), draft.markov_u, draft.markov_v, 4)
+    assert torch.equal(tok, tok_want)
+    torch.testing.assert_close(cond[1:], cond_want[1:])
+    torch.testing.assert_close(cond[0, 0], cond_want[0, 0])  # the root's children (its other rows are unused)

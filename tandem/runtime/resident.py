@@ -31,7 +31,8 @@ from functools import partial
 
 import torch
 
-from tandem.drafting.device_tree import ancestors, best_chain_device, best_first_tree_device, lattice_tables
+from tandem.drafting.device_tree import beam_levels
+from tandem.kernels.resident import accept_fused, lattice, select_tree_fused
 from tandem.runtime.emit import Emitter
 from tandem.runtime.runner import ModelRunner
 
@@ -71,6 +72,16 @@ class ResidentLoop:
         self.tree_depth = torch.zeros(self.M, **lng)
         self.anc = torch.eye(self.M, dtype=torch.bool, device=dev)  # [M, M]
         self.rec = torch.zeros(3 + self.pmax, **lng)  # the step's record: P, accepted, depth, tokens
+        if draft is None:  # ar: every record is (1, 0, 0, token)
+            self.rec[0] = 1
+        elif chain:  # a chain's shape never changes: only its tokens are drafted
+            self.tree_par.copy_(torch.arange(-1, self.M - 1))
+            self.tree_depth.copy_(torch.arange(self.M))
+            self.anc.copy_(torch.ones(self.M, self.M, dtype=torch.bool).tril())
+        # the accept's outputs: K/V rows to move (source, destination) and each context entry's node
+        self.kv_src = torch.zeros(self.pmax, **lng)
+        self.kv_dst = torch.zeros(self.pmax, **lng)
+        self.node = torch.zeros(self.pmax, **lng)
         # ---- constants -------------------------------------------------------------------
         self.ar_M = torch.arange(self.M, **lng)
         self.ar_P = torch.arange(self.pmax + 1, **lng)
@@ -81,7 +92,7 @@ class ResidentLoop:
     def _state(self) -> list[torch.Tensor]:
         s = [self.prefix, self.dprefix, self.P, self.ctx_tok, self.tree_tok, self.tree_par, self.tree_depth,
              self.anc, self.rec]
-        return s + ([self.ctx_feat] if self.d is not None else [])
+        return s + [self.kv_src, self.kv_dst, self.node] + ([self.ctx_feat] if self.d is not None else [])
 
     def cols(self, width: int) -> torch.Tensor:
         if width not in self._cols:
@@ -109,51 +120,49 @@ class ResidentLoop:
         h = drafter.hidden(drafter.embed(ids[None], drafter.feature_in[:, :self.T]), pos[None], self.d.cache,
                            slots[None], see[None, None])  # [1, T, hidden]
         # only the root's row and the mask rows need the LM head and the lattice (B of T rows)
-        rows = drafter.lattice_rows(drafter.shared["lm_head"](h[:, last:]), ids[None, last:])  # [1, B, X]
-        tok, cond = lattice_tables(rows[0], self.K)
+        logits = drafter.shared["lm_head"](h[0, last:])  # [B, V]
         root = self.ctx_tok[self.pmax - 1:]  # [1]
-        build = best_chain_device if self.chain else best_first_tree_device
-        t, p, depth = build(tok, cond, root, self.M - 1)
-        self.tree_tok.copy_(t)
-        self.tree_par.copy_(p)
-        self.tree_depth.copy_(depth)
-        self.anc.copy_(ancestors(p, self.B))
+        tok, cond = lattice(logits, root, drafter.markov_u, drafter.markov_v, self.K)  # [B, K], [B, K, K]
+        if self.chain:
+            _, cands, _ = beam_levels(cond[:self.M - 1], 1)  # the greedy path: a beam of width 1
+            self.tree_tok[:1].copy_(root)
+            self.tree_tok[1:].copy_(tok[:self.M - 1].gather(1, cands).view(-1))
+        else:
+            n = self.M - 1
+            scores, cands, pslots = beam_levels(cond, 1 << max(0, n - 1).bit_length())
+            select_tree_fused(tok, root, scores, cands, pslots, n, (self.tree_tok, self.tree_par, self.tree_depth, self.anc))
         self.dprefix.add_(P)
 
     def _verify_body(self, width: int) -> None:
-        pre, M, pmax = self.prefix, self.M, self.pmax
+        pre, M = self.prefix, self.M
+        model = self.t.model
+        cols = self.cols(width)
         if self.d is None:  # ar: the tree is the root alone
-            self.tree_tok.copy_(self.ctx_tok)
-        rel = self.cols(width) - pre  # [W]
+            logits = model(self.ctx_tok[None], pre[None], self.t.cache, pre[None], (cols <= pre)[None, None, None])
+            bonus = logits[0].argmax(-1)  # [1]
+            self.ctx_tok.copy_(bonus)
+            self.rec[3:].copy_(bonus)
+            self.prefix.add_(1)
+            return
+        rel = cols - pre  # [W]
         inside = (rel >= 0) & (rel < M)
         tree = self.anc.gather(1, rel.clamp(0, M - 1).expand(M, -1)) & inside  # [M, W]
         see = (rel < 0)[None, :] | tree
-        model = self.t.model
         logits = model(self.tree_tok[None], (pre + self.tree_depth)[None], self.t.cache, (pre + self.ar_M)[None],
                        see[None, None])  # [1, M, V]
         am = logits[0].argmax(-1)  # [M] the target's next token after each node
-        match = (self.tree_tok == am.index_select(0, self.tree_par.clamp(min=0))) | (self.ar_M == 0)
-        acc = ~(self.anc & ~match[None, :]).any(-1)  # [M] the node and all its ancestors match
-        accepted, deepest = torch.where(acc, self.tree_depth, -1).max(0)  # 0-dim each
-        bonus = am.index_select(0, deepest[None])  # [1]
-        ctx = bonus
-        if M > 1:
-            path = self.ar_P.clone()  # [pmax + 1] depth -> accepted node (beyond: itself); last: a dump
-            path.scatter_(0, torch.where(acc, self.tree_depth, pmax), self.ar_M)
-            path = path[:pmax]
-            kv = self.t.cache.kv  # [2, layers, 1, kv_heads, rows, D]: the path's rows to the prefix end
-            kv.index_copy_(4, pre + self.ar_P[:pmax], kv.index_select(4, pre + path))
-            # the next context, right-aligned: entry o holds path depth i = o - (pmax - 1 - accepted)
-            i = self.ar_P[:pmax] - (pmax - 1) + accepted  # [pmax]; < 0: padding
-            node = path.index_select(0, i.clamp(0, pmax - 1)).clamp(max=M - 1)  # the root / accepted nodes
-            child = path.index_select(0, (i + 1).clamp(0, pmax - 1)).clamp(max=M - 1)  # the token after it
-            ctx = torch.where(i == accepted, bonus, self.tree_tok.index_select(0, child))  # [pmax]
-            if self.d is not None:  # each context token's target features are those of the node before it
-                self.ctx_feat.copy_(model.last_features[0].index_select(0, node))
-        self.ctx_tok.copy_(ctx)
-        self.P.copy_(accepted + 1)
-        self.prefix.add_(accepted + 1)
-        self.rec.copy_(torch.cat([(accepted + 1)[None], accepted[None], self.tree_depth.max()[None], ctx]))
+        # accept (a node whose ancestors all match their parent's argmax), the next context, the record
+        accept_fused(am, self.tree_tok, self.tree_par, self.tree_depth, self.anc, self.prefix, self.pmax,
+                     {"kv_src": self.kv_src, "kv_dst": self.kv_dst, "node": self.node, "ctx": self.ctx_tok,
+                      "P": self.P, "rec": self.rec})
+        kv = self.t.cache.kv  # [2, layers, 1, kv_heads, rows, D]: the path's rows to the prefix end
+        kv.index_copy_(4, self.kv_dst, kv.index_select(4, self.kv_src))
+        # each context token's target features are those of the node before it
+        feats = model.last_features[0]  # [M, F]
+        if feats.dtype == self.ctx_feat.dtype:
+            torch.index_select(feats, 0, self.node, out=self.ctx_feat)
+        else:
+            self.ctx_feat.copy_(feats.index_select(0, self.node))
 
     # ---- graphs ----------------------------------------------------------------------------
     def _run(self, part: str, width: int) -> None:

@@ -43,3 +43,66 @@ def test_resident_loop_matches_an_uncached_forward_and_the_host_loop(device, met
             assert r.accept_lengths == h.accept_lengths
         if device == "cuda" and method != "ar":
             assert r.tau > 1.5  # the trained drafter's trees were accepted deep
+
+
+@pytest.mark.parametrize("device", [cuda("cuda", id="cuda")])
+def test_resident_kernels_equal_their_references(device):
+    """The Triton lattice, tree selection and accept of the resident step against their torch
+    references (random lattices, trees and target outputs; fp32)."""
+    import torch
+
+    from tandem.drafting import device_tree as dt
+    from tandem.kernels import resident as kr
+
+    g = torch.Generator().manual_seed(0)
+    B, V, K, R = 16, 8192, 16, 64
+    for markov in (True, False):
+        logits = (3 * torch.randn(B, V, generator=g)).to(device)
+        root = torch.tensor([5], device=device)
+        u = (0.5 * torch.randn(V, R, generator=g)).to(device) if markov else None
+        v = (0.5 * torch.randn(V, R, generator=g)).to(device) if markov else None
+        tok, cond = kr.lattice(logits, root, u, v, K)
+        tok_r, cond_r = kr.lattice_ref(logits, root, u, v, K)
+        assert torch.equal(tok, tok_r)
+        torch.testing.assert_close(cond, cond_r, atol=1e-4, rtol=1e-4)
+    for nodes in (7, 32, 60):
+        tok = torch.stack([torch.randperm(500, generator=g)[:K] for _ in range(B)]).to(device)
+        cond = (torch.log_softmax(2 * torch.randn(B, K, K, generator=g), -1)).to(device)
+        W = 1 << (nodes - 1).bit_length()
+        beams = dt.beam_levels(cond, W)
+        assert all(torch.equal(a, b) for a, b in zip(beams, dt.beam_levels_ref(cond, W)))
+        M = nodes + 1
+        out = (torch.zeros(M, dtype=torch.long, device=device), torch.zeros(M, dtype=torch.long, device=device),
+               torch.zeros(M, dtype=torch.long, device=device), torch.zeros(M, M, dtype=torch.bool, device=device))
+        kr.select_tree_fused(tok, root, *beams, nodes, out)
+        ref = kr.select_tree_ref(tok, root, *beams, nodes)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
+        t, p, d, anc = ref
+        for trial in range(8):  # target outputs that accept 0..7 levels down a random path
+            am = torch.randint(0, 500, (M,), generator=g).to(device)
+            node = 0
+            for _ in range(trial):
+                kids = (p == node).nonzero().flatten().tolist()
+                if not kids:
+                    break
+                c = kids[trial % len(kids)]
+                am[node] = t[c]
+                node = c
+            states = []
+            for fused in (True, False):
+                st = {k: torch.zeros(17, dtype=torch.long, device=device) for k in ("kv_src", "kv_dst", "node", "ctx")}
+                st["P"] = torch.zeros(1, dtype=torch.long, device=device)
+                st["rec"] = torch.zeros(20, dtype=torch.long, device=device)
+                prefix = torch.tensor([40], device=device)
+                if fused:
+                    kr.accept_fused(am, t, p, d, anc, prefix, 17, st)
+                else:
+                    accepted, bonus, path, ctx, nd = kr.accept_ref(am, t, p, d, anc, prefix, 17)
+                    st = {"ctx": ctx, "node": nd, "kv_src": 40 + path, "P": accepted + 1}
+                states.append((prefix, st))
+            (pk, sk), (_, sr) = states
+            assert int(pk) == 40 + int(sr["P"])
+            for k in ("ctx", "node", "kv_src"):
+                assert torch.equal(sk[k], sr[k]), k
+            assert int(sk["P"]) == int(sr["P"]) and int(sk["rec"][0]) == int(sr["P"])
+            assert sk["rec"][3:].tolist() == sr["ctx"].tolist()

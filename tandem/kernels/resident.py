@@ -1,0 +1,271 @@
+"""Triton kernels of the device-resident step (tandem.runtime.resident), each beside its reference.
+
+At the bundled pair's size a step is bound by the number of kernels, not by their work: the
+glue between the two models (the lattice, the tree, the accept) was ~60 small torch kernels
+of 2-3 us each. These fold each piece into one or two programs:
+
+- `lattice`: the drafter's B rows of logits -> each row's top-K candidates and the
+  parent-conditioned log-probs (log-softmax, top-K, the Markov head's bigram score given each
+  parent candidate, renormalised over the candidates plus the mass outside them);
+- `select_tree`: the level beams (tandem.drafting.device_tree) -> the N best nodes as a tree in
+  topological order, and its ancestor mask;
+- `accept`: the target's argmax per node -> the accepted path, the bonus token, the K/V rows
+  to move, the next context (right-aligned) and the step's record.
+
+The references are the semantics (and what runs on the CPU); the GPU lane checks the kernels
+against them.
+"""
+from __future__ import annotations
+
+import torch
+
+from tandem.kernels.fused import triton_enabled
+
+try:  # Triton ships with CUDA builds of PyTorch only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU builds
+    triton = None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+# ---- the lattice -----------------------------------------------------------------------------
+def lattice_ref(logits: torch.Tensor, root: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor | None,
+                k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [B, V] of the root's row and the mask rows; root: [1]; u, v: [V, R] Markov factors
+    (None: no Markov head) -> tok [B, K] int64, cond [B, K, K] float32 with cond[b, a, c] the
+    log-prob of candidate c at position b + 1 given candidate a at position b (b = 0: given the
+    root, every row alike), as BlockDrafter.lattice_rows and lattice_tables compute it."""
+    lp, tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [B, K]
+    B = lp.shape[0]
+    if u is None:
+        return tok, lp[:, None, :].expand(B, k, k).contiguous()
+    rest = torch.log1p(-lp.exp().sum(-1).clamp(max=1 - 1e-6))  # [B] the mass outside the top K
+    prev = torch.cat([root.expand(1, k), tok[:-1]])  # [B, K] the parent candidates of each position
+    g = lp[:, None, :] + (u[prev].float()[:, :, None, :] * v[tok].float()[:, None, :, :]).sum(-1)  # [B, K, K]
+    return tok, g - torch.logaddexp(torch.logsumexp(g, -1), rest[:, None])[..., None]
+
+
+def lattice(logits: torch.Tensor, root: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor | None,
+            k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not triton_enabled(logits):
+        return lattice_ref(logits, root, u, v, k)
+    B, V = logits.shape
+    dev = logits.device
+    tok = torch.empty(B, k, dtype=torch.long, device=dev)
+    lp = torch.empty(B, k, device=dev)
+    rest = torch.empty(B, device=dev)
+    cond = torch.empty(B, k, k, device=dev)
+    _topk_kernel[(B,)](logits, logits.stride(0), tok, lp, rest, V, K=k, BLOCK_V=_pow2(V), num_warps=8)
+    markov = u is not None
+    R = u.shape[1] if markov else 1
+    _cond_kernel[(B,)](tok, lp, rest, root, u if markov else lp, v if markov else lp, cond, R=R, K=k,
+                       HAS_MARKOV=markov)
+    return tok, cond
+
+
+# ---- the tree --------------------------------------------------------------------------------
+def select_tree_ref(tok, root, scores, cands, pslots, nodes: int):
+    """-> (tokens [M], parents [M], depth [M], ancestors [M, M] bool), M = nodes + 1."""
+    from tandem.drafting.device_tree import ancestors, select_tree
+
+    t, p, d = select_tree(tok, root, scores, cands, pslots, nodes)
+    return t, p, d, ancestors(p, scores.shape[0])
+
+
+def select_tree_fused(tok, root, scores, cands, pslots, nodes: int, out: tuple[torch.Tensor, ...]) -> None:
+    """select_tree_ref, written into `out` = (tokens, parents, depth, ancestors)."""
+    if not triton_enabled(scores):
+        for o, r in zip(out, select_tree_ref(tok, root, scores, cands, pslots, nodes)):
+            o.copy_(r)
+        return
+    B, W = scores.shape
+    dev = scores.device
+    scratch = torch.empty(_pow2(B * W), dtype=torch.long, device=dev)
+    ids = torch.empty(B * W, dtype=torch.long, device=dev)
+    t, p, d, anc = out
+    _select_kernel[(1,)](scores, cands, pslots, tok, root, t, p, d, anc, scratch, ids, B * W, W=W,
+                         K=tok.shape[1], N=nodes, NP=_pow2(nodes), MP=_pow2(nodes + 1), BWP=_pow2(B * W), MAXD=B)
+
+
+# ---- the accept ------------------------------------------------------------------------------
+def accept_ref(am, tree_tok, tree_par, tree_depth, anc, prefix, pmax: int):
+    """am: [M] the target's argmax after each node; prefix: [1] -> (accepted 0-dim, bonus [1],
+    path [pmax] (depth -> accepted node; beyond the accepted depth: the depth itself),
+    ctx [pmax] the committed tokens right-aligned (the bonus last), node [pmax] the node whose
+    target features go with each ctx entry)."""
+    M = tree_tok.shape[0]
+    ar_M = torch.arange(M, device=am.device)
+    ar_P = torch.arange(pmax + 1, device=am.device)
+    match = (tree_tok == am.index_select(0, tree_par.clamp(min=0))) | (ar_M == 0)
+    acc = ~(anc & ~match[None, :]).any(-1)  # [M] the node and all its ancestors match
+    accepted, deepest = torch.where(acc, tree_depth, -1).max(0)
+    bonus = am.index_select(0, deepest[None])
+    path = ar_P.clone()
+    path.scatter_(0, torch.where(acc, tree_depth, pmax), ar_M)
+    path = path[:pmax]
+    i = ar_P[:pmax] - (pmax - 1) + accepted  # [pmax] entry o holds path depth i; < 0: padding
+    node = path.index_select(0, i.clamp(0, pmax - 1)).clamp(max=M - 1)
+    child = path.index_select(0, (i + 1).clamp(0, pmax - 1)).clamp(max=M - 1)
+    ctx = torch.where(i == accepted, bonus, tree_tok.index_select(0, child))
+    return accepted, bonus, path, ctx, node
+
+
+def accept_fused(am, tree_tok, tree_par, tree_depth, anc, prefix, pmax: int, state: dict[str, torch.Tensor]) -> None:
+    """accept_ref, applied to the loop's state in place: `kv_src` / `kv_dst` [pmax] (the K/V
+    rows to move), `node` [pmax], `ctx` [pmax], `P` [1] = accepted + 1, `prefix` += accepted + 1,
+    `rec` [3 + pmax] = (P, accepted, the tree's depth, ctx...)."""
+    if not triton_enabled(am):
+        accepted, bonus, path, ctx, node = accept_ref(am, tree_tok, tree_par, tree_depth, anc, prefix, pmax)
+        ar = torch.arange(pmax, device=am.device)
+        state["kv_src"].copy_(prefix + path)
+        state["kv_dst"].copy_(prefix + ar)
+        state["node"].copy_(node)
+        state["ctx"].copy_(ctx)
+        state["P"].copy_(accepted + 1)
+        prefix.add_(accepted + 1)
+        state["rec"].copy_(torch.cat([(accepted + 1)[None], accepted[None], tree_depth.max()[None], ctx]))
+        return
+    M = tree_tok.shape[0]
+    _accept_kernel[(1,)](am, tree_tok, tree_par, tree_depth, anc, prefix, state["kv_src"], state["kv_dst"],
+                         state["node"], state["ctx"], state["P"], state["rec"], M=M, MP=_pow2(M), PM=pmax,
+                         PMP=_pow2(pmax))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _topk_kernel(x_ptr, stride, tok_ptr, lp_ptr, rest_ptr, V, K: tl.constexpr, BLOCK_V: tl.constexpr):
+        b = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_V)
+        x = tl.load(x_ptr + b * stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, 0)
+        lse = tl.log(tl.sum(tl.exp(x - m), 0)) + m
+        mass = 0.0
+        for k in tl.static_range(K):
+            best = tl.max(x, 0)
+            i = tl.argmax(x, 0)  # the lowest index among equal maxima
+            lp = best - lse
+            tl.store(tok_ptr + b * K + k, i.to(tl.int64))
+            tl.store(lp_ptr + b * K + k, lp)
+            mass += tl.exp(lp)
+            x = tl.where(offs == i, float("-inf"), x)
+        tl.store(rest_ptr + b, tl.log(1.0 - tl.minimum(mass, 1.0 - 1e-6)))
+
+    @triton.jit
+    def _cond_kernel(tok_ptr, lp_ptr, rest_ptr, root_ptr, u_ptr, v_ptr, cond_ptr, R: tl.constexpr, K: tl.constexpr,
+                     HAS_MARKOV: tl.constexpr):
+        b = tl.program_id(0)
+        a = tl.arange(0, K)  # parent candidates
+        c = tl.arange(0, K)  # child candidates
+        lp = tl.load(lp_ptr + b * K + c)  # [K]
+        if HAS_MARKOV:
+            prev_tok = tl.load(tok_ptr + tl.maximum(b - 1, 0) * K + a)
+            prev = tl.where(b == 0, tl.load(root_ptr + a * 0), prev_tok)  # [K]
+            nxt = tl.load(tok_ptr + b * K + c)
+            r = tl.arange(0, R)
+            uu = tl.load(u_ptr + prev[:, None] * R + r[None, :]).to(tl.float32)  # [K, R]
+            vv = tl.load(v_ptr + nxt[:, None] * R + r[None, :]).to(tl.float32)  # [K, R]
+            g = lp[None, :] + tl.sum(uu[:, None, :] * vv[None, :, :], 2)  # [K, K]
+            mx = tl.max(g, 1)
+            lse = tl.log(tl.sum(tl.exp(g - mx[:, None]), 1)) + mx  # [K]
+            rest = tl.load(rest_ptr + b)
+            top = tl.maximum(lse, rest)
+            norm = top + tl.log(tl.exp(lse - top) + tl.exp(rest - top))
+            g = g - norm[:, None]
+        else:
+            g = lp[None, :] + tl.zeros([K, K], dtype=tl.float32)
+        tl.store(cond_ptr + b * K * K + a[:, None] * K + c[None, :], g)
+
+    @triton.jit
+    def _select_kernel(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, scratch_ptr,
+                       ids_ptr, BW, W: tl.constexpr, K: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+                       MP: tl.constexpr, BWP: tl.constexpr, MAXD: tl.constexpr):
+        # the N best of the B * W beam entries (keys as in device_tree.score_keys: ties to the lower index)
+        f = tl.arange(0, BWP)
+        s = tl.load(score_ptr + f, mask=f < BW, other=float("-inf"))
+        bits = s.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        key = (ordered.to(tl.int64) << 32) | (BWP - 1 - f).to(tl.int64)
+        key = tl.where(f < BW, key, -(1 << 62))
+        key = tl.sort(key, 0, descending=True)
+        tl.store(scratch_ptr + f, key)
+        tl.debug_barrier()
+        j = tl.arange(0, NP)
+        valid = j < N
+        top = tl.load(scratch_ptr + j)
+        flat = (BWP - 1) - (top - ((top >> 32) << 32))
+        sel = tl.sort(tl.where(valid, flat, 1 << 40), 0)  # ascending: level-major, a topological order
+        level = sel // W
+        tl.store(ids_ptr + sel, (j + 1).to(tl.int64), mask=valid)  # the node id of each kept entry
+        tl.debug_barrier()
+        ps = tl.load(pslot_ptr + sel, mask=valid, other=0)
+        pentry = tl.maximum(level - 1, 0) * W + ps
+        parent = tl.where(level == 0, 0, tl.load(ids_ptr + pentry, mask=valid & (level > 0), other=0))
+        cand = tl.load(cand_ptr + sel, mask=valid, other=0)
+        token = tl.load(tok_ptr + level * K + cand, mask=valid, other=0)
+        tl.store(t_ptr + 1 + j, token, mask=valid)
+        tl.store(p_ptr + 1 + j, parent, mask=valid)
+        tl.store(d_ptr + 1 + j, level + 1, mask=valid)
+        tl.store(t_ptr, tl.load(root_ptr))
+        tl.store(p_ptr, -1)
+        tl.store(d_ptr, 0)
+        # the ancestor mask: the identity, then each node's chain of parents
+        M = N + 1
+        i = tl.arange(0, MP)
+        jj = tl.arange(0, MP)
+        inside = (i[:, None] < M) & (jj[None, :] < M)
+        tl.store(anc_ptr + i[:, None] * M + jj[None, :], i[:, None] == jj[None, :], mask=inside)
+        tl.debug_barrier()
+        live = i < M
+        cur = tl.load(p_ptr + i, mask=live, other=-1)
+        for _ in tl.static_range(MAXD):
+            ok = live & (cur >= 0)
+            tl.store(anc_ptr + i * M + cur, tl.full([MP], 1, tl.int1), mask=ok)
+            cur = tl.load(p_ptr + cur, mask=ok, other=-1)
+
+    @triton.jit
+    def _accept_kernel(am_ptr, tok_ptr, par_ptr, depth_ptr, anc_ptr, prefix_ptr, src_ptr, dst_ptr, node_ptr, ctx_ptr,
+                       P_ptr, rec_ptr, M: tl.constexpr, MP: tl.constexpr, PM: tl.constexpr, PMP: tl.constexpr):
+        i = tl.arange(0, MP)
+        live = i < M
+        tok = tl.load(tok_ptr + i, mask=live, other=-1)
+        par = tl.load(par_ptr + i, mask=live, other=0)
+        am_par = tl.load(am_ptr + tl.maximum(par, 0), mask=live, other=-2)
+        match = ((tok == am_par) | (i == 0)) & live
+        j = tl.arange(0, MP)
+        anc = tl.load(anc_ptr + i[:, None] * M + j[None, :], mask=live[:, None] & (j[None, :] < M), other=0)
+        bad = tl.max((anc.to(tl.int32) > 0) & (match[None, :] == 0), 1)  # [MP] an ancestor (or itself) failed
+        acc = (bad == 0) & live
+        depth = tl.load(depth_ptr + i, mask=live, other=0)
+        dacc = tl.where(acc, depth, -1)
+        accepted = tl.max(dacc, 0)
+        deepest = tl.argmax(dacc, 0)
+        bonus = tl.load(am_ptr + deepest)
+        pre = tl.load(prefix_ptr)
+        # path[d]: the accepted node at depth d (beyond the accepted depth: d itself)
+        d = tl.arange(0, PMP)
+        hit = acc[None, :] & (depth[None, :] == d[:, None])  # [PMP, MP]
+        path = tl.sum(tl.where(hit, i[None, :], 0), 1) + tl.where(tl.max(hit.to(tl.int32), 1) > 0, 0, d)
+        dm = d < PM
+        tl.store(src_ptr + d, pre + path, mask=dm)
+        tl.store(dst_ptr + d, pre + d, mask=dm)
+        tl.debug_barrier()
+        # the next context, right-aligned: entry o holds path depth o - (PM - 1 - accepted)
+        o = d
+        k = o - (PM - 1) + accepted
+        node = tl.minimum(tl.load(src_ptr + tl.minimum(tl.maximum(k, 0), PM - 1), mask=dm, other=pre) - pre, M - 1)
+        child = tl.minimum(tl.load(src_ptr + tl.minimum(tl.maximum(k + 1, 0), PM - 1), mask=dm, other=pre) - pre,
+                           M - 1)
+        ctx = tl.where(k == accepted, bonus, tl.load(tok_ptr + child, mask=dm, other=0))
+        tl.store(node_ptr + o, node, mask=dm)
+        tl.store(ctx_ptr + o, ctx, mask=dm)
+        tl.store(rec_ptr + 3 + o, ctx, mask=dm)
+        tl.store(rec_ptr, accepted + 1)
+        tl.store(rec_ptr + 1, accepted)
+        tl.store(rec_ptr + 2, tl.max(depth, 0))
+        tl.store(P_ptr, accepted + 1)
+        tl.store(prefix_ptr, pre + accepted + 1)
