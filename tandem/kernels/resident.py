@@ -238,7 +238,8 @@ if triton is not None:
         match = ((tok == am_par) | (i == 0)) & live
         j = tl.arange(0, MP)
         anc = tl.load(anc_ptr + i[:, None] * M + j[None, :], mask=live[:, None] & (j[None, :] < M), other=0)
-        bad = tl.max((anc.to(tl.int32) > 0) & (match[None, :] == 0), 1)  # [MP] an ancestor (or itself) failed
+        failed = (anc.to(tl.int32) > 0) & (match[None, :] == 0)  # [MP, MP]
+        bad = tl.max(failed.to(tl.int32), 1)  # [MP] an ancestor (or the node itself) does not match
         acc = (bad == 0) & live
         depth = tl.load(depth_ptr + i, mask=live, other=0)
         dacc = tl.where(acc, depth, -1)
