@@ -188,3 +188,31 @@ def test_llm_on_the_bundled_pair_equals_tandem_generate_ar(capsys):
     stop = text[len(text) // 2:len(text) // 2 + 2]
     cut = LLM(method="ar").generate(prompts[0], SP(max_tokens=8, stop=stop))[0]
     assert cut.finish_reason == "stop" and cut.text == text[:text.find(stop)]
+
+
+_SNIPPETS = ["def fib(n):\n", "import os\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):\n",
+             "def merge_sort(xs):\n", "def is_prime(n):\n    ", "for i in range(10):\n    ",
+             "def parse_args(argv):\n    import argparse\n", "with open(path) as f:\n    "]
+
+
+@pytest.mark.parametrize("kind,method,spec", [("block", "tree", SpecConfig(nodes=32)), ("block", "chain", SpecConfig(k=8)),
+                                              ("eagle3", "tree", SpecConfig(nodes=16, width=4))],
+                         ids=["block-tree", "block-chain", "eagle3-tree"])
+def test_32_concurrent_requests_with_a_feature_drafter_equal_their_solo_ar_outputs(kind, method, spec):
+    """The bundled target with its block drafter / EAGLE-3 head in the engine (fp32): the batched
+    pass keeps every row's target features, each request's drafter reads its own."""
+    from tandem.runtime.pair import BUNDLED_TARGET, load_pair
+
+    if not (BUNDLED_TARGET / "config.json").is_file():
+        pytest.skip("no bundled target")
+    pair = load_pair(None, kind, device="cpu", dtype=torch.float32)
+    prompts = [pair.tokenizer.encode(f"# case {i}\n" + _SNIPPETS[i % 8]).ids for i in range(32)]
+    gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    solo = Generator(pair.target, None, use_graphs=False)
+    refs = [solo.generate(p, "ar", gen=gen).token_ids for p in prompts]
+    engine = Engine(pair.target, pair.draft, config=EngineConfig(method=method, spec=spec, block_size=16,
+                                                                 max_num_batched_tokens=512, debug_check=True))
+    outs = run_all(engine, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    assert_clean(engine)
+    assert sum(o.tau for o in outs) / len(outs) > 1.5  # the drafters' proposals were accepted

@@ -179,3 +179,17 @@ def test_the_resident_lattice_is_the_drafters_lattice(tiny, markov):
     assert torch.equal(tok, tok_want)
     torch.testing.assert_close(cond[1:], cond_want[1:])
     torch.testing.assert_close(cond[0, 0], cond_want[0, 0])  # the root's children (its other rows are unused)
+
+
+def test_resident_stops_at_the_context_window(tiny):
+    """A prompt a few tokens short of the context window: the caches hold the queued steps past
+    the end, and the output is ar's, cut where the window ends."""
+    target, draft = tiny
+    ctx = Generator(target, draft).context_window
+    prompt = [(7 * i) % 50 + 1 for i in range(ctx - 6)]
+    g = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    want = Generator(target, None, use_graphs=False, resident=False).generate(prompt, "ar", gen=g).token_ids
+    assert len(want) == 6
+    res = Generator(target, draft, use_graphs=False, resident=True)
+    for method in ("ar", "chain", "tree"):
+        assert res.generate(prompt, method, SpecConfig(k=4, nodes=12), gen=g).token_ids == want

@@ -108,17 +108,25 @@ class BatchedModel:
         if any(layer.self_attn.tp_group is not None for layer in model.model.layers):
             raise ValueError("the batched engine does not run a tensor-parallel shard yet")
         self.model, self.pool = model, pool
+        self.last_features: torch.Tensor | None = None  # [M, F] of the last pass (feature drafters)
 
     @torch.no_grad()
     def forward(self, rows: BatchRows) -> torch.Tensor:
+        """With the target's features on (Transformer.enable_features, for feature drafters),
+        `last_features` holds every row's [M, F] afterwards, as the single-request runner keeps them."""
         m = self.model
         x, delta = m.model.embed_tokens(rows.tokens)[None], None  # [1, M, hidden]
+        want = m.feature_layers or ()
+        feats: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.model.layers):
+            if i in want:  # the residual stream entering layer i (the add is deferred)
+                feats[i] = x if delta is None else x + delta
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             x, h = add_rmsnorm(x, delta, ln1.weight, ln1.eps)
             a = self._attention(layer.self_attn, i, h, rows)
             x, h = add_rmsnorm(x, a, ln2.weight, ln2.eps)
             delta = layer.mlp(h)
+        self.last_features = torch.cat([feats[i] for i in want], dim=-1)[0] if want else None  # [M, F]
         norm = m.model.norm
         h = add_rmsnorm(x, delta, norm.weight, norm.eps)[1][0]  # [M, hidden]
         return m.lm_head(h[rows.logit_rows])  # [n, vocab]

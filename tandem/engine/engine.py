@@ -6,8 +6,11 @@
     for each request: accept, commit its path in the pool, let its drafter observe, emit
 
 Drafting is per request: each decoding request owns a drafter of the single-request runtime
-(`TreeDrafter` for tree and greedy chain, `ChainDrafter` for a sampled chain) on its own small
-`ModelRunner`, created when its prefill is done and dropped on preemption. A batched draft
+(`TreeDrafter` for tree and greedy chain, `ChainDrafter` for a sampled chain, `LatticeDrafter`
+for a block drafter, `EagleDrafter` for an EAGLE-3 head) on its own small `ModelRunner`,
+created when its prefill is done and dropped on preemption. Feature drafters read the target's
+features: the batched pass keeps every row's, the prefill chunks' are kept until the drafter
+starts, and each verify hands the drafter its accepted path's. A batched draft
 (one draft pass for every request's expansion round) is later work; verification is batched.
 
 Two modes change which rows a step holds, never an output:
@@ -102,9 +105,13 @@ class Engine:
         config.validate()
         if config.method != "ar" and draft is None:
             raise ConfigError(f"method {config.method!r} needs a draft model; pass one or use method 'ar'")
-        if draft is not None and config.method != "ar" and not isinstance(draft, Transformer):
-            raise ConfigError("the batched engine drafts with a small draft model; block drafters and EAGLE-3 "
-                              "heads run on the single-request loop for now")
+        # a feature drafter (block drafter, EAGLE-3 head) reads the target's features of every pass
+        self.feature_layers = _feature_layers(draft) if config.method != "ar" else None
+        if draft is not None and config.method != "ar" and not isinstance(draft, Transformer) and not self.feature_layers:
+            raise ConfigError(f"the batched engine cannot draft with a {type(draft).__name__}; pass a draft model, "
+                              "a block drafter or an EAGLE-3 head")
+        if self.feature_layers:
+            target.enable_features(self.feature_layers)
         self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
         self.context_window = target.config.max_position_embeddings
         if draft is not None:
@@ -236,6 +243,7 @@ class Engine:
         """Preempted: its draft K/V and pending tree are rebuilt when it returns."""
         req.runtime.pop("drafter", None)
         req.runtime.pop("pending", None)
+        req.runtime.pop("features", None)  # recomputed with the prefill when it returns
         if self.batches is not None:
             self.batches.recycle(req)
 
@@ -247,8 +255,26 @@ class Engine:
         drafter = req.runtime.get("drafter")
         if drafter is None:
             drafter = req.runtime["drafter"] = self._new_drafter(req)
-            drafter.start(req.token_ids())
+            if self.feature_layers:
+                drafter.start(req.token_ids(), self._prompt_features(req))
+            else:
+                drafter.start(req.token_ids())
         return drafter.propose()
+
+    def _prompt_features(self, req: Request) -> torch.Tensor | None:
+        """The target features [len - 1, F] of the request's rows before its root, kept from its
+        prefill chunks. Rows served from the prefix cache were not computed: their features are
+        zeros (the drafter's first proposals are weaker, never wrong)."""
+        parts = req.runtime.pop("features", [])
+        need = len(req.token_ids()) - 1
+        if need <= 0 or not parts:
+            return None
+        have = torch.cat(parts)[-need:]  # [<= need, F]
+        if have.shape[0] == need:
+            return have
+        out = have.new_zeros(need, have.shape[1])
+        out[need - have.shape[0]:] = have
+        return out
 
     def _draft(self, s: ScheduledRows) -> DraftTree:
         """The request's tree for this pass, at most `s.rows` nodes (root included)."""
@@ -343,6 +369,16 @@ class Engine:
     def _new_drafter(self, req: Request):
         spec, sampling = self.spec, req.params.sampling()
         plan = plan_request("engine", len(req.token_ids()), req.max_new, spec)
+        if self.feature_layers:  # as the single-request loop builds them (Generator._drafter)
+            from tandem.drafting.eagle_drafter import EagleDrafter
+            from tandem.drafting.lattice_drafter import LatticeDrafter
+
+            chain = self.config.method == "chain"
+            if hasattr(self.draft, "bconfig"):
+                rows = plan.target_rows + 2 * self.draft.bconfig.block_size + spec.nodes + spec.k
+                return LatticeDrafter(ModelRunner(self.draft.lattice_model(), rows, use_graphs=False), spec, chain)
+            rows = plan.target_rows + EagleDrafter.rows_needed(spec)
+            return EagleDrafter(ModelRunner(self.draft, rows, use_graphs=False), spec, chain)
         runner = ModelRunner(self.draft, plan.draft_rows, use_graphs=False)
         if self.config.method == "tree":
             return TreeDrafter(runner, spec)
@@ -372,13 +408,17 @@ class Engine:
         return BatchRows.build(segments, self.target.device, self.target.dtype)
 
     def _apply(self, plan: StepPlan, trees: dict[str, DraftTree], logits: torch.Tensor) -> list[RequestOutput]:
-        finished, row = [], 0
+        finished, row, m = [], 0, 0  # m: the segment's first row in the pass (features)
+        feats = self.model.last_features if self.feature_layers else None  # [M, F]
         for s in plan.scheduled:
             req = s.request
             if s.kind == "prefill":
                 chunk = req.token_ids()[s.start:s.start + s.rows]
                 self.pool.commit(req.request_id, list(range(s.rows)), chunk)
                 req.num_computed += s.rows
+                if feats is not None:  # kept until the request's drafter starts
+                    req.runtime.setdefault("features", []).append(feats[m:m + s.rows].clone())
+                m += s.rows
                 continue
             tree = trees[req.request_id]
             result = self._accept(req, tree, logits[row:row + len(tree)])  # logits: [n, vocab]
@@ -386,7 +426,11 @@ class Engine:
             self.pool.commit(req.request_id, result.path, [tree.tokens[i] for i in result.path])
             req.num_computed += len(result.path)
             if "drafter" in req.runtime:
-                req.runtime["drafter"].observe(result, tree)
+                if feats is not None:  # the root's and the accepted nodes' features
+                    req.runtime["drafter"].observe(result, tree, feats[m:m + len(tree)][result.path])
+                else:
+                    req.runtime["drafter"].observe(result, tree)
+            m += len(tree)
             if self._emit(req, tree, result):
                 self.scheduler.finish(req)
                 if self.batches is not None:
@@ -427,3 +471,12 @@ class Engine:
             text = req.stop_text if req.stop_text is not None else self.tokenizer.decode(req.output_ids)
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), list(req.output_ids), text,
                              req.finish_reason, req.figures)
+
+
+def _feature_layers(draft) -> tuple[int, ...] | None:
+    """The target layers a feature drafter reads (None: a draft model, or no draft)."""
+    if getattr(draft, "bconfig", None) is not None:
+        return tuple(draft.bconfig.target_feature_layers)
+    if getattr(draft, "econfig", None) is not None:
+        return tuple(draft.econfig.feature_layers)
+    return None

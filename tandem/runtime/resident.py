@@ -245,7 +245,9 @@ class ResidentLoop:
                     inflight.append((slot, marks))
                     slot = (slot + 1) % ring.shape[0]
                     steps += 1
-            if inflight and (len(inflight) > LAG or not queueing):
+            # read the oldest record when it must be (LAG steps queued, or nothing left to queue)
+            # or already can be (its event fired: streaming and TTFT do not wait for the lag)
+            if inflight and (len(inflight) > LAG or not queueing or (cuda and inflight[0][1][2].query())):
                 s, marks = inflight.popleft()
                 if cuda:
                     marks[2].synchronize()
