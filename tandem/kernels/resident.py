@@ -7,8 +7,10 @@ of 2-3 us each. These fold each piece into one or two programs:
 - `lattice`: the drafter's B rows of logits -> each row's top-K candidates and the
   parent-conditioned log-probs (log-softmax, top-K, the Markov head's bigram score given each
   parent candidate, renormalised over the candidates plus the mass outside them);
-- `select_tree`: the level beams (tandem.drafting.device_tree) -> the N best nodes as a tree in
-  topological order, and its ancestor mask;
+- `beam_levels`: the level beams of the best-first tree over the lattice (B sequential top-Ns
+  of N x K candidates, as one program; tandem.drafting.device_tree explains the tree);
+- `select_tree_fused`: the level beams -> the N best nodes as a tree in topological order, and
+  its ancestor mask;
 - `accept`: the target's argmax per node -> the accepted path, the bonus token, the K/V rows
   to move, the next context (right-aligned) and the step's record.
 
@@ -16,6 +18,8 @@ The references are the semantics (and what runs on the CPU); the GPU lane checks
 against them.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -30,6 +34,92 @@ except ImportError:  # pragma: no cover - CPU builds
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+# ---- the best-first tree's pieces (tandem.drafting.device_tree composes them) -----------------
+def score_keys(score: torch.Tensor) -> torch.Tensor:
+    """float32 [..., n] -> int64 [..., n] keys, ordered as the scores, ties to the lower index."""
+    bits = score.float().contiguous().view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()  # monotone in the float
+    n = score.shape[-1]
+    return (ordered << 32) | (n - 1 - torch.arange(n, device=score.device))
+
+
+def key_index(key: torch.Tensor, n: int) -> torch.Tensor:
+    return (n - 1) - (key & 0xFFFFFFFF)
+
+
+def key_score(key: torch.Tensor) -> torch.Tensor:
+    hi = (key >> 32).int()
+    return torch.where(hi >= 0, hi, hi ^ 0x7FFFFFFF).view(torch.float32)
+
+
+def beam_levels_ref(cond: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cond: [B, K, K] -> per level d (the nodes at depth d + 1): the `width` best nodes' scores
+    [B, W] float32, candidate index at their position [B, W] and parent's slot in level d - 1's
+    beam [B, W] (int64). Level 0's parent is the root (slot 0)."""
+    B, K, _ = cond.shape
+    dev = cond.device
+    score = torch.full((width,), float("-inf"), device=dev)
+    score[0] = 0.0
+    cand = torch.zeros(width, dtype=torch.long, device=dev)
+    scores, cands, pslots = [], [], []
+    for d in range(B):
+        s = (score[:, None] + cond[d].index_select(0, cand)).reshape(-1)  # [W * K]
+        top = score_keys(s).topk(width).values  # sorted, distinct
+        idx = key_index(top, width * K)
+        score, cand = key_score(top), idx % K
+        scores.append(score)
+        cands.append(cand)
+        pslots.append(idx // K)
+    return torch.stack(scores), torch.stack(cands), torch.stack(pslots)
+
+
+def beam_levels(cond: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """beam_levels_ref, as one Triton program on CUDA (TANDEM_TRITON=0: the reference)."""
+    B, K, _ = cond.shape
+    usable = (triton is not None and cond.is_cuda and os.environ.get("TANDEM_TRITON", "1") != "0"
+              and width & (width - 1) == 0 and K & (K - 1) == 0 and width * K >= 16)
+    if not usable:
+        return beam_levels_ref(cond, width)
+    cond = cond.float().contiguous()
+    scores = torch.empty(B, width, device=cond.device)
+    cands = torch.empty(B, width, dtype=torch.long, device=cond.device)
+    pslots = torch.empty(B, width, dtype=torch.long, device=cond.device)
+    scratch = torch.empty(width * K, dtype=torch.long, device=cond.device)
+    _beam_kernel[(1,)](cond, scores, cands, pslots, scratch, B=B, W=width, K=K)
+    return scores, cands, pslots
+
+
+def select_nodes(tok: torch.Tensor, root: torch.Tensor, scores: torch.Tensor, cands: torch.Tensor,
+                pslots: torch.Tensor, nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `nodes` best nodes over all level beams -> (tokens [M], parents [M], depth [M]) with
+    M = nodes + 1, root first, in topological order (parents[0] = -1). root: [1] int64."""
+    B, W = scores.shape
+    flat = score_keys(scores.reshape(-1)).topk(nodes).values  # [N]
+    sel = key_index(flat, B * W).sort().values  # depth-major: a topological order
+    level, slot = sel // W, sel % W
+    ids = torch.zeros(B * W, dtype=torch.long, device=tok.device)
+    ids.index_copy_(0, sel, torch.arange(1, nodes + 1, device=tok.device))  # node id of each kept entry
+    parent_entry = (level - 1).clamp(min=0) * W + pslots.reshape(-1).index_select(0, sel)
+    parent = torch.where(level == 0, 0, ids.index_select(0, parent_entry))
+    cand = cands.reshape(-1).index_select(0, sel)
+    token = tok.reshape(-1).index_select(0, level * tok.shape[1] + cand)
+    minus1 = torch.full((1,), -1, dtype=torch.long, device=tok.device)
+    return (torch.cat([root, token]), torch.cat([minus1, parent]),
+            torch.cat([torch.zeros_like(minus1), level + 1]))
+
+
+def ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """parents: [M] (root -1) -> [M, M] bool, [i, j] True when j is i or an ancestor of i.
+    Reachability by squaring (I + P): log2(max_depth) small matrix products, no host loop."""
+    M = parents.shape[0]
+    a = torch.eye(M, device=parents.device)
+    a[1:].scatter_(1, parents[1:, None].clamp(min=0), 1.0)  # (a scalar value: nothing copied from the host)
+    for _ in range(max(1, max_depth - 1).bit_length()):
+        a = (a @ a).clamp_(max=1.0)
+    return a > 0
+
 
 
 # ---- the lattice -----------------------------------------------------------------------------
@@ -70,9 +160,7 @@ def lattice(logits: torch.Tensor, root: torch.Tensor, u: torch.Tensor | None, v:
 # ---- the tree --------------------------------------------------------------------------------
 def select_tree_ref(tok, root, scores, cands, pslots, nodes: int):
     """-> (tokens [M], parents [M], depth [M], ancestors [M, M] bool), M = nodes + 1."""
-    from tandem.drafting.device_tree import ancestors, select_tree
-
-    t, p, d = select_tree(tok, root, scores, cands, pslots, nodes)
+    t, p, d = select_nodes(tok, root, scores, cands, pslots, nodes)
     return t, p, d, ancestors(p, scores.shape[0])
 
 
@@ -270,3 +358,33 @@ if triton is not None:
         tl.store(rec_ptr + 2, tl.max(depth, 0))
         tl.store(P_ptr, accepted + 1)
         tl.store(prefix_ptr, pre + accepted + 1)
+
+    @triton.jit
+    def _beam_kernel(cond_ptr, score_ptr, cand_ptr, pslot_ptr, scratch_ptr, B: tl.constexpr, W: tl.constexpr,
+                     K: tl.constexpr):
+        # one program: the B levels run in sequence, each a sort of W * K packed keys
+        WK: tl.constexpr = W * K
+        w = tl.arange(0, W)
+        k = tl.arange(0, K)
+        flat = tl.arange(0, WK)
+        score = tl.where(w == 0, 0.0, float("-inf"))
+        cand = tl.zeros([W], dtype=tl.int32)
+        for d in range(B):
+            row = tl.load(cond_ptr + d * K * K + cand[:, None] * K + k[None, :])  # [W, K]
+            s = tl.reshape(score[:, None] + row, [WK])
+            bits = s.to(tl.int32, bitcast=True)
+            ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            key = (ordered.to(tl.int64) << 32) | (WK - 1 - flat).to(tl.int64)
+            key = tl.sort(key, 0, descending=True)
+            tl.store(scratch_ptr + flat, key)
+            tl.debug_barrier()
+            top = tl.load(scratch_ptr + w)  # the W best
+            tl.debug_barrier()
+            hi64 = top >> 32
+            idx = (WK - 1) - (top - (hi64 << 32)).to(tl.int32)
+            hi = hi64.to(tl.int32)
+            score = tl.where(hi >= 0, hi, hi ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+            cand = idx % K
+            tl.store(score_ptr + d * W + w, score)
+            tl.store(cand_ptr + d * W + w, cand.to(tl.int64))
+            tl.store(pslot_ptr + d * W + w, (idx // K).to(tl.int64))
