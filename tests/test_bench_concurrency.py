@@ -139,3 +139,35 @@ def test_check_counts_engine_and_peer_mismatches_apart():
                                        "expected": 9, "got": 4}
     assert "hf generate_batch@2" not in rep["runs"]
     assert check([tree], refs, greedy=False)["checked"] is False
+
+
+def test_engine_modes_run_as_method_variants_and_stay_exact(tiny, tmp_path, capsys):
+    """--batch-parallel / --row-selection add METHOD+bp and METHOD+bp+sel runs; every output is
+    checked against solo ar like the plain runs."""
+    out = tmp_path / "out"
+    rc = cli.main(["bench", "--target", str(tiny), "--draft", str(tiny), "--workload", str(_prompts_file(tmp_path)),
+                   "--num-prompts", "3", "--max-new-tokens", str(MAX_NEW), "--ignore-eos", "--methods", "tree",
+                   "--nodes", "4", "--concurrency", "4", "--peers", "none", "--warmup", "0", "--batch-parallel",
+                   "--row-selection", "--no-plots", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["methods"] == ["ar", "tree", "tree+bp", "tree+bp+sel"]
+    assert {r["name"] for r in res["runs"]} == {"ar", "tree", "tree+bp", "tree+bp+sel"}
+    assert res["check"]["mismatch_count"] == 0
+    assert "| tree+bp+sel | 4 |" in captured.out
+
+
+def test_engine_mode_errors_are_one_line(tiny, tmp_path, capsys):
+    from tandem.bench.concurrency import engine_modes, parse_engine_methods
+
+    assert parse_engine_methods("tree,chain+sel", batch_parallel=True) == ["ar", "tree", "chain+sel", "tree+bp"]
+    assert engine_modes("tree+bp+sel") == ("tree", {"batch_parallel": True, "row_selection": True})
+    base = ["bench", "--target", str(tiny), "--out", str(tmp_path / "x")]
+    for extra, message in ((["--concurrency", "2", "--methods", "ar+bp"], "need a speculative method"),
+                           (["--concurrency", "2", "--methods", "tree+fast"], "unknown engine mode in 'tree+fast'"),
+                           (["--concurrency", "2", "--methods", "ar", "--batch-parallel"], "need a speculative method"),
+                           (["--batch-parallel"], "use them with --concurrency")):
+        assert cli.main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from tandem.bench import concurrency, harness, online
+from tandem.config import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +25,8 @@ def run(args: argparse.Namespace) -> int:
         return online.run(args)
     if args.concurrency is not None:
         return concurrency.run(args)
+    if args.batch_parallel or args.row_selection:
+        raise ConfigError("--batch-parallel / --row-selection are engine modes: use them with --concurrency")
     if args.replay is not None:
         from tandem.bench.replay import run_replay
 

@@ -43,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default=None, metavar="C1,C2,...",
                    help="batched-engine mode: requests decoded together, a comma list (e.g. 1,8,16,32,64); "
                         "offline tok/s and TTFT / inter-token / end-to-end latency per method")
+    p.add_argument("--batch-parallel", action="store_true",
+                   help="with --concurrency: also run each speculative method in batch-parallel mode (MineDraft: "
+                        "two batches alternate drafting and verifying), as METHOD+bp")
+    p.add_argument("--row-selection", action="store_true",
+                   help="with --concurrency: also run each speculative method with batch-aware row selection "
+                        "(one node budget per step), as METHOD+sel, or METHOD+bp+sel with --batch-parallel")
     p.add_argument("--peers", default=",".join(PEERS),
                    help="with --concurrency: transformers peers run on the same prompts, a comma list of "
                         f"{', '.join(PEERS)} (or 'none')")
@@ -121,15 +127,41 @@ def parse_concurrency(text: str) -> list[int]:
     return list(dict.fromkeys(vals))
 
 
-def parse_engine_methods(text: str) -> list[str]:
+MODES = {"bp": "batch_parallel", "sel": "row_selection"}  # METHOD+bp, METHOD+sel, METHOD+bp+sel
+
+
+def parse_engine_methods(text: str, batch_parallel: bool = False, row_selection: bool = False) -> list[str]:
+    """Engine runs: a method (ar, chain, tree), optionally with engine modes (`tree+bp`,
+    `tree+sel`, `tree+bp+sel`); the flags add those variants of every speculative method."""
     names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in ENGINE_METHODS]
-    if bad:
-        raise ConfigError(f"--concurrency runs the engine methods {', '.join(ENGINE_METHODS)} (got {bad[0]!r}); "
-                          "transformers peers come from --peers")
+    for n in names:
+        base, *mods = n.split("+")
+        if base not in ENGINE_METHODS:
+            raise ConfigError(f"--concurrency runs the engine methods {', '.join(ENGINE_METHODS)} (got {n!r}); "
+                              "transformers peers come from --peers")
+        bad = [m for m in mods if m not in MODES]
+        if bad or len(set(mods)) != len(mods):
+            raise ConfigError(f"unknown engine mode in {n!r}; modes are +bp (batch parallel) and +sel (row selection)")
+        if mods and base == "ar":
+            raise ConfigError(f"{n!r}: batch parallelism and row selection need a speculative method (chain or tree)")
     if not names:
         raise ConfigError("--methods is empty; e.g. --methods ar,tree")
-    return list(dict.fromkeys([REFERENCE] + names))  # ar: the reference and the speed baseline
+    extra = []
+    for n in names:
+        if n in ("chain", "tree"):
+            if batch_parallel:
+                extra.append(n + "+bp")
+            if row_selection:
+                extra.append(n + ("+bp+sel" if batch_parallel else "+sel"))
+    if (batch_parallel or row_selection) and not any(n.split("+")[0] != "ar" for n in names):
+        raise ConfigError("--batch-parallel / --row-selection need a speculative method in --methods (chain or tree)")
+    return list(dict.fromkeys([REFERENCE] + names + extra))  # ar: the reference and the speed baseline
+
+
+def engine_modes(label: str) -> tuple[str, dict[str, bool]]:
+    """`tree+bp+sel` -> ("tree", {"batch_parallel": True, "row_selection": True})."""
+    base, *mods = label.split("+")
+    return base, {flag: key in mods for key, flag in MODES.items()}
 
 
 def parse_peers(text: str) -> list[str]:
@@ -157,9 +189,10 @@ def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], pr
     # than the default C full context windows, which at C=64 would hold tens of GB for nothing
     block = EngineConfig().block_size
     per_request = -(-(max(map(len, prompts)) + params.max_tokens + draft_rows) // block)
-    cfg = EngineConfig(method=method, spec=spec, max_num_seqs=c, max_num_batched_tokens=rows,
-                       num_blocks=c * per_request)
-    engine = Engine(pair.target, pair.draft if method != "ar" else None, pair.tokenizer, cfg)
+    base, modes = engine_modes(method)
+    cfg = EngineConfig(method=base, spec=replace(spec, method=base), max_num_seqs=c, max_num_batched_tokens=rows,
+                       num_blocks=c * per_request, **modes)
+    engine = Engine(pair.target, pair.draft if base != "ar" else None, pair.tokenizer, cfg)
     harness._sync(pair.target.device)
     t0 = time.perf_counter()
     reqs = [engine.add_request(p, params) for p in prompts]
@@ -365,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.bench.env import ensure_out_dir
 
     levels = parse_concurrency(args.concurrency)
-    methods = parse_engine_methods(args.methods)
+    methods = parse_engine_methods(args.methods, args.batch_parallel, args.row_selection)
     peers = parse_peers(args.peers)
     if args.replay is not None or args.preset is not None or args.draft_preset is not None:
         raise ConfigError("--concurrency measures the real pair; it does not take --replay / --preset")
@@ -422,7 +455,7 @@ def run_concurrency(prompts, methods: list[str], peers: list[str], levels: list[
         refs = [engine_run(pair, "ar", spec, [p], [i], params, num_batched).requests[0].token_ids
                 for i, p in enumerate(ids_list)]
         for method in methods:
-            mspec = replace(spec, method=method)
+            mspec = replace(spec, method=engine_modes(method)[0])
             for c in levels:
                 ps, idx = batch(c)
                 if args.warmup:  # a throwaway engine: kernels compiled, allocator warm, prefix cache cold
