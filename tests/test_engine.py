@@ -195,10 +195,12 @@ _SNIPPETS = ["def fib(n):\n", "import os\n\ndef list_files(path):\n", "class Sta
              "def parse_args(argv):\n    import argparse\n", "with open(path) as f:\n    "]
 
 
-@pytest.mark.parametrize("kind,method,spec", [("block", "tree", SpecConfig(nodes=32)), ("block", "chain", SpecConfig(k=8)),
-                                              ("eagle3", "tree", SpecConfig(nodes=16, width=4))],
-                         ids=["block-tree", "block-chain", "eagle3-tree"])
-def test_32_concurrent_requests_with_a_feature_drafter_equal_their_solo_ar_outputs(kind, method, spec):
+@pytest.mark.parametrize("kind,method,spec,modes", [
+    ("block", "tree", SpecConfig(nodes=32), {}), ("block", "chain", SpecConfig(k=8), {}),
+    ("eagle3", "tree", SpecConfig(nodes=16, width=4), {}),
+    ("block", "tree", SpecConfig(nodes=32), {"batch_parallel": True, "row_selection": True})],
+    ids=["block-tree", "block-chain", "eagle3-tree", "block-tree-batch-parallel-selection"])
+def test_32_concurrent_requests_with_a_feature_drafter_equal_their_solo_ar_outputs(kind, method, spec, modes):
     """The bundled target with its block drafter / EAGLE-3 head in the engine (fp32): the batched
     pass keeps every row's target features, each request's drafter reads its own."""
     from tandem.runtime.pair import BUNDLED_TARGET, load_pair
@@ -211,8 +213,11 @@ def test_32_concurrent_requests_with_a_feature_drafter_equal_their_solo_ar_outpu
     solo = Generator(pair.target, None, use_graphs=False)
     refs = [solo.generate(p, "ar", gen=gen).token_ids for p in prompts]
     engine = Engine(pair.target, pair.draft, config=EngineConfig(method=method, spec=spec, block_size=16,
-                                                                 max_num_batched_tokens=512, debug_check=True))
+                                                                 max_num_batched_tokens=512, debug_check=True,
+                                                                 **modes))
     outs = run_all(engine, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs
     assert_clean(engine)
     assert sum(o.tau for o in outs) / len(outs) > 1.5  # the drafters' proposals were accepted
+    if modes:
+        assert engine.counters.batch_parallel_steps > 0 and engine.counters.nodes_offered > 0
