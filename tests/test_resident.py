@@ -98,24 +98,27 @@ def test_resident_greedy_equals_ar_on_a_tiny_pair(tiny, method, spec):
         assert got.target_passes == len(got.accept_lengths) and got.verify_seconds > 0
 
 
-def _bundled():
+def _bundled(kind: str = "block"):
     from tandem.runtime.pair import BUNDLED_TARGET, load_pair
 
     if not (BUNDLED_TARGET / "config.json").is_file():
         pytest.skip("no bundled target")
-    return load_pair(None, "block", device="cpu", dtype=torch.float32)
+    return load_pair(None, kind, device="cpu", dtype=torch.float32)
 
 
-@pytest.mark.parametrize("method,spec", [("chain", SpecConfig(k=8)), ("tree", SpecConfig(nodes=32))])
-def test_resident_loop_accepts_what_the_host_loop_accepts(method, spec):
-    """The bundled pair and its trained block drafter: same tokens as ar, and pass for pass the
-    same accept counts as the host-driven loop (the same drafter context, tree and features)."""
-    pair = _bundled()
+@pytest.mark.parametrize("kind,method,spec", [("block", "chain", SpecConfig(k=8)), ("block", "tree", SpecConfig(nodes=32)),
+                                              ("eagle3", "chain", SpecConfig(k=5)),
+                                              ("eagle3", "tree", SpecConfig(nodes=32, width=4))])
+def test_resident_loop_accepts_what_the_host_loop_accepts(kind, method, spec):
+    """The bundled target and its trained block drafter / EAGLE-3 head: same tokens as ar, and
+    pass for pass the same accept counts as the host-driven loop (the same drafter context, tree
+    and features)."""
+    pair = _bundled(kind)
     host = Generator(pair.target, pair.draft, use_graphs=False, resident=False)
     res = Generator(pair.target, pair.draft, use_graphs=False, resident=True)
     g = GenerationConfig(max_new_tokens=48, ignore_eos=True)
     texts = ["import numpy as np\n\ndef mean(xs):\n    ",
-             "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):"]
+             "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):" * 4]
     for text in texts:
         p = pair.tokenizer.encode(text).ids
         want = host.generate(p, "ar", gen=g).token_ids

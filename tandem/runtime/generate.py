@@ -106,13 +106,14 @@ class Generator:
 
     def _resident(self, method: str, sampling: SamplingConfig, forced_accepts) -> bool:
         """Whether this request runs the device-resident loop (tandem.runtime.resident): greedy
-        `ar`, and `chain` / `tree` with a block drafter. By default on CUDA with graphs;
+        `ar`, and `chain` / `tree` with a block drafter or an EAGLE-3 head. By default on CUDA with graphs;
         `resident=True` forces it (tests run it on the CPU), TANDEM_RESIDENT=0 turns it off."""
         from tandem.models.block_drafter import BlockDrafter
+        from tandem.models.eagle3 import Eagle3Head
 
         if not sampling.greedy or forced_accepts is not None or self.certified_head or method not in ("ar", "chain", "tree"):
             return False
-        if method != "ar" and not isinstance(self.draft_model, BlockDrafter):
+        if method != "ar" and not isinstance(self.draft_model, (BlockDrafter, Eagle3Head)):
             return False
         if self.resident is not None:
             return self.resident
@@ -121,34 +122,38 @@ class Generator:
 
     def _generate_resident(self, prompt_ids: list[int], method: str, spec: SpecConfig, gen: GenerationConfig,
                            max_new: int, eos: set[int], on_tokens) -> GenerationResult:
-        from tandem.drafting.lattice_drafter import CONTEXT_CHUNK, LatticeDrafter
         from tandem.runtime.resident import resident_loop
 
         drafting = method != "ar"
-        block = self.draft_model.bconfig.block_size if drafting else 0
-        nodes = (spec.k if method == "chain" else spec.nodes) if drafting else 0
-        # the caches hold the prompt, the new tokens and the steps queued past the end
-        rows = len(prompt_ids) + max_new + 4 * (block + 1) + nodes + 2
-        # rounded up, so requests of other lengths reuse the runners and their captured graphs
-        rows = min(max(512, 1 << (rows - 1).bit_length()), self.context_window + 4 * (block + 1) + nodes + 2)
-        if drafting:
-            self.target_model.enable_features(self.draft_model.bconfig.target_feature_layers)
+        draft_model = self.draft_model if drafting else None
+        if draft_model is not None:  # before the target's graphs are captured: they must write the features
+            layers = getattr(draft_model, "bconfig", None)
+            self.target_model.enable_features(tuple(layers.target_feature_layers) if layers is not None
+                                              else tuple(draft_model.econfig.feature_layers))
+        # the caches hold the prompt, the new tokens and the steps queued past the end (rounded up,
+        # so requests of other lengths reuse the runners and their captured graphs)
+        if draft_model is None:
+            deepest = 0
+        elif hasattr(draft_model, "bconfig"):
+            deepest = draft_model.bconfig.block_size
+        else:
+            deepest = spec.k if method == "chain" else spec.resolved_depth()
+        # (a step commits at most deepest + 1 rows; a draft pass writes at most 2 x deepest + a tree)
+        slack = 4 * (deepest + 1) + 2 * deepest + 2 * max(spec.nodes, spec.k, spec.width * (deepest + 1)) + 2
+        rows = min(max(512, 1 << (len(prompt_ids) + max_new + slack - 1).bit_length()), self.context_window + slack)
         target = self._runner("target", self.target_model, rows)
-        draft = self._runner("draft", self.draft_model.lattice_model(), rows + 2 * block) if drafting else None
-        loop = resident_loop(target, draft, nodes, method == "chain")
+        draft = None
+        if draft_model is not None:
+            model = draft_model.lattice_model() if hasattr(draft_model, "bconfig") else draft_model
+            draft = self._runner("draft", model, rows + slack)
+        loop = resident_loop(target, draft, spec, method == "chain")
         t0 = time.perf_counter()
         target.prefill(prompt_ids[:-1])
-        if drafting:  # the prompt's context rows, fed in chunks until at most one step's worth is left
-            ld = LatticeDrafter(draft, spec)
-            ld.start(prompt_ids, target.last_features if len(prompt_ids) > 1 else None)
-            while len(ld.pending) > loop.pmax:
-                c = min(CONTEXT_CHUNK, len(ld.pending) - loop.pmax)
-                ld._feed(ld.pending[:c], ld.pending_feats[:c], 0)
-                ld.pending, ld.pending_feats = ld.pending[c:], ld.pending_feats[c:]
-            pending, feats = ld.pending, ld.pending_feats
+        if draft is not None:  # the prompt's context rows, fed until at most one step's worth is left
+            pending, feats = loop.feed_prompt(prompt_ids, target.last_features if len(prompt_ids) > 1 else None)
         else:
             pending, feats = [prompt_ids[-1]], None
-        prefix, dprefix = target.cache.prefix_len, draft.cache.prefix_len if drafting else 0
+        prefix, dprefix = target.cache.prefix_len, draft.cache.prefix_len if draft is not None else 0
         loop.start(prefix, dprefix, pending, feats)
         emitter = Emitter(max_new, eos, gen, self.tokenizer, on_tokens, t0)
         steps, draft_s, verify_s = loop.run(emitter, prefix, dprefix, len(pending))

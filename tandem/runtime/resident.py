@@ -31,36 +31,57 @@ from functools import partial
 
 import torch
 
-from tandem.drafting.device_tree import beam_levels
-from tandem.kernels.resident import accept_fused, lattice, select_tree_fused
+from tandem.config import SpecConfig
+from tandem.kernels.resident import (accept_fused, ancestors, beam_levels, key_index, lattice, score_keys,
+                                     select_tree_fused)
 from tandem.runtime.emit import Emitter
 from tandem.runtime.runner import ModelRunner
 
 LAG = 2  # steps queued ahead of the one the host reads
+CONTEXT_CHUNK = 64  # prompt rows per host step while feeding the drafter its prompt
 
 
 class ResidentLoop:
-    """Device state and step graphs for one target runner and, for chain / tree, one block drafter
-    runner and tree shape (`nodes` draft nodes; `chain`: the greedy path of `nodes` nodes)."""
+    """Device state and step graphs for one target runner and, for chain / tree, one drafter
+    runner (a block drafter's LatticeHead, or an EAGLE-3 head) and tree shape."""
 
-    def __init__(self, target: ModelRunner, draft: ModelRunner | None = None, nodes: int = 0, chain: bool = False):
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None = None, spec: SpecConfig | None = None,
+                 chain: bool = False):
         self.t, self.d, self.chain = target, draft, chain
         dev = target.device
         lng = dict(dtype=torch.long, device=dev)
-        if draft is not None:
+        self.kind = "ar" if draft is None else ("block" if hasattr(draft.model, "drafter") else "eagle3")
+        if self.kind == "block":
             self.drafter = draft.model.drafter  # the BlockDrafter behind its LatticeHead
             cfg = self.drafter.bconfig
             self.B, self.K = cfg.block_size, cfg.num_candidates
             self.pmax = self.B + 1  # context rows per draft pass: at most the accepted path + bonus
             # (a tree cannot hold more nodes than the lattice has)
-            nodes = min(nodes, self.B) if chain else min(nodes, sum(self.K ** d for d in range(1, self.B + 1)))
+            nodes = min(spec.k, self.B) if chain else min(spec.nodes, sum(self.K ** d for d in range(1, self.B + 1)))
             self.T = self.pmax + self.B - 1  # rows of a draft pass: context, then B - 1 mask rows
-            self.rows_T = torch.arange(self.T, **lng)
             self.mask_ids = torch.full((self.B - 1,), self.drafter.mask_id, **lng)
-            self.ctx_feat = torch.zeros(self.pmax, self.drafter.bconfig.feature_size, device=dev,
-                                        dtype=self.drafter.dtype)  # [pmax, F]
+            feature_size = cfg.feature_size
+        elif self.kind == "eagle3":
+            from tandem.drafting.eagle_drafter import HeadLevels
+
+            self.drafter = draft.model  # the Eagle3Head
+            width, depth = (1, spec.k) if chain else (spec.width, spec.resolved_depth())
+            self.levels = HeadLevels(draft, width, depth)  # its level buffers, run inside the draft graph
+            self.B = depth  # the deepest node
+            self.pmax = depth + 1
+            nodes = self.levels.nodes if chain else min(spec.nodes, self.levels.nodes)
+            self.T = self.pmax  # a draft pass: the context rows, then the levels (tree rows of their own)
+            # the depth of each level node (layout: tandem.drafting.eagle_drafter.HeadLevels)
+            d = [1] * width + [2 + (i // (width * width)) for i in range(self.levels.nodes - width)]
+            self.level_depth = torch.tensor(d, **lng)
+            feature_size = 3 * self.drafter.econfig.target_hidden_size
         else:
-            self.B, self.pmax, nodes = 0, 1, 0
+            self.B, self.pmax, self.T, nodes = 0, 1, 0, 0
+        # drafter cache rows one draft pass writes past its prefix (context, mask rows, tree rows)
+        self.draft_rows = self.T + (self.levels.rows if self.kind == "eagle3" else 0)
+        if draft is not None:
+            self.rows_T = torch.arange(self.T, **lng)
+            self.ctx_feat = torch.zeros(self.pmax, feature_size, device=dev, dtype=target.model.dtype)  # [pmax, F]
         self.M = nodes + 1  # tree nodes, root included
         # ---- state (device) -------------------------------------------------------------
         self.prefix = torch.zeros(1, **lng)  # the target's verified rows
@@ -74,7 +95,7 @@ class ResidentLoop:
         self.rec = torch.zeros(3 + self.pmax, **lng)  # the step's record: P, accepted, depth, tokens
         if draft is None:  # ar: every record is (1, 0, 0, token)
             self.rec[0] = 1
-        elif chain:  # a chain's shape never changes: only its tokens are drafted
+        elif chain and self.kind == "block":  # a chain's shape never changes: only its tokens are drafted
             self.tree_par.copy_(torch.arange(-1, self.M - 1))
             self.tree_depth.copy_(torch.arange(self.M))
             self.anc.copy_(torch.ones(self.M, self.M, dtype=torch.bool).tril())
@@ -101,24 +122,58 @@ class ResidentLoop:
 
     # ---- the step's two bodies --------------------------------------------------------------
     def _draft_body(self, width: int) -> None:
+        if self.kind == "eagle3":
+            self._draft_eagle(width)
+        else:
+            self._draft_block(width)
+
+    def _context_view(self, width: int):
+        """Positions, slots and the mask [T, W] of a draft pass whose real rows (the P context
+        rows, right-aligned, then any mask rows) are causal after the drafter's prefix."""
+        P, pre, r = self.P, self.dprefix, self.rows_T
+        q = r - (self.pmax - P)  # [T] the row's index among the real rows (< 0: padding)
+        real = q >= 0
+        cols = self.cols(width)
+        rel = cols[None, :] - pre  # [1, W]
+        see = torch.where(real[:, None], (rel < 0) | (rel <= q[:, None]), cols[None, :] == 0)  # [T, W] causal
+        return pre + q.clamp(min=0), torch.where(real, pre + q, self.d.scratch), see
+
+    def _draft_eagle(self, width: int) -> None:
+        head, lv, P = self.drafter, self.levels, self.P
+        pos, slots, see = self._context_view(width)
+        # row i reads fc(target features of position i - 1) (EagleDrafter's context pass)
+        logits, out = head.layer(self.ctx_tok[None], head.project(self.ctx_feat)[None], pos[None], self.d.cache,
+                                 slots[None], see[None, None])  # [1, pmax, V_draft], [1, pmax, H]
+        lv.root_logits.copy_(logits[0, -1])
+        lv.root_hidden.copy_(out[0, -1])
+        lv.prefix.copy_(self.dprefix + P)
+        lv._levels(width)  # EAGLE-2's dynamic levels over the head's tree rows
+        # the N nodes of highest cumulative log-prob, ties to the earlier node (eagle_drafter.select_tree)
+        n, total = self.M - 1, lv.lp.shape[0]
+        sel = key_index(score_keys(lv.lp).topk(n).values, total).sort().values  # node order: topological
+        ids = torch.zeros(total, dtype=torch.long, device=sel.device)
+        ids.index_copy_(0, sel, self.ar_M[1:])
+        par = lv.par.index_select(0, sel)
+        self.tree_tok[:1].copy_(self.ctx_tok[self.pmax - 1:])
+        self.tree_tok[1:].copy_(lv.tok.index_select(0, sel))
+        self.tree_par[1:].copy_(torch.where(par < 0, 0, ids.index_select(0, par.clamp(min=0))))
+        self.tree_depth[1:].copy_(self.level_depth.index_select(0, sel))
+        self.anc.copy_(ancestors(self.tree_par, self.B))
+        self.dprefix.add_(P)
+
+    def _draft_block(self, width: int) -> None:
         # Rows are right-aligned: [padding | the P context rows, the root last | B - 1 mask rows],
         # so the root's row is always row pmax - 1 and the mask rows follow it, as in the host
         # loop's pass (the Markov head conditions row i on row i - 1's candidates). In the
         # cache the P + B - 1 real rows go to dprefix.. (the mask rows are overwritten next
         # step); padding rows write the scratch row and see column 0 only.
-        P, pre, r = self.P, self.dprefix, self.rows_T
-        q = r - (self.pmax - P)  # [T] the row's index among the real rows (< 0: padding)
-        real = q >= 0
+        P = self.P
         ids = torch.cat([self.ctx_tok, self.mask_ids])  # [T]
-        pos = pre + q.clamp(min=0)
-        slots = torch.where(real, pre + q, self.d.scratch)
-        cols = self.cols(width)
-        rel = cols[None, :] - pre  # [1, W]
-        see = torch.where(real[:, None], (rel < 0) | (rel <= q[:, None]), cols[None, :] == 0)  # [T, W] causal
+        pos, slots, see = self._context_view(width)
         self.drafter.feature_in[0, :self.pmax].copy_(self.ctx_feat)
         drafter, last = self.drafter, self.pmax - 1
-        h = drafter.hidden(drafter.embed(ids[None], drafter.feature_in[:, :self.T]), pos[None], self.d.cache,
-                           slots[None], see[None, None])  # [1, T, hidden]
+        feats = drafter.feature_in[:, :self.T]
+        h = drafter.hidden(drafter.embed(ids[None], feats), pos[None], self.d.cache, slots[None], see[None, None])
         # only the root's row and the mask rows need the LM head and the lattice (B of T rows)
         logits = drafter.shared["lm_head"](h[0, last:])  # [B, V]
         root = self.ctx_tok[self.pmax - 1:]  # [1]
@@ -194,6 +249,30 @@ class ResidentLoop:
         return graph
 
     # ---- a request ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def feed_prompt(self, prompt: list[int], features: torch.Tensor | None) -> tuple[list[int], torch.Tensor]:
+        """Feed the drafter the prompt's context rows (host steps, in chunks) until at most one
+        step's worth is left; returns those rows' tokens and target features [n, F] for `start`.
+        features: [len(prompt) - 1, F] the target's of all but the last token (row i of the
+        drafter reads the features of position i - 1; row 0 reads zeros)."""
+        runner = self.d
+        feats = torch.zeros(len(prompt), self.ctx_feat.shape[1], device=self.ctx_feat.device, dtype=self.ctx_feat.dtype)
+        if features is not None and len(prompt) > 1:
+            feats[1:] = features[-(len(prompt) - 1):]
+        runner.cache.truncate(0)
+        done = 0
+        while len(prompt) - done > self.pmax:
+            c = min(CONTEXT_CHUNK, len(prompt) - done - self.pmax)
+            part, start = feats[done:done + c], runner.cache.prefix_len
+            if self.kind == "block":
+                self.drafter.feature_in[0, :c].copy_(part)
+            else:
+                self.drafter.set_hidden(self.drafter.project(part))
+            runner.step(prompt[done:done + c], list(range(start, start + c)), torch.ones(c, c, dtype=torch.bool).tril())
+            runner.cache.commit(list(range(c)))
+            done += c
+        return prompt[done:], feats[done:]
+
     def start(self, prefix: int, dprefix: int, ctx: list[int], feats: torch.Tensor | None) -> None:
         """The state after the prompt: the target's and drafter's prefixes, the pending context
         (<= pmax tokens, the root last) and its features [len(ctx), F]."""
@@ -223,7 +302,7 @@ class ResidentLoop:
             if queueing:
                 ahead = len(inflight) + 1
                 need_v = t_base + ahead * self.pmax + max(self.M, self.pmax)
-                need_d = d_base + last_p + ahead * self.pmax + (self.T if self.d is not None else 0)
+                need_d = d_base + last_p + ahead * self.pmax + self.draft_rows
                 if need_v > self.t.capacity or (self.d is not None and need_d > self.d.capacity):
                     queueing = False  # the caches are full (the request's end is already queued)
                 else:
@@ -268,10 +347,10 @@ class ResidentLoop:
         return steps, draft_s, verify_s
 
 
-def resident_loop(target: ModelRunner, draft: ModelRunner | None, nodes: int, chain: bool) -> ResidentLoop:
+def resident_loop(target: ModelRunner, draft: ModelRunner | None, spec: SpecConfig, chain: bool) -> ResidentLoop:
     """The loop kept for these runners and this tree shape (its graphs outlive requests)."""
-    key = ("resident", nodes, chain)
+    key = ("resident", chain, spec if draft is not None else None)
     held = target.attached.get(key)
     if held is None or held[0] is not draft:
-        held = target.attached[key] = (draft, ResidentLoop(target, draft, nodes, chain))
+        held = target.attached[key] = (draft, ResidentLoop(target, draft, spec, chain))
     return held[1]

@@ -6,6 +6,7 @@ on the CPU: a tiny model and a random block drafter, the bodies run eagerly."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gpu_lane import PROMPTS, cpu, cuda, first_wrong_token, graphs_for
 from models_for_tests import tiny_model
@@ -13,23 +14,38 @@ from tandem.config import GenerationConfig, SpecConfig
 from tandem.runtime.generate import Generator
 
 
-def _pair(device: str):
+def _pair(device: str, kind: str):
     if device == "cuda":
         from tandem.runtime.pair import load_pair
 
-        pair = load_pair(None, "block", device="cuda", dtype="float32")
+        pair = load_pair(None, kind, device="cuda", dtype="float32")
         return pair.target, pair.draft, [pair.tokenizer.encode(p).ids for p in PROMPTS]
-    from test_block_drafter import make_drafter
-
     target = tiny_model(seed=3)
-    return target, make_drafter(target), [[5, 17, 3, 88], list(range(10, 90))]
+    if kind == "block":
+        from test_block_drafter import make_drafter
+
+        draft = make_drafter(target)
+    else:
+        import tempfile
+        from pathlib import Path
+
+        from test_eagle3 import write_head
+        from tandem.models.eagle3 import load_eagle3
+
+        d = Path(tempfile.mkdtemp()) / "head"
+        write_head(d, target)
+        draft = load_eagle3(d, target, "cpu", torch.float32)
+    return target, draft, [[5, 17, 3, 88], list(range(10, 90))]
 
 
-@pytest.mark.parametrize("method,spec", [("ar", SpecConfig()), ("chain", SpecConfig(k=8)),
-                                         ("tree", SpecConfig(nodes=32))], ids=["ar", "chain", "tree"])
+@pytest.mark.parametrize("kind,method,spec", [("block", "ar", SpecConfig()), ("block", "chain", SpecConfig(k=8)),
+                                              ("block", "tree", SpecConfig(nodes=32)),
+                                              ("eagle3", "chain", SpecConfig(k=5)),
+                                              ("eagle3", "tree", SpecConfig(nodes=32, width=4))],
+                         ids=["ar", "block-chain", "block-tree", "eagle3-chain", "eagle3-tree"])
 @pytest.mark.parametrize("device", [cpu("cpu", id="cpu"), cuda("cuda", id="cuda")])
-def test_resident_loop_matches_an_uncached_forward_and_the_host_loop(device, method, spec):
-    target, draft, prompts = _pair(device)
+def test_resident_loop_matches_an_uncached_forward_and_the_host_loop(device, kind, method, spec):
+    target, draft, prompts = _pair(device, kind)
     res = Generator(target, draft, use_graphs=graphs_for(device), resident=True)
     host = Generator(target, draft, use_graphs=graphs_for(device), resident=False)
     gen = GenerationConfig(max_new_tokens=96, ignore_eos=True)
@@ -49,8 +65,6 @@ def test_resident_loop_matches_an_uncached_forward_and_the_host_loop(device, met
 def test_resident_kernels_equal_their_references(device):
     """The Triton lattice, tree selection and accept of the resident step against their torch
     references (random lattices, trees and target outputs; fp32)."""
-    import torch
-
     from tandem.drafting import device_tree as dt
     from tandem.kernels import resident as kr
 
