@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
         return online.run(args)
     if args.concurrency is not None:
         return concurrency.run(args)
-    if args.batch_parallel or args.row_selection:
+    if getattr(args, "batch_parallel", False) or getattr(args, "row_selection", False):
         raise ConfigError("--batch-parallel / --row-selection are engine modes: use them with --concurrency")
     if args.replay is not None:
         from tandem.bench.replay import run_replay
