@@ -36,8 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", type=int, default=8, help="the server's max_pending")
     ap.add_argument("--quick", action="store_true", help="the CI-sized figures (60 generated bodies, 8 disconnects)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--soak-seconds", type=float, default=None, help="check 3's duration (default 600; --quick: 10)")
     args = ap.parse_args(argv)
     generated, disconnects, stream_prompts = (60, 8, 2) if args.quick else (1000, 200, len(rel.PROMPTS))
+    soak = args.soak_seconds if args.soak_seconds is not None else (10.0 if args.quick else 600.0)
 
     from tandem.serve.app import Server
 
@@ -48,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
                     ChatTemplate.for_checkpoint(pair.target_dir))
     live = rel.LoopbackServer(server, KEY)
     t = live.target
+    # check 7's server: a KV pool that holds about two growing requests, so requests are preempted
+    small = Server(pair.target, pair.draft, pair.tokenizer,
+                   ServerConfig(api_key=KEY, methods=("tree",), max_pending=64),
+                   EngineConfig(num_blocks=10, max_num_seqs=8, debug_check=True),
+                   ChatTemplate.for_checkpoint(pair.target_dir))
+    tight = rel.LoopbackServer(small, KEY)
     phases = [
         ("bad inputs", lambda: rel.check_bad_inputs(t, generated=generated, seed=args.seed)),
         ("status map", lambda: rel.check_status_map(t)),
@@ -55,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         ("disconnects", lambda: rel.check_disconnects(t, n=disconnects, seed=args.seed)),
         ("streaming", lambda: rel.check_streaming(t, prompts=rel.PROMPTS[:stream_prompts])),
         ("ledger", lambda: rel.check_ledger(t, rounds=2 if args.quick else 5)),
+        ("soak", lambda: rel.check_soak(t, seconds=soak, concurrency=8)),
+        ("preemptions", lambda: rel.check_preemptions(tight.target, n=8 if args.quick else 16,
+                                                      max_tokens=24 if args.quick else 48,
+                                                      min_preemptions=10 if args.quick else 50)),
         ("security", lambda: rel.check_security(t)),
     ]
     results: list[tuple[rel.CheckResult, float]] = []
@@ -72,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'PASS' if kv.passed else 'FAIL'}  {kv.name}: {kv.figure}", flush=True)
     finally:
         live.stop()
+        tight.stop()
 
     os.makedirs(args.out, exist_ok=True)
     report = {"device": args.device, "dtype": args.dtype, "capacity": args.capacity, "quick": args.quick,

@@ -31,12 +31,12 @@ def pair():
     return load_pair(None, None, "cpu", "float32")
 
 
-def start(pair, max_pending: int, max_num_seqs: int = 8) -> rel.LoopbackServer:
+def start(pair, max_pending: int, max_num_seqs: int = 8, num_blocks: int = 256) -> rel.LoopbackServer:
     from tandem.serve.app import Server
 
     server = Server(pair.target, pair.draft, pair.tokenizer,
                     ServerConfig(api_key=KEY, methods=("tree", "ar"), max_pending=max_pending),
-                    EngineConfig(num_blocks=256, max_num_seqs=max_num_seqs, debug_check=True),
+                    EngineConfig(num_blocks=num_blocks, max_num_seqs=max_num_seqs, debug_check=True),
                     ChatTemplate.for_checkpoint(pair.target_dir))
     return rel.LoopbackServer(server, KEY)
 
@@ -150,3 +150,19 @@ def test_32_concurrent_streams_equal_their_solo_outputs(pair):
         assert_pools_clean(s, "32 concurrent streams")
     finally:
         s.stop()
+
+
+def test_forced_preemptions_with_speculation_keep_every_output_equal_to_its_solo_run(pair):
+    s = start(pair, max_pending=32, num_blocks=10)  # a pool that holds about two growing requests
+    try:
+        res = assert_passed(rel.check_preemptions(s.target, n=8, max_tokens=24, min_preemptions=10))
+        assert "8 of 8 outputs equal" in res.figure
+        assert_pools_clean(s, "preemptions")
+    finally:
+        s.stop()
+
+
+def test_a_short_soak_has_no_errors_and_no_memory_growth(live):
+    res = assert_passed(rel.check_soak(live.target, seconds=6, concurrency=4, max_tokens=16, warmup_s=2))
+    assert ": 0 errors" in res.figure
+    assert_pools_clean(live, "soak")

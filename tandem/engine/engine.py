@@ -83,6 +83,7 @@ class EngineCounters:
     selection_off_steps: int = 0  # row selection chose zero draft nodes (speculation off)
     nodes_selected: int = 0
     nodes_offered: int = 0
+    preemptions: int = 0  # requests moved back to waiting, to be recomputed (blocks ran out)
     draft_s: float = 0.0  # drafting of the other batch (batch parallelism)
     draft_hidden_s: float = 0.0  # of it, under the target pass (CUDA events; 0 on the CPU)
     records: deque = field(default_factory=lambda: deque(maxlen=4096), repr=False)
@@ -353,6 +354,7 @@ class Engine:
                          draft_s, overlap, nodes, offered)
         c.records.append(rec)
         c.steps += 1
+        c.preemptions += len(plan.preempted)
         c.rows += plan.num_rows
         c.decode_steps += decodes > 0
         c.batch_parallel_steps += overlapped

@@ -438,6 +438,102 @@ def check_disconnects(t: Target, n: int = 200, seed: int = 0, max_tokens: int = 
                        not problems, tuple(problems[:10]))
 
 
+# ---- (3) a soak ----------------------------------------------------------------------------------------
+def _rss_bytes() -> int:
+    """This process's resident memory (the server runs in it): /proc on Linux, else the peak."""
+    try:
+        with open("/proc/self/statm") as f:
+            import os
+
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def check_soak(t: Target, seconds: float = 600.0, concurrency: int = 8, max_tokens: int = 48,
+               method: str = "tree", warmup_s: float = 5.0) -> CheckResult:
+    """(3) `concurrency` clients send streamed requests back to back for `seconds`, speculation on:
+    0 unplanned errors (every request 200, one finish_reason, `[DONE]` last), and resident memory
+    after the run within 5% of what it was once warm."""
+    errors: list[str] = []
+    done = [0]
+    lock = threading.Lock()
+    stop_at = [time.monotonic() + warmup_s]
+
+    def client(k: int) -> None:
+        i = k
+        with t.client() as c:
+            while time.monotonic() < stop_at[0]:
+                body = {**long_body(i, max_tokens), "method": method}
+                i += concurrency
+                try:
+                    with c.stream("POST", "/v1/completions", json=body) as r:
+                        events = sse_data(r.iter_lines()) if r.status_code == 200 else []
+                        status = r.status_code
+                except httpx.HTTPError as e:
+                    with lock:
+                        errors.append(f"{type(e).__name__}: {e}")
+                    continue
+                finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]
+                            if json.loads(e)["choices"] and json.loads(e)["choices"][0]["finish_reason"]]
+                with lock:
+                    if status != 200 or not events or events[-1] != "[DONE]" or len(finishes) != 1:
+                        errors.append(f"request {i - concurrency}: status {status}, finishes {finishes}")
+                    done[0] += 1
+
+    def run(duration: float) -> None:
+        stop_at[0] = time.monotonic() + duration
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+
+    run(warmup_s)  # caches, graphs and allocator pools warm before the baseline
+    idle(t.server)
+    before, warm_done = _rss_bytes(), done[0]
+    run(seconds)
+    idle(t.server)
+    after = _rss_bytes()
+    growth = (after - before) / before
+    n = done[0] - warm_done
+    problems = errors[:10] + ([f"memory grew {100 * growth:.1f}% ({before >> 20} -> {after >> 20} MiB)"]
+                              if growth > 0.05 else [])
+    return CheckResult("soak", f"{n} requests in {seconds:.0f} s at concurrency {concurrency} ({method}): "
+                       f"{len(errors)} errors, memory {100 * growth:+.1f}%", not problems, tuple(problems))
+
+
+# ---- (7) preemptions --------------------------------------------------------------------------------------
+def check_preemptions(t: Target, n: int = 16, max_tokens: int = 48, method: str = "tree",
+                      min_preemptions: int = 50) -> CheckResult:
+    """(7) On a server whose KV pool holds a few requests, n concurrent greedy requests with
+    speculation force preemptions (recompute); each output equals the same request sent alone."""
+    engine = t.server.engines[method]
+    bodies = [{**long_body(i, max_tokens, stream=False), "prompt": f"# {i}\n" + PROMPTS[i % len(PROMPTS)],
+               "method": method} for i in range(n)]
+    with t.client() as c:
+        solo = [c.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+    before = engine.counters.preemptions
+
+    async def together() -> list[str]:
+        async with httpx.AsyncClient(base_url=t.url, headers=t.auth, timeout=600) as ac:
+            rs = await asyncio.gather(*(ac.post("/v1/completions", json=b) for b in bodies))
+        return [r.json()["choices"][0]["text"] if r.status_code == 200 else f"<status {r.status_code}>" for r in rs]
+
+    outs = asyncio.run(together())
+    idle(t.server)
+    forced = engine.counters.preemptions - before
+    differ = [i for i in range(n) if outs[i] != solo[i]]
+    problems = [f"request {i}: {outs[i][:40]!r} != solo {solo[i][:40]!r}" for i in differ[:5]]
+    if forced < min_preemptions:
+        problems.append(f"only {forced} preemptions (the bar is {min_preemptions}): shrink the pool")
+    problems += pool_violations(t.server)  # (6) on this server too: every block back, check() clean
+    return CheckResult("preemptions", f"{forced} preemptions over {n} concurrent requests; "
+                       f"{n - len(differ)} of {n} outputs equal their solo runs", not problems, tuple(problems))
+
+
 # ---- (6) the KV invariant --------------------------------------------------------------------------------
 def check_kv_invariant(t: Target, phase: str) -> CheckResult:
     """(6) Once idle, every engine's pool passes check() and holds no block."""
