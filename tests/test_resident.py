@@ -196,3 +196,32 @@ def test_resident_stops_at_the_context_window(tiny):
     res = Generator(target, draft, use_graphs=False, resident=True)
     for method in ("ar", "chain", "tree"):
         assert res.generate(prompt, method, SpecConfig(k=4, nodes=12), gen=g).token_ids == want
+
+
+def test_the_eagle3_resident_loop_runs_on_cuda_only_when_asked(monkeypatch, tmp_path):
+    """Not yet validated on a GPU, the EAGLE-3 head's resident loop is opt-in there
+    (TANDEM_RESIDENT=1); the block drafter's and ar's are on by default."""
+    from tandem.config import SamplingConfig
+    from tandem.runtime import generate as G
+
+    target = tiny_model(seed=3)
+    from test_eagle3 import write_head
+    from tandem.models.eagle3 import load_eagle3
+
+    write_head(tmp_path / "h", target)
+    head = load_eagle3(tmp_path / "h", target, "cpu", torch.float32)
+    block = make_drafter(target)
+
+    class FakeCuda:  # what _resident reads of the device: its type
+        type = "cuda"
+
+    monkeypatch.setattr(type(target), "device", property(lambda self: FakeCuda()))
+    greedy = SamplingConfig()
+    monkeypatch.delenv("TANDEM_RESIDENT", raising=False)
+    assert G.Generator(target, block)._resident("tree", greedy, None)
+    assert not G.Generator(target, head)._resident("tree", greedy, None)
+    assert G.Generator(target, head)._resident("ar", greedy, None)
+    monkeypatch.setenv("TANDEM_RESIDENT", "1")
+    assert G.Generator(target, head)._resident("tree", greedy, None)
+    monkeypatch.setenv("TANDEM_RESIDENT", "0")
+    assert not G.Generator(target, block)._resident("tree", greedy, None)

@@ -106,7 +106,9 @@ class Generator:
 
     def _resident(self, method: str, sampling: SamplingConfig, forced_accepts) -> bool:
         """Whether this request runs the device-resident loop (tandem.runtime.resident): greedy
-        `ar`, and `chain` / `tree` with a block drafter or an EAGLE-3 head. By default on CUDA with graphs;
+        `ar`, and `chain` / `tree` with a block drafter or an EAGLE-3 head. By default on CUDA with
+        graphs for `ar` and the block drafter (validated on the H200); the EAGLE-3 head's resident
+        loop is tested on the CPU only, so it runs on CUDA when asked (TANDEM_RESIDENT=1).
         `resident=True` forces it (tests run it on the CPU), TANDEM_RESIDENT=0 turns it off."""
         from tandem.models.block_drafter import BlockDrafter
         from tandem.models.eagle3 import Eagle3Head
@@ -117,8 +119,11 @@ class Generator:
             return False
         if self.resident is not None:
             return self.resident
-        return (os.environ.get("TANDEM_RESIDENT", "1") != "0" and self.target_model.device.type == "cuda"
-                and self.use_graphs is not False and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0")
+        env = os.environ.get("TANDEM_RESIDENT", "")
+        if env == "0" or (isinstance(self.draft_model, Eagle3Head) and method != "ar" and env != "1"):
+            return False
+        return (self.target_model.device.type == "cuda" and self.use_graphs is not False
+                and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0")
 
     def _generate_resident(self, prompt_ids: list[int], method: str, spec: SpecConfig, gen: GenerationConfig,
                            max_new: int, eos: set[int], on_tokens) -> GenerationResult:
