@@ -153,7 +153,7 @@ def test_resident_streams_and_stops_like_the_host_loop(monkeypatch):
     assert b.finish_reason == "stop" == a.finish_reason and b.stop_trimmed_text == a.stop_trimmed_text
 
 
-def test_resident_is_off_on_the_cpu_by_default_and_for_sampling(tiny, monkeypatch):
+def test_resident_is_off_on_the_cpu_by_default_and_for_replay(tiny, monkeypatch):
     from tandem.config import SamplingConfig
 
     target, draft = tiny
@@ -161,7 +161,7 @@ def test_resident_is_off_on_the_cpu_by_default_and_for_sampling(tiny, monkeypatc
     assert not gen._resident("tree", SamplingConfig(), None)
     on = Generator(target, draft, use_graphs=False, resident=True)
     assert on._resident("tree", SamplingConfig(), None) and on._resident("ar", SamplingConfig(), None)
-    assert not on._resident("tree", SamplingConfig(temperature=0.8), None)  # sampling: the host loop
+    assert on._resident("tree", SamplingConfig(temperature=0.8), None)  # sampling: the sampled walk
     assert not on._resident("tree", SamplingConfig(), [1, 2])  # acceptance replay: the host loop
     assert not Generator(target, tiny_model(seed=4), resident=True)._resident("tree", SamplingConfig(), None)
     np.testing.assert_equal(on._resident("async", SamplingConfig(), None), False)
@@ -198,9 +198,9 @@ def test_resident_stops_at_the_context_window(tiny):
         assert res.generate(prompt, method, SpecConfig(k=4, nodes=12), gen=g).token_ids == want
 
 
-def test_the_eagle3_resident_loop_runs_on_cuda_only_when_asked(monkeypatch, tmp_path):
-    """Not yet validated on a GPU, the EAGLE-3 head's resident loop is opt-in there
-    (TANDEM_RESIDENT=1); the block drafter's and ar's are on by default."""
+def test_the_eagle3_and_sampled_resident_loops_run_on_cuda_only_when_asked(monkeypatch, tmp_path):
+    """Not yet validated on a GPU, the EAGLE-3 head's resident loop and sampling are opt-in there
+    (TANDEM_RESIDENT=1); greedy ar and the block drafter are on by default."""
     from tandem.config import SamplingConfig
     from tandem.runtime import generate as G
 
@@ -221,7 +221,30 @@ def test_the_eagle3_resident_loop_runs_on_cuda_only_when_asked(monkeypatch, tmp_
     assert G.Generator(target, block)._resident("tree", greedy, None)
     assert not G.Generator(target, head)._resident("tree", greedy, None)
     assert G.Generator(target, head)._resident("ar", greedy, None)
+    assert not G.Generator(target, block)._resident("tree", SamplingConfig(temperature=0.7), None)  # opt-in
     monkeypatch.setenv("TANDEM_RESIDENT", "1")
     assert G.Generator(target, head)._resident("tree", greedy, None)
+    assert G.Generator(target, block)._resident("tree", SamplingConfig(temperature=0.7), None)
     monkeypatch.setenv("TANDEM_RESIDENT", "0")
     assert not G.Generator(target, block)._resident("tree", greedy, None)
+
+
+@pytest.mark.parametrize("kind", ["block", "eagle3"])
+def test_sampled_resident_loop_draws_what_the_host_loop_draws(kind):
+    """Sampling: on the CPU the resident walk (kernels.resident.sample_walk_ref) consumes the
+    request's generator draw for draw as rejection_accept does, so with the same seed the resident
+    loop's tokens and accepts equal the host loop's: the same lossless rejection sampling."""
+    from tandem.config import SamplingConfig
+
+    pair = _bundled(kind)
+    host = Generator(pair.target, pair.draft, use_graphs=False, resident=False)
+    res = Generator(pair.target, pair.draft, use_graphs=False, resident=True)
+    g = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+    p = pair.tokenizer.encode("def fib(n):\n").ids
+    taus = []
+    for method, spec in (("ar", SpecConfig()), ("chain", SpecConfig(k=5)), ("tree", SpecConfig(nodes=32, width=4))):
+        for s in (SamplingConfig(temperature=0.8, seed=3), SamplingConfig(temperature=1.0, top_p=0.9, seed=5)):
+            a, b = host.generate(p, method, spec, sampling=s, gen=g), res.generate(p, method, spec, sampling=s, gen=g)
+            assert b.token_ids == a.token_ids and b.accept_lengths == a.accept_lengths, (method, s)
+            taus.append(b.tau)
+    assert max(taus) > 1.5  # drafts were accepted under sampling: the walk went down the tree

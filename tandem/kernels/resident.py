@@ -223,6 +223,53 @@ def accept_fused(am, tree_tok, tree_par, tree_depth, anc, prefix, pmax: int, sta
                          PMP=_pow2(pmax))
 
 
+# ---- the sampled walk ------------------------------------------------------------------------
+def sample_walk_ref(probs: torch.Tensor, tree_tok: torch.Tensor, tree_par: torch.Tensor,
+                    generator: torch.Generator) -> torch.Tensor:
+    """Recursive rejection sampling over a tree of point-mass drafts (what verify.verifier's
+    rejection_accept does with tree.q None, draw for draw with the same generator): from the
+    root, each child in index order is accepted with probability residual(x), else x leaves the
+    residual; with every child rejected the bonus is drawn from the residual. probs: [M, V]
+    target distributions after each node. Returns am [M]: the token the walk chose after each
+    node it visited (-1 elsewhere), which the greedy accept turns into the path and the bonus."""
+    M = tree_tok.shape[0]
+    tok, par = tree_tok.tolist(), tree_par.tolist()
+    children = [[c for c in range(1, M) if par[c] == n] for n in range(M)]
+    am = [-1] * M
+    node = 0
+    while True:
+        p = probs[node].detach().float().cpu().clone()  # [V]
+        nxt = None
+        for c in children[node]:
+            x = tok[c]
+            u = float(torch.rand((), generator=generator))
+            if u < float(p[x]):
+                nxt = c
+                break
+            residual = p.clone()
+            residual[x] = 0.0
+            total = float(residual.sum())
+            if total <= 0.0:  # only through rounding; keep p (as rejection_accept does)
+                break
+            p = residual / total
+        if nxt is None:
+            am[node] = int(torch.multinomial(p, 1, generator=generator).item())
+            return torch.tensor(am, dtype=torch.long, device=tree_tok.device)
+        am[node] = tok[nxt]
+        node = nxt
+
+
+def sample_walk(probs: torch.Tensor, tree_tok: torch.Tensor, tree_par: torch.Tensor, seed: torch.Tensor,
+                generator: torch.Generator | None, out: torch.Tensor) -> None:
+    """sample_walk_ref into `out` [M]; on CUDA one Triton program whose uniforms come from Philox
+    keyed by `seed` [1] (advanced by one per call, so a captured graph draws anew each replay)."""
+    if not triton_enabled(probs):
+        out.copy_(sample_walk_ref(probs, tree_tok, tree_par, generator))
+        return
+    M, V = probs.shape
+    _walk_kernel[(1,)](probs, V, tree_tok, tree_par, seed, out, M=M, MP=_pow2(M), BLOCK_V=_pow2(V), num_warps=8)
+
+
 if triton is not None:
 
     @triton.jit
@@ -388,3 +435,44 @@ if triton is not None:
             tl.store(score_ptr + d * W + w, score)
             tl.store(cand_ptr + d * W + w, cand.to(tl.int64))
             tl.store(pslot_ptr + d * W + w, (idx // K).to(tl.int64))
+
+    @triton.jit
+    def _walk_kernel(p_ptr, V, tok_ptr, par_ptr, seed_ptr, am_ptr, M: tl.constexpr, MP: tl.constexpr,
+                     BLOCK_V: tl.constexpr):
+        offs = tl.arange(0, BLOCK_V)
+        vm = offs < V
+        mi = tl.arange(0, MP)
+        tl.store(am_ptr + mi, tl.full([MP], -1, tl.int64), mask=mi < M)
+        seed = tl.load(seed_ptr)
+        cur = 0
+        done = 0
+        draw = 0  # Philox offset: one uniform per decision
+        for _ in range(M):  # at most M - 1 accepted nodes, then the bonus
+            if done == 0:
+                p = tl.load(p_ptr + cur * V + offs, mask=vm, other=0.0)
+                total = tl.sum(p, 0)
+                nxt = -1
+                for c in range(1, M):  # the children in index order
+                    if (tl.load(par_ptr + c) == cur) & (nxt < 0):
+                        x = tl.load(tok_ptr + c)
+                        px = tl.sum(tl.where(offs == x, p, 0.0), 0)
+                        u = tl.rand(seed, draw)
+                        draw += 1
+                        if u * total < px:
+                            nxt = c
+                        else:
+                            p = tl.where(offs == x, 0.0, p)
+                            total = total - px
+                if nxt >= 0:
+                    tl.store(am_ptr + cur, tl.load(tok_ptr + nxt))
+                    cur = nxt
+                else:  # the bonus, from the residual: the first token whose cumulative mass passes u * total
+                    u = tl.rand(seed, draw)
+                    draw += 1
+                    cs = tl.cumsum(p, 0)
+                    hit = (cs > u * total) & (p > 0) & vm
+                    tok = tl.min(tl.where(hit, offs, BLOCK_V), 0)
+                    last = tl.max(tl.where((p > 0) & vm, offs, 0), 0)  # rounding at the top end
+                    tl.store(am_ptr + cur, tl.minimum(tok, last).to(tl.int64))
+                    done = 1
+        tl.store(seed_ptr, seed + 1)

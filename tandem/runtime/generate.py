@@ -107,26 +107,28 @@ class Generator:
     def _resident(self, method: str, sampling: SamplingConfig, forced_accepts) -> bool:
         """Whether this request runs the device-resident loop (tandem.runtime.resident): greedy
         `ar`, and `chain` / `tree` with a block drafter or an EAGLE-3 head. By default on CUDA with
-        graphs for `ar` and the block drafter (validated on the H200); the EAGLE-3 head's resident
-        loop is tested on the CPU only, so it runs on CUDA when asked (TANDEM_RESIDENT=1).
+        graphs for greedy `ar` and the block drafter (validated on the H200); the EAGLE-3 head's
+        loop and sampling (the walk's Triton kernel) are tested on the CPU only, so on CUDA they
+        run when asked (TANDEM_RESIDENT=1).
         `resident=True` forces it (tests run it on the CPU), TANDEM_RESIDENT=0 turns it off."""
         from tandem.models.block_drafter import BlockDrafter
         from tandem.models.eagle3 import Eagle3Head
 
-        if not sampling.greedy or forced_accepts is not None or self.certified_head or method not in ("ar", "chain", "tree"):
+        if forced_accepts is not None or self.certified_head or method not in ("ar", "chain", "tree"):
             return False
         if method != "ar" and not isinstance(self.draft_model, (BlockDrafter, Eagle3Head)):
             return False
         if self.resident is not None:
             return self.resident
         env = os.environ.get("TANDEM_RESIDENT", "")
-        if env == "0" or (isinstance(self.draft_model, Eagle3Head) and method != "ar" and env != "1"):
+        unproven = (isinstance(self.draft_model, Eagle3Head) and method != "ar") or not sampling.greedy
+        if env == "0" or (unproven and env != "1"):
             return False
         return (self.target_model.device.type == "cuda" and self.use_graphs is not False
                 and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0")
 
-    def _generate_resident(self, prompt_ids: list[int], method: str, spec: SpecConfig, gen: GenerationConfig,
-                           max_new: int, eos: set[int], on_tokens) -> GenerationResult:
+    def _generate_resident(self, prompt_ids: list[int], method: str, spec: SpecConfig, sampling: SamplingConfig,
+                           gen: GenerationConfig, max_new: int, eos: set[int], on_tokens) -> GenerationResult:
         from tandem.runtime.resident import resident_loop
 
         drafting = method != "ar"
@@ -159,7 +161,7 @@ class Generator:
         else:
             pending, feats = [prompt_ids[-1]], None
         prefix, dprefix = target.cache.prefix_len, draft.cache.prefix_len if draft is not None else 0
-        loop.start(prefix, dprefix, pending, feats)
+        loop.start(prefix, dprefix, pending, feats, sampling)
         emitter = Emitter(max_new, eos, gen, self.tokenizer, on_tokens, t0)
         steps, draft_s, verify_s = loop.run(emitter, prefix, dprefix, len(pending))
         if self.target_model.device.type == "cuda":
@@ -254,7 +256,7 @@ class Generator:
             check_tlv(self.draft_model, sampling, forced_accepts)
             return generate_tlv(self, prompt_ids, spec, gen, max_new, eos, on_tokens)
         if self._resident(method, sampling, forced_accepts):
-            return self._generate_resident(prompt_ids, method, spec, gen, max_new, eos, on_tokens)
+            return self._generate_resident(prompt_ids, method, spec, sampling, gen, max_new, eos, on_tokens)
         plan = plan_request(method, len(prompt_ids), max_new, spec)
         g = torch.Generator().manual_seed(sampling.seed)
         drafter = None if method == "ar" else self._drafter(method, spec, sampling, g, plan)

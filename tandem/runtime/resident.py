@@ -32,8 +32,10 @@ from functools import partial
 import torch
 
 from tandem.config import SpecConfig
-from tandem.kernels.resident import (accept_fused, ancestors, beam_levels, key_index, lattice, score_keys,
-                                     select_tree_fused)
+from tandem.config import SamplingConfig
+from tandem.kernels.resident import (accept_fused, ancestors, beam_levels, key_index, lattice, sample_walk,
+                                     score_keys, select_tree_fused)
+from tandem.verify.sampling import probs_from_logits
 from tandem.runtime.emit import Emitter
 from tandem.runtime.runner import ModelRunner
 
@@ -103,6 +105,11 @@ class ResidentLoop:
         self.kv_src = torch.zeros(self.pmax, **lng)
         self.kv_dst = torch.zeros(self.pmax, **lng)
         self.node = torch.zeros(self.pmax, **lng)
+        # sampling (None: greedy): the walk's output per node, its Philox seed (CUDA) or generator (CPU)
+        self.sampling: SamplingConfig | None = None
+        self.am = torch.zeros(self.M, **lng)
+        self.seed = torch.zeros(1, **lng)
+        self.generator: torch.Generator | None = None
         # ---- constants -------------------------------------------------------------------
         self.ar_M = torch.arange(self.M, **lng)
         self.ar_P = torch.arange(self.pmax + 1, **lng)
@@ -113,7 +120,8 @@ class ResidentLoop:
     def _state(self) -> list[torch.Tensor]:
         s = [self.prefix, self.dprefix, self.P, self.ctx_tok, self.tree_tok, self.tree_par, self.tree_depth,
              self.anc, self.rec]
-        return s + [self.kv_src, self.kv_dst, self.node] + ([self.ctx_feat] if self.d is not None else [])
+        s += [self.kv_src, self.kv_dst, self.node, self.am, self.seed]
+        return s + ([self.ctx_feat] if self.d is not None else [])
 
     def cols(self, width: int) -> torch.Tensor:
         if width not in self._cols:
@@ -194,7 +202,7 @@ class ResidentLoop:
         cols = self.cols(width)
         if self.d is None:  # ar: the tree is the root alone
             logits = model(self.ctx_tok[None], pre[None], self.t.cache, pre[None], (cols <= pre)[None, None, None])
-            bonus = logits[0].argmax(-1)  # [1]
+            bonus = self._next(logits[0])[:1]  # [1]
             self.ctx_tok.copy_(bonus)
             self.rec[3:].copy_(bonus)
             self.prefix.add_(1)
@@ -205,8 +213,8 @@ class ResidentLoop:
         see = (rel < 0)[None, :] | tree
         logits = model(self.tree_tok[None], (pre + self.tree_depth)[None], self.t.cache, (pre + self.ar_M)[None],
                        see[None, None])  # [1, M, V]
-        am = logits[0].argmax(-1)  # [M] the target's next token after each node
-        # accept (a node whose ancestors all match their parent's argmax), the next context, the record
+        am = self._next(logits[0])  # [M] the next token after each node (greedy: the argmax)
+        # accept (a node whose ancestors all match their parent's choice), the next context, the record
         accept_fused(am, self.tree_tok, self.tree_par, self.tree_depth, self.anc, self.prefix, self.pmax,
                      {"kv_src": self.kv_src, "kv_dst": self.kv_dst, "node": self.node, "ctx": self.ctx_tok,
                       "P": self.P, "rec": self.rec})
@@ -219,6 +227,16 @@ class ResidentLoop:
         else:
             self.ctx_feat.copy_(feats.index_select(0, self.node))
 
+    def _next(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [M, V] -> [M] the token after each node: the argmax (greedy), or the tokens the
+        sampled walk chose (recursive rejection sampling over the tree's point-mass drafts: lossless)
+        along its path, -1 elsewhere, so the greedy accept yields the walk's path and bonus."""
+        if self.sampling is None:
+            return logits.argmax(-1)
+        sample_walk(probs_from_logits(logits, self.sampling), self.tree_tok, self.tree_par, self.seed,
+                    self.generator, self.am)
+        return self.am
+
     # ---- graphs ----------------------------------------------------------------------------
     def _run(self, part: str, width: int) -> None:
         runner = self.d if part == "draft" else self.t
@@ -227,7 +245,8 @@ class ResidentLoop:
             with torch.no_grad():
                 body()
             return
-        key = (part, width)
+        # (temperature and top-p are baked into a captured graph)
+        key = (part, width, None if self.sampling is None else (self.sampling.temperature, self.sampling.top_p))
         if key not in self._graphs:
             self._graphs[key] = self._capture(runner, body)
         self._graphs[key].replay()
@@ -273,11 +292,17 @@ class ResidentLoop:
             done += c
         return prompt[done:], feats[done:]
 
-    def start(self, prefix: int, dprefix: int, ctx: list[int], feats: torch.Tensor | None) -> None:
+    def start(self, prefix: int, dprefix: int, ctx: list[int], feats: torch.Tensor | None,
+              sampling: SamplingConfig | None = None) -> None:
         """The state after the prompt: the target's and drafter's prefixes, the pending context
-        (<= pmax tokens, the root last) and its features [len(ctx), F]."""
+        (<= pmax tokens, the root last) and its features [len(ctx), F]; `sampling` (None or
+        greedy: argmax) seeds the walk from `sampling.seed`."""
         if not 1 <= len(ctx) <= self.pmax:
             raise ValueError(f"{len(ctx)} pending rows; the loop takes 1 to {self.pmax}")
+        self.sampling = None if sampling is None or sampling.greedy else sampling
+        if self.sampling is not None:
+            self.seed.fill_(sampling.seed % (1 << 62))
+            self.generator = torch.Generator().manual_seed(sampling.seed)  # the CPU path: the host loop's draws
         self.prefix.fill_(prefix)
         self.dprefix.fill_(dprefix)
         self.P.fill_(len(ctx))

@@ -120,3 +120,33 @@ def test_resident_kernels_equal_their_references(device):
                 assert torch.equal(sk[k], sr[k]), k
             assert int(sk["P"]) == int(sr["P"]) and int(sk["rec"][0]) == int(sr["P"])
             assert sk["rec"][3:].tolist() == sr["ctx"].tolist()
+
+
+@pytest.mark.parametrize("device", [cuda("cuda", id="cuda")])
+def test_the_sampled_walk_kernel_follows_the_target(device):
+    """The Triton walk: point masses give the determined path; with random distributions the first
+    committed token follows the root's distribution whatever the children (lossless), and each
+    call draws anew (the seed advances)."""
+    from tandem.kernels import resident as kr
+
+    tok = torch.tensor([7, 3, 5, 1, 2], device=device)
+    par = torch.tensor([-1, 0, 0, 1, 3], device=device)
+    V = 16
+    probs = torch.zeros(5, V, device=device)
+    probs[0, 3] = probs[1, 1] = probs[3, 6] = probs[2, 0] = probs[4, 4] = 1.0
+    out = torch.zeros(5, dtype=torch.long, device=device)
+    seed = torch.tensor([11], device=device)
+    kr.sample_walk(probs, tok, par, seed, None, out)
+    assert out.tolist() == [3, 1, -1, 6, -1] and seed.item() == 12
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(5, V, generator=g).to(device)
+    probs[0] = torch.softmax(torch.randn(V, generator=g), 0).to(device)
+    probs = probs / probs.sum(-1, keepdim=True)
+    n = 8000
+    counts = torch.zeros(V)
+    for _ in range(n):
+        kr.sample_walk(probs, tok, par, seed, None, out)
+        counts[int(out[0])] += 1
+    # total variation between the empirical first-token law and the root's distribution
+    tv = 0.5 * (counts / n - probs[0].cpu()).abs().sum().item()
+    assert tv < 0.05, tv  # ~0.02 expected from n draws alone
