@@ -248,3 +248,10 @@ def test_sampled_resident_loop_draws_what_the_host_loop_draws(kind):
             assert b.token_ids == a.token_ids and b.accept_lengths == a.accept_lengths, (method, s)
             taus.append(b.tau)
     assert max(taus) > 1.5  # drafts were accepted under sampling: the walk went down the tree
+
+
+def test_results_say_which_loop_decoded_them(tiny):
+    target, draft = tiny
+    g = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    assert Generator(target, draft, use_graphs=False, resident=True).generate([1, 2], "tree", gen=g).loop == "resident"
+    assert Generator(target, draft, use_graphs=False, resident=False).generate([1, 2], "tree", gen=g).loop == "host"

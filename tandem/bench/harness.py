@@ -69,6 +69,7 @@ class Request:
     timeline: dict | None = None  # async only: busy seconds of each worker and the draft's choices
     draft_seconds: float | None = None  # serial loop: time drafting / verifying over the request
     verify_seconds: float | None = None
+    loop: str | None = None  # Tandem: "resident" (device-resident loop) or "host"; None for peers
 
     @property
     def new_tokens(self) -> int:
@@ -175,7 +176,8 @@ class TandemRunner:
         r = self.engine.generate(ids, self.ms.method, self.ms.spec, self.sampling, self.gen, transport=self.transport)
         return Request(self.ms.name, prompt_index, list(r.token_ids), r.seconds, r.ttft, r.finish_reason,
                        r.target_passes, list(r.accept_lengths), list(r.per_depth), timeline_of(r),
-                       getattr(r, "draft_seconds", None), getattr(r, "verify_seconds", None))
+                       getattr(r, "draft_seconds", None), getattr(r, "verify_seconds", None),
+                       getattr(r, "loop", None))
 
 
 def timeline_of(result) -> dict | None:
@@ -384,6 +386,7 @@ def summarize_method(reqs: list[Request]) -> dict:
                       for k, v in sorted(depth.items())],
         "timeline": summarize_timeline([r.timeline for r in reqs if r.timeline]),
         "pass_ms": pass_times(reqs),
+        "loop": ",".join(sorted({r.loop for r in reqs if r.loop})) or None,
     }
 
 
@@ -458,8 +461,9 @@ def markdown_table(results: dict) -> str:
     if pt_rows:
         lines += ["", "Per target pass (mean; device time on the GPU): draft ms / verify ms (draft as a share "
                   "of the verify):"]
+        loops = {name: s.get("loop") for name, s in results["summary"].items()}
         lines += [f"- {name}: {p['draft_ms']:.3f} / {p['verify_ms']:.3f} ms ({p['draft_over_verify']:.2f}x)"
-                  for name, p in pt_rows]
+                  + (f", {loops[name]} loop" if loops.get(name) else "") for name, p in pt_rows]
     tl_rows = [(name, s["timeline"]) for name, s in results["summary"].items() if s.get("timeline")]
     if tl_rows:
         lines += ["", "Async timeline (busy time as a share of request time; d = rounds the draft may expand "

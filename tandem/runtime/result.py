@@ -22,6 +22,8 @@ class GenerationResult:
     # CUDA events on the GPU, host time on the CPU; None where not measured)
     draft_seconds: float | None = None
     verify_seconds: float | None = None
+    # which loop decoded it: "resident" (tandem.runtime.resident, on the device) or "host"
+    loop: str = "host"
 
     @property
     def new_tokens(self) -> int:
