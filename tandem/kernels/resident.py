@@ -98,7 +98,7 @@ def select_nodes(tok: torch.Tensor, root: torch.Tensor, scores: torch.Tensor, ca
     B, W = scores.shape
     flat = score_keys(scores.reshape(-1)).topk(nodes).values  # [N]
     sel = key_index(flat, B * W).sort().values  # depth-major: a topological order
-    level, slot = sel // W, sel % W
+    level = sel // W  # [N] each node's level (its depth - 1)
     ids = torch.zeros(B * W, dtype=torch.long, device=tok.device)
     ids.index_copy_(0, sel, torch.arange(1, nodes + 1, device=tok.device))  # node id of each kept entry
     parent_entry = (level - 1).clamp(min=0) * W + pslots.reshape(-1).index_select(0, sel)

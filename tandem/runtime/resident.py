@@ -1,18 +1,20 @@
-"""The device-resident loop: draft, verify, accept and commit stay on the device (greedy).
+"""The device-resident loop: draft, verify, accept and commit stay on the device.
 
 The host-driven loop (generate.py) waits for the device twice per target pass: for the drafter's
 lattice (to build the tree) and for the target's argmax (to accept). On a GPU fed by a slow host
 that waiting, and the Python between, costs as much as the passes themselves. Here a step is
 two CUDA graphs that read and write only device state:
 
-    draft graph:   the block drafter's pass over the pending context rows (the tokens the last
+    draft graph:   block drafter: its pass over the pending context rows (the tokens the last
                    step committed, each with the target features of the position before it)
                    and B - 1 mask rows -> the lattice -> the best-first tree over it
-                   (tandem.drafting.device_tree) -> its ancestor mask
-    verify graph:  the target's pass over the tree -> greedy accept (a node is accepted when it
-                   and all its ancestors match the target's argmax of their parent) -> the path's
-                   K/V gathered to the prefix end -> the committed tokens and the path's features
-                   become the next pending context, and the step's record
+                   (tandem.drafting.device_tree) -> its ancestor mask;
+                   EAGLE-3 head: its context pass -> its EAGLE-2 levels -> the N best nodes
+    verify graph:  the target's pass over the tree -> the accept (greedy: a node is accepted
+                   when it and all its ancestors match the target's argmax of their parent;
+                   sampled: the rejection walk over the tree, tandem.kernels.resident) -> the
+                   path's K/V gathered to the prefix end -> the committed tokens and the path's
+                   features become the next pending context, and the step's record
 
 `ar` is the verify graph over a one-node tree. The host queues steps ahead and reads each step's
 record (committed tokens, accept count, tree depth) from a pinned ring once the step's event has
@@ -31,13 +33,12 @@ from functools import partial
 
 import torch
 
-from tandem.config import SpecConfig
-from tandem.config import SamplingConfig
+from tandem.config import SamplingConfig, SpecConfig
 from tandem.kernels.resident import (accept_fused, ancestors, beam_levels, key_index, lattice, sample_walk,
                                      score_keys, select_tree_fused)
-from tandem.verify.sampling import probs_from_logits
 from tandem.runtime.emit import Emitter
 from tandem.runtime.runner import ModelRunner
+from tandem.verify.sampling import probs_from_logits
 
 LAG = 2  # steps queued ahead of the one the host reads
 CONTEXT_CHUNK = 64  # prompt rows per host step while feeding the drafter its prompt
