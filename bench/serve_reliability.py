@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         ("streaming", lambda: rel.check_streaming(t, prompts=rel.PROMPTS[:stream_prompts])),
         ("ledger", lambda: rel.check_ledger(t, rounds=2 if args.quick else 5)),
         ("soak", lambda: rel.check_soak(t, seconds=soak, concurrency=8)),
-        ("preemptions", lambda: rel.check_preemptions(tight.target, n=8 if args.quick else 16,
+        ("preemptions", lambda: rel.check_preemptions(tight.target, n=8 if args.quick else 24,
                                                       max_tokens=24 if args.quick else 48,
-                                                      min_preemptions=10 if args.quick else 50)),
+                                                      min_preemptions=3 if args.quick else 50)),
         ("security", lambda: rel.check_security(t)),
     ]
     results: list[tuple[rel.CheckResult, float]] = []
