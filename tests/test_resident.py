@@ -11,6 +11,7 @@ from models_for_tests import tiny_model
 from test_block_drafter import make_drafter
 from tandem.config import GenerationConfig, SpecConfig
 from tandem.drafting import device_tree as dt
+from tandem.kernels import resident as kr
 from tandem.drafting.lattice import Lattice, best_chain, best_first_tree
 from tandem.runtime.generate import Generator
 from tandem.tree.draft_tree import ancestor_mask
@@ -40,8 +41,9 @@ def test_device_tree_is_the_host_best_first_tree(nodes):
     for seed in range(6):
         tok, cond, lat = _random_lattice(seed)
         want = best_first_tree(lat, 3, nodes)
-        t, p, d = dt.best_first_tree_device(tok, cond, torch.tensor([3]), nodes)
+        t, p, d, anc = dt.best_first_tree_device(tok, cond, torch.tensor([3]), nodes)
         t, p, d = t.tolist(), p.tolist(), d.tolist()
+        assert torch.equal(anc, ancestor_mask(p))
         assert len(t) == nodes + 1 and t[0] == 3 and p[0] == -1
         assert all(0 <= p[i] < i for i in range(1, len(p)))  # prefix-closed, topological
         assert d == [0] + [d[p[i]] + 1 for i in range(1, len(p))]
@@ -58,15 +60,15 @@ def test_device_chain_is_the_host_greedy_chain():
 
 def test_level_beams_break_ties_toward_the_earlier_candidate():
     cond = torch.zeros(3, 4, 4) - 1.0  # every candidate ties
-    scores, cands, pslots = dt.beam_levels_ref(cond, 4)
+    scores, cands, pslots = kr.beam_levels_ref(cond, 4)
     assert cands[0].tolist() == [0, 1, 2, 3] and pslots[1].tolist() == [0, 0, 0, 0]
     assert torch.equal(scores[2], torch.full((4,), -3.0))
 
 
 def test_score_keys_order_like_the_floats():
     x = torch.tensor([-0.0, 0.0, -1.5, 2.0, float("-inf"), -1e-30, 3.0, -1.5])
-    keys = dt.score_keys(x)
-    assert torch.equal(dt.key_score(keys), x)
+    keys = kr.score_keys(x)
+    assert torch.equal(kr.key_score(keys), x)
     order = keys.argsort(descending=True).tolist()
     assert [x[i].item() for i in order] == sorted(x.tolist(), reverse=True)
     assert order.index(2) < order.index(7)  # equal scores: the lower index first
@@ -74,7 +76,7 @@ def test_score_keys_order_like_the_floats():
 
 def test_ancestors_equal_the_host_mask():
     parents = [-1, 0, 1, 1, 0, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 2]
-    assert torch.equal(dt.ancestors(torch.tensor(parents), 16), ancestor_mask(parents))
+    assert torch.equal(kr.ancestors(torch.tensor(parents), 16), ancestor_mask(parents))
 
 
 # ---- decoding -------------------------------------------------------------------------------
@@ -170,14 +172,16 @@ def test_resident_is_off_on_the_cpu_by_default_and_for_replay(tiny, monkeypatch)
 @pytest.mark.parametrize("markov", [8, 0])
 def test_the_resident_lattice_is_the_drafters_lattice(tiny, markov):
     """kernels.resident.lattice_ref (what the resident step computes from the B rows' logits)
-    equals BlockDrafter.lattice_rows + device_tree.lattice_tables (what the host loop reads)."""
+    equals BlockDrafter.lattice_rows + lattice.unpack_lattice (what the host loop reads)."""
+    from tandem.drafting.lattice import unpack_lattice
     from tandem.kernels.resident import lattice_ref
 
     target, _ = tiny
     draft = make_drafter(target, block=5, k=4, markov=markov, seed=1)
     logits = torch.randn(1, 5, target.config.vocab_size)
     ids = torch.tensor([[11] + [draft.mask_id] * 4])  # the root's row, then mask rows
-    tok_want, cond_want = dt.lattice_tables(draft.lattice_rows(logits, ids)[0], 4)
+    want = unpack_lattice(draft.lattice_rows(logits, ids)[0], 4)
+    tok_want, cond_want = torch.from_numpy(want.tokens), torch.from_numpy(want.cond).float()
     tok, cond = lattice_ref(logits[0], torch.tensor([11]), draft.markov_u, draft.markov_v, 4)
     assert torch.equal(tok, tok_want)
     torch.testing.assert_close(cond[1:], cond_want[1:])

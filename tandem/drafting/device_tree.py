@@ -24,32 +24,32 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.resident import (ancestors, beam_levels, beam_levels_ref, key_index, key_score,  # noqa: F401
-                                     score_keys, select_nodes)
+from tandem.kernels.resident import beam_levels, select_tree_fused
 
 
-def lattice_tables(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows: [B, 3K + K*K] from BlockDrafter.lattice_rows, the root's row first ->
-    (tok [B, K] int64 candidate ids, cond [B, K, K] float32 parent-conditioned log-probs);
-    cond[0, 0] holds the root's children (given the root token itself), as unpack_lattice."""
-    B = rows.shape[0]
-    rows = rows.float()
-    tok = rows[:, :k].long()
-    cond = rows[:, 3 * k:].reshape(B, k, k)
-    first = torch.cat([rows[:1, 2 * k:3 * k], cond[0, 1:]])[None]  # [1, K, K]
-    return tok, torch.cat([first, cond[1:]])
-
-
-def best_first_tree_device(tok: torch.Tensor, cond: torch.Tensor, root: torch.Tensor, nodes: int):
-    """The device counterpart of tandem.drafting.lattice.best_first_tree (same node set)."""
+def best_first_tree_device(tok: torch.Tensor, cond: torch.Tensor, root: torch.Tensor, nodes: int,
+                           out: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    """The device counterpart of tandem.drafting.lattice.best_first_tree (same node set):
+    (tokens [M], parents [M], depth [M], ancestors [M, M]), M = nodes + 1, written into `out`
+    when given (the resident loop's static buffers)."""
+    if out is None:
+        M, dev = nodes + 1, tok.device
+        out = (torch.zeros(M, dtype=torch.long, device=dev), torch.zeros(M, dtype=torch.long, device=dev),
+               torch.zeros(M, dtype=torch.long, device=dev), torch.zeros(M, M, dtype=torch.bool, device=dev))
     width = 1 << max(0, nodes - 1).bit_length()  # a power of two >= nodes (the kernel's tile)
     scores, cands, pslots = beam_levels(cond, width)
-    return select_nodes(tok, root, scores, cands, pslots, nodes)
+    select_tree_fused(tok, root, scores, cands, pslots, nodes, out)
+    return out
+
+
+def chain_tokens(tok: torch.Tensor, cond: torch.Tensor, root: torch.Tensor, k: int) -> torch.Tensor:
+    """The greedy path's tokens [k + 1], root first: a level beam of width 1."""
+    _, cands, _ = beam_levels(cond[:k], 1)
+    return torch.cat([root, tok[:k].gather(1, cands).reshape(-1)])
 
 
 def best_chain_device(tok: torch.Tensor, cond: torch.Tensor, root: torch.Tensor, k: int):
-    """The device counterpart of tandem.drafting.lattice.best_chain: the greedy path of k nodes."""
-    scores, cands, _ = beam_levels(cond[:k], 1)
+    """The device counterpart of tandem.drafting.lattice.best_chain: the greedy path of k nodes
+    (tokens, parents, depth)."""
     depth = torch.arange(k + 1, device=tok.device)
-    token = tok[:k].gather(1, cands).reshape(-1)  # [k]
-    return torch.cat([root, token]), depth - 1, depth
+    return chain_tokens(tok, cond, root, k), depth - 1, depth

@@ -27,21 +27,21 @@ reused across requests. On the CPU (tests) the same bodies run eagerly.
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from functools import partial
 
 import torch
 
 from tandem.config import SamplingConfig, SpecConfig
-from tandem.kernels.resident import (accept_fused, ancestors, beam_levels, key_index, lattice, sample_walk,
-                                     score_keys, select_tree_fused)
+from tandem.kernels.resident import accept_fused, ancestors, key_index, lattice, sample_walk, score_keys
+from tandem.drafting.device_tree import best_first_tree_device, chain_tokens
+from tandem.drafting.lattice_drafter import CONTEXT_CHUNK
 from tandem.runtime.emit import Emitter
 from tandem.runtime.runner import ModelRunner
+from tandem.runtime.timing import PassClock
 from tandem.verify.sampling import probs_from_logits
 
 LAG = 2  # steps queued ahead of the one the host reads
-CONTEXT_CHUNK = 64  # prompt rows per host step while feeding the drafter its prompt
 
 
 class ResidentLoop:
@@ -113,7 +113,6 @@ class ResidentLoop:
         self.generator: torch.Generator | None = None
         # ---- constants -------------------------------------------------------------------
         self.ar_M = torch.arange(self.M, **lng)
-        self.ar_P = torch.arange(self.pmax + 1, **lng)
         self._cols: dict[int, torch.Tensor] = {}
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.use_graphs = target.use_graphs and not target.emulate and dev.type == "cuda"
@@ -187,14 +186,10 @@ class ResidentLoop:
         logits = drafter.shared["lm_head"](h[0, last:])  # [B, V]
         root = self.ctx_tok[self.pmax - 1:]  # [1]
         tok, cond = lattice(logits, root, drafter.markov_u, drafter.markov_v, self.K)  # [B, K], [B, K, K]
-        if self.chain:
-            _, cands, _ = beam_levels(cond[:self.M - 1], 1)  # the greedy path: a beam of width 1
-            self.tree_tok[:1].copy_(root)
-            self.tree_tok[1:].copy_(tok[:self.M - 1].gather(1, cands).view(-1))
+        if self.chain:  # the shape is constant (set in __init__): only the tokens change
+            self.tree_tok.copy_(chain_tokens(tok, cond, root, self.M - 1))
         else:
-            n = self.M - 1
-            scores, cands, pslots = beam_levels(cond, 1 << max(0, n - 1).bit_length())
-            select_tree_fused(tok, root, scores, cands, pslots, n, (self.tree_tok, self.tree_par, self.tree_depth, self.anc))
+            best_first_tree_device(tok, cond, root, self.M - 1, (self.tree_tok, self.tree_par, self.tree_depth, self.anc))
         self.dprefix.add_(P)
 
     def _verify_body(self, width: int) -> None:
@@ -317,12 +312,11 @@ class ResidentLoop:
     def run(self, emitter: Emitter, prefix: int, dprefix: int, pending: int) -> tuple[int, float, float]:
         """Queue steps until the emitter is done; returns (steps, draft seconds, verify seconds),
         the seconds measured on the device (CUDA events) or on the host (CPU)."""
-        cuda = self.use_graphs or self.t.device.type == "cuda"
-        ring = torch.zeros(LAG + 2, self.rec.shape[0], dtype=torch.long, pin_memory=cuda)
-        inflight: deque = deque()  # (ring slot, events or host seconds)
+        clock = PassClock(self.t.device)  # before the draft, between the graphs, after the record's copy
+        ring = torch.zeros(LAG + 2, self.rec.shape[0], dtype=torch.long, pin_memory=clock.cuda)
+        inflight: deque = deque()  # (ring slot, the event after its record's copy; None on the CPU)
         t_base, d_base, last_p = prefix, dprefix, pending
         steps = slot = 0
-        draft_s = verify_s = 0.0
         queueing, finished = True, False
         while queueing or inflight:
             if queueing:
@@ -332,35 +326,22 @@ class ResidentLoop:
                 if need_v > self.t.capacity or (self.d is not None and need_d > self.d.capacity):
                     queueing = False  # the caches are full (the request's end is already queued)
                 else:
-                    marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else [time.perf_counter()]
-                    if cuda:
-                        marks[0].record()
+                    clock.mark()
                     if self.d is not None:
                         self._run("draft", self.d.width_for(need_d))
-                    if cuda:
-                        marks[1].record()
-                    else:
-                        marks.append(time.perf_counter())
+                    clock.mark()
                     self._run("verify", self.t.width_for(need_v))
-                    ring[slot].copy_(self.rec, non_blocking=cuda)
-                    if cuda:
-                        marks[2].record()
-                    else:
-                        marks.append(time.perf_counter())
-                    inflight.append((slot, marks))
+                    ring[slot].copy_(self.rec, non_blocking=clock.cuda)
+                    clock.mark()
+                    inflight.append((slot, clock.marks[-1] if clock.cuda else None))
                     slot = (slot + 1) % ring.shape[0]
                     steps += 1
             # read the oldest record when it must be (LAG steps queued, or nothing left to queue)
             # or already can be (its event fired: streaming and TTFT do not wait for the lag)
-            if inflight and (len(inflight) > LAG or not queueing or (cuda and inflight[0][1][2].query())):
-                s, marks = inflight.popleft()
-                if cuda:
-                    marks[2].synchronize()
-                    draft_s += marks[0].elapsed_time(marks[1]) / 1e3
-                    verify_s += marks[1].elapsed_time(marks[2]) / 1e3
-                else:
-                    draft_s += marks[1] - marks[0]
-                    verify_s += marks[2] - marks[1]
+            if inflight and (len(inflight) > LAG or not queueing or (clock.cuda and inflight[0][1].query())):
+                s, done = inflight.popleft()
+                if done is not None:
+                    done.synchronize()
                 if finished:
                     continue  # past the end: drained, not emitted
                 rec = ring[s].tolist()
@@ -370,6 +351,7 @@ class ResidentLoop:
                 last_p = p
                 if emitter.emit_pass(rec[len(rec) - p:], accepted, range(1, depth + 1)):
                     queueing, finished = False, True
+        draft_s, verify_s = clock.totals()  # every step is done: the last one was synchronized
         return steps, draft_s, verify_s
 
 

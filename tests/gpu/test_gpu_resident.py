@@ -65,7 +65,6 @@ def test_resident_loop_matches_an_uncached_forward_and_the_host_loop(device, kin
 def test_resident_kernels_equal_their_references(device):
     """The Triton lattice, tree selection and accept of the resident step against their torch
     references (random lattices, trees and target outputs; fp32)."""
-    from tandem.drafting import device_tree as dt
     from tandem.kernels import resident as kr
 
     g = torch.Generator().manual_seed(0)
@@ -83,8 +82,8 @@ def test_resident_kernels_equal_their_references(device):
         tok = torch.stack([torch.randperm(500, generator=g)[:K] for _ in range(B)]).to(device)
         cond = (torch.log_softmax(2 * torch.randn(B, K, K, generator=g), -1)).to(device)
         W = 1 << (nodes - 1).bit_length()
-        beams = dt.beam_levels(cond, W)
-        assert all(torch.equal(a, b) for a, b in zip(beams, dt.beam_levels_ref(cond, W)))
+        beams = kr.beam_levels(cond, W)
+        assert all(torch.equal(a, b) for a, b in zip(beams, kr.beam_levels_ref(cond, W)))
         M = nodes + 1
         out = (torch.zeros(M, dtype=torch.long, device=device), torch.zeros(M, dtype=torch.long, device=device),
                torch.zeros(M, dtype=torch.long, device=device), torch.zeros(M, M, dtype=torch.bool, device=device))
