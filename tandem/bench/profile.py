@@ -775,7 +775,7 @@ def run_drafters(args: argparse.Namespace) -> int:
             model = pair.draft if i == 0 else _load_drafter(d, target, pair.tokenizer, device, args.dtype)
             feature = d.kind in ("block", "eagle3")
             if feature:
-                layers = model.bconfig.target_feature_layers if d.kind == "block" else model.econfig.feature_layers
+                layers = model.target_feature_layers
                 runner, feats = _target_runner(target, layers, True, prompt, max_rows, buckets)
                 key = tuple(target.feature_layers)
             else:

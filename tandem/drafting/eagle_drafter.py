@@ -150,7 +150,7 @@ class EagleDrafter:
 
     def __init__(self, runner: ModelRunner, spec: SpecConfig, chain: bool = False):
         self.runner, self.model = runner, runner.model
-        self.feature_layers = self.model.econfig.feature_layers
+        self.feature_layers = self.model.target_feature_layers
         if chain:
             width, depth, self.nodes = 1, spec.k, spec.k
         else:

@@ -42,7 +42,7 @@ class LatticeDrafter:
         self.runner = runner
         self.model = runner.model.drafter  # the BlockDrafter behind its LatticeHead
         cfg = self.model.bconfig
-        self.feature_layers = cfg.target_feature_layers
+        self.feature_layers = self.model.target_feature_layers
         self.block, self.k = cfg.block_size, cfg.num_candidates
         self.chain = chain
         self.nodes = spec.k if chain else spec.nodes

@@ -107,7 +107,7 @@ class Engine:
         if config.method != "ar" and draft is None:
             raise ConfigError(f"method {config.method!r} needs a draft model; pass one or use method 'ar'")
         # a feature drafter (block drafter, EAGLE-3 head) reads the target's features of every pass
-        self.feature_layers = _feature_layers(draft) if config.method != "ar" else None
+        self.feature_layers = getattr(draft, "target_feature_layers", None) if config.method != "ar" else None
         if draft is not None and config.method != "ar" and not isinstance(draft, Transformer) and not self.feature_layers:
             raise ConfigError(f"the batched engine cannot draft with a {type(draft).__name__}; pass a draft model, "
                               "a block drafter or an EAGLE-3 head")
@@ -473,12 +473,3 @@ class Engine:
             text = req.stop_text if req.stop_text is not None else self.tokenizer.decode(req.output_ids)
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), list(req.output_ids), text,
                              req.finish_reason, req.figures)
-
-
-def _feature_layers(draft) -> tuple[int, ...] | None:
-    """The target layers a feature drafter reads (None: a draft model, or no draft)."""
-    if getattr(draft, "bconfig", None) is not None:
-        return tuple(draft.bconfig.target_feature_layers)
-    if getattr(draft, "econfig", None) is not None:
-        return tuple(draft.econfig.feature_layers)
-    return None

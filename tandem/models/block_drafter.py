@@ -191,6 +191,11 @@ class BlockDrafter(nn.Module):
         """prev: [...] -> bigram scores of every next token [..., vocab] (training)."""
         return self.markov_u[prev].float() @ self.markov_v.float().T
 
+    @property
+    def target_feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose features this drafter reads (Transformer.enable_features)."""
+        return tuple(self.bconfig.target_feature_layers)
+
     def fuse_projections(self) -> "BlockDrafter":
         fuse_decoder_layers(self.layers)
         return self

@@ -174,6 +174,11 @@ class Eagle3Head(nn.Module):
         self.hidden_out[:, :T].copy_(out[:1])
         return logits  # [B, T, draft_vocab]
 
+    @property
+    def target_feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose features this head reads (Transformer.enable_features)."""
+        return tuple(self.econfig.feature_layers)
+
     def fuse_projections(self) -> "Eagle3Head":
         fuse_decoder_layers([self.midlayer])
         return self

@@ -134,9 +134,7 @@ class Generator:
         drafting = method != "ar"
         draft_model = self.draft_model if drafting else None
         if draft_model is not None:  # before the target's graphs are captured: they must write the features
-            layers = getattr(draft_model, "bconfig", None)
-            self.target_model.enable_features(tuple(layers.target_feature_layers) if layers is not None
-                                              else tuple(draft_model.econfig.feature_layers))
+            self.target_model.enable_features(draft_model.target_feature_layers)
         # the caches hold the prompt, the new tokens and the steps queued past the end (rounded up,
         # so requests of other lengths reuse the runners and their captured graphs)
         if draft_model is None:
