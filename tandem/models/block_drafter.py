@@ -30,6 +30,7 @@ from torch import nn
 
 from tandem.config import ConfigError, ModelConfig
 from tandem.kernels.fused import add_rmsnorm
+from tandem.models.files import check_names, check_shapes
 from tandem.models.layers import RMSNorm, fuse_decoder_layers, rope_inv_freq
 from tandem.models.transformer import DecoderLayer
 
@@ -278,14 +279,8 @@ def load_block_drafter(path, target, device, dtype) -> BlockDrafter:
         model = BlockDrafter(cfg, target.model.embed_tokens, target.lm_head)
     state = load_file(str(f))
     expected = model.own_state_dict()
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        raise ConfigError(f"block drafter {str(d)!r} does not match its config.json "
-                          f"({'lacks ' + missing[0] if missing else 'has an unknown tensor ' + extra[0]})")
-    for k, t in state.items():
-        if tuple(t.shape) != tuple(expected[k].shape):
-            raise ConfigError(f"block drafter tensor {k!r} has shape {tuple(t.shape)}, config.json implies "
-                              f"{tuple(expected[k].shape)}")
+    check_names(state, expected, f"block drafter {str(d)!r}")
+    check_shapes(state, expected, "block drafter ")
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=False, assign=True)
     model.inv_freq = rope_inv_freq(model.config).to(device)
     model.feature_in = torch.zeros(1, 256, cfg.feature_size, device=device, dtype=dtype)

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from tandem.config import ConfigError, ModelConfig
+from tandem.models.files import check_names, check_shapes
 from tandem.models.layers import MLP, Attention, RMSNorm, fuse_decoder_layers, rope_inv_freq
 
 # the architecture names of the public checkpoints (SGLang / EAGLE repo, vLLM)
@@ -276,14 +277,8 @@ def load_eagle3(path, target, device, dtype: torch.dtype) -> Eagle3Head:
     if "lm_head.weight" not in state and hf.get("tie_word_embeddings"):
         state["lm_head.weight"] = state.get("embed_tokens.weight", target.model.embed_tokens.weight)
     expected = {k: v for k, v in model.state_dict().items() if k not in ("hidden_in", "hidden_out")}
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        raise ConfigError(f"EAGLE-3 head {str(d)!r} does not match its config.json "
-                          f"({'lacks ' + missing[0] if missing else 'has an unknown tensor ' + extra[0]})")
-    for k, t in state.items():
-        if tuple(t.shape) != tuple(expected[k].shape):
-            raise ConfigError(f"EAGLE-3 head tensor {k!r} has shape {tuple(t.shape)}, config.json implies "
-                              f"{tuple(expected[k].shape)}")
+    check_names(state, expected, f"EAGLE-3 head {str(d)!r}")
+    check_shapes(state, expected, "EAGLE-3 head ")
     d2t = state.pop("d2t").to(device=device, dtype=torch.long)
     ids = torch.arange(cfg.draft_vocab_size, device=device) + d2t
     if int(ids.min()) < 0 or int(ids.max()) >= tc.vocab_size:

@@ -69,13 +69,26 @@ def install_state(model, d: Path, state: dict, expected: dict, unexpected: list[
     if missing:
         raise ConfigError(f"checkpoint {str(d)!r} lacks {len(missing)} tensor(s), first {missing[0]!r}; it does not "
                           f"match its config.json")
-    for key, t in state.items():
-        if tuple(t.shape) != tuple(expected[key].shape):
-            raise ConfigError(f"tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
-                              f"{tuple(expected[key].shape)}")
+    check_shapes(state, expected)
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def check_names(state: dict, expected: dict, owner: str) -> None:
+    """A checkpoint's tensors are exactly the ones its config.json implies; `owner` names it."""
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        raise ConfigError(f"{owner} does not match its config.json "
+                          f"({'lacks ' + missing[0] if missing else 'has an unknown tensor ' + extra[0]})")
+
+
+def check_shapes(state: dict, expected: dict, what: str = "") -> None:
+    """Each tensor has the shape its config.json implies; `what` prefixes the message's "tensor"."""
+    for key, t in state.items():
+        if tuple(t.shape) != tuple(expected[key].shape):
+            raise ConfigError(f"{what}tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
+                              f"{tuple(expected[key].shape)}")
 
 
 def open_safetensors(f: Path):
