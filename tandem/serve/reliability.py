@@ -476,8 +476,8 @@ def check_soak(t: Target, seconds: float = 600.0, concurrency: int = 8, max_toke
                     with lock:
                         errors.append(f"{type(e).__name__}: {e}")
                     continue
-                finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]
-                            if json.loads(e)["choices"] and json.loads(e)["choices"][0]["finish_reason"]]
+                choices = [ch["choices"][0] for ch in map(json.loads, events[:-1]) if ch["choices"]]
+                finishes = [c["finish_reason"] for c in choices if c["finish_reason"]]
                 with lock:
                     if status != 200 or not events or events[-1] != "[DONE]" or len(finishes) != 1:
                         errors.append(f"request {i - concurrency}: status {status}, finishes {finishes}")
