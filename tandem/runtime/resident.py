@@ -217,11 +217,8 @@ class ResidentLoop:
         kv = self.t.cache.kv  # [2, layers, 1, kv_heads, rows, D]: the path's rows to the prefix end
         kv.index_copy_(4, self.kv_dst, kv.index_select(4, self.kv_src))
         # each context token's target features are those of the node before it
-        feats = model.last_features[0]  # [M, F]
-        if feats.dtype == self.ctx_feat.dtype:
-            torch.index_select(feats, 0, self.node, out=self.ctx_feat)
-        else:
-            self.ctx_feat.copy_(feats.index_select(0, self.node))
+        # (ctx_feat has the target's dtype: the features land without a cast)
+        torch.index_select(model.last_features[0], 0, self.node, out=self.ctx_feat)
 
     def _next(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [M, V] -> [M] the token after each node: the argmax (greedy), or the tokens the
