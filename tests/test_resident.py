@@ -100,6 +100,28 @@ def test_resident_greedy_equals_ar_on_a_tiny_pair(tiny, method, spec):
         assert got.target_passes == len(got.accept_lengths) and got.verify_seconds > 0
 
 
+@pytest.mark.parametrize("method,spec", [("chain", SpecConfig(k=4)), ("tree", SpecConfig(nodes=12, width=3)),
+                                         ("tree", SpecConfig(nodes=40, width=4, depth=6))])
+@pytest.mark.parametrize("same", [True, False], ids=["self-draft", "other-draft"])
+def test_resident_draft_model_equals_ar(tiny, same, method, spec):
+    """A small draft model grows its tree level by level in the resident loop (DraftAsHead):
+    greedy output equals ar whether its guesses are all right (the target as its own draft:
+    every level accepted, the deepest paths and K/V moves) or mostly wrong (another model)."""
+    target, _ = tiny
+    draft = tiny_model(seed=3) if same else tiny_model(seed=8)
+    ar = Generator(target, None, use_graphs=False, resident=False)
+    res = Generator(target, draft, use_graphs=False, resident=True)
+    g = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    for p in ([1, 5, 9, 2], list(range(3, 90))):
+        got = res.generate(p, method, spec, gen=g)
+        assert got.loop == "resident" and got.token_ids == ar.generate(p, "ar", gen=g).token_ids
+        deepest = spec.k if method == "chain" else spec.resolved_depth()
+        if same and method == "chain":  # each pass accepts the whole chain, then the bonus
+            assert got.accept_lengths[:-1] == [deepest] * (len(got.accept_lengths) - 1)
+        elif same:  # the N best nodes need not reach the deepest level, but the argmax path is deep
+            assert min(got.accept_lengths[:-1]) >= 2 and max(got.accept_lengths) == deepest
+
+
 def _bundled(kind: str = "block"):
     from tandem.runtime.pair import BUNDLED_TARGET, load_pair
 
@@ -128,6 +150,21 @@ def test_resident_loop_accepts_what_the_host_loop_accepts(kind, method, spec):
         assert b.token_ids == want == a.token_ids
         assert b.accept_lengths == a.accept_lengths
         assert b.tau > 1.5  # the drafter's proposals were accepted: the tree path was exercised
+
+
+@pytest.mark.parametrize("method,spec", [("chain", SpecConfig(k=5)), ("tree", SpecConfig(nodes=32, width=4))])
+def test_resident_loop_with_the_bundled_draft_model_equals_ar(method, spec):
+    """The bundled small draft model in the resident loop: its tree is EAGLE-2's level tree, not
+    the host loop's best-first rounds, so only the tokens (equal to ar) and the depth of its
+    accepts are compared."""
+    pair = _bundled("draft")
+    host = Generator(pair.target, pair.draft, use_graphs=False, resident=False)
+    res = Generator(pair.target, pair.draft, use_graphs=False, resident=True)
+    g = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    p = pair.tokenizer.encode("import numpy as np\n\ndef mean(xs):\n    ").ids
+    got = res.generate(p, method, spec, gen=g)
+    assert got.loop == "resident" and got.token_ids == host.generate(p, "ar", gen=g).token_ids
+    assert got.tau > 1.5
 
 
 def test_resident_streams_and_stops_like_the_host_loop(monkeypatch):
@@ -165,7 +202,7 @@ def test_resident_is_off_on_the_cpu_by_default_and_for_replay(tiny, monkeypatch)
     assert on._resident("tree", SamplingConfig(), None) and on._resident("ar", SamplingConfig(), None)
     assert on._resident("tree", SamplingConfig(temperature=0.8), None)  # sampling: the sampled walk
     assert not on._resident("tree", SamplingConfig(), [1, 2])  # acceptance replay: the host loop
-    assert not Generator(target, tiny_model(seed=4), resident=True)._resident("tree", SamplingConfig(), None)
+    assert Generator(target, tiny_model(seed=4), resident=True)._resident("tree", SamplingConfig(), None)  # a draft model
     np.testing.assert_equal(on._resident("async", SamplingConfig(), None), False)
 
 
@@ -225,9 +262,11 @@ def test_the_eagle3_and_sampled_resident_loops_run_on_cuda_only_when_asked(monke
     assert G.Generator(target, block)._resident("tree", greedy, None)
     assert not G.Generator(target, head)._resident("tree", greedy, None)
     assert G.Generator(target, head)._resident("ar", greedy, None)
+    assert not G.Generator(target, tiny_model(seed=4))._resident("tree", greedy, None)  # a draft model: opt-in
     assert not G.Generator(target, block)._resident("tree", SamplingConfig(temperature=0.7), None)  # opt-in
     monkeypatch.setenv("TANDEM_RESIDENT", "1")
     assert G.Generator(target, head)._resident("tree", greedy, None)
+    assert G.Generator(target, tiny_model(seed=4))._resident("tree", greedy, None)
     assert G.Generator(target, block)._resident("tree", SamplingConfig(temperature=0.7), None)
     monkeypatch.setenv("TANDEM_RESIDENT", "0")
     assert not G.Generator(target, block)._resident("tree", greedy, None)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tandem.kernels.resident import topk_logprobs
+
 from tandem.runtime.runner import ModelRunner
 
 
@@ -34,12 +36,9 @@ SCORE_FLOOR = -1e30
 
 
 def top_children(logits: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The w most probable next tokens and their log-probs, per row of logits [..., vocab]: top-k
-    of the logits minus their logsumexp (log_softmax's values without writing and re-reading a
-    [..., vocab] tensor)."""
-    lf = logits.float()
-    top, tok = lf.topk(w, dim=-1)  # [..., w] each
-    return top - torch.logsumexp(lf, dim=-1, keepdim=True), tok
+    """The w most probable next tokens and their log-probs, per row of logits [..., vocab]
+    (tandem.kernels.resident.topk_logprobs: one Triton program per row on CUDA)."""
+    return topk_logprobs(logits, w)
 
 
 class DeviceRounds:

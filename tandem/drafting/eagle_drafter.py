@@ -40,14 +40,15 @@ class HeadLevels:
     base(d) + s * w + j. The s-th fed node of level d writes tree row (d - 1) * w + s.
     """
 
-    def __init__(self, runner: ModelRunner, width: int, depth: int):
-        self.runner, self.model = runner, runner.model
+    def __init__(self, runner: ModelRunner, width: int, depth: int, model=None):
+        # model: what the levels call (an Eagle3Head, or a small draft seen as one: DraftAsHead)
+        self.runner, self.model = runner, runner.model if model is None else model
         self.w, self.depth = width, depth
         self.passes = depth - 1  # head passes (the last level is never fed)
         self.nodes = width + self.passes * width * width
         self.rows = max(1, self.passes * width)  # tree-region rows
-        dev, H = runner.device, self.model.config.hidden_size
-        self.root_logits = torch.zeros(self.model.econfig.draft_vocab_size, device=dev, dtype=self.model.dtype)
+        dev, H = runner.device, self.model.level_hidden_size
+        self.root_logits = torch.zeros(self.model.draft_vocab_size, device=dev, dtype=self.model.dtype)
         self.root_hidden = torch.zeros(H, device=dev, dtype=self.model.dtype)
         self.prefix = torch.zeros(1, dtype=torch.long, device=dev)  # the head's prefix length
         self.tok = torch.zeros(self.nodes, dtype=torch.long, device=dev)  # target ids
@@ -130,6 +131,27 @@ class HeadLevels:
         with torch.cuda.graph(graph, pool=self.runner.graph_pool(), stream=s):
             self._levels(width)
         self._graphs[width] = graph
+
+
+class DraftAsHead:
+    """A small draft model (a Transformer with the target's vocabulary) seen through the head's
+    level interface, so HeadLevels and the resident loop grow its EAGLE-2 tree the same way: a
+    level is the whole draft over the w fed nodes. It feeds no hidden state forward (width 0)."""
+
+    level_hidden_size = 0
+
+    def __init__(self, model):
+        self.model = model
+        self.draft_vocab_size = model.config.vocab_size
+        self.dtype = model.dtype
+
+    def layer(self, ids, hidden, positions, cache=None, slots=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, positions: [B, T] -> (logits [B, T, vocab], an empty hidden [B, T, 0])."""
+        logits = self.model(ids, positions, cache, slots, mask)
+        return logits, logits.new_zeros(*ids.shape, 0)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids  # one vocabulary
 
 
 def select_tree(host: np.ndarray, root: int, n: int) -> DraftTree:

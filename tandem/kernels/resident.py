@@ -157,6 +157,26 @@ def lattice(logits: torch.Tensor, root: torch.Tensor, u: torch.Tensor | None, v:
     return tok, cond
 
 
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] -> the k largest log-probs [..., k] float32 and their tokens [..., k]
+    int64, best first. On CUDA one program per row (the lattice's top-K kernel: the row's
+    logsumexp and k argmax sweeps) instead of a cast, a radix top-k, a logsumexp and a subtract
+    (~50 us at an 8k vocabulary, once per EAGLE level); rows wider than 16k stay on torch (one
+    program would not hold them in registers)."""
+    V = logits.shape[-1]
+    if not triton_enabled(logits) or _pow2(V) > 16384 or logits.stride(-1) != 1:
+        lf = logits.float()
+        top, tok = lf.topk(k, dim=-1)
+        return top - torch.logsumexp(lf, dim=-1, keepdim=True), tok
+    rows = logits.reshape(-1, V)  # a view: the leading dims of a contiguous row block
+    R = rows.shape[0]
+    tok = torch.empty(R, k, dtype=torch.long, device=logits.device)
+    lp = torch.empty(R, k, device=logits.device)
+    rest = torch.empty(R, device=logits.device)
+    _topk_kernel[(R,)](rows, rows.stride(0), tok, lp, rest, V, K=k, BLOCK_V=_pow2(V), num_warps=8)
+    return lp.view(*logits.shape[:-1], k), tok.view(*logits.shape[:-1], k)
+
+
 # ---- the tree --------------------------------------------------------------------------------
 def select_tree_ref(tok, root, scores, cands, pslots, nodes: int):
     """-> (tokens [M], parents [M], depth [M], ancestors [M, M] bool), M = nodes + 1."""
@@ -268,6 +288,9 @@ def sample_walk(probs: torch.Tensor, tree_tok: torch.Tensor, tree_par: torch.Ten
         return
     M, V = probs.shape
     _walk_kernel[(1,)](probs, V, tree_tok, tree_par, seed, out, M=M, MP=_pow2(M), BLOCK_V=_pow2(V), num_warps=8)
+    # NOTE: advanced here, not by the kernel: the kernel's own store of seed + 1 did not land on
+    # the H200 (Triton 3.6; the walk itself was right), and a separate add is one tiny kernel
+    seed.add_(1)
 
 
 if triton is not None:
@@ -475,4 +498,3 @@ if triton is not None:
                     last = tl.max(tl.where((p > 0) & vm, offs, 0), 0)  # rounding at the top end
                     tl.store(am_ptr + cur, tl.minimum(tok, last).to(tl.int64))
                     done = 1
-        tl.store(seed_ptr, seed + 1)

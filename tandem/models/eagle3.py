@@ -176,6 +176,15 @@ class Eagle3Head(nn.Module):
         return logits  # [B, T, draft_vocab]
 
     @property
+    def draft_vocab_size(self) -> int:
+        return self.econfig.draft_vocab_size
+
+    @property
+    def level_hidden_size(self) -> int:
+        """Width of the hidden state a level feeds its children (HeadLevels)."""
+        return self.config.hidden_size
+
+    @property
     def target_feature_layers(self) -> tuple[int, ...]:
         """The target layers whose features this head reads (Transformer.enable_features)."""
         return tuple(self.econfig.feature_layers)

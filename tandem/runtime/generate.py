@@ -106,22 +106,23 @@ class Generator:
 
     def _resident(self, method: str, sampling: SamplingConfig, forced_accepts) -> bool:
         """Whether this request runs the device-resident loop (tandem.runtime.resident): greedy
-        `ar`, and `chain` / `tree` with a block drafter or an EAGLE-3 head. By default on CUDA with
-        graphs for greedy `ar` and the block drafter (validated on the H200); the EAGLE-3 head's
-        loop and sampling (the walk's Triton kernel) are tested on the CPU only, so on CUDA they
-        run when asked (TANDEM_RESIDENT=1).
+        `ar`, and `chain` / `tree` with a block drafter, an EAGLE-3 head or a small draft model
+        (a plain Transformer). By default on CUDA with graphs for greedy `ar` and the block
+        drafter (validated on the H200); the head's and the draft model's loops and sampling (the
+        walk's Triton kernel) run there when asked (TANDEM_RESIDENT=1).
         `resident=True` forces it (tests run it on the CPU), TANDEM_RESIDENT=0 turns it off."""
         from tandem.models.block_drafter import BlockDrafter
         from tandem.models.eagle3 import Eagle3Head
+        from tandem.models.transformer import Transformer
 
         if forced_accepts is not None or self.certified_head or method not in ("ar", "chain", "tree"):
             return False
-        if method != "ar" and not isinstance(self.draft_model, (BlockDrafter, Eagle3Head)):
-            return False
+        if method != "ar" and type(self.draft_model) not in (BlockDrafter, Eagle3Head, Transformer):
+            return False  # (a hybrid draft's recurrent state cannot take tree rows)
         if self.resident is not None:
             return self.resident
         env = os.environ.get("TANDEM_RESIDENT", "")
-        unproven = (isinstance(self.draft_model, Eagle3Head) and method != "ar") or not sampling.greedy
+        unproven = (method != "ar" and not isinstance(self.draft_model, BlockDrafter)) or not sampling.greedy
         if env == "0" or (unproven and env != "1"):
             return False
         return (self.target_model.device.type == "cuda" and self.use_graphs is not False
@@ -133,7 +134,7 @@ class Generator:
 
         drafting = method != "ar"
         draft_model = self.draft_model if drafting else None
-        if draft_model is not None:  # before the target's graphs are captured: they must write the features
+        if hasattr(draft_model, "target_feature_layers"):  # before the target's graphs are captured: they must write the features
             self.target_model.enable_features(draft_model.target_feature_layers)
         # the caches hold the prompt, the new tokens and the steps queued past the end (rounded up,
         # so requests of other lengths reuse the runners and their captured graphs)

@@ -9,7 +9,9 @@ two CUDA graphs that read and write only device state:
                    step committed, each with the target features of the position before it)
                    and B - 1 mask rows -> the lattice -> the best-first tree over it
                    (tandem.drafting.device_tree) -> its ancestor mask;
-                   EAGLE-3 head: its context pass -> its EAGLE-2 levels -> the N best nodes
+                   EAGLE-3 head: its context pass -> its EAGLE-2 levels -> the N best nodes;
+                   small draft model: the same, each level a whole draft pass over the fed
+                   nodes (eagle_drafter.DraftAsHead)
     verify graph:  the target's pass over the tree -> the accept (greedy: a node is accepted
                    when it and all its ancestors match the target's argmax of their parent;
                    sampled: the rejection walk over the tree, tandem.kernels.resident) -> the
@@ -46,14 +48,19 @@ LAG = 2  # steps queued ahead of the one the host reads
 
 class ResidentLoop:
     """Device state and step graphs for one target runner and, for chain / tree, one drafter
-    runner (a block drafter's LatticeHead, or an EAGLE-3 head) and tree shape."""
+    runner (a block drafter's LatticeHead, an EAGLE-3 head or a small draft model) and tree shape."""
 
     def __init__(self, target: ModelRunner, draft: ModelRunner | None = None, spec: SpecConfig | None = None,
                  chain: bool = False):
         self.t, self.d, self.chain = target, draft, chain
         dev = target.device
         lng = dict(dtype=torch.long, device=dev)
-        self.kind = "ar" if draft is None else ("block" if hasattr(draft.model, "drafter") else "eagle3")
+        if draft is None:
+            self.kind = "ar"
+        elif hasattr(draft.model, "drafter"):
+            self.kind = "block"
+        else:  # an EAGLE-3 head, or a small draft model grown level by level like one
+            self.kind = "eagle3" if hasattr(draft.model, "econfig") else "draft"
         if self.kind == "block":
             self.drafter = draft.model.drafter  # the BlockDrafter behind its LatticeHead
             cfg = self.drafter.bconfig
@@ -64,12 +71,13 @@ class ResidentLoop:
             self.T = self.pmax + self.B - 1  # rows of a draft pass: context, then B - 1 mask rows
             self.mask_ids = torch.full((self.B - 1,), self.drafter.mask_id, **lng)
             feature_size = cfg.feature_size
-        elif self.kind == "eagle3":
-            from tandem.drafting.eagle_drafter import HeadLevels
+        elif self.kind in ("eagle3", "draft"):
+            from tandem.drafting.eagle_drafter import DraftAsHead, HeadLevels
 
-            self.drafter = draft.model  # the Eagle3Head
+            # the Eagle3Head, or the draft model behind the same level interface
+            self.drafter = draft.model if self.kind == "eagle3" else DraftAsHead(draft.model)
             width, depth = (1, spec.k) if chain else (spec.width, spec.resolved_depth())
-            self.levels = HeadLevels(draft, width, depth)  # its level buffers, run inside the draft graph
+            self.levels = HeadLevels(draft, width, depth, self.drafter)  # level buffers, run inside the draft graph
             self.B = depth  # the deepest node
             self.pmax = depth + 1
             nodes = self.levels.nodes if chain else min(spec.nodes, self.levels.nodes)
@@ -77,11 +85,12 @@ class ResidentLoop:
             # the depth of each level node (layout: tandem.drafting.eagle_drafter.HeadLevels)
             d = [1] * width + [2 + (i // (width * width)) for i in range(self.levels.nodes - width)]
             self.level_depth = torch.tensor(d, **lng)
-            feature_size = 3 * self.drafter.econfig.target_hidden_size
+            # (a draft model reads no target features: one unused column keeps the buffers uniform)
+            feature_size = 3 * self.drafter.econfig.target_hidden_size if self.kind == "eagle3" else 1
         else:
             self.B, self.pmax, self.T, nodes = 0, 1, 0, 0
         # drafter cache rows one draft pass writes past its prefix (context, mask rows, tree rows)
-        self.draft_rows = self.T + (self.levels.rows if self.kind == "eagle3" else 0)
+        self.draft_rows = self.T + (self.levels.rows if self.kind in ("eagle3", "draft") else 0)
         if draft is not None:
             self.rows_T = torch.arange(self.T, **lng)
             self.ctx_feat = torch.zeros(self.pmax, feature_size, device=dev, dtype=target.model.dtype)  # [pmax, F]
@@ -130,8 +139,8 @@ class ResidentLoop:
 
     # ---- the step's two bodies --------------------------------------------------------------
     def _draft_body(self, width: int) -> None:
-        if self.kind == "eagle3":
-            self._draft_eagle(width)
+        if self.kind in ("eagle3", "draft"):
+            self._draft_levels(width)
         else:
             self._draft_block(width)
 
@@ -146,11 +155,12 @@ class ResidentLoop:
         see = torch.where(real[:, None], (rel < 0) | (rel <= q[:, None]), cols[None, :] == 0)  # [T, W] causal
         return pre + q.clamp(min=0), torch.where(real, pre + q, self.d.scratch), see
 
-    def _draft_eagle(self, width: int) -> None:
+    def _draft_levels(self, width: int) -> None:
         head, lv, P = self.drafter, self.levels, self.P
         pos, slots, see = self._context_view(width)
-        # row i reads fc(target features of position i - 1) (EagleDrafter's context pass)
-        logits, out = head.layer(self.ctx_tok[None], head.project(self.ctx_feat)[None], pos[None], self.d.cache,
+        # a head's row i reads fc(target features of position i - 1) (EagleDrafter's context pass)
+        hidden = head.project(self.ctx_feat)[None] if self.kind == "eagle3" else None
+        logits, out = head.layer(self.ctx_tok[None], hidden, pos[None], self.d.cache,
                                  slots[None], see[None, None])  # [1, pmax, V_draft], [1, pmax, H]
         lv.root_logits.copy_(logits[0, -1])
         lv.root_hidden.copy_(out[0, -1])
@@ -216,9 +226,10 @@ class ResidentLoop:
                       "P": self.P, "rec": self.rec})
         kv = self.t.cache.kv  # [2, layers, 1, kv_heads, rows, D]: the path's rows to the prefix end
         kv.index_copy_(4, self.kv_dst, kv.index_select(4, self.kv_src))
-        # each context token's target features are those of the node before it
-        # (ctx_feat has the target's dtype: the features land without a cast)
-        torch.index_select(model.last_features[0], 0, self.node, out=self.ctx_feat)
+        if self.kind != "draft":
+            # each context token's target features are those of the node before it
+            # (ctx_feat has the target's dtype: the features land without a cast)
+            torch.index_select(model.last_features[0], 0, self.node, out=self.ctx_feat)
 
     def _next(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [M, V] -> [M] the token after each node: the argmax (greedy), or the tokens the
@@ -269,7 +280,7 @@ class ResidentLoop:
         drafter reads the features of position i - 1; row 0 reads zeros)."""
         runner = self.d
         feats = torch.zeros(len(prompt), self.ctx_feat.shape[1], device=self.ctx_feat.device, dtype=self.ctx_feat.dtype)
-        if features is not None and len(prompt) > 1:
+        if features is not None and len(prompt) > 1 and self.kind != "draft":  # (a draft model reads none)
             feats[1:] = features[-(len(prompt) - 1):]
         runner.cache.truncate(0)
         done = 0
@@ -278,7 +289,7 @@ class ResidentLoop:
             part, start = feats[done:done + c], runner.cache.prefix_len
             if self.kind == "block":
                 self.drafter.feature_in[0, :c].copy_(part)
-            else:
+            elif self.kind == "eagle3":
                 self.drafter.set_hidden(self.drafter.project(part))
             runner.step(prompt[done:done + c], list(range(start, start + c)), torch.ones(c, c, dtype=torch.bool).tril())
             runner.cache.commit(list(range(c)))

