@@ -257,6 +257,27 @@ def test_acceptance_replay_times_methods_at_preset_shapes_with_the_recorded_acce
             assert r["accept_lengths"] == rec["accept_lengths"]
 
 
+def test_replay_with_an_eagle3_head_of_a_preset_shape(tiny_pair, tmp_path, capsys):
+    """--draft-preset eagle3-...: a random EAGLE-3 head (reduced vocabulary, the target's features)
+    drafts at the preset's shape; a chain of k replays the recorded accepts exactly."""
+    trace_dir, out = tmp_path / "trace", tmp_path / "replay"
+    rc = cli.main(["bench", *_pair_args(tiny_pair, prefer_bundled=True), "--workload", str(_prompts_file(tmp_path)),
+                   "--num-prompts", "1", "--max-new-tokens", "16", "--methods", "ar,chain,tree", "--k", "3",
+                   "--nodes", "8", "--warmup", "0", "--no-plots", "--out", str(trace_dir)])
+    assert rc == 0, capsys.readouterr().err
+    rc = cli.main(["bench", "--preset", "tiny", "--draft-preset", "eagle3-tiny", "--replay",
+                   str(trace_dir / "results.json"), "--methods", "ar,chain,tree", "--no-plots", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["draft_preset"] == "eagle3-tiny" and "simulated acceptance" in res["acceptance"]
+    recorded = {(r["method"], r["prompt_index"]): r for r in json.loads((trace_dir / "results.json").read_text())["requests"]}
+    chains = [r for r in res["requests"] if r["method"] == "chain"]
+    assert chains and all(r["accept_lengths"] == recorded[("chain", r["prompt_index"])]["accept_lengths"] for r in chains)
+    assert cli.main(["bench", "--preset", "tiny", "--draft-preset", "eagle3-huge", "--replay",
+                     str(trace_dir / "results.json"), "--out", str(out)]) == 2
+    assert "unknown preset 'eagle3-huge'" in capsys.readouterr().err
+
+
 def test_replay_needs_a_preset_and_a_real_trace(tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text("{}")

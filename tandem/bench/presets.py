@@ -60,6 +60,43 @@ def random_model(name_or_cfg: str | ModelConfig, device: str | torch.device = "c
     return model.eval().requires_grad_(False)
 
 
+# EAGLE-3 heads of published shapes, for the target preset they were trained on: (target preset,
+# draft vocabulary). The layer is the target's width (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B:
+# hidden 4096, intermediate 14336, 32 / 8 heads, draft_vocab_size 32000).
+EAGLE3_PRESETS: dict[str, tuple[str, int]] = {"eagle3-llama3.1-8b": ("llama3-8b", 32000),
+                                              "eagle3-tiny": ("tiny", 256)}
+
+
+def random_eagle3(name: str, target, device: str | torch.device = "cpu", dtype=torch.bfloat16, seed: int = 1):
+    """An EAGLE-3 head of a preset's shape with N(0, 0.02) weights for `target` (sharing its
+    embeddings; a random d2t onto distinct target ids), built directly on `device` in `dtype`."""
+    import dataclasses
+
+    from tandem.models.eagle3 import Eagle3Config, Eagle3Head
+    from tandem.models.layers import rope_inv_freq
+    from tandem.models.transformer import default_feature_layers
+
+    if name not in EAGLE3_PRESETS:
+        raise ConfigError(f"unknown EAGLE-3 preset {name!r}; choose one of {', '.join(EAGLE3_PRESETS)}")
+    tc = target.config
+    draft_vocab = min(EAGLE3_PRESETS[name][1], tc.vocab_size)
+    cfg = Eagle3Config(llama=dataclasses.replace(tc, num_hidden_layers=1), draft_vocab_size=draft_vocab,
+                       target_hidden_size=tc.hidden_size, feature_layers=default_feature_layers(tc.num_hidden_layers))
+    with torch.device("meta"):
+        head = Eagle3Head(cfg, target.model.embed_tokens)
+    head = head.to(dtype).to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in head.named_parameters():
+            p.fill_(1.0) if "norm" in pname else p.normal_(0.0, 0.02, generator=g)
+        ids = torch.randperm(tc.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values
+        head.d2t = (ids - torch.arange(draft_vocab)).to(device)
+    head.inv_freq = rope_inv_freq(cfg.llama).to(device)
+    head.hidden_in = torch.zeros(1, 256, cfg.hidden_size, device=device, dtype=dtype)
+    head.hidden_out = torch.zeros(1, 256, cfg.hidden_size, device=device, dtype=dtype)
+    return head.eval().requires_grad_(False)
+
+
 # The natural small draft for each target preset (the same tokenizer family where one exists).
 DEFAULT_DRAFT = {"llama3-8b": "llama3.2-1b", "qwen2.5-7b": "qwen2.5-0.5b", "llama3.2-1b": "tiny",
                  "qwen2.5-0.5b": "tiny", "tiny": "tiny"}

@@ -36,7 +36,7 @@ def run_replay(args) -> int:
     from tandem.bench.env import environment
     from tandem.bench.harness import (REFERENCE, Request, markdown_table, speedups, summarize_method, timeline_of,
                                       write_outputs)
-    from tandem.bench.presets import DEFAULT_DRAFT, PRESETS, random_model
+    from tandem.bench.presets import DEFAULT_DRAFT, EAGLE3_PRESETS, PRESETS, random_eagle3, random_model
     from tandem.models.loader import resolve_dtype
     from tandem.runtime.generate import Generator
     from tandem.runtime.pair import resolve_device
@@ -44,8 +44,9 @@ def run_replay(args) -> int:
     if not args.preset:
         raise ConfigError("--replay needs --preset NAME (the shapes to time), e.g. --preset llama3-8b")
     for name in (args.preset, args.draft_preset):
-        if name is not None and name not in PRESETS:
-            raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        if name is not None and name not in PRESETS and (name != args.draft_preset or name not in EAGLE3_PRESETS):
+            raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}"
+                              + (f" (drafts also: {', '.join(EAGLE3_PRESETS)})" if name == args.draft_preset else ""))
     trace = load_trace(args.replay)
     draft_preset = args.draft_preset or DEFAULT_DRAFT[args.preset]
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
@@ -61,13 +62,18 @@ def run_replay(args) -> int:
     prompt_len = {p["index"]: p["prompt_tokens"] for p in trace.get("prompts", [])}
 
     target = random_model(args.preset, device, dtype, seed=0)
-    draft = random_model(draft_preset, device, dtype, seed=1)
+    if draft_preset in EAGLE3_PRESETS:
+        draft = random_eagle3(draft_preset, target, device, dtype, seed=1)
+        final_norm = draft.norm
+    else:
+        draft = random_model(draft_preset, device, dtype, seed=1)
+        final_norm = draft.model.norm
     with torch.no_grad():
         # NOTE: a random draft's next-token distributions are nearly flat, so best-first trees stay
         # shallow and a recorded accept count of 7 would not fit in them. Sharpening its output
         # (final-norm gain, which leaves tied embeddings alone) makes them peaked like a trained
         # draft's; the replayed tau is reported beside the trace's so any shortfall shows.
-        draft.model.norm.weight.mul_(SHARPEN)
+        final_norm.weight.mul_(SHARPEN)
     engine = Generator(target, draft)
     g = torch.Generator().manual_seed(0)
     vocab = min(target.config.vocab_size, draft.config.vocab_size)
