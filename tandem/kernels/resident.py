@@ -288,9 +288,6 @@ def sample_walk(probs: torch.Tensor, tree_tok: torch.Tensor, tree_par: torch.Ten
         return
     M, V = probs.shape
     _walk_kernel[(1,)](probs, V, tree_tok, tree_par, seed, out, M=M, MP=_pow2(M), BLOCK_V=_pow2(V), num_warps=8)
-    # NOTE: advanced here, not by the kernel: the kernel's own store of seed + 1 did not land on
-    # the H200 (Triton 3.6; the walk itself was right), and a separate add is one tiny kernel
-    seed.add_(1)
 
 
 if triton is not None:
@@ -498,3 +495,4 @@ if triton is not None:
                     last = tl.max(tl.where((p > 0) & vm, offs, 0), 0)  # rounding at the top end
                     tl.store(am_ptr + cur, tl.minimum(tok, last).to(tl.int64))
                     done = 1
+        tl.store(seed_ptr, seed + 1)

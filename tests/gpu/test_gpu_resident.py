@@ -73,10 +73,13 @@ def test_resident_loop_matches_an_uncached_forward_and_the_host_loop(device, kin
 
 
 @pytest.mark.parametrize("device", [cuda("cuda", id="cuda")])
+@torch.no_grad()  # the kernels have no backward: with grad enabled the references would run
 def test_resident_kernels_equal_their_references(device):
     """The Triton lattice, tree selection and accept of the resident step against their torch
     references (random lattices, trees and target outputs; fp32)."""
     from tandem.kernels import resident as kr
+
+    assert kr.triton_enabled(torch.zeros(1, device=device)), "the Triton path must be the one tested"
 
     g = torch.Generator().manual_seed(0)
     B, V, K, R = 16, 8192, 16, 64
@@ -145,12 +148,14 @@ def test_resident_kernels_equal_their_references(device):
 
 
 @pytest.mark.parametrize("device", [cuda("cuda", id="cuda")])
+@torch.no_grad()
 def test_the_sampled_walk_kernel_follows_the_target(device):
     """The Triton walk: point masses give the determined path; with random distributions the first
     committed token follows the root's distribution whatever the children (lossless), and each
     call draws anew (the seed advances)."""
     from tandem.kernels import resident as kr
 
+    assert kr.triton_enabled(torch.zeros(1, device=device))
     tok = torch.tensor([7, 3, 5, 1, 2], device=device)
     par = torch.tensor([-1, 0, 0, 1, 3], device=device)
     V = 16
