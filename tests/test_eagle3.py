@@ -278,3 +278,61 @@ def test_greedy_output_equals_ar_with_cuda_graphs(tmp_path, method, spec):
     g = GenerationConfig(max_new_tokens=60, ignore_eos=True)
     for p in ([1, 5, 9, 2], [7], list(range(3, 90)), list(range(2, 300))):  # widths 256 and 512
         assert gen.generate(p, method, spec, gen=g).token_ids == ar.generate(p, "ar", gen=g).token_ids
+
+
+@pytest.mark.parametrize("width,depth", [(2, 4), (3, 3), (1, 5)])
+def test_levels_equal_eagle2_expanded_path_by_path_without_a_cache(tmp_path, width, depth):
+    """HeadLevels (one batched pass per level through the KV cache, the glue of
+    kernels.resident.level_step) against EAGLE-2's expansion written out plainly: each fed
+    node's logits recomputed without a cache over the context rows and its own path, each row
+    reading its parent's output hidden; children = top-w by log-prob; the w best new nodes fed."""
+    from tandem.drafting.eagle_drafter import HeadLevels
+
+    target = tiny_model(seed=3)
+    write_head(tmp_path / "head", target, draft_vocab=64)
+    head = load_eagle3(tmp_path / "head", target, "cpu", torch.float32)
+    with torch.no_grad():
+        head.lm_head.weight.mul_(8.0)  # peaked, like a trained head's (no near-ties)
+    torch.manual_seed(2)
+    T = 6
+    ctx = torch.randint(0, 96, (T,))
+    ctx_hidden = torch.randn(T, H)
+
+    def plain(ids: list[int], hiddens: list[torch.Tensor]):  # the context, then a path; causal, no cache
+        n = T + len(ids)
+        x = torch.cat([ctx, torch.tensor(ids, dtype=torch.long)])
+        h = torch.cat([ctx_hidden] + [t[None] for t in hiddens])
+        logits, out = head.layer(x[None], h[None], torch.arange(n)[None])
+        return torch.log_softmax(logits[0, -1].float(), -1), out[0, -1]
+
+    # the plain expansion: node = (token, parent index, cumulative lp, output hidden, path ids, path hiddens)
+    root_lp, root_out = plain([], [])
+    nodes = []
+    lp, d = root_lp.topk(width)
+    for v, i in zip(lp.tolist(), d.tolist()):
+        nodes.append((int(head.to_target(torch.tensor(i))), -1, v, None, [], []))
+    new = list(range(width))
+    for level in range(1, depth):
+        fed = sorted(new, key=lambda n: (-nodes[n][2], n))[:width]
+        new = []
+        for n in fed:
+            tok, _, lpn, _, path, hs = nodes[n]
+            parent_out = root_out if not path else nodes[nodes[n][1]][3]
+            ids, hid = path + [tok], hs + [parent_out]
+            clp, out = plain(ids, hid)
+            nodes[n] = (tok, nodes[n][1], lpn, out, path, hs)
+            lp, d = clp.topk(width)
+            for v, i in zip(lp.tolist(), d.tolist()):
+                new.append(len(nodes))
+                nodes.append((int(head.to_target(torch.tensor(i))), n, lpn + v, None, ids, hid))
+    # HeadLevels through the runner: the context rows in the cache, then the levels
+    runner = ModelRunner(head, 64, use_graphs=False)
+    head.set_hidden(ctx_hidden)
+    logits = runner.step(ctx.tolist(), list(range(T)), torch.ones(T, T, dtype=torch.bool).tril())
+    runner.cache.commit(list(range(T)))
+    levels = HeadLevels(runner, width, depth)
+    host = levels.run(logits[T - 1], head.hidden_out[0, T - 1], T)
+    assert host.shape[1] == len(nodes)
+    assert host[0].astype(int).tolist() == [n[0] for n in nodes]
+    assert host[1].astype(int).tolist() == [n[1] for n in nodes]
+    np.testing.assert_allclose(host[2], [n[2] for n in nodes], rtol=1e-4, atol=1e-4)

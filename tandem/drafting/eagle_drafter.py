@@ -25,6 +25,7 @@ import torch
 
 from tandem.config import SpecConfig
 from tandem.drafting.device_rounds import top_children
+from tandem.kernels.resident import level_step
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree
 from tandem.verify.verifier import VerifyResult
@@ -55,6 +56,9 @@ class HeadLevels:
         self.par = torch.zeros(self.nodes, dtype=torch.long, device=dev)  # parent node, -1 the root
         self.lp = torch.zeros(self.nodes, dtype=torch.float32, device=dev)  # cumulative log-prob
         self.anc = torch.zeros(self.rows, self.rows, dtype=torch.bool, device=dev)  # [R, R] row ancestry
+        self.fed = torch.zeros(width, dtype=torch.long, device=dev)  # the nodes fed at the next level
+        self.ids = torch.zeros(width, dtype=torch.long, device=dev)  # their target ids
+        self.src = torch.zeros(width, dtype=torch.long, device=dev)  # their parents' slots (hidden rows)
         # [3, nodes] tok, par, lp: the one read back. NOTE: a static buffer that every captured
         # width writes (a tensor allocated inside a capture would be that graph's alone)
         self.out = torch.zeros(3, self.nodes, dtype=torch.float64, device=dev)
@@ -81,40 +85,28 @@ class HeadLevels:
         return self.out.cpu().numpy()
 
     def _levels(self, width: int) -> None:
-        w, dev, model, cache = self.w, self.tok.device, self.model, self.runner.cache
+        """All levels at this attention width. Per level: the head's pass over the w fed nodes,
+        their top-w children (one Triton program per row on CUDA) and the glue
+        (tandem.kernels.resident.level_step: the new nodes, the next fed nodes, their ancestry
+        and the next mask; one program on CUDA)."""
+        w, model, cache = self.w, self.model, self.runner.cache
         prefix = self.prefix  # [1]
-        ar = torch.arange(w, device=dev)
-        lp1, d1 = top_children(self.root_logits, w)  # [w] each
-        self.tok[:w] = model.to_target(d1)
-        self.par[:w] = -1
-        self.lp[:w] = lp1
-        self.anc.zero_()
-        cols = torch.arange(width, device=dev)  # [width] cache columns
-        tcol = cols - prefix  # tree-region column, < 0 in the prefix
-        in_tree = (tcol >= 0) & (tcol < self.rows)
-        tcol = tcol.clamp(0, self.rows - 1).expand(w, width)
-        fed = ar  # [w] nodes fed at this level
-        hidden = self.root_hidden.expand(w, -1)  # [w, H] their hidden input (the parent's output)
-        prow = None  # [w] their parents' tree rows (None: the root, in the prefix)
+        # positions and cache slots of every level's rows (level d: position prefix - 1 + d)
+        pos = (prefix - 1) + torch.arange(1, self.depth, device=prefix.device)  # [passes]
+        slots = (prefix + torch.arange(self.passes * w, device=prefix.device)).view(self.passes, w)  # [passes, w]
+        lp1, d1 = top_children(self.root_logits[None], w)  # [1, w] each
+        mask = level_step(d1, lp1, model.d2t, self.tok, self.par, self.lp, self.fed, self.ids, self.src, self.anc,
+                          prefix, 0, width, self.depth > 1)
+        hidden = self.root_hidden[None].index_select(0, self.src)  # [w, H] (every level-1 node reads the root's)
         for d in range(1, self.depth):
-            rows = (d - 1) * w + ar  # [w]
-            a = torch.zeros(w, self.rows, dtype=torch.bool, device=dev) if prow is None else self.anc[prow]
-            a.scatter_(1, rows[:, None], True)
-            self.anc.index_copy_(0, rows, a)
-            mask = (a.gather(1, tcol) & in_tree) | (cols < prefix)  # [w, width]
-            logits, out = model.layer(self.tok[fed][None], hidden[None], (prefix - 1 + d).expand(1, w),
-                                      cache, (prefix + rows)[None], mask[None, None])
+            logits, out = model.layer(self.ids[None], hidden[None], pos[d - 1:d].expand(1, w), cache,
+                                      slots[d - 1][None], mask[None, None])  # [1, w, V], [1, w, H]
             clp, cd = top_children(logits[0], w)  # [w, w] each
-            base = w + (d - 1) * w * w
-            new = slice(base, base + w * w)
-            self.tok[new] = model.to_target(cd).reshape(-1)
-            self.par[new] = fed[:, None].expand(w, w).reshape(-1)
-            self.lp[new] = (self.lp[fed][:, None] + clp).reshape(-1)
-            if d + 1 < self.depth:  # the w best new nodes are fed next
-                pick = self.lp[new].topk(w).indices  # [w] in 0 .. w * w
-                fed = base + pick
-                hidden = out[0][pick // w]
-                prow = rows[pick // w]
+            prep = d + 1 < self.depth
+            mask = level_step(cd, clp, model.d2t, self.tok, self.par, self.lp, self.fed, self.ids, self.src,
+                              self.anc, prefix, d, width, prep)
+            if prep:
+                hidden = out[0].index_select(0, self.src)  # [w, H] each fed node reads its parent's output
         self.out[0].copy_(self.tok)
         self.out[1].copy_(self.par)
         self.out[2].copy_(self.lp)
@@ -144,14 +136,13 @@ class DraftAsHead:
         self.model = model
         self.draft_vocab_size = model.config.vocab_size
         self.dtype = model.dtype
+        self.d2t = torch.zeros(self.draft_vocab_size, dtype=torch.long, device=model.device)  # one vocabulary
 
     def layer(self, ids, hidden, positions, cache=None, slots=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids, positions: [B, T] -> (logits [B, T, vocab], an empty hidden [B, T, 0])."""
         logits = self.model(ids, positions, cache, slots, mask)
         return logits, logits.new_zeros(*ids.shape, 0)
 
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids  # one vocabulary
 
 
 def select_tree(host: np.ndarray, root: int, n: int) -> DraftTree:

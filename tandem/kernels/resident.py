@@ -199,6 +199,57 @@ def select_tree_fused(tok, root, scores, cands, pslots, nodes: int, out: tuple[t
                          K=tok.shape[1], N=nodes, NP=_pow2(nodes), MP=_pow2(nodes + 1), BWP=_pow2(B * W), MAXD=B)
 
 
+# ---- the EAGLE-2 levels (tandem.drafting.eagle_drafter.HeadLevels) ----------------------------
+def level_step_ref(ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, prefix, d: int, width: int,
+                   prep: bool) -> torch.Tensor | None:
+    """The glue after level d's pass (d = 0: after the root's logits), in place. HeadLevels
+    explains the node layout. ctok, clp: [P, W] the top-W children (draft ids) and their
+    log-probs of the P = 1 (d = 0) or W fed nodes `fed`; d2t maps draft ids to the target's.
+
+    Writes the new nodes' tok, par (-1: the root) and cumulative lp. With `prep`, picks the W
+    best new nodes (ties to the earlier node) as the next level's fed nodes and writes their ids,
+    `src` (each one's parent's slot among this level's fed: the hidden row it reads), their
+    ancestry rows in `anc` [R, R] (tree rows: the s-th node fed at level d + 1 has row d * W + s)
+    and returns the next pass's attention mask [W, width] (the head's prefix columns, then its
+    ancestors' tree rows)."""
+    P, W = ctok.shape
+    first = d == 0
+    base = 0 if first else W + (d - 1) * W * W
+    parent_lp = torch.zeros(P, device=lp.device) if first else lp[fed]  # [P]
+    new = slice(base, base + P * W)
+    tok[new] = (ctok + d2t[ctok]).reshape(-1)
+    par[new] = (torch.full((P,), -1, device=tok.device) if first else fed)[:, None].expand(P, W).reshape(-1)
+    lp[new] = (parent_lp[:, None] + clp.float()).reshape(-1)
+    if not prep:
+        return None
+    pick = key_index(score_keys(lp[new]).topk(W).values, P * W)  # [W] the best, ties to the earlier node
+    fed.copy_(base + pick)
+    ids.copy_(tok[fed])
+    src.copy_(pick // W)
+    R = anc.shape[0]
+    rows = d * W + torch.arange(W, device=anc.device)  # [W] the fed nodes' tree rows
+    a = torch.zeros(W, R, dtype=torch.bool, device=anc.device) if first else anc[(d - 1) * W + src]
+    a[torch.arange(W), rows] = True
+    anc[rows] = a
+    cols = torch.arange(width, device=anc.device)
+    t = cols - prefix  # [width] tree row of each cache column (< 0: the prefix)
+    inside = (t >= 0) & (t < R)
+    return (a[:, t.clamp(0, R - 1)] & inside) | (cols < prefix)  # [W, width]
+
+
+def level_step(ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, prefix, d: int, width: int,
+               prep: bool) -> torch.Tensor | None:
+    """level_step_ref; on CUDA one program (prefix: [1] long on the device)."""
+    if not triton_enabled(lp):
+        return level_step_ref(ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, prefix, d, width, prep)
+    P, W = ctok.shape
+    R = anc.shape[0]
+    mask = torch.empty(W, width, dtype=torch.bool, device=lp.device) if prep else anc
+    _level_kernel[(1,)](ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, mask, prefix, d, P=P, W=W,
+                        NP=_pow2(P * W), R=R, RP=_pow2(R), PREP=prep, WIDTH=width, BLOCK_C=256)
+    return mask if prep else None
+
+
 # ---- the accept ------------------------------------------------------------------------------
 def accept_ref(am, tree_tok, tree_par, tree_depth, anc, prefix, pmax: int):
     """am: [M] the target's argmax after each node; prefix: [1] -> (accepted 0-dim, bonus [1],
@@ -455,6 +506,50 @@ if triton is not None:
             tl.store(score_ptr + d * W + w, score)
             tl.store(cand_ptr + d * W + w, cand.to(tl.int64))
             tl.store(pslot_ptr + d * W + w, (idx // K).to(tl.int64))
+
+    @triton.jit
+    def _level_kernel(ctok_ptr, clp_ptr, d2t_ptr, tok_ptr, par_ptr, lp_ptr, fed_ptr, ids_ptr, src_ptr, anc_ptr,
+                      mask_ptr, prefix_ptr, d, P: tl.constexpr, W: tl.constexpr, NP: tl.constexpr,
+                      R: tl.constexpr, RP: tl.constexpr, PREP: tl.constexpr, WIDTH: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
+        i = tl.arange(0, NP)  # new node i = j * W + c: child c of fed slot j
+        live = i < P * W
+        j = i // W
+        first = d == 0
+        base = tl.where(first, 0, W + (d - 1) * W * W)
+        # read everything before writing: fed is overwritten below
+        fed_j = tl.load(fed_ptr + j, mask=live & (d > 0), other=-1)
+        plp = tl.load(lp_ptr + fed_j, mask=live & (d > 0), other=0.0)
+        c = tl.load(ctok_ptr + i, mask=live, other=0)
+        nt = c + tl.load(d2t_ptr + c, mask=live, other=0)
+        nl = plp + tl.load(clp_ptr + i, mask=live, other=0.0).to(tl.float32)
+        tl.store(tok_ptr + base + i, nt, mask=live)
+        tl.store(par_ptr + base + i, fed_j, mask=live)
+        tl.store(lp_ptr + base + i, nl, mask=live)
+        if PREP:
+            prefix = tl.load(prefix_ptr)
+            score = tl.where(live, nl, float("-inf"))
+            for s in tl.static_range(W):  # the W best new nodes, ties to the earlier one
+                best = tl.max(score, 0)
+                pick = tl.min(tl.where((score == best) & live, i, NP), 0)
+                score = tl.where(i == pick, float("-inf"), score)
+                slot = pick // W
+                tl.store(fed_ptr + s, base + pick)
+                tl.store(ids_ptr + s, tl.sum(tl.where(i == pick, nt, 0), 0))
+                tl.store(src_ptr + s, slot)
+                r = d * W + s  # its tree row
+                t = tl.arange(0, RP)
+                prow = (d - 1) * W + slot
+                a = tl.load(anc_ptr + prow * R + t, mask=(t < R) & (d > 0), other=0) != 0
+                a = a | (t == r)
+                tl.store(anc_ptr + r * R + t, a.to(tl.int1), mask=t < R)
+                for c0 in tl.static_range(0, WIDTH, BLOCK_C):  # (WIDTH: one of the runner's few buckets)
+                    col = c0 + tl.arange(0, BLOCK_C)
+                    tt = col - prefix
+                    inside = (tt >= 0) & (tt < R)
+                    up = tl.load(anc_ptr + prow * R + tt, mask=inside & (d > 0), other=0) != 0
+                    m = (col < prefix) | (inside & (up | (tt == r)))
+                    tl.store(mask_ptr + s * WIDTH + col, m.to(tl.int1), mask=col < WIDTH)
 
     @triton.jit
     def _walk_kernel(p_ptr, V, tok_ptr, par_ptr, seed_ptr, am_ptr, M: tl.constexpr, MP: tl.constexpr,

@@ -104,6 +104,26 @@ def test_resident_kernels_equal_their_references(device):
             torch.testing.assert_close(x.gather(-1, tk), x.gather(-1, ref.indices), atol=0, rtol=0)
             if dtype == torch.float32:
                 assert torch.equal(tk, ref.indices)
+    # the EAGLE-2 level glue (HeadLevels): every level of a few (w, depth) shapes, random state
+    for W, depth in ((4, 8), (2, 4), (1, 5)):
+        R, nodes_n = (depth - 1) * W, W + (depth - 1) * W * W
+        for d in range(depth):
+            P = 1 if d == 0 else W
+            lo = 0 if d <= 1 else W + (d - 2) * W * W
+            fed0 = (lo + torch.randperm(W if d <= 1 else W * W, generator=g)[:W]) if d else torch.zeros(W, dtype=torch.long)
+            state = [torch.randint(0, 100, (nodes_n,), generator=g), torch.randint(-1, 5, (nodes_n,), generator=g),
+                     torch.randn(nodes_n, generator=g), fed0, torch.zeros(W, dtype=torch.long),
+                     torch.zeros(W, dtype=torch.long), torch.rand(R, R, generator=g) < 0.3]
+            ctok, clp = torch.randint(0, 50, (P, W), generator=g), -3 * torch.rand(P, W, generator=g)
+            d2t = torch.randint(0, 20, (50,), generator=g)
+            outs = []
+            for fn in (kr.level_step_ref, kr.level_step):
+                st = [t.clone().to(device) for t in state]
+                m = fn(ctok.to(device), clp.to(device), d2t.to(device), *st, torch.tensor([37], device=device), d, 300,
+                       d + 1 < depth)
+                outs.append(st + [m])
+            for a, b in zip(*outs):
+                assert (a is None and b is None) or torch.equal(a, b) or torch.allclose(a, b), (W, depth, d)
     for nodes in (7, 32, 60):
         tok = torch.stack([torch.randperm(500, generator=g)[:K] for _ in range(B)]).to(device)
         cond = (torch.log_softmax(2 * torch.randn(B, K, K, generator=g), -1)).to(device)
