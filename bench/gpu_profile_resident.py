@@ -1,9 +1,9 @@
-"""Where the device-resident loop's step spends its GPU time (bundled pair + block drafter).
+"""Where the device-resident loop's step spends its GPU time (bundled pair + a drafter).
 
 Per graph (draft, verify): the mean replay time over 200 replays (CUDA events, the state
 restored before each), then a torch.profiler table of one eager run of each body: kernels
 by device time, and the kernel count (at this size a step is bound by kernel count, not work).
-    python bench/gpu_profile_resident.py [--dtype bfloat16] [--nodes 32]
+    TANDEM_RESIDENT=1 python bench/gpu_profile_resident.py [--kind block|eagle3|draft] [--dtype bfloat16] [--nodes 32]
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--nodes", type=int, default=32)
+    ap.add_argument("--kind", default="block", choices=["block", "eagle3", "draft"])
     a = ap.parse_args()
-    pair = load_pair(None, "block", "cuda", a.dtype)
+    pair = load_pair(None, a.kind, "cuda", a.dtype)
     gen = Generator(pair.target, pair.draft, pair.tokenizer)
     ids = pair.tokenizer.encode("def merge_sort(xs):\n    \"\"\"Sort a list.\"\"\"\n").ids
     g = GenerationConfig(max_new_tokens=128, ignore_eos=True)
@@ -31,8 +32,9 @@ def main() -> None:
         r = gen.generate(ids, m, spec, gen=g)
         print(f"{m}: {r.decode_tokens_per_s:.0f} tok/s, tau {r.tau:.2f}")
     target = gen._runners["target"]
-    for key in (("resident", a.nodes, False), ("resident", 8, True), ("resident", 0, False)):
-        loop = target.attached[key][1]
+    loops = [v[1] for k, v in target.attached.items() if isinstance(k, tuple) and k[0] == "resident"]
+    for loop in loops:
+        key = (loop.kind, "chain" if loop.chain else "tree", loop.M - 1)
         saved = [t.clone() for t in loop._state()]
         for (part, width), graph in sorted(loop._graphs.items()):
             times = []
