@@ -34,5 +34,5 @@ NP=5 bench fp32_eagle3 float32 mbpp eagle3 chain,tree
 NP=5 bench fp32_draft float32 mbpp draft tree
 NP=6 bench mbpp_eagle3_sampled bfloat16 mbpp eagle3 tree --temperature 0.7 --seed 1 --allow-mismatch
 echo "== peer: gpt-fast compiled AR (ms/token)"
-timeout 60 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
+timeout 90 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
 tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"
