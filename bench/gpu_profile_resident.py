@@ -3,7 +3,7 @@
 Per graph (draft, verify): the mean replay time over 200 replays (CUDA events, the state
 restored before each), then a torch.profiler table of one eager run of each body: kernels
 by device time, and the kernel count (at this size a step is bound by kernel count, not work).
-    TANDEM_RESIDENT=1 python bench/gpu_profile_resident.py [--kind block|eagle3|draft] [--dtype bfloat16] [--nodes 32]
+    python bench/gpu_profile_resident.py [--kind block|eagle3|draft] [--dtype bfloat16] [--nodes 32]
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def main() -> None:
     for loop in loops:
         key = (loop.kind, "chain" if loop.chain else "tree", loop.M - 1)
         saved = [t.clone() for t in loop._state()]
-        for (part, width), graph in sorted(loop._graphs.items()):
+        for (part, width, *_), graph in sorted(loop._graphs.items(), key=lambda kv: kv[0][:2]):
             times = []
             for _ in range(200):
                 for t, v in zip(loop._state(), saved):
@@ -50,7 +50,7 @@ def main() -> None:
             times.sort()
             print(f"{key} {part} width {width}: replay median {1e3 * times[100]:.1f} us")
         for part in ("draft", "verify") if loop.d is not None else ("verify",):
-            width = min(w for p, w in loop._graphs if p == part)
+            width = min(k[1] for k in loop._graphs if k[0] == part)
             body = loop._draft_body if part == "draft" else loop._verify_body
             with torch.no_grad():
                 for t, v in zip(loop._state(), saved):

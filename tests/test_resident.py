@@ -239,9 +239,9 @@ def test_resident_stops_at_the_context_window(tiny):
         assert res.generate(prompt, method, SpecConfig(k=4, nodes=12), gen=g).token_ids == want
 
 
-def test_the_eagle3_and_sampled_resident_loops_run_on_cuda_only_when_asked(monkeypatch, tmp_path):
-    """Not yet validated on a GPU, the EAGLE-3 head's resident loop and sampling are opt-in there
-    (TANDEM_RESIDENT=1); greedy ar and the block drafter are on by default."""
+def test_every_resident_path_is_on_by_default_on_cuda_and_off_when_asked(monkeypatch, tmp_path):
+    """Validated on the H200 (the GPU lane), every drafter's resident loop and sampling are on by
+    default there; TANDEM_RESIDENT=0 selects the host-driven loop."""
     from tandem.config import SamplingConfig
     from tandem.runtime import generate as G
 
@@ -257,19 +257,17 @@ def test_the_eagle3_and_sampled_resident_loops_run_on_cuda_only_when_asked(monke
         type = "cuda"
 
     monkeypatch.setattr(type(target), "device", property(lambda self: FakeCuda()))
-    greedy = SamplingConfig()
+    greedy, sampled = SamplingConfig(), SamplingConfig(temperature=0.7)
     monkeypatch.delenv("TANDEM_RESIDENT", raising=False)
-    assert G.Generator(target, block)._resident("tree", greedy, None)
-    assert not G.Generator(target, head)._resident("tree", greedy, None)
-    assert G.Generator(target, head)._resident("ar", greedy, None)
-    assert not G.Generator(target, tiny_model(seed=4))._resident("tree", greedy, None)  # a draft model: opt-in
-    assert not G.Generator(target, block)._resident("tree", SamplingConfig(temperature=0.7), None)  # opt-in
-    monkeypatch.setenv("TANDEM_RESIDENT", "1")
-    assert G.Generator(target, head)._resident("tree", greedy, None)
-    assert G.Generator(target, tiny_model(seed=4))._resident("tree", greedy, None)
-    assert G.Generator(target, block)._resident("tree", SamplingConfig(temperature=0.7), None)
+    for draft in (block, head, tiny_model(seed=4)):
+        for s in (greedy, sampled):
+            assert G.Generator(target, draft)._resident("tree", s, None)
+            assert G.Generator(target, draft)._resident("chain", s, None)
+        assert not G.Generator(target, draft, use_graphs=False)._resident("tree", greedy, None)  # graphs off
+    assert G.Generator(target, None)._resident("ar", greedy, None)
     monkeypatch.setenv("TANDEM_RESIDENT", "0")
     assert not G.Generator(target, block)._resident("tree", greedy, None)
+    assert not G.Generator(target, None)._resident("ar", greedy, None)
 
 
 @pytest.mark.parametrize("kind", ["block", "eagle3"])

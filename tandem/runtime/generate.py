@@ -107,10 +107,9 @@ class Generator:
     def _resident(self, method: str, sampling: SamplingConfig, forced_accepts) -> bool:
         """Whether this request runs the device-resident loop (tandem.runtime.resident): greedy
         `ar`, and `chain` / `tree` with a block drafter, an EAGLE-3 head or a small draft model
-        (a plain Transformer). By default on CUDA with graphs for greedy `ar` and the block
-        drafter (validated on the H200); the head's and the draft model's loops and sampling (the
-        walk's Triton kernel) run there when asked (TANDEM_RESIDENT=1).
-        `resident=True` forces it (tests run it on the CPU), TANDEM_RESIDENT=0 turns it off."""
+        (a plain Transformer), greedy or sampled: on by default on CUDA with graphs (each path
+        validated on the H200: tests/gpu/test_gpu_resident.py). `resident=True` forces it (tests
+        run it on the CPU), TANDEM_RESIDENT=0 turns it off (the host-driven loop)."""
         from tandem.models.block_drafter import BlockDrafter
         from tandem.models.eagle3 import Eagle3Head
         from tandem.models.transformer import Transformer
@@ -121,9 +120,7 @@ class Generator:
             return False  # (a hybrid draft's recurrent state cannot take tree rows)
         if self.resident is not None:
             return self.resident
-        env = os.environ.get("TANDEM_RESIDENT", "")
-        unproven = (method != "ar" and not isinstance(self.draft_model, BlockDrafter)) or not sampling.greedy
-        if env == "0" or (unproven and env != "1"):
+        if os.environ.get("TANDEM_RESIDENT", "") == "0":
             return False
         return (self.target_model.device.type == "cuda" and self.use_graphs is not False
                 and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0")
