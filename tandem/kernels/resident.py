@@ -245,8 +245,8 @@ def level_step(ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, prefix, d: int,
     P, W = ctok.shape
     R = anc.shape[0]
     mask = torch.empty(W, width, dtype=torch.bool, device=lp.device) if prep else anc
-    _level_kernel[(1,)](ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, mask, prefix, d, P=P, W=W,
-                        NP=_pow2(P * W), R=R, RP=_pow2(R), PREP=prep, WIDTH=width, BLOCK_C=256)
+    _level_kernel[(1,)](ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, mask, prefix, d, width, P=P, W=W,
+                        NP=_pow2(P * W), R=R, RP=_pow2(R), PREP=prep, BLOCK_C=256)
     return mask if prep else None
 
 
@@ -509,9 +509,8 @@ if triton is not None:
 
     @triton.jit
     def _level_kernel(ctok_ptr, clp_ptr, d2t_ptr, tok_ptr, par_ptr, lp_ptr, fed_ptr, ids_ptr, src_ptr, anc_ptr,
-                      mask_ptr, prefix_ptr, d, P: tl.constexpr, W: tl.constexpr, NP: tl.constexpr,
-                      R: tl.constexpr, RP: tl.constexpr, PREP: tl.constexpr, WIDTH: tl.constexpr,
-                      BLOCK_C: tl.constexpr):
+                      mask_ptr, prefix_ptr, d, width, P: tl.constexpr, W: tl.constexpr, NP: tl.constexpr,
+                      R: tl.constexpr, RP: tl.constexpr, PREP: tl.constexpr, BLOCK_C: tl.constexpr):
         i = tl.arange(0, NP)  # new node i = j * W + c: child c of fed slot j
         live = i < P * W
         j = i // W
@@ -543,13 +542,13 @@ if triton is not None:
                 a = tl.load(anc_ptr + prow * R + t, mask=(t < R) & (d > 0), other=0) != 0
                 a = a | (t == r)
                 tl.store(anc_ptr + r * R + t, a.to(tl.int1), mask=t < R)
-                for c0 in tl.static_range(0, WIDTH, BLOCK_C):  # (WIDTH: one of the runner's few buckets)
+                for c0 in range(0, width, BLOCK_C):
                     col = c0 + tl.arange(0, BLOCK_C)
                     tt = col - prefix
                     inside = (tt >= 0) & (tt < R)
                     up = tl.load(anc_ptr + prow * R + tt, mask=inside & (d > 0), other=0) != 0
                     m = (col < prefix) | (inside & (up | (tt == r)))
-                    tl.store(mask_ptr + s * WIDTH + col, m.to(tl.int1), mask=col < WIDTH)
+                    tl.store(mask_ptr + s * width + col, m.to(tl.int1), mask=col < width)
 
     @triton.jit
     def _walk_kernel(p_ptr, V, tok_ptr, par_ptr, seed_ptr, am_ptr, M: tl.constexpr, MP: tl.constexpr,

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.attention import cached_attention
 from tandem.kernels.fused import add_rmsnorm, rmsnorm_ref, rope_, silu_mul, triton_enabled
 
 if TYPE_CHECKING:
@@ -92,8 +93,9 @@ class Attention(nn.Module):
         else:
             # mask: [B, 1, T, S] additive (0 / -inf) or bool; S = cache columns attended
             k_all, v_all = cache.store(self.layer_idx, qkv, positions, inv_freq, H, slots, mask.shape[-1])
-            q = qkv[:, :, :H].transpose(1, 2)  # [B, H, T, D], rotated in place by store()
-            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=Hkv != H)
+            # q [B, T, H, D], rotated in place by store(); a few rows over the cache: one Triton
+            # kernel on CUDA (tandem.kernels.attention), SDPA otherwise
+            out = cached_attention(qkv[:, :, :H], k_all, v_all, mask).transpose(1, 2)  # [B, H, T, D]
         out = self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
         if self.tp_group is not None:  # tensor parallel: each rank holds some heads (tandem.parallel)
             dist.all_reduce(out, group=self.tp_group)

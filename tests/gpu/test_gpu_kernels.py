@@ -105,3 +105,27 @@ def test_rope_in_place(shape, rows, dtype):
     fused.rope_(got, positions, inv, H + Hk)
     assert rel_err(got[:, :, :H + Hk], fused.rope_ref(qkv[:, :, :H + Hk], positions, inv)) < TOL[dtype]
     assert torch.equal(got[:, :, H + Hk:], qkv[:, :, H + Hk:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cached_attention(shape, rows, dtype):
+    """tandem.kernels.attention: new rows over W cache columns under a boolean mask (a random
+    tree-like mask, and the broadcast [1, 1, 1, W] prefix mask of an AR step), GQA heads."""
+    from tandem.kernels import attention
+
+    cfg = SHAPES[shape]
+    H, Hkv, D, W = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 300
+    qkv = _randn(1, rows, H + 2 * Hkv, D, dtype=dtype, seed=1)
+    q = qkv[:, :, :H]  # strided, as the layer passes it
+    k = _randn(1, Hkv, W + 20, D, dtype=dtype, seed=2)[:, :, :W]
+    v = _randn(1, Hkv, W + 20, D, dtype=dtype, seed=3)[:, :, :W]
+    tree = torch.rand(1, 1, rows, W, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)) < 0.5
+    tree[..., 0] = True
+    for mask in (tree, torch.arange(W, device="cuda")[None, None, None] < 200):
+        assert attention.applies(q, k, mask) == (rows <= attention.MAX_ROWS)
+        got = attention.cached_attention(q, k, v, mask)
+        want = attention.cached_attention_ref(q, k, v, mask)
+        assert got.shape == want.shape == (1, rows, H, D)
+        assert rel_err(got, want) < TOL[dtype], (shape, rows)

@@ -1,0 +1,115 @@
+"""Attention of a few new rows over the KV cache, as one Triton kernel per layer.
+
+A decode step (1 row) or a tree verify (~33 rows) attends to a few hundred cache columns under
+a boolean mask (the prefix, then the row's tree ancestors). torch's SDPA does that with a
+cuDNN / memory-efficient kernel plus a workspace memset, and the caller then copies its
+[B, H, T, D] output into [B, T, H * D] for o_proj: three launches and ~8 us per layer at the
+bundled target's size, where the whole layer is ~30 us. Here one program per (batch, KV head,
+block of rows) holds the rows of all the query heads that share the KV head (GQA), streams the
+columns in blocks with an online softmax (flash attention's recurrence), and writes
+[B, T, H, D] directly.
+
+`cached_attention_ref` (SDPA) is the semantics, and what runs on the CPU or when the kernel does
+not apply (a float mask, many rows); the GPU lane checks the kernel against it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels.fused import triton_enabled
+
+try:  # Triton ships with CUDA builds of PyTorch only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU builds
+    triton = None
+
+MAX_ROWS = 128  # more new rows (a prefill chunk) go to SDPA, which tiles them better
+
+
+def cached_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q: [B, T, H, D] (any strides); k, v: [B, Hkv, W, D]; mask: [B | 1, 1, T | 1, W] bool
+    (True = attend) -> [B, T, H, D]."""
+    H, Hkv = q.shape[2], k.shape[1]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=Hkv != H)
+    return out.transpose(1, 2)
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the kernel takes this call (else cached_attention_ref)."""
+    return (mask is not None and mask.dtype == torch.bool and triton_enabled(q) and q.shape[1] <= MAX_ROWS
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and q.shape[-1] in (32, 64, 128, 256)
+            and q.shape[2] % k.shape[1] == 0)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """cached_attention_ref, on CUDA by one Triton kernel where it applies."""
+    if not applies(q, k, mask):
+        return cached_attention_ref(q, k, v, mask)
+    B, T, H, D = q.shape
+    Hkv, W = k.shape[1], k.shape[2]
+    G = H // Hkv
+    GP = triton.next_power_of_2(G)
+    # rows per program: at least 16 query rows in all (tl.dot's smallest tile), at most 64
+    BLOCK_T = max(16 // GP, 1, min(triton.next_power_of_2(T), max(1, 64 // GP)))
+    out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
+    m = mask.expand(B, 1, T, W)  # a view: broadcast dims get stride 0
+    grid = (B * Hkv, triton.cdiv(T, BLOCK_T))
+    _cached_attn_kernel[grid](q, k, v, m, out, T, W, 1.0 / math.sqrt(D),
+                              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                              v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(2), m.stride(3),
+                              out.stride(0), out.stride(1), out.stride(2), HKV=Hkv, G=G, GP=GP, BLOCK_T=BLOCK_T,
+                              BLOCK_N=64, D=D, IEEE=q.dtype == torch.float32, num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _cached_attn_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, T, W, scale, sq_b, sq_t, sq_h, sk_b, sk_h, sk_w,
+                            sv_b, sv_h, sv_w, sm_b, sm_t, sm_w, so_b, so_t, so_h, HKV: tl.constexpr,
+                            G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                            D: tl.constexpr, IEEE: tl.constexpr):
+        bh = tl.program_id(0)
+        b = bh // HKV
+        hk = bh % HKV
+        r = tl.arange(0, GP * BLOCK_T)  # tile row r: query head hk * G + r // BLOCK_T, new row t
+        g = r // BLOCK_T
+        t = tl.program_id(1) * BLOCK_T + r % BLOCK_T
+        row_ok = (g < G) & (t < T)
+        h = hk * G + g
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + h[:, None] * sq_h + d[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        m_i = tl.full([GP * BLOCK_T], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP * BLOCK_T], tl.float32)
+        acc = tl.zeros([GP * BLOCK_T, D], tl.float32)
+        for n0 in range(0, W, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < W
+            k = tl.load(k_ptr + b * sk_b + hk * sk_h + n[:, None] * sk_w + d[None, :], mask=n_ok[:, None], other=0.0)
+            if IEEE:  # fp32 models: no TF32 (greedy equality is checked in fp32)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            allow = tl.load(m_ptr + b * sm_b + t[:, None] * sm_t + n[None, :] * sm_w,
+                            mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
+            s = tl.where(allow, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no column yet
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + b * sv_b + hk * sv_h + n[:, None] * sv_w + d[None, :], mask=n_ok[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
