@@ -2,9 +2,9 @@
 # The README's drafters x methods table on one H200, in two device calls (each under 10 minutes):
 #   PART=A: the GPU lane for the resident loop and the kernels, the bf16 MBPP table for the block
 #           drafter, the EAGLE-3 head and the small draft model, a profile, gpt-fast at the bundled shape
-#   PART=B: fp32 output checks, the held-out source workload, the 8B-shape replay of the head's
-#           acceptance (random weights, labelled simulated, trace from $TRACE), Tandem ar and
-#           gpt-fast at the 8B shape
+#   PART=B: fp32 output checks (SOURCE=1: the held-out source workload too), the 8B-shape replay
+#           of the head's acceptance (random weights, labelled simulated, trace from $TRACE; its
+#           ar row is Tandem's ar at that shape) and gpt-fast at the 8B shape
 #   PART=A STRICT=1 bash bench/run_h200_table.sh $OUT      (device tool: carry .data)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
@@ -33,16 +33,14 @@ if [ "$PART" = A ]; then
   echo "== peer: gpt-fast compiled AR (ms/token)"
   timeout 90 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
 else
-  NP=6 bench fp32_block float32 mbpp block chain,tree
-  NP=6 bench fp32_eagle3 float32 mbpp eagle3 chain,tree
-  NP=6 bench fp32_draft float32 mbpp draft chain,tree
-  bench source_block bfloat16 source block ar,tree --allow-mismatch
+  NP=4 bench fp32_block float32 mbpp block chain,tree
+  NP=4 bench fp32_eagle3 float32 mbpp eagle3 chain,tree
+  NP=4 bench fp32_draft float32 mbpp draft chain,tree
+  [ "${SOURCE:-0}" = 1 ] && bench source_block bfloat16 source block ar,tree --allow-mismatch
   echo "== replay: llama3-8b target + eagle3-llama3.1-8b head, the head's MBPP acceptance (simulated)"
   timeout 150 python3 -m tandem bench --device cuda --dtype bfloat16 --preset llama3-8b --draft-preset eagle3-llama3.1-8b \
     --replay "${TRACE:-bench/results/h200-2026-12-01-drafters-table/mbpp_eagle3/results.json}" --methods ar,chain,tree \
     --num-prompts "$NP" --no-plots --out "$OUT/replay_8b_eagle3" 2>&1 | grep -v -e "it/s" | grep -e "^|" -e "replayed" -e "rror"
-  echo "== tandem ar at the llama3-8b shape (random weights)"
-  timeout 80 python3 bench/gpu_core.py --preset llama3-8b 2>&1 | tail -6 | tee "$OUT/tandem_8b.txt"
   echo "== peer: gpt-fast compiled AR at the llama3-8b shape"
   timeout 100 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast llama3-8b 2>&1 | grep '^{' | tee "$OUT/gptfast_8b.jsonl"
 fi
