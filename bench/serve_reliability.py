@@ -56,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
                    EngineConfig(num_blocks=10, max_num_seqs=8, debug_check=True),
                    ChatTemplate.for_checkpoint(pair.target_dir))
     tight = rel.LoopbackServer(small, KEY)
+    # check 10's server: faults injected on request, and killed at the end of the check
+    faulty = Server(pair.target, pair.draft, pair.tokenizer,
+                    ServerConfig(api_key=KEY, methods=("tree",), max_pending=64, inject_faults=True),
+                    EngineConfig(num_blocks=512, max_num_seqs=8, debug_check=True),
+                    ChatTemplate.for_checkpoint(pair.target_dir))
+    doomed = rel.LoopbackServer(faulty, KEY)
     phases = [
         ("bad inputs", lambda: rel.check_bad_inputs(t, generated=generated, seed=args.seed)),
         ("status map", lambda: rel.check_status_map(t)),
@@ -68,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       max_tokens=24 if args.quick else 48,
                                                       min_preemptions=3 if args.quick else 50)),
         ("security", lambda: rel.check_security(t)),
+        ("faults", lambda: rel.check_faults(doomed.target, n=20 if args.quick else 100, every=20)),
+        ("sigterm", lambda: rel.check_sigterm()),
     ]
     results: list[tuple[rel.CheckResult, float]] = []
     try:
@@ -85,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         live.stop()
         tight.stop()
+        doomed.stop()
 
     os.makedirs(args.out, exist_ok=True)
     report = {"device": args.device, "dtype": args.dtype, "capacity": args.capacity, "quick": args.quick,

@@ -79,6 +79,34 @@ def test_a_tiny_block_budget_forces_preemptions_and_outputs_stay_exact(models, s
     assert_clean(engine)
 
 
+@pytest.mark.parametrize("method", ["ar", "tree"])
+def test_a_request_that_raises_in_its_part_of_a_step_fails_alone(models, solo, method):
+    """fault_hook raises for every fourth request on its third decoding step: those end with
+    finish_reason "error" (their blocks freed), every other request equals its solo output."""
+    prompts, refs = solo
+    engine = Engine(*models, config=EngineConfig(method=method, spec=SpecConfig(nodes=8, width=2), block_size=8,
+                                                 debug_check=True))
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for p in prompts[:16]]
+    doomed = {r.request_id for r in reqs[3::4]}
+    seen: dict[str, int] = {}
+
+    def hook(req):
+        seen[req.request_id] = seen.get(req.request_id, 0) + 1
+        if req.request_id in doomed and seen[req.request_id] == 3:
+            raise RuntimeError("injected")
+
+    engine.fault_hook = hook
+    done = {o.request_id: o for o in engine.run()}
+    for r, ref in zip(reqs, refs):
+        out = done[r.request_id]
+        if r.request_id in doomed:
+            assert out.finish_reason == "error" and r.state == RequestState.ABORTED
+        else:
+            assert out.finish_reason == "length" and out.token_ids == ref
+    assert engine.counters.failed == len(doomed) == 4
+    assert_clean(engine)
+
+
 def test_prefix_cache_serves_a_repeated_prompt_and_the_output_is_unchanged(models, solo):
     prompts, refs = solo
     i = max(range(len(prompts)), key=lambda j: len(prompts[j]))

@@ -167,3 +167,36 @@ def test_a_short_soak_has_no_errors_and_no_memory_growth(live):
     res = assert_passed(rel.check_soak(live.target, seconds=6, concurrency=4, max_tokens=16, warmup_s=2))
     assert ": 0 errors" in res.figure
     assert_pools_clean(live, "soak")
+
+
+def test_injected_faults_fail_only_their_requests_and_a_dead_engine_turns_health_503(pair):
+    """(10a, b) One request in five raises inside the engine: it alone gets a 500 with an OpenAI
+    body, the others equal their solo runs, the pools end clean; then the engine loop is stopped
+    and /health answers 503 within a second."""
+    from tandem.serve.app import Server
+
+    server = Server(pair.target, pair.draft, pair.tokenizer,
+                    ServerConfig(api_key=KEY, methods=("tree",), max_pending=32, inject_faults=True),
+                    EngineConfig(num_blocks=256, max_num_seqs=8, debug_check=True),
+                    ChatTemplate.for_checkpoint(pair.target_dir))
+    s = rel.LoopbackServer(server, KEY)
+    try:
+        res = assert_passed(rel.check_faults(s.target, n=10, every=5, max_tokens=12))
+        assert res.figure.startswith("2 of 2 faulted requests failed alone (500), 8 of 8 others")
+        assert server.engines["tree"].counters.failed == 2
+    finally:
+        s.stop()
+
+
+def test_a_server_without_inject_faults_ignores_the_fault_marker(live):
+    """Production servers never fault on request: the marker is an ordinary `user` value there."""
+    from tandem.serve.driver import FAULT_USER
+
+    with live.target.client() as c:
+        r = c.post("/v1/completions", json={**rel.long_body(0, 4, stream=False), "user": FAULT_USER})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_sigterm_with_streams_in_flight_exits_cleanly():
+    res = assert_passed(rel.check_sigterm(max_tokens=400, grace_s=0.3))
+    assert "exit by SIGTERM after a clean shutdown: True" in res.figure

@@ -26,6 +26,7 @@ Two modes change which rows a step holds, never an output:
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -47,6 +48,8 @@ from tandem.models.transformer import Transformer
 from tandem.runtime.emit import Emitter
 from tandem.runtime.plan import plan_request
 from tandem.runtime.runner import ModelRunner
+
+log = logging.getLogger("tandem.engine")
 from tandem.tree.draft_tree import DraftTree, ancestor_mask
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
@@ -84,6 +87,7 @@ class EngineCounters:
     nodes_selected: int = 0
     nodes_offered: int = 0
     preemptions: int = 0  # requests moved back to waiting, to be recomputed (blocks ran out)
+    failed: int = 0  # requests that raised in their own part of a step (ended with finish_reason "error")
     draft_s: float = 0.0  # drafting of the other batch (batch parallelism)
     draft_hidden_s: float = 0.0  # of it, under the target pass (CUDA events; 0 on the CPU)
     records: deque = field(default_factory=lambda: deque(maxlen=4096), repr=False)
@@ -129,6 +133,9 @@ class Engine:
         self.counters = EngineCounters()
         self.batches: BatchManager | None = None
         self._draft_stream = None
+        # called with each decoding request before its accept; whatever it raises fails that
+        # request alone (the reliability harness injects faults through it: tandem serve --inject-faults)
+        self.fault_hook: Callable[[Request], None] | None = None
         if config.batch_parallel:
             self.batches = BatchManager(self._load, config.rebalance_threshold)
             if target.device.type == "cuda":  # the drafter's kernels on their own stream
@@ -423,24 +430,46 @@ class Engine:
                 m += s.rows
                 continue
             tree = trees[req.request_id]
-            result = self._accept(req, tree, logits[row:row + len(tree)])  # logits: [n, vocab]
+            lo, mlo = row, m  # this request's logits rows and feature rows
             row += len(tree)
-            self.pool.commit(req.request_id, result.path, [tree.tokens[i] for i in result.path])
-            req.num_computed += len(result.path)
-            if "drafter" in req.runtime:
-                if feats is not None:  # the root's and the accepted nodes' features
-                    req.runtime["drafter"].observe(result, tree, feats[m:m + len(tree)][result.path])
-                else:
-                    req.runtime["drafter"].observe(result, tree)
             m += len(tree)
-            if self._emit(req, tree, result):
-                self.scheduler.finish(req)
-                if self.batches is not None:
-                    self.batches.recycle(req)
-                req.runtime.clear()
-                self.requests.pop(req.request_id, None)
+            try:  # a request that raises here fails alone: its rows of the pass are already out
+                if self.fault_hook is not None:
+                    self.fault_hook(req)
+                done = self._commit(req, tree, logits[lo:lo + len(tree)],
+                                    feats[mlo:mlo + len(tree)] if feats is not None else None)
+            except Exception:
+                log.exception("request %s failed in its part of a step; the others go on", req.request_id)
+                self._end(req, RequestState.ABORTED, "error")
+                self.counters.failed += 1
+                finished.append(self.output(req))
+                continue
+            if done:
+                self._end(req, RequestState.FINISHED, req.finish_reason)
                 finished.append(self.output(req))
         return finished
+
+    def _commit(self, req: Request, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor | None) -> bool:
+        """Accept over the request's rows (logits [n, vocab], feats [n, F]), commit the path, feed
+        the drafter, emit; True when the request is done."""
+        result = self._accept(req, tree, logits)
+        self.pool.commit(req.request_id, result.path, [tree.tokens[i] for i in result.path])
+        req.num_computed += len(result.path)
+        if "drafter" in req.runtime:
+            if feats is not None:  # the root's and the accepted nodes' features
+                req.runtime["drafter"].observe(result, tree, feats[result.path])
+            else:
+                req.runtime["drafter"].observe(result, tree)
+        return self._emit(req, tree, result)
+
+    def _end(self, req: Request, state: RequestState, reason: str | None) -> None:
+        """Release a request that finished (or failed) in a step: blocks, batch, drafter."""
+        self.scheduler.finish(req, state)
+        if self.batches is not None:
+            self.batches.recycle(req)
+        req.runtime.clear()
+        req.finish_reason = reason
+        self.requests.pop(req.request_id, None)
 
     def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
         sampling: SamplingConfig = req.params.sampling()

@@ -82,7 +82,7 @@ class Request:
     prompt: str | None = None  # the text, when the caller gave text
     state: RequestState = RequestState.WAITING
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # eos | length | stop | abort
+    finish_reason: str | None = None  # eos | length | stop | abort | error (it raised in its part of a step)
     stop_text: str | None = None  # text cut before the matched stop string
     figures: RequestFigures = field(default_factory=RequestFigures)
     arrival: float = field(default_factory=time.perf_counter)

@@ -34,7 +34,8 @@ from tandem.engine.request import SamplingParams
 from tandem.runtime.streaming import StopStreamer
 from tandem.serve.chat_template import BUILTIN_TEMPLATE, ChatTemplate, TemplateError
 from tandem.serve.config import ServerConfig
-from tandem.serve.driver import Delta, EngineDriver, Event, Failed, Finished, Job
+from tandem.serve.driver import (FAULT_PREFIX, FAULT_USER, KILL_PREFIX, KILL_USER, Delta, EngineDriver, Event, Failed,
+                                 Finished, Job, inject_faults)
 from tandem.serve.errors import APIError, error_body
 from tandem.serve.logprobs import LogprobEngine, TokenLogprob
 from tandem.serve.metrics import ServerMetrics
@@ -156,6 +157,9 @@ class Server:
         self.context_window = min(e.context_window for e in self.engines.values())
         self.metrics = ServerMetrics()
         self.driver = EngineDriver(self.engines, self.metrics)
+        if config.inject_faults:
+            for e in self.engines.values():
+                e.fault_hook = inject_faults
         self.pending = 0
         self.created = int(time.time())
 
@@ -233,7 +237,7 @@ class Server:
 
     # ---- running a request ---------------------------------------------------------------
     async def open(self, prompt_ids: list[int], params: SamplingParams, method: str,
-                   top_logprobs: int | None) -> RequestHandle:
+                   top_logprobs: int | None, user: str | None = None) -> RequestHandle:
         c = self.config
         if not self.driver.alive:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
@@ -241,7 +245,10 @@ class Server:
             self.metrics.requests.labels("rejected").inc()
             raise APIError(503, f"the server is at capacity ({c.max_pending} requests in flight); retry later",
                            code="server_busy", headers={"Retry-After": str(c.retry_after_s)})
-        handle = RequestHandle(self, f"{uuid.uuid4().hex}")
+        prefix = ""
+        if c.inject_faults:  # the reliability harness marks the requests to fault (ServerConfig)
+            prefix = {FAULT_USER: FAULT_PREFIX, KILL_USER: KILL_PREFIX}.get(user or "", "")
+        handle = RequestHandle(self, f"{prefix}{uuid.uuid4().hex}")
         loop = asyncio.get_running_loop()
         self.pending += 1
         self.metrics.pending.set(self.pending)
@@ -386,7 +393,7 @@ def create_app(server: Server) -> FastAPI:
                            code="invalid_value")
         ids = tok.encode(body.prompt).ids  # as `tandem generate` encodes a prompt
         params, method = server.sampling(body, len(ids), body.max_tokens, body.logprobs)
-        handle = await server.open(ids, params, method, body.logprobs)
+        handle = await server.open(ids, params, method, body.logprobs, body.user)
         rid, created, name = f"cmpl-{handle.request_id}", int(time.time()), server.config.served_model_name
 
         def choice(text: str, finish: str | None, lps) -> dict:
@@ -429,7 +436,7 @@ def create_app(server: Server) -> FastAPI:
             raise APIError(400, "the messages render to an empty prompt", param="messages", code="invalid_value")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params, method = server.sampling(body, len(ids), max_tokens, top)
-        handle = await server.open(ids, params, method, top)
+        handle = await server.open(ids, params, method, top, body.user)
         rid, created, name = f"chatcmpl-{handle.request_id}", int(time.time()), server.config.served_model_name
 
         if not body.stream:

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="MineDraft: verify one half of the running requests while the other half drafts")
     p.add_argument("--row-selection", action="store_true",
                    help="SpecPilot: one node budget per step shared by all requests (a request may get none)")
+    p.add_argument("--inject-faults", action="store_true",
+                   help="testing only (the reliability harness): a request with user 'tandem-fault' fails inside "
+                        "the engine, one with user 'tandem-kill' stops the engine loop")
     p.add_argument("--shutdown-grace", type=float, default=s.shutdown_grace_s,
                    help="seconds in-flight requests may run after SIGTERM; then each gets 503")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -62,7 +65,7 @@ def build(args) -> tuple[object, ServerConfig]:
     methods = tuple(m.strip() for m in (args.methods or ("tree,ar" if with_draft else "ar")).split(",") if m.strip())
     cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
                        methods=methods, max_pending=args.max_pending, max_tokens_limit=args.max_tokens_limit,
-                       shutdown_grace_s=args.shutdown_grace)
+                       shutdown_grace_s=args.shutdown_grace, inject_faults=args.inject_faults)
     cfg.validate()
     spec = SpecConfig(k=args.k, nodes=args.nodes, width=args.width, depth=args.depth)
     ecfg = EngineConfig(spec=spec, block_size=args.block_size, num_blocks=args.num_blocks,

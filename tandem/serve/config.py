@@ -24,6 +24,9 @@ class ServerConfig:
     max_stop_chars: int = 256  # characters per stop string
     max_top_logprobs: int = 20  # chat's top_logprobs (completions' logprobs: at most 5, as OpenAI)
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests may finish this long, then get 503
+    # the reliability harness's faults: a request with `user` "tandem-fault" raises inside the
+    # engine (it alone fails), one with "tandem-kill" stops the engine loop; never in production
+    inject_faults: bool = False
 
     def validate(self) -> None:
         if not self.methods:

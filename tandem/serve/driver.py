@@ -29,6 +29,23 @@ from tandem.serve.metrics import ServerMetrics
 log = logging.getLogger("tandem.serve")
 
 
+# Fault injection for the reliability harness (`tandem serve --inject-faults`): a request whose
+# id starts with FAULT_PREFIX raises inside the engine in its own part of a step (it alone
+# fails); one starting with KILL_PREFIX stops the engine loop (/health then answers 503).
+FAULT_PREFIX, KILL_PREFIX = "fault-", "kill-"
+FAULT_USER, KILL_USER = "tandem-fault", "tandem-kill"  # the `user` field that asks for each
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def inject_faults(req: Request) -> None:
+    """Engine.fault_hook under --inject-faults."""
+    if req.request_id.startswith(FAULT_PREFIX):
+        raise InjectedFault(f"injected fault in request {req.request_id}")
+
+
 @dataclass(frozen=True)
 class Delta:
     token_ids: list[int]
@@ -147,6 +164,9 @@ class EngineDriver:
     def _add(self, job: Job, fut: Future) -> None:
         if not fut.set_running_or_notify_cancel():
             return  # the handler gave up first
+        if job.request_id.startswith(KILL_PREFIX):  # fault injection (tandem serve --inject-faults)
+            fut.set_exception(ConfigError("the engine loop was stopped on purpose (--inject-faults)"))
+            raise InjectedFault("the engine loop was stopped on purpose (--inject-faults)")
         if not self.alive:
             fut.set_exception(ConfigError("the engine is not running"))
             return
@@ -189,7 +209,11 @@ class EngineDriver:
             self._publish(lv)
         for out in finished:
             lv = self.live.pop(out.request_id, None)
-            if lv is not None:
+            if lv is None:
+                continue
+            if out.finish_reason == "error":  # it raised in its own part of the step: it alone fails
+                self._fail(lv, "the engine failed on this request; it was aborted")
+            else:
                 self._finish(lv, out, method)
 
     def _publish(self, lv: _Live) -> None:

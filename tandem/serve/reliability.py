@@ -534,6 +534,130 @@ def check_preemptions(t: Target, n: int = 16, max_tokens: int = 48, method: str 
                        f"{n - len(differ)} of {n} outputs equal their solo runs", not problems, tuple(problems))
 
 
+# ---- (10) faults --------------------------------------------------------------------------------------------
+def check_faults(t: Target, n: int = 40, every: int = 20, max_tokens: int = 24, method: str = "tree") -> CheckResult:
+    """(10a, b) On a server started with inject_faults (it is killed at the end: give it its own):
+    n concurrent greedy requests with speculation, one in `every` marked to raise inside the engine
+    in its own part of a step. Only the marked ones fail, each with a 500 and an OpenAI-shaped
+    body; the others equal their solo runs; the pools end clean. Then a request stops the engine
+    loop: /health answers 503 within 1 s, and a new request gets 503."""
+    from tandem.serve.driver import FAULT_USER, KILL_USER
+
+    if not t.server.config.inject_faults:
+        raise ValueError("check_faults needs a server started with inject_faults (tandem serve --inject-faults)")
+    bodies = [{**long_body(i, max_tokens, stream=False), "prompt": f"# {i}\n" + PROMPTS[i % len(PROMPTS)],
+               "method": method, **({"user": FAULT_USER} if i % every == every - 1 else {})} for i in range(n)]
+    faulted = {i for i, b in enumerate(bodies) if b.get("user") == FAULT_USER}
+    with t.client() as c:
+        solo = {i: c.post("/v1/completions", json=b).json()["choices"][0]["text"]
+                for i, b in enumerate(bodies) if i not in faulted}
+
+    async def together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=t.url, headers=t.auth, timeout=600,
+                                     limits=httpx.Limits(max_connections=n)) as ac:
+            return await asyncio.gather(*(ac.post("/v1/completions", json=b) for b in bodies))
+
+    rs = asyncio.run(together())
+    problems = []
+    for i, r in enumerate(rs):
+        if i in faulted:
+            if r.status_code != 500:
+                problems.append(f"faulted request {i}: status {r.status_code}, not 500")
+            problems += [f"faulted request {i}: {p}" for p in error_problems(r)]
+        elif r.status_code != 200:
+            problems.append(f"request {i} (not faulted): status {r.status_code}")
+        elif r.json()["choices"][0]["text"] != solo[i]:
+            problems.append(f"request {i} (not faulted): output differs from its solo run")
+    idle(t.server)
+    problems += pool_violations(t.server)
+    failed_ok = sum(1 for i in faulted if rs[i].status_code == 500)
+    others_ok = sum(1 for i, r in enumerate(rs) if i not in faulted and r.status_code == 200)
+    # (b) the engine loop dies: /health must say so within a second, and nothing is admitted
+    with t.client(timeout=30) as c:
+        c.post("/v1/completions", json={**long_body(0, 4, stream=False), "user": KILL_USER})
+        t0 = time.monotonic()
+        while c.get("/health").status_code != 503:
+            if time.monotonic() - t0 > 5:
+                break
+            time.sleep(0.01)
+        health_s = time.monotonic() - t0
+        after = c.post("/v1/completions", json=long_body(1, 4, stream=False))
+    if health_s > 1.0:
+        problems.append(f"/health took {health_s:.2f} s to answer 503 (the bar is 1 s)")
+    if after.status_code != 503:
+        problems.append(f"a request after the engine stopped got {after.status_code}, not 503")
+    return CheckResult("faults", f"{failed_ok} of {len(faulted)} faulted requests failed alone (500), {others_ok} of "
+                       f"{n - len(faulted)} others completed as solo; engine killed: /health 503 after "
+                       f"{1000 * health_s:.0f} ms", not problems, tuple(problems[:10]))
+
+
+def check_sigterm(max_tokens: int = 400, grace_s: float = 0.5, timeout_s: float = 60.0) -> CheckResult:
+    """(10c) A real `tandem serve` process (the bundled pair, ar) gets SIGTERM with two streams in
+    flight: each stream ends with [DONE] (finished, or the 503 shutdown event once the grace is
+    over), the process exits by the signal after a clean shutdown, and its log has no traceback."""
+    import os
+    import signal
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])  # this checkout, not an installed copy
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    problems: list[str] = []
+    with tempfile.TemporaryDirectory() as d:
+        log_path = Path(d) / "serve.log"
+        with open(log_path, "w") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "--port", "0", "--methods", "ar",
+                                     "--shutdown-grace", str(grace_s), "--log-level", "info"],
+                                    stdout=f, stderr=f, env=env)
+        try:
+            deadline, url = time.monotonic() + timeout_s, None
+            while url is None:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    return CheckResult("sigterm", "the server did not start", False, (log_path.read_text()[-300:],))
+                m = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log_path.read_text())
+                url = m.group(1) if m else None
+                time.sleep(0.05)
+            outs: list[list[str]] = [[], []]
+            started = [threading.Event(), threading.Event()]
+
+            def stream(k: int) -> None:
+                body = {"prompt": PROMPTS[k], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                        "stream": True}
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout_s) as r:
+                    for ln in r.iter_lines():
+                        started[k].set()
+                        if ln.startswith("data: "):
+                            outs[k].append(ln[len("data: "):])
+
+            threads = [threading.Thread(target=stream, args=(k,), daemon=True) for k in range(2)]
+            for th in threads:
+                th.start()
+            for ev in started:
+                ev.wait(timeout_s)
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(timeout_s)
+            for th in threads:
+                th.join(10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        text = log_path.read_text()
+    if rc != -signal.SIGTERM:
+        problems.append(f"exit status {rc}, not -SIGTERM")
+    if "Application shutdown complete" not in text or "Traceback" in text:
+        problems.append("no clean shutdown in the log (or a traceback)")
+    ends = []
+    for k, out in enumerate(outs):
+        if not out or out[-1] != "[DONE]":
+            problems.append(f"stream {k} did not end with [DONE]")
+            continue
+        last = json.loads(out[-2]) if len(out) > 1 else {}
+        ends.append("503" if "error" in last else "finished")
+    return CheckResult("sigterm", f"exit by SIGTERM after a clean shutdown: {rc == -signal.SIGTERM}; streams ended: "
+                       f"{', '.join(ends) or 'none'}", not problems, tuple(problems))
+
+
 # ---- (6) the KV invariant --------------------------------------------------------------------------------
 def check_kv_invariant(t: Target, phase: str) -> CheckResult:
     """(6) Once idle, every engine's pool passes check() and holds no block."""
