@@ -62,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
                     EngineConfig(num_blocks=512, max_num_seqs=8, debug_check=True),
                     ChatTemplate.for_checkpoint(pair.target_dir))
     doomed = rel.LoopbackServer(faulty, KEY)
+    # check 8's server: batch-invariant engines, in bf16 (where the fast kernels' near-ties show)
+    bf16 = load_pair(None, None, args.device, "bfloat16")
+    steady = Server(bf16.target, bf16.draft, bf16.tokenizer,
+                    ServerConfig(api_key=KEY, methods=("tree", "ar"), max_pending=64),
+                    EngineConfig(num_blocks=512, max_num_seqs=16, debug_check=True, deterministic=True),
+                    ChatTemplate.for_checkpoint(bf16.target_dir))
+    det = rel.LoopbackServer(steady, KEY)
     phases = [
         ("bad inputs", lambda: rel.check_bad_inputs(t, generated=generated, seed=args.seed)),
         ("status map", lambda: rel.check_status_map(t)),
@@ -74,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       max_tokens=24 if args.quick else 48,
                                                       min_preemptions=3 if args.quick else 50)),
         ("security", lambda: rel.check_security(t)),
+        ("deterministic", lambda: rel.check_deterministic(det.target, batches=(1, 4, 16) if args.quick
+                                                           else (1, 2, 4, 8, 16))),
         ("faults", lambda: rel.check_faults(doomed.target, n=20 if args.quick else 100, every=20)),
         ("sigterm", lambda: rel.check_sigterm()),
     ]
@@ -94,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         live.stop()
         tight.stop()
         doomed.stop()
+        det.stop()
 
     os.makedirs(args.out, exist_ok=True)
     report = {"device": args.device, "dtype": args.dtype, "capacity": args.capacity, "quick": args.quick,

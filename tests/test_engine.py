@@ -249,3 +249,59 @@ def test_32_concurrent_requests_with_a_feature_drafter_equal_their_solo_ar_outpu
     assert sum(o.tau for o in outs) / len(outs) > 1.5  # the drafters' proposals were accepted
     if modes:
         assert engine.counters.batch_parallel_steps > 0 and engine.counters.nodes_offered > 0
+
+
+def test_deterministic_mode_gives_one_output_alone_in_a_batch_and_with_speculation():
+    """--deterministic (tandem.engine.invariant): in bf16 a request's greedy output is
+    bit-identical alone, among 7 other requests, and with or without speculation; in fp32 it
+    equals the single-request loop's `ar`."""
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 95, (30,), generator=g).tolist()
+    others = [torch.randint(0, 95, (int(torch.randint(1, 60, (), generator=g)),), generator=g).tolist()
+              for _ in range(7)]
+    for dtype in (torch.bfloat16, torch.float32):
+        t, d = tiny_model(seed=0).to(dtype), noisy_copy(tiny_model(seed=0), 0.1).to(dtype)  # fresh: runners fuse weights
+        outs = set()
+        for method in ("ar", "tree"):
+            for n in (1, 8):
+                e = Engine(t, d if method != "ar" else None,
+                           config=EngineConfig(method=method, spec=SpecConfig(nodes=8, width=2), block_size=8,
+                                               deterministic=True, debug_check=True))
+                req = e.add_request(prompt, SamplingParams(max_tokens=48, ignore_eos=True))
+                for o in others[:n - 1]:
+                    e.add_request(o, SamplingParams(max_tokens=48, ignore_eos=True))
+                done = {x.request_id: x for x in e.run()}
+                outs.add(tuple(done[req.request_id].token_ids))
+                assert_clean(e)
+        assert len(outs) == 1, dtype
+        if dtype == torch.float32:
+            want = Generator(t, None).generate(prompt, "ar", gen=GenerationConfig(max_new_tokens=48, ignore_eos=True))
+            assert list(outs.pop()) == want.token_ids
+
+
+def test_batch_invariant_pieces_give_a_row_the_same_bits_whatever_shares_its_pass():
+    """The two reductions deterministic mode replaces: a row's linear output over 1 row or among
+    37, and a row's attention whether its visible columns sit first or are scattered among
+    invisible ones (a tree node's ancestors) and whatever other rows are gathered with it."""
+    from tandem.engine import invariant
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        lin = torch.nn.Linear(64, 96).to(dtype)
+        x = torch.randn(37, 64, generator=g).to(dtype)
+        full = invariant.rowwise(lin, x[None])[0]
+        for i in (0, 5, 36):
+            assert torch.equal(invariant.rowwise(lin, x[i:i + 1][None])[0, 0], full[i])
+        H, Hkv, D, slots = 4, 2, 16, 300
+        k, v = torch.randn(slots, Hkv, D, generator=g).to(dtype), torch.randn(slots, Hkv, D, generator=g).to(dtype)
+        q = torch.randn(3, H, D, generator=g).to(dtype)
+        seen = [7, 8, 9, 40, 41, 200]  # the row's columns, in position order
+        alone = invariant.attention(q[:1], k, v, torch.tensor([seen]), torch.ones(1, len(seen), dtype=torch.bool))
+        # the same columns scattered among invisible ones, with two other rows of other lengths
+        cols = torch.tensor([[7, 3, 8, 9, 5, 40, 6, 41, 1, 200, 2, 4]] * 3)
+        vis = torch.zeros(3, 12, dtype=torch.bool)
+        vis[0, [0, 2, 3, 5, 7, 9]] = True
+        vis[1, :12] = True
+        vis[2, :2] = True
+        together = invariant.attention(q, k, v, cols, vis)
+        assert torch.equal(together[0], alone[0])

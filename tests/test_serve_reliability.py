@@ -200,3 +200,21 @@ def test_a_server_without_inject_faults_ignores_the_fault_marker(live):
 def test_sigterm_with_streams_in_flight_exits_cleanly():
     res = assert_passed(rel.check_sigterm(max_tokens=400, grace_s=0.3))
     assert "exit by SIGTERM after a clean shutdown: True" in res.figure
+
+
+def test_a_deterministic_server_gives_one_output_for_a_prompt_in_any_batch_with_speculation_on_and_off():
+    """(8) bf16, --deterministic: one prompt sent 1, 4 and 8 times at once, tree and ar: one output."""
+    from tandem.serve.app import Server
+
+    pair = load_pair(None, None, "cpu", "bfloat16")
+    server = Server(pair.target, pair.draft, pair.tokenizer,
+                    ServerConfig(api_key=KEY, methods=("tree", "ar"), max_pending=32),
+                    EngineConfig(num_blocks=256, max_num_seqs=8, debug_check=True, deterministic=True),
+                    ChatTemplate.for_checkpoint(pair.target_dir))
+    s = rel.LoopbackServer(server, KEY)
+    try:
+        res = assert_passed(rel.check_deterministic(s.target, batches=(1, 4, 8), max_tokens=24))
+        assert res.figure.startswith("1 unique output(s) over 26 requests")
+        assert_pools_clean(s, "deterministic")
+    finally:
+        s.stop()

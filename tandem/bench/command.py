@@ -25,8 +25,9 @@ def run(args: argparse.Namespace) -> int:
         return online.run(args)
     if args.concurrency is not None:
         return concurrency.run(args)
-    if getattr(args, "batch_parallel", False) or getattr(args, "row_selection", False):
-        raise ConfigError("--batch-parallel / --row-selection are engine modes: use them with --concurrency")
+    if any(getattr(args, f, False) for f in ("batch_parallel", "row_selection", "deterministic")):
+        raise ConfigError("--batch-parallel / --row-selection / --deterministic are engine modes: use them with "
+                          "--concurrency")
     if args.replay is not None:
         from tandem.bench.replay import run_replay
 

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-parallel", action="store_true",
                    help="with --concurrency: also run each speculative method in batch-parallel mode (MineDraft: "
                         "two batches alternate drafting and verifying), as METHOD+bp")
+    p.add_argument("--deterministic", action="store_true",
+                   help="with --concurrency: also run each method in batch-invariant mode, as METHOD+det (a "
+                        "request's greedy output does not depend on its batch or on speculation)")
     p.add_argument("--row-selection", action="store_true",
                    help="with --concurrency: also run each speculative method with batch-aware row selection "
                         "(one node budget per step), as METHOD+sel, or METHOD+bp+sel with --batch-parallel")
@@ -127,12 +130,15 @@ def parse_concurrency(text: str) -> list[int]:
     return list(dict.fromkeys(vals))
 
 
-MODES = {"bp": "batch_parallel", "sel": "row_selection"}  # METHOD+bp, METHOD+sel, METHOD+bp+sel
+# METHOD+bp, METHOD+sel, METHOD+bp+sel; METHOD+det (any method: batch-invariant arithmetic)
+MODES = {"bp": "batch_parallel", "sel": "row_selection", "det": "deterministic"}
 
 
-def parse_engine_methods(text: str, batch_parallel: bool = False, row_selection: bool = False) -> list[str]:
+def parse_engine_methods(text: str, batch_parallel: bool = False, row_selection: bool = False,
+                         deterministic: bool = False) -> list[str]:
     """Engine runs: a method (ar, chain, tree), optionally with engine modes (`tree+bp`,
-    `tree+sel`, `tree+bp+sel`); the flags add those variants of every speculative method."""
+    `tree+sel`, `tree+bp+sel`, `ar+det`, ...); the flags add those variants of every speculative
+    method (`--deterministic`: of every method)."""
     names = [t.strip() for t in text.split(",") if t.strip()]
     for n in names:
         base, *mods = n.split("+")
@@ -141,8 +147,9 @@ def parse_engine_methods(text: str, batch_parallel: bool = False, row_selection:
                               "transformers peers come from --peers")
         bad = [m for m in mods if m not in MODES]
         if bad or len(set(mods)) != len(mods):
-            raise ConfigError(f"unknown engine mode in {n!r}; modes are +bp (batch parallel) and +sel (row selection)")
-        if mods and base == "ar":
+            raise ConfigError(f"unknown engine mode in {n!r}; modes are +bp (batch parallel), +sel (row selection) "
+                              "and +det (deterministic)")
+        if set(mods) - {"det"} and base == "ar":
             raise ConfigError(f"{n!r}: batch parallelism and row selection need a speculative method (chain or tree)")
     if not names:
         raise ConfigError("--methods is empty; e.g. --methods ar,tree")
@@ -153,6 +160,8 @@ def parse_engine_methods(text: str, batch_parallel: bool = False, row_selection:
                 extra.append(n + "+bp")
             if row_selection:
                 extra.append(n + ("+bp+sel" if batch_parallel else "+sel"))
+        if deterministic and "+" not in n:
+            extra.append(n + "+det")
     if (batch_parallel or row_selection) and not any(n.split("+")[0] != "ar" for n in names):
         raise ConfigError("--batch-parallel / --row-selection need a speculative method in --methods (chain or tree)")
     return list(dict.fromkeys([REFERENCE] + names + extra))  # ar: the reference and the speed baseline
@@ -398,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.bench.env import ensure_out_dir
 
     levels = parse_concurrency(args.concurrency)
-    methods = parse_engine_methods(args.methods, args.batch_parallel, args.row_selection)
+    methods = parse_engine_methods(args.methods, args.batch_parallel, args.row_selection, args.deterministic)
     peers = parse_peers(args.peers)
     if args.replay is not None or args.preset is not None or args.draft_preset is not None:
         raise ConfigError("--concurrency measures the real pair; it does not take --replay / --preset")

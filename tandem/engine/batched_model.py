@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.engine import invariant
 from tandem.kernels.fused import add_rmsnorm, rope_
 from tandem.kv.paged import PagedKVPool
 from tandem.models.transformer import Transformer
@@ -104,10 +105,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 class BatchedModel:
     """`forward(rows) -> logits [len(rows.logit_rows), vocab]` of a Transformer over a PagedKVPool."""
 
-    def __init__(self, model: Transformer, pool: PagedKVPool):
+    def __init__(self, model: Transformer, pool: PagedKVPool, deterministic: bool = False):
         if any(layer.self_attn.tp_group is not None for layer in model.model.layers):
             raise ValueError("the batched engine does not run a tensor-parallel shard yet")
         self.model, self.pool = model, pool
+        # batch-invariant arithmetic (tandem.engine.invariant): a row's logits do not depend on
+        # the other rows of the pass, nor on whether it is an AR step or a tree node
+        self.deterministic = deterministic
         self.last_features: torch.Tensor | None = None  # [M, F] of the last pass (feature drafters)
 
     @torch.no_grad()
@@ -125,20 +129,24 @@ class BatchedModel:
             x, h = add_rmsnorm(x, delta, ln1.weight, ln1.eps)
             a = self._attention(layer.self_attn, i, h, rows)
             x, h = add_rmsnorm(x, a, ln2.weight, ln2.eps)
-            delta = layer.mlp(h)
+            delta = self._rowwise(layer.mlp, h)
         self.last_features = torch.cat([feats[i] for i in want], dim=-1)[0] if want else None  # [M, F]
         norm = m.model.norm
         h = add_rmsnorm(x, delta, norm.weight, norm.eps)[1][0]  # [M, hidden]
-        return m.lm_head(h[rows.logit_rows])  # [n, vocab]
+        return self._rowwise(m.lm_head, h[rows.logit_rows])  # [n, vocab]
+
+    def _rowwise(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """fn over the rows of x (a row-wise layer), in fixed chunks in deterministic mode."""
+        return invariant.rowwise(fn, x) if self.deterministic else fn(x)
 
     def _attention(self, attn, layer_idx: int, x: torch.Tensor, rows: BatchRows) -> torch.Tensor:
         # x: [1, M, hidden]
         M = x.shape[1]
         H, Hkv, D = attn.n_heads, attn.n_kv, attn.head_dim
         if attn.qkv_weight is not None:
-            qkv = F.linear(x, attn.qkv_weight, attn.qkv_bias)
+            qkv = self._rowwise(lambda t: F.linear(t, attn.qkv_weight, attn.qkv_bias), x)
         else:
-            qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+            qkv = self._rowwise(lambda t: torch.cat([attn.q_proj(t), attn.k_proj(t), attn.v_proj(t)], dim=-1), x)
         qkv = qkv.view(1, M, H + 2 * Hkv, D)
         if attn.q_norm is not None:
             qkv = torch.cat([attn.q_norm(qkv[:, :, :H]), attn.k_norm(qkv[:, :, H:H + Hkv]), qkv[:, :, H + Hkv:]], dim=2)
@@ -146,5 +154,12 @@ class BatchedModel:
         k_cache, v_cache = self.pool.layer(layer_idx)  # [num_slots, Hkv, D]
         k_cache[rows.slots] = qkv[0, :, H:H + Hkv]
         v_cache[rows.slots] = qkv[0, :, H + Hkv:]
-        out = paged_attention_ref(qkv[0, :, :H], k_cache, v_cache, rows)  # [M, H, D]
-        return attn.o_proj(out.reshape(1, M, H * D))
+        if self.deterministic:
+            valid = rows.q_index[rows.q_valid]  # [M] the pass row of each (request, row) entry
+            col_slots = rows.kv_slots[:, None, :].expand_as(rows.mask[:, 0])[rows.q_valid]  # [M, Smax]
+            visible = (rows.mask[:, 0] == 0)[rows.q_valid]  # [M, Smax]
+            out = torch.empty(M, H, D, dtype=qkv.dtype, device=qkv.device)
+            out[valid] = invariant.attention(qkv[0, valid, :H], k_cache, v_cache, col_slots, visible)
+        else:
+            out = paged_attention_ref(qkv[0, :, :H], k_cache, v_cache, rows)  # [M, H, D]
+        return self._rowwise(attn.o_proj, out.reshape(1, M, H * D))

@@ -19,6 +19,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # rows of one target pass (prefill chunks + every tree)
     enable_prefix_caching: bool = True
     debug_check: bool = False  # run the pool's check() after every step
+    # batch-invariant arithmetic (tandem.engine.invariant): a request's greedy output does not
+    # depend on the batch it shares, nor on speculation being on; slower (more, smaller products)
+    deterministic: bool = False
     # batch parallelism (MineDraft; tandem.engine.batch_manager): one batch is verified while the other drafts
     batch_parallel: bool = False
     rebalance_threshold: float = 0.25  # |load 0 - load 1| / total above which requests change batch

@@ -125,7 +125,7 @@ class Engine:
         num_blocks = config.num_blocks or config.max_num_seqs * -(-(self.context_window + config.draft_rows())
                                                                    // config.block_size)
         self.pool = PagedKVPool.for_model(target, num_blocks, config.block_size, config.enable_prefix_caching)
-        self.model = BatchedModel(target, self.pool)
+        self.model = BatchedModel(target, self.pool, deterministic=config.deterministic)
         self.scheduler = Scheduler(config, self.pool, row_budget=self._row_budget)
         self.requests: dict[str, Request] = {}
         self.eos = set(target.config.eos_token_ids)

@@ -534,6 +534,35 @@ def check_preemptions(t: Target, n: int = 16, max_tokens: int = 48, method: str 
                        f"{n - len(differ)} of {n} outputs equal their solo runs", not problems, tuple(problems))
 
 
+# ---- (8) determinism -----------------------------------------------------------------------------------------
+def check_deterministic(t: Target, batches: tuple[int, ...] = (1, 2, 4, 8, 16), max_tokens: int = 48,
+                        prompt: str = PROMPTS[0]) -> CheckResult:
+    """(8) On a server started with --deterministic (and tree + ar): one greedy prompt sent b times
+    at once for each batch size b, with speculation (tree) and without (ar): one unique output."""
+    methods = [m for m in ("tree", "ar") if m in t.server.engines]
+    if not all(e.config.deterministic for e in t.server.engines.values()):
+        raise ValueError("check_deterministic needs a server started with --deterministic")
+    body = {**long_body(0, max_tokens, stream=False), "prompt": prompt}
+
+    async def batch(b: int, method: str) -> list[str]:
+        async with httpx.AsyncClient(base_url=t.url, headers=t.auth, timeout=600,
+                                     limits=httpx.Limits(max_connections=b)) as ac:
+            rs = await asyncio.gather(*(ac.post("/v1/completions", json={**body, "method": method}) for _ in range(b)))
+        return [r.json()["choices"][0]["text"] if r.status_code == 200 else f"<status {r.status_code}>" for r in rs]
+
+    outs: dict[str, int] = {}
+    for method in methods:
+        for b in batches:
+            for text in asyncio.run(batch(b, method)):
+                outs[text] = outs.get(text, 0) + 1
+    idle(t.server)
+    n = sum(outs.values())
+    problems = [f"{c} of {n} outputs were {text[:40]!r}" for text, c in sorted(outs.items(), key=lambda kv: -kv[1])]
+    return CheckResult("deterministic", f"{len(outs)} unique output(s) over {n} requests (batches "
+                       f"{', '.join(map(str, batches))}; {' and '.join(methods)})", len(outs) == 1,
+                       tuple(problems[:5]) if len(outs) > 1 else ())
+
+
 # ---- (10) faults --------------------------------------------------------------------------------------------
 def check_faults(t: Target, n: int = 40, every: int = 20, max_tokens: int = 24, method: str = "tree") -> CheckResult:
     """(10a, b) On a server started with inject_faults (it is killed at the end: give it its own):
