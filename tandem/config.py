@@ -45,7 +45,11 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen copy of the HF dict
-    max_position_embeddings: int = 2048  # capped at a sliding window, see from_hf
+    max_position_embeddings: int = 2048
+    # sliding-window attention (Mistral v0.1; Qwen2/3 with use_sliding_window): the layers that
+    # use it, each row attending to the `sliding_window` positions up to its own (see from_hf)
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
@@ -105,16 +109,26 @@ class ModelConfig:
                 raise ConfigError(f"attention_bias=true ({family} with biased q/k/v/o projections) is not supported")
             if family == "llama" and hf.get("mlp_bias"):
                 raise ConfigError("mlp_bias=true (llama with biased MLP projections) is not supported")
-            # Our attention is always full. A model with sliding-window layers (Mistral v0.1;
-            # Qwen2/3 with use_sliding_window) computes exactly the same while the context fits
-            # in the window, so the usable context is capped there instead of being wrong beyond.
+            # Sliding-window layers, as transformers reads them: Mistral, every layer (a config
+            # without the key gets its default window, 4096; null means full attention); Qwen2/3,
+            # with use_sliding_window, the layers from max_window_layers on, or as `layer_types` says.
             max_pos = int(hf.get("max_position_embeddings", 2048))
-            window = None
-            if family == "mistral" or hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
-                # a Mistral config without the key gets transformers' default window, 4096
-                window = hf.get("sliding_window", 4096 if family == "mistral" else None)
-            if window is not None:
-                max_pos = min(max_pos, int(window))
+            L = int(hf["num_hidden_layers"])
+            window, sliding = None, ()
+            types = hf.get("layer_types")
+            if family == "mistral":
+                window = hf.get("sliding_window", 4096)
+                sliding = tuple(range(L))
+            elif family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+                window = hf.get("sliding_window", 4096)
+                if types:
+                    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+                else:
+                    sliding = tuple(range(int(hf.get("max_window_layers", 28)), L))
+            if window is None or not sliding:
+                window, sliding = None, ()
+            elif int(window) < 1:
+                raise ConfigError(f"sliding_window must be >= 1 (got {window})")
             return cls(
                 family=family,
                 vocab_size=int(hf["vocab_size"]),
@@ -128,6 +142,8 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 rope_scaling=None if scaling is None else tuple(sorted(scaling.items())),
                 max_position_embeddings=max_pos,
+                sliding_window=None if window is None else int(window),
+                sliding_layers=sliding,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=qkv_bias,
                 qk_norm=family == "qwen3",
@@ -166,7 +182,14 @@ class ModelConfig:
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
         if self.family == "mistral":
-            d["sliding_window"] = None  # full attention (MistralConfig's default is a 4096 window)
+            # (None: full attention; MistralConfig's default is a 4096 window)
+            d["sliding_window"] = self.sliding_window if self.sliding_layers else None
+        elif self.sliding_layers:
+            d["use_sliding_window"] = True
+            d["sliding_window"] = self.sliding_window
+            d["max_window_layers"] = self.sliding_layers[0]
+            d["layer_types"] = ["sliding_attention" if i in self.sliding_layers else "full_attention"
+                                for i in range(self.num_hidden_layers)]
         if self.rope_scaling is not None:
             d["rope_scaling"] = dict(self.rope_scaling)
         # NOTE: written even when unset (null): transformers would otherwise fill in its own

@@ -258,12 +258,24 @@ def test_to_hf_round_trip_and_autoconfig(shared_tiny_checkpoint, tmp_path, which
     assert ModelConfig.from_hf(auto.to_dict()) == cfg
 
 
-def test_mistral_context_is_capped_at_its_sliding_window(tiny_checkpoint):
+def test_sliding_window_layers_are_read_as_transformers_reads_them(tiny_checkpoint):
     d = tiny_checkpoint("mistral", tokenizer=False)
     _edit_config(d, max_position_embeddings=32768, sliding_window=4096)  # Mistral-7B-v0.1
-    assert read_config(d).max_position_embeddings == 4096
+    cfg = read_config(d)
+    assert (cfg.max_position_embeddings, cfg.sliding_window, cfg.sliding_layers) == (32768, 4096, (0, 1))
     _edit_config(d, sliding_window=_DELETE)  # transformers' default window applies
-    assert read_config(d).max_position_embeddings == 4096
+    assert read_config(d).sliding_window == 4096
     _edit_config(d, sliding_window=None)  # v0.2+: full attention
-    assert read_config(d).max_position_embeddings == 32768
-    assert ModelConfig.from_hf(read_config(d).to_hf()).max_position_embeddings == 32768
+    assert (read_config(d).sliding_window, read_config(d).sliding_layers) == (None, ())
+    assert ModelConfig.from_hf(read_config(d).to_hf()) == read_config(d)
+    q = tiny_checkpoint("qwen2", tokenizer=False)
+    _edit_config(q, use_sliding_window=False, sliding_window=4096, max_window_layers=0)
+    assert read_config(q).sliding_layers == ()  # off unless use_sliding_window
+    _edit_config(q, use_sliding_window=True, layer_types=_DELETE)  # from max_window_layers on
+    assert read_config(q).sliding_layers == (0, 1)
+    _edit_config(q, layer_types=["full_attention", "sliding_attention"])
+    cfg = read_config(q)
+    assert cfg.sliding_layers == (1,) and ModelConfig.from_hf(cfg.to_hf()) == cfg
+    _edit_config(q, sliding_window=0)
+    with pytest.raises(ConfigError, match="sliding_window must be >= 1"):
+        read_config(q)

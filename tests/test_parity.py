@@ -182,15 +182,62 @@ def test_bf16_load_by_name(setup):
     ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
 ])
-def test_sliding_window_models_are_capped_at_the_window(tiny_checkpoint, family, overrides):
-    """Our attention is full; it equals sliding-window attention up to the window, and the
-    usable context (max_position_embeddings) is capped there."""
+def test_sliding_window_models_equal_transformers_past_the_window(tiny_checkpoint, family, overrides):
+    """Sliding-window layers (all of Mistral's; Qwen's from max_window_layers on): logits equal
+    transformers' over 24 tokens with a window of 8, in one pass and token by token through the
+    KV cache; greedy `ar`, `chain` and `tree` (host and device-resident loops) equal transformers'
+    greedy decoding, the window crossing from the prompt into the drafted trees."""
     from transformers import AutoModelForCausalLM
+
+    from tandem.config import GenerationConfig, SpecConfig
+    from tandem.runtime.generate import Generator
 
     path = tiny_checkpoint(family, tokenizer=False, **overrides)
     ours = load_model(path)
-    assert ours.config.max_position_embeddings == 8
+    assert ours.config.sliding_window == 8 and ours.config.max_position_embeddings > 8
+    assert ours.config.sliding_layers == ((0, 1) if family == "mistral" else (1,))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.randint(0, 320, (2, 8), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        assert _max_diff(ours(ids), hf(ids).logits) < TOL
+        want = hf(ids).logits
+        assert _max_diff(ours(ids), want) < TOL
+        cache = KVCache.for_model(ours, 32)
+        for t in range(24):  # one row at a time over the cache: the window slides along the prefix
+            mask = torch.ones(1, 1, 1, t + 1, dtype=torch.bool)
+            got = ours(ids[:1, t:t + 1], torch.tensor([[t]]), cache, torch.tensor([[t]]), mask)
+            cache.commit([0])
+            assert _max_diff(got[0, 0], want[0, t]) < TOL, t
+        prompt = ids[0, :12].tolist()
+        ref = hf.generate(ids[:1, :12], max_new_tokens=20, do_sample=False, min_new_tokens=20)[0, 12:].tolist()
+    draft = load_model(path)
+    g = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    for resident in (False, True):
+        gen = Generator(ours, draft, use_graphs=False, resident=resident)
+        for method, spec in (("ar", SpecConfig()), ("chain", SpecConfig(k=4)), ("tree", SpecConfig(nodes=8, width=2))):
+            assert gen.generate(prompt, method, spec, gen=g).token_ids == ref, (method, resident)
+    # async: the draft worker's evolving tree (re-rooted, its subtree's K/V kept) over windowed layers
+    out = Generator(ours, draft, use_graphs=False).generate(prompt, "async", SpecConfig(nodes=8, width=2), gen=g,
+                                                            transport="inline")
+    assert out.token_ids == ref
+
+
+def test_engine_with_a_sliding_window_target_equals_its_solo_ar_outputs(tiny_checkpoint):
+    """The batched engine masks each sliding-window layer's rows to their window too."""
+    from tandem.config import GenerationConfig, SpecConfig
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.engine import Engine
+    from tandem.engine.request import SamplingParams
+    from tandem.runtime.generate import Generator
+
+    path = tiny_checkpoint("qwen2", tokenizer=False, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    target, draft = load_model(path), load_model(path)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (3, 9, 15)]
+    solo = [Generator(target, None).generate(p, "ar", gen=GenerationConfig(max_new_tokens=16, ignore_eos=True)).token_ids
+            for p in prompts]
+    for method in ("ar", "tree"):
+        e = Engine(target, draft if method != "ar" else None,
+                   config=EngineConfig(method=method, spec=SpecConfig(nodes=6, width=2), block_size=4, debug_check=True))
+        reqs = [e.add_request(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts]
+        done = {o.request_id: o for o in e.run()}
+        assert [done[r.request_id].token_ids for r in reqs] == solo, method

@@ -51,9 +51,12 @@ class BatchRows:
     mask: torch.Tensor  # [R, 1, Tmax, Smax] additive (0 / -inf), in the model's dtype
     logit_rows: torch.Tensor  # [n] rows of M whose logits the pass returns
     offsets: list[int]  # [R + 1] request r's rows are M[offsets[r]:offsets[r + 1]]
+    window_mask: torch.Tensor | None = None  # [R, 1, Tmax, Smax] `mask` for sliding-window layers
 
     @staticmethod
-    def build(segments: list[Segment], device: torch.device, dtype: torch.dtype) -> "BatchRows":
+    def build(segments: list[Segment], device: torch.device, dtype: torch.dtype,
+              window: int | None = None) -> "BatchRows":
+        """window: the target's sliding window, if some of its layers use one."""
         R = len(segments)
         T = [len(s.tokens) for s in segments]
         S = [len(s.context_slots) for s in segments]
@@ -79,24 +82,40 @@ class BatchRows:
             if seg.logits:
                 logit_rows += range(offsets[r], offsets[r + 1])
         mask = torch.zeros(R, 1, tmax, smax, dtype=dtype).masked_fill_(~allowed[:, None], float("-inf"))
+        window_mask = None
+        if window is not None:  # a row sees the keys at positions > its own - window
+            q_pos = torch.zeros(R, tmax, dtype=torch.long)
+            k_pos = torch.zeros(R, smax, dtype=torch.long)
+            for r, seg in enumerate(segments):
+                L = S[r] - T[r]
+                q_pos[r, :T[r]] = torch.tensor(seg.positions)
+                k_pos[r, :L] = torch.arange(L)  # the committed rows, in position order
+                k_pos[r, L:S[r]] = torch.tensor(seg.positions)
+            seen = allowed & (k_pos[:, None, :] > q_pos[:, :, None] - window)
+            seen[:, :, 0] |= ~seen.any(-1)  # (a row never sees nothing: padding rows keep column 0)
+            window_mask = torch.zeros(R, 1, tmax, smax, dtype=dtype).masked_fill_(~seen[:, None], float("-inf"))
         flat = [tok for seg in segments for tok in seg.tokens]
         pos = [p for seg in segments for p in seg.positions]
         to = dict(device=device)
         return BatchRows(torch.tensor(flat, **to), torch.tensor(pos, **to), torch.tensor(slots, **to),
                          q_index.to(**to), q_valid.to(**to), kv_slots.to(**to), mask.to(**to),
-                         torch.tensor(logit_rows, dtype=torch.long, **to), offsets)
+                         torch.tensor(logit_rows, dtype=torch.long, **to), offsets,
+                         None if window_mask is None else window_mask.to(**to))
 
 
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: BatchRows) -> torch.Tensor:
-    """q: [M, H, D] (rotated); k_cache, v_cache: [num_slots, Hkv, D] (new rows already stored).
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: BatchRows,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [M, H, D] (rotated); k_cache, v_cache: [num_slots, Hkv, D] (new rows already stored);
+    mask: rows.mask (default) or rows.window_mask.
 
     Returns [M, H, D]: each row's attention over its own request's columns under its mask.
     """
+    mask = rows.mask if mask is None else mask
     H, Hkv = q.shape[1], k_cache.shape[1]
     qp = q[rows.q_index].transpose(1, 2)  # [R, H, Tmax, D]
     kp = k_cache[rows.kv_slots].transpose(1, 2)  # [R, Hkv, Smax, D]
     vp = v_cache[rows.kv_slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=rows.mask, enable_gqa=Hkv != H)  # [R, H, Tmax, D]
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=Hkv != H)  # [R, H, Tmax, D]
     packed = torch.empty_like(q)
     packed[rows.q_index[rows.q_valid]] = out.transpose(1, 2)[rows.q_valid]  # [M, H, D]
     return packed
@@ -154,12 +173,13 @@ class BatchedModel:
         k_cache, v_cache = self.pool.layer(layer_idx)  # [num_slots, Hkv, D]
         k_cache[rows.slots] = qkv[0, :, H:H + Hkv]
         v_cache[rows.slots] = qkv[0, :, H + Hkv:]
+        mask = rows.window_mask if attn.window is not None else rows.mask  # [R, 1, Tmax, Smax]
         if self.deterministic:
             valid = rows.q_index[rows.q_valid]  # [M] the pass row of each (request, row) entry
-            col_slots = rows.kv_slots[:, None, :].expand_as(rows.mask[:, 0])[rows.q_valid]  # [M, Smax]
-            visible = (rows.mask[:, 0] == 0)[rows.q_valid]  # [M, Smax]
+            col_slots = rows.kv_slots[:, None, :].expand_as(mask[:, 0])[rows.q_valid]  # [M, Smax]
+            visible = (mask[:, 0] == 0)[rows.q_valid]  # [M, Smax]
             out = torch.empty(M, H, D, dtype=qkv.dtype, device=qkv.device)
             out[valid] = invariant.attention(qkv[0, valid, :H], k_cache, v_cache, col_slots, visible)
         else:
-            out = paged_attention_ref(qkv[0, :, :H], k_cache, v_cache, rows)  # [M, H, D]
+            out = paged_attention_ref(qkv[0, :, :H], k_cache, v_cache, rows, mask)  # [M, H, D]
         return self._rowwise(attn.o_proj, out.reshape(1, M, H * D))

@@ -414,7 +414,9 @@ class Engine:
                 tokens, positions, mask = tree.tokens, [s.start + d for d in tree.depth], ancestor_mask(tree.parents)
             slots = self.pool.slots(req.request_id, 0, s.start + len(tokens))
             segments.append(Segment(tokens, positions, slots, mask, logits=s.kind == "decode"))
-        return BatchRows.build(segments, self.target.device, self.target.dtype)
+        cfg = self.target.config
+        return BatchRows.build(segments, self.target.device, self.target.dtype,
+                               cfg.sliding_window if cfg.sliding_layers else None)
 
     def _apply(self, plan: StepPlan, trees: dict[str, DraftTree], logits: torch.Tensor) -> list[RequestOutput]:
         finished, row, m = [], 0, 0  # m: the segment's first row in the pass (features)

@@ -69,6 +69,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # sliding-window layer: a row attends to the `window` positions up to its own
+        self.window = cfg.sliding_window if layer_idx in cfg.sliding_layers else None
         self.qkv_weight: torch.Tensor | None = None  # set by fuse()
         self.qkv_bias: torch.Tensor | None = None
         self.tp_group = None  # a process group when sharded (tandem.parallel.tensor_parallel)
@@ -87,12 +89,19 @@ class Attention(nn.Module):
         if cache is None:
             rope_(qkv, positions, inv_freq, H + Hkv)  # q and k heads, in place
             q, k, v = (t.transpose(1, 2) for t in qkv.split([H, Hkv, Hkv], dim=2))  # [B, H(kv), T, D]
+            if self.window is not None and T > self.window:  # causal within the window, as a mask
+                mask = self._windowed(torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
+                                      if mask is None else mask, positions, positions)
             # a training mask (block drafters: blocks that see the context up to their anchor) or causal
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                                  enable_gqa=Hkv != H)
         else:
             # mask: [B, 1, T, S] additive (0 / -inf) or bool; S = cache columns attended
             k_all, v_all = cache.store(self.layer_idx, qkv, positions, inv_freq, H, slots, mask.shape[-1])
+            if self.window is not None:
+                # NOTE: in the contiguous cache column j of the prefix holds position j, and tree
+                # rows sit after the prefix, less than a window behind any row that sees them
+                mask = self._windowed(mask, positions, torch.arange(mask.shape[-1], device=mask.device)[None])
             # q [B, T, H, D], rotated in place by store(); a few rows over the cache: one Triton
             # kernel on CUDA (tandem.kernels.attention), SDPA otherwise
             out = cached_attention(qkv[:, :, :H], k_all, v_all, mask).transpose(1, 2)  # [B, H, T, D]
@@ -100,6 +109,14 @@ class Attention(nn.Module):
         if self.tp_group is not None:  # tensor parallel: each rank holds some heads (tandem.parallel)
             dist.all_reduce(out, group=self.tp_group)
         return out
+
+    def _windowed(self, mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """mask [B, 1, T, S] (bool, or additive) limited to keys at positions > the row's - window
+        (transformers' sliding_window_overlay): q_pos [B, T], k_pos [B | 1, S]."""
+        keep = k_pos[:, None, None, :] > q_pos[:, None, :, None] - self.window  # [B, 1, T, S]
+        if mask.dtype == torch.bool:
+            return mask & keep
+        return mask.masked_fill(~keep, float("-inf"))
 
     def fuse(self) -> None:
         """Concatenate q/k/v weights into one matrix; the three projections become views of it."""
