@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -309,7 +310,7 @@ def test_row_selection_keeps_outputs_exact_and_steps_inside_the_budget(models, s
     tile = 40
     cfg = EngineConfig(method="tree", spec=TREE, block_size=8, max_num_batched_tokens=96, batch_parallel=bp,
                        row_selection=True, row_cost=RowCost(tile=tile, slope=1000.0), prompt_admission=True,
-                       debug_check=True)
+                       debug_check=True, draft_gate=False)  # (the gate has its own test)
     engine = Engine(*models, config=cfg)
     outs = run_all(engine, prompts[:16])
     assert [o.token_ids for o in outs] == refs[:16]
@@ -327,7 +328,7 @@ def test_prompt_admission_holds_new_prompts_to_the_flat_region_and_changes_no_ou
     tile, outs, over = 32, [], []
     for admission in (False, True):
         cfg = EngineConfig(method="tree", spec=TREE, block_size=8, max_num_batched_tokens=128, row_selection=True,
-                           row_cost=RowCost(tile=tile), prompt_admission=admission, debug_check=True)
+                           row_cost=RowCost(tile=tile), prompt_admission=admission, debug_check=True, draft_gate=False)
         engine = Engine(*models, config=cfg)
         plans = []
         plan_step = engine.scheduler.plan_step
@@ -353,3 +354,43 @@ def test_prompt_admission_holds_new_prompts_to_the_flat_region_and_changes_no_ou
     assert over[1] and all(before + admitted <= tile for before, admitted in over[1])
     assert any(before + admitted > tile for before, admitted in over[0])
     assert outs[0] == outs[1] == refs[:12]
+
+
+def test_the_draft_gate_weighs_drafting_cost_against_its_accepted_tokens():
+    """DraftGate: drafts while learning; off when a request's drafting costs more than its
+    accepted tokens return; on when they repay it; one probe step every probe_every off steps."""
+    from tandem.engine.draft_gate import DraftGate
+
+    cost = RowCost(tile=64)
+    g = DraftGate(alpha=1.0, probe_every=3)
+    assert g.drafts(8, 8, cost)  # no figures yet
+    g.observe_pass(0.010, 8, cost)  # a 10 ms pass, flat to 64 rows
+    g.observe_drafting(0.040, 8, 32, 8)  # 5 ms of drafting per request for 1 accepted token each
+    # with: 8 * 2 / (10 ms + 40 ms) = 320 tok/s; without: 8 / 10 ms = 800 tok/s
+    assert [g.drafts(8, 8, cost) for _ in range(4)] == [False, False, False, True]  # the 4th: a probe
+    assert g.decisions_off == 3
+    g.observe_drafting(0.004, 8, 32, 24)  # cheap drafting, 3 accepted each: 8 * 4 / 14 ms > 800 tok/s
+    assert g.drafts(8, 8, cost)
+
+
+def test_the_draft_gate_turns_drafting_off_where_it_does_not_pay_and_outputs_stay_exact(models, solo):
+    """A slow per-request drafter over 16 requests costs more than the tokens it adds, so the gate
+    keeps drafting off in most steps; every output still equals solo ar."""
+    prompts, refs = solo
+    cfg = EngineConfig(method="tree", spec=TREE, block_size=8, max_num_batched_tokens=256, row_selection=True,
+                       row_cost=RowCost(tile=256), debug_check=True)
+    engine = Engine(*models, config=cfg)
+    # a drafter that is slow (as a per-request draft is, next to a batched target pass)
+    slow = engine._proposal
+
+    def proposal(req):
+        time.sleep(0.02)
+        return slow(req)
+
+    engine._proposal = proposal
+    outs = run_all(engine, prompts[:16])
+    assert [o.token_ids for o in outs] == refs[:16]
+    assert_clean(engine)
+    c = engine.counters
+    assert c.gate_off_steps > c.steps / 2 and engine.gate.decisions_off == c.gate_off_steps
+    assert sum(r.nodes > 0 for r in c.records) >= 1  # it drafted to learn (probes: the unit test above)

@@ -162,7 +162,9 @@ def test_engine_mode_errors_are_one_line(tiny, tmp_path, capsys):
     from tandem.bench.concurrency import engine_modes, parse_engine_methods
 
     assert parse_engine_methods("tree,chain+sel", batch_parallel=True) == ["ar", "tree", "chain+sel", "tree+bp"]
-    assert engine_modes("tree+bp+sel") == ("tree", {"batch_parallel": True, "row_selection": True})
+    assert engine_modes("tree+bp+sel") == ("tree", {"batch_parallel": True, "row_selection": True,
+                                                    "deterministic": False})
+    assert parse_engine_methods("ar,tree", deterministic=True) == ["ar", "tree", "ar+det", "tree+det"]
     base = ["bench", "--target", str(tiny), "--out", str(tmp_path / "x")]
     for extra, message in ((["--concurrency", "2", "--methods", "ar+bp"], "need a speculative method"),
                            (["--concurrency", "2", "--methods", "tree+fast"], "unknown engine mode in 'tree+fast'"),

@@ -29,6 +29,9 @@ class EngineConfig:
     row_selection: bool = False
     row_cost: RowCost = field(default_factory=RowCost)  # c(rows) of one target pass
     prompt_admission: bool = False  # with row_selection: admit new prompts only into the flat region's rows
+    # with row_selection (plain, not batch-parallel): skip drafting in steps where its cost is not
+    # repaid (tandem.engine.draft_gate: goodput with and without drafting, from running figures)
+    draft_gate: bool = True
 
     def validate(self) -> None:
         if self.method not in ENGINE_METHODS:

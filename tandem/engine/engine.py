@@ -40,6 +40,7 @@ from tandem.drafting.tree_drafter import TreeDrafter
 from tandem.engine.batch_manager import BatchManager
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.engine.config import EngineConfig
+from tandem.engine.draft_gate import DraftGate
 from tandem.engine.request import Request, RequestOutput, RequestState, SamplingParams
 from tandem.engine.row_selection import select_step
 from tandem.engine.scheduler import Scheduler, ScheduledRows, StepPlan
@@ -84,6 +85,7 @@ class EngineCounters:
     tail_fallbacks: int = 0
     rebalances: int = 0
     selection_off_steps: int = 0  # row selection chose zero draft nodes (speculation off)
+    gate_off_steps: int = 0  # row selection's draft gate skipped drafting (its cost not repaid)
     nodes_selected: int = 0
     nodes_offered: int = 0
     preemptions: int = 0  # requests moved back to waiting, to be recomputed (blocks ran out)
@@ -136,6 +138,9 @@ class Engine:
         # called with each decoding request before its accept; whatever it raises fails that
         # request alone (the reliability harness injects faults through it: tandem serve --inject-faults)
         self.fault_hook: Callable[[Request], None] | None = None
+        # row selection's draft-cost term: whether a step drafts at all (None: always drafts)
+        self.gate = DraftGate() if config.row_selection and config.draft_gate and not config.batch_parallel else None
+        self._accepted = 0  # accepted draft tokens in the current step (the gate's figure)
         if config.batch_parallel:
             self.batches = BatchManager(self._load, config.rebalance_threshold)
             if target.device.type == "cuda":  # the drafter's kernels on their own stream
@@ -192,12 +197,25 @@ class Engine:
         offered = drafted = 0
         draft_s = overlap = 0.0
         if plan:
+            drafting_s = None  # seconds spent drafting this step's trees (row selection), None: no drafting
             if self.config.row_selection:
-                trees, offered = self._select(plan)
+                if self.gate is None or self.gate.drafts(len(plan.decodes), plan.num_rows, self.config.row_cost):
+                    t0 = time.perf_counter()
+                    trees, offered = self._select(plan)
+                    drafting_s = time.perf_counter() - t0
+                else:  # drafting would not pay this step: roots only
+                    trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes}
             else:
                 trees = {s.request.request_id: self._draft(s) for s in plan.decodes}
+            self._accepted = 0
+            t0 = time.perf_counter()
             logits, drafted, draft_s, overlap = self._forward(plan, trees)  # logits: [decode rows, vocab]
             finished = self._apply(plan, trees, logits)
+            if self.gate is not None:  # (the accepts read the logits: the pass is done by now)
+                self.gate.observe_pass(time.perf_counter() - t0, plan.num_rows, self.config.row_cost)
+                if drafting_s is not None:
+                    self.gate.observe_drafting(drafting_s, len(trees), sum(len(t) - 1 for t in trees.values()),
+                                               self._accepted)
         if self.batches is not None:
             self.batches.swap()
         self._record(plan, trees, verify_batch, overlapped, fallback, loads, drafted, draft_s, overlap, offered)
@@ -295,6 +313,13 @@ class Engine:
             tree = tree.subset(list(range(s.rows)))
         return tree
 
+    def _skip_draft(self, req: Request) -> DraftTree:
+        """An `ar` step for a request while the gate keeps drafting off. Its drafter is dropped: it
+        did not propose this step, so it restarts from the whole context when drafting resumes."""
+        req.runtime.pop("drafter", None)
+        req.runtime.pop("features", None)  # (a restarted feature drafter reads zeros for them)
+        return DraftTree.chain([req.token_ids()[-1]])
+
     def _select(self, plan: StepPlan) -> tuple[dict[str, DraftTree], int]:
         """Row selection: every verified request's full tree, one shared node budget from the
         cost model, then each decode grows by its chosen nodes. Returns the trees and the nodes
@@ -374,6 +399,8 @@ class Engine:
             c.selection_off_steps += nodes == 0
         c.draft_s += draft_s
         c.draft_hidden_s += draft_s * overlap
+        if self.gate is not None:
+            c.gate_off_steps = self.gate.decisions_off
 
     def _new_drafter(self, req: Request):
         spec, sampling = self.spec, req.params.sampling()
@@ -455,6 +482,7 @@ class Engine:
         """Accept over the request's rows (logits [n, vocab], feats [n, F]), commit the path, feed
         the drafter, emit; True when the request is done."""
         result = self._accept(req, tree, logits)
+        self._accepted += result.accepted
         self.pool.commit(req.request_id, result.path, [tree.tokens[i] for i in result.path])
         req.num_computed += len(result.path)
         if "drafter" in req.runtime:
