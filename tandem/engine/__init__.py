@@ -4,9 +4,11 @@
     config.py         EngineConfig (frozen): method, pool size, token budget
     scheduler.py      waiting / running queues -> one StepPlan per step (chunked prefill, preemption)
     batched_model.py  one target forward over every scheduled request's rows, over paged KV
+    invariant.py      batch-invariant arithmetic for deterministic mode (fixed-shape products, per-row attention)
     engine.py         Engine.add_request / step / abort: draft, verify, commit, emit; counters
     batch_manager.py  batch parallelism (MineDraft): two batches, one verified while the other drafts
     row_selection.py  batch-aware row selection (SpecPilot): one node budget per step, a row cost model
+    draft_gate.py     whether a step drafts at all: drafting cost against the tokens it returns
     llm.py            tandem.LLM(...).generate(prompts, SamplingParams(...)), the offline API
 
 The paged KV pool itself is tandem.kv.paged.
