@@ -195,14 +195,13 @@ class Generator:
                 return self.generate(prompt_ids, method, spec, sampling, gen, on_tokens, transport, forced_accepts,
                                      tensor_parallel_size, draft_tensor_parallel_size, split_search)
         if getattr(self.target_model, "is_hybrid", False):  # Qwen3.5: recurrent layers (runtime/hybrid.py)
-            if not sampling.greedy:
-                raise ConfigError("hybrid targets (Qwen3.5) decode greedily for now; use --temperature 0")
             if method not in ("auto", "ar", "chain", "tree"):
                 raise ConfigError(f"hybrid targets (Qwen3.5) run ar, chain and tree, not {method!r}")
             from tandem.runtime.hybrid import generate_hybrid
 
             return generate_hybrid(self.target_model, prompt_ids, ("tree" if self.draft_model is not None else "ar") if method == "auto" else method,
-                                   self.draft_model, spec, gen, self.tokenizer, on_tokens, use_graphs=self.use_graphs)
+                                   self.draft_model, spec, gen, self.tokenizer, on_tokens, use_graphs=self.use_graphs,
+                                   sampling=sampling)
         if method == "auto":  # the measured fastest method (tandem.runtime.auto); --method overrides
             if (tensor_parallel_size, draft_tensor_parallel_size) != (1, 1) or split_search is not None:
                 raise ConfigError("--tensor-parallel-size / --split-search need --method async, not auto")

@@ -1,10 +1,11 @@
-"""Single-request greedy decoding for hybrid targets (Qwen3.5: Gated DeltaNet + attention).
+"""Single-request decoding for hybrid targets (Qwen3.5: Gated DeltaNet + attention).
 
     while not done:
         tree   = drafter.propose()          # a DraftTree hanging from the root (ar: the root alone)
         result = target.verify(tree)        # one tree pass: attention over the KV cache under the
                                             # tree mask, GDN layers walk each root path from the
-                                            # committed state; greedy accept; commit the path
+                                            # committed state; accept (greedy, or recursive
+                                            # rejection sampling: lossless); commit the path
         drafter.observe(result, tree)
         emit(result.tokens)
 
@@ -20,10 +21,11 @@ from typing import Callable, Protocol
 
 import torch
 
-from tandem.config import ConfigError, GenerationConfig, SpecConfig
+from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.runtime.plan import RequestPlan, plan_request
 from tandem.tree.draft_tree import DraftTree
-from tandem.verify.verifier import VerifyResult, greedy_accept
+from tandem.verify.sampling import probs_from_logits
+from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
 
 HYBRID_METHODS = ("ar", "chain", "tree")
 
@@ -64,9 +66,15 @@ class HybridTarget:
         self.cache.commit(path)
         self.model.commit_state(self.state, record, path)
 
-    def verify(self, tree: DraftTree) -> VerifyResult:
+    def verify(self, tree: DraftTree, sampling: SamplingConfig | None = None,
+               generator: torch.Generator | None = None) -> VerifyResult:
+        """Greedy accept, or (sampling not greedy) recursive rejection sampling over the tree with
+        the target's processed distributions: the committed tokens follow the target's law."""
         logits, record = self.logits(tree)
-        result = greedy_accept(tree, logits.argmax(-1).tolist())
+        if sampling is None or sampling.greedy:
+            result = greedy_accept(tree, logits.argmax(-1).tolist())
+        else:
+            result = rejection_accept(tree, probs_from_logits(logits, sampling), generator)
         self.commit(record, result.path)
         return result
 
@@ -93,16 +101,18 @@ def hybrid_drafter(method: str, draft_model, spec: SpecConfig, plan: RequestPlan
 def generate_hybrid(target_model, prompt_ids: list[int], method: str = "tree", draft_model=None,
                     spec: SpecConfig = SpecConfig(), gen: GenerationConfig = GenerationConfig(), tokenizer=None,
                     on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter | None = None,
-                    use_graphs: bool | str | None = None):
-    """Greedy decoding of one request with a hybrid target; `ar`, `chain` and `tree` give the
-    same tokens. `drafter` (optional) replaces the one built from `draft_model`."""
+                    use_graphs: bool | str | None = None, sampling: SamplingConfig = SamplingConfig()):
+    """Decoding of one request with a hybrid target. Greedy: `ar`, `chain` and `tree` give the
+    same tokens. Sampled: the drafters' best-first trees are point masses, so recursive rejection
+    sampling keeps the target's distribution. `drafter` (optional) replaces the one built from
+    `draft_model`."""
     from tandem.runtime.emit import Emitter
     from tandem.runtime.result import GenerationResult
 
     if method not in HYBRID_METHODS:
         raise ConfigError(f"method {method!r} is not available for hybrid targets; choose one of "
                           f"{', '.join(HYBRID_METHODS)}")
-    spec.validate(), gen.validate()
+    spec.validate(), gen.validate(), sampling.validate()
     if not prompt_ids:
         raise ConfigError("the prompt is empty; give at least one token of text")
     if method != "ar" and draft_model is None and drafter is None:
@@ -130,9 +140,10 @@ def generate_hybrid(target_model, prompt_ids: list[int], method: str = "tree", d
     target.prefill(prompt_ids[:-1])
     emitter = Emitter(max_new, eos, gen, tokenizer, on_tokens, t0)
     root = prompt_ids[-1]
+    g = torch.Generator().manual_seed(sampling.seed)  # as the attention-only loop seeds a request
     while True:
         tree = drafter.propose() if drafter is not None else DraftTree.chain([root])  # ar: the root alone
-        result = target.verify(tree)
+        result = target.verify(tree, sampling, g)
         if drafter is not None:
             drafter.observe(result, tree)
         if emitter.emit(tree, result):
