@@ -60,7 +60,10 @@ def write_head(d: Path, target, draft_vocab: int | None = None, bin_file: bool =
             state["lm_head.weight"] = target.lm_head.weight[kept].clone()
     elif lm_head_from_target:
         state["lm_head.weight"] = target.lm_head.weight.clone()
+    if target.config.hidden_size != H:  # the head cannot share the target's embeddings: it ships its own
+        state["embed_tokens.weight"] = rnd(V, H)
     cfg = {"architectures": [arch], "model_type": "llama", "hidden_size": H, "intermediate_size": INTER,
+           "target_hidden_size": target.config.hidden_size,
            "num_attention_heads": HEADS, "num_key_value_heads": KV, "num_hidden_layers": 1, "rms_norm_eps": 1e-5,
            "rope_theta": 10000.0, "max_position_embeddings": 2048, "vocab_size": V, "draft_vocab_size": Vd,
            "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 0, "eos_token_id": 1}

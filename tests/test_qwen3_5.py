@@ -404,3 +404,33 @@ def test_sampling_with_a_hybrid_target_follows_the_target(pair, method):
     c2 = pairs[first]
     tv2 = 0.5 * float((c2 / c2.sum() - p2).abs().sum())
     assert tv2 < 1.3 * noise(p2, float(c2.sum())) + 0.03, (method, tv2, int(c2.sum()))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+def test_feature_drafters_over_a_hybrid_target_equal_ar(pair, kind, tmp_path):
+    """An EAGLE-3 head and a block drafter read a hybrid target's features (the residual stream
+    entering three of its layers, kept on every tree pass): chain and tree equal ar, and the
+    drafters' proposals were looked at (draft steps counted)."""
+    _, _, ours = pair("default")
+    if kind == "eagle3":
+        from test_eagle3 import write_head
+        from tandem.models.eagle3 import load_eagle3
+
+        write_head(tmp_path / "head", ours)
+        draft = load_eagle3(tmp_path / "head", ours, "cpu", torch.float32)
+    else:
+        from test_block_drafter import make_drafter
+
+        draft = make_drafter(ours)
+    prompt = [7, 7, 21, 64, 3, 90]
+    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    try:
+        ar = generate_hybrid(ours, prompt, "ar", gen=gen)
+        for method in ("chain", "tree"):
+            res = generate_hybrid(ours, prompt, method, draft_model=draft, spec=SpecConfig(nodes=8, width=2, k=3),
+                                  gen=gen)
+            assert res.token_ids == ar.token_ids, (kind, method)
+            assert res.draft_steps > 0
+        assert ours.last_features.shape[-1] == 3 * ours.config.hidden_size
+    finally:
+        ours.feature_layers, ours.last_features = None, None  # the shared model: back to no features

@@ -338,6 +338,21 @@ class Qwen3_5ForCausalLM(nn.Module):
         r = cfg.rotary_dim
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
         self.register_buffer("inv_freq", inv, persistent=False)  # [rotary_dim // 2] fp32
+        # target features for feature drafters (EAGLE-3 heads, block drafters), as Transformer keeps them
+        self.feature_layers: tuple[int, ...] | None = None
+        self.last_features: torch.Tensor | None = None  # [B, n, len(feature_layers) * hidden]
+
+    def enable_features(self, layers: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """Keep the residual stream entering `layers` (default: a low, a middle and a high layer)
+        on every pass from now on, concatenated in `last_features`. Idempotent."""
+        from tandem.models.transformer import default_feature_layers
+
+        L = self.config.num_hidden_layers
+        layers = tuple(layers) if layers is not None else (self.feature_layers or default_feature_layers(L))
+        if any(not 0 <= i < L for i in layers):
+            raise ValueError(f"feature layers {layers} outside the target's {L} layers")
+        self.feature_layers = layers
+        return layers
 
     @property
     def device(self) -> torch.device:
@@ -371,8 +386,14 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def _run(self, input_ids: torch.Tensor, p: _Pass) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        want = self.feature_layers or ()
+        feats: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in want:  # the residual stream entering layer i
+                feats[i] = x
             x = layer(x, p)
+        if want:
+            self.last_features = torch.cat([feats[i] for i in want], dim=-1)
         return self.lm_head(self.model.norm(x))  # [B, n, vocab]
 
     @torch.no_grad()

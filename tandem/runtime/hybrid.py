@@ -89,9 +89,23 @@ def hybrid_drafter(method: str, draft_model, spec: SpecConfig, plan: RequestPlan
     from tandem.models.transformer import Transformer
     from tandem.runtime.runner import ModelRunner
 
+    from tandem.models.block_drafter import BlockDrafter
+    from tandem.models.eagle3 import Eagle3Head
+
+    chain = method == "chain"
+    if isinstance(draft_model, Eagle3Head):  # feature drafters read the target's features (the loop passes them)
+        from tandem.drafting.eagle_drafter import EagleDrafter
+
+        return EagleDrafter(ModelRunner(draft_model, plan.target_rows + EagleDrafter.rows_needed(spec), use_graphs),
+                            spec, chain)
+    if isinstance(draft_model, BlockDrafter):
+        from tandem.drafting.lattice_drafter import LatticeDrafter
+
+        rows = plan.target_rows + 2 * draft_model.bconfig.block_size + spec.nodes + spec.k
+        return LatticeDrafter(ModelRunner(draft_model.lattice_model(), rows, use_graphs), spec, chain)
     if not isinstance(draft_model, Transformer):
-        raise ConfigError(f"method {method!r} with a hybrid target needs a small draft model (llama / qwen families); "
-                          f"{type(draft_model).__name__} drafters are not supported with hybrid targets yet")
+        raise ConfigError(f"method {method!r} with a hybrid target needs a small draft model (llama / qwen families), "
+                          f"an EAGLE-3 head or a block drafter, not a {type(draft_model).__name__}")
     runner = ModelRunner(draft_model, plan.draft_rows, use_graphs)
     if method == "tree":
         return TreeDrafter(runner, spec)
@@ -132,19 +146,28 @@ def generate_hybrid(target_model, prompt_ids: list[int], method: str = "tree", d
     if drafter is None:
         drafter = hybrid_drafter(method, draft_model, spec, plan, use_graphs)
     eos = set() if gen.ignore_eos else set(cfg.eos_token_ids)
+    feature_layers = getattr(draft_model, "target_feature_layers", None) if method != "ar" else None
+    if feature_layers:  # EAGLE-3 head / block drafter: the target keeps its features on every pass
+        target_model.enable_features(feature_layers)
     target = HybridTarget(target_model, plan.target_rows)
-    if drafter is not None:
-        drafter.start(prompt_ids)
 
     t0 = time.perf_counter()
     target.prefill(prompt_ids[:-1])
+    if drafter is not None:
+        if feature_layers:  # the features of the prompt's rows before the root
+            prompt_feats = target_model.last_features[0] if len(prompt_ids) > 1 else None
+            drafter.start(prompt_ids, prompt_feats)
+        else:
+            drafter.start(prompt_ids)
     emitter = Emitter(max_new, eos, gen, tokenizer, on_tokens, t0)
     root = prompt_ids[-1]
     g = torch.Generator().manual_seed(sampling.seed)  # as the attention-only loop seeds a request
     while True:
         tree = drafter.propose() if drafter is not None else DraftTree.chain([root])  # ar: the root alone
         result = target.verify(tree, sampling, g)
-        if drafter is not None:
+        if drafter is not None and feature_layers:  # the root's and the accepted nodes' features
+            drafter.observe(result, tree, target_model.last_features[0][result.path])
+        elif drafter is not None:
             drafter.observe(result, tree)
         if emitter.emit(tree, result):
             break
