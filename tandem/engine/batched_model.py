@@ -64,19 +64,19 @@ class BatchRows:
         offsets = [0]
         for t in T:
             offsets.append(offsets[-1] + t)
-        q_index = torch.zeros(R, tmax, dtype=torch.long)
-        q_valid = torch.zeros(R, tmax, dtype=torch.bool)
-        kv_slots = torch.zeros(R, smax, dtype=torch.long)
-        allowed = torch.zeros(R, tmax, smax, dtype=torch.bool)
-        allowed[:, :, 0] = True  # padded rows: column 0 (overwritten below for real rows)
+        Tt, St = torch.tensor(T), torch.tensor(S)
+        q_valid = torch.arange(tmax)[None] < Tt[:, None]  # [R, tmax]
+        q_index = torch.where(q_valid, torch.tensor(offsets[:-1])[:, None] + torch.arange(tmax)[None], 0)
+        # (python lists, one tensor each: per-request tensors cost more than the rest of the build)
+        kv_slots = torch.tensor([seg.context_slots + [0] * (smax - len(seg.context_slots)) for seg in segments])
+        cols = torch.arange(smax)[None, None]  # [1, 1, smax]
+        # the committed rows (every column before the request's new rows), then column 0 for padded rows
+        allowed = q_valid[:, :, None] & (cols < (St - Tt)[:, None, None])
+        allowed[:, :, 0] |= ~q_valid
         slots, logit_rows = [], []
         for r, seg in enumerate(segments):
             t, s = T[r], S[r]
             L = s - t
-            q_index[r, :t] = torch.arange(offsets[r], offsets[r + 1])
-            q_valid[r, :t] = True
-            kv_slots[r, :s] = torch.tensor(seg.context_slots)
-            allowed[r, :t, :L] = True  # the committed rows
             allowed[r, :t, L:s] = seg.mask  # its own new rows, under its mask
             slots += seg.context_slots[L:]
             if seg.logits:

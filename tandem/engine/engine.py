@@ -141,6 +141,8 @@ class Engine:
         # row selection's draft-cost term: whether a step drafts at all (None: always drafts)
         self.gate = DraftGate() if config.row_selection and config.draft_gate and not config.batch_parallel else None
         self._accepted = 0  # accepted draft tokens in the current step (the gate's figure)
+        self._argmax: list[int] = []  # the current step's argmax per logits row (_apply)
+        self._argmax_lo = 0  # the first of them that belongs to the request being accepted
         if config.batch_parallel:
             self.batches = BatchManager(self._load, config.rebalance_threshold)
             if target.device.type == "cuda":  # the drafter's kernels on their own stream
@@ -448,6 +450,8 @@ class Engine:
     def _apply(self, plan: StepPlan, trees: dict[str, DraftTree], logits: torch.Tensor) -> list[RequestOutput]:
         finished, row, m = [], 0, 0  # m: the segment's first row in the pass (features)
         feats = self.model.last_features if self.feature_layers else None  # [M, F]
+        # every row's argmax read back at once: one device sync per step, not one per request
+        self._argmax = logits.argmax(-1).tolist() if logits.numel() else []
         for s in plan.scheduled:
             req = s.request
             if s.kind == "prefill":
@@ -462,6 +466,7 @@ class Engine:
             lo, mlo = row, m  # this request's logits rows and feature rows
             row += len(tree)
             m += len(tree)
+            self._argmax_lo = lo
             try:  # a request that raises here fails alone: its rows of the pass are already out
                 if self.fault_hook is not None:
                     self.fault_hook(req)
@@ -502,9 +507,11 @@ class Engine:
         self.requests.pop(req.request_id, None)
 
     def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+        """logits [n, vocab]: the request's rows of the pass (its rows start at `_argmax_lo` in
+        the step's argmax read back by _apply)."""
         sampling: SamplingConfig = req.params.sampling()
         if sampling.greedy:
-            return greedy_accept(tree, logits.argmax(-1).tolist())
+            return greedy_accept(tree, self._argmax[self._argmax_lo:self._argmax_lo + len(tree)])
         return rejection_accept(tree, probs_from_logits(logits, sampling), self._generator(req))
 
     def _emit(self, req: Request, tree: DraftTree, result: VerifyResult) -> bool:
