@@ -566,8 +566,9 @@ def check_deterministic(t: Target, batches: tuple[int, ...] = (1, 2, 4, 8, 16), 
 # ---- (10) faults --------------------------------------------------------------------------------------------
 def check_faults(t: Target, n: int = 40, every: int = 20, max_tokens: int = 24, method: str = "tree") -> CheckResult:
     """(10a, b) On a server started with inject_faults (it is killed at the end: give it its own):
-    n concurrent greedy requests with speculation, one in `every` marked to raise inside the engine
-    in its own part of a step. Only the marked ones fail, each with a 500 and an OpenAI-shaped
+    n greedy requests with speculation (as many at once as the server admits), one in `every`
+    marked to raise inside the engine in its own part of a step. Only the marked ones fail,
+    each with a 500 and an OpenAI-shaped
     body; the others equal their solo runs; the pools end clean. Then a request stops the engine
     loop: /health answers 503 within 1 s, and a new request gets 503."""
     from tandem.serve.driver import FAULT_USER, KILL_USER
@@ -581,10 +582,18 @@ def check_faults(t: Target, n: int = 40, every: int = 20, max_tokens: int = 24, 
         solo = {i: c.post("/v1/completions", json=b).json()["choices"][0]["text"]
                 for i, b in enumerate(bodies) if i not in faulted}
 
+    # at most the server's capacity in flight (more would be refused with 503 by design: check 4)
+    width = min(n, t.server.config.max_pending)
+
     async def together() -> list[httpx.Response]:
+        gate = asyncio.Semaphore(width)
         async with httpx.AsyncClient(base_url=t.url, headers=t.auth, timeout=600,
-                                     limits=httpx.Limits(max_connections=n)) as ac:
-            return await asyncio.gather(*(ac.post("/v1/completions", json=b) for b in bodies))
+                                     limits=httpx.Limits(max_connections=width)) as ac:
+            async def one(b: dict) -> httpx.Response:
+                async with gate:
+                    return await ac.post("/v1/completions", json=b)
+
+            return await asyncio.gather(*(one(b) for b in bodies))
 
     rs = asyncio.run(together())
     problems = []
