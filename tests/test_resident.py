@@ -192,7 +192,7 @@ def test_resident_streams_and_stops_like_the_host_loop(monkeypatch):
     assert b.finish_reason == "stop" == a.finish_reason and b.stop_trimmed_text == a.stop_trimmed_text
 
 
-def test_resident_is_off_on_the_cpu_by_default_and_for_replay(tiny, monkeypatch):
+def test_resident_is_off_on_the_cpu_by_default(tiny, monkeypatch):
     from tandem.config import SamplingConfig
 
     target, draft = tiny
@@ -201,7 +201,8 @@ def test_resident_is_off_on_the_cpu_by_default_and_for_replay(tiny, monkeypatch)
     on = Generator(target, draft, use_graphs=False, resident=True)
     assert on._resident("tree", SamplingConfig(), None) and on._resident("ar", SamplingConfig(), None)
     assert on._resident("tree", SamplingConfig(temperature=0.8), None)  # sampling: the sampled walk
-    assert not on._resident("tree", SamplingConfig(), [1, 2])  # acceptance replay: the host loop
+    assert on._resident("tree", SamplingConfig(), [1, 2])  # greedy acceptance replay runs resident too
+    assert not on._resident("tree", SamplingConfig(temperature=0.8), [1, 2])  # a sampled replay: the host loop
     assert Generator(target, tiny_model(seed=4), resident=True)._resident("tree", SamplingConfig(), None)  # a draft model
     np.testing.assert_equal(on._resident("async", SamplingConfig(), None), False)
 
@@ -296,3 +297,20 @@ def test_results_say_which_loop_decoded_them(tiny):
     g = GenerationConfig(max_new_tokens=4, ignore_eos=True)
     assert Generator(target, draft, use_graphs=False, resident=True).generate([1, 2], "tree", gen=g).loop == "resident"
     assert Generator(target, draft, use_graphs=False, resident=False).generate([1, 2], "tree", gen=g).loop == "host"
+
+
+def test_resident_replays_recorded_accept_counts(tiny):
+    """Acceptance replay (bench --replay) in the resident loop: a chain accepts exactly the
+    recorded count (capped at k), a tree the recorded count capped at its deepest node; the
+    counts cycle as the host loop's replay does."""
+    target, draft = tiny
+    forced = [0, 3, 1, 7, 2, 5]
+    g = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    res = Generator(target, draft, use_graphs=False, resident=True)
+    r = res.generate([1, 5, 9, 2], "chain", SpecConfig(k=4), gen=g, forced_accepts=forced)
+    assert r.loop == "resident"
+    want = [min(forced[i % len(forced)], 4) for i in range(len(r.accept_lengths))]
+    assert r.accept_lengths[:-1] == want[:-1]  # (the last pass may be cut by max_new_tokens)
+    t = res.generate([1, 5, 9, 2], "tree", SpecConfig(nodes=12), gen=g, forced_accepts=forced)
+    assert all(a <= forced[i % len(forced)] for i, a in enumerate(t.accept_lengths))
+    assert max(t.accept_lengths) >= 3

@@ -114,8 +114,10 @@ class Generator:
         from tandem.models.eagle3 import Eagle3Head
         from tandem.models.transformer import Transformer
 
-        if forced_accepts is not None or self.certified_head or method not in ("ar", "chain", "tree"):
+        if self.certified_head or method not in ("ar", "chain", "tree"):
             return False
+        if forced_accepts is not None and not sampling.greedy:
+            return False  # (replay of a sampled trace: the host loop)
         if method != "ar" and type(self.draft_model) not in (BlockDrafter, Eagle3Head, Transformer):
             return False  # (a hybrid draft's recurrent state cannot take tree rows)
         if self.resident is not None:
@@ -126,7 +128,8 @@ class Generator:
                 and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0")
 
     def _generate_resident(self, prompt_ids: list[int], method: str, spec: SpecConfig, sampling: SamplingConfig,
-                           gen: GenerationConfig, max_new: int, eos: set[int], on_tokens) -> GenerationResult:
+                           gen: GenerationConfig, max_new: int, eos: set[int], on_tokens,
+                           forced_accepts: list[int] | None = None) -> GenerationResult:
         from tandem.runtime.resident import resident_loop
 
         drafting = method != "ar"
@@ -157,7 +160,7 @@ class Generator:
         else:
             pending, feats = [prompt_ids[-1]], None
         prefix, dprefix = target.cache.prefix_len, draft.cache.prefix_len if draft is not None else 0
-        loop.start(prefix, dprefix, pending, feats, sampling)
+        loop.start(prefix, dprefix, pending, feats, sampling, forced_accepts)
         emitter = Emitter(max_new, eos, gen, self.tokenizer, on_tokens, t0)
         steps, draft_s, verify_s = loop.run(emitter, prefix, dprefix, len(pending))
         if self.target_model.device.type == "cuda":
@@ -251,7 +254,8 @@ class Generator:
             check_tlv(self.draft_model, sampling, forced_accepts)
             return generate_tlv(self, prompt_ids, spec, gen, max_new, eos, on_tokens)
         if self._resident(method, sampling, forced_accepts):
-            return self._generate_resident(prompt_ids, method, spec, sampling, gen, max_new, eos, on_tokens)
+            return self._generate_resident(prompt_ids, method, spec, sampling, gen, max_new, eos, on_tokens,
+                                           forced_accepts)
         plan = plan_request(method, len(prompt_ids), max_new, spec)
         g = torch.Generator().manual_seed(sampling.seed)
         drafter = None if method == "ar" else self._drafter(method, spec, sampling, g, plan)

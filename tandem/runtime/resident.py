@@ -44,6 +44,7 @@ from tandem.runtime.timing import PassClock
 from tandem.verify.sampling import probs_from_logits
 
 LAG = 2  # steps queued ahead of the one the host reads
+FORCED_MAX = 4096  # acceptance replay: recorded counts per request (cycled past this)
 
 
 class ResidentLoop:
@@ -120,6 +121,11 @@ class ResidentLoop:
         self.am = torch.zeros(self.M, **lng)
         self.seed = torch.zeros(1, **lng)
         self.generator: torch.Generator | None = None
+        # acceptance replay (simulated acceptance, bench --replay): each pass accepts the recorded
+        # count along one path of the tree (as deep as it goes), whatever the target says
+        self.replay = False
+        self.forced = torch.zeros(FORCED_MAX, **lng)  # the recorded counts, cycled
+        self.fstep = torch.zeros(1, **lng)
         # ---- constants -------------------------------------------------------------------
         self.ar_M = torch.arange(self.M, **lng)
         self._cols: dict[int, torch.Tensor] = {}
@@ -129,7 +135,7 @@ class ResidentLoop:
     def _state(self) -> list[torch.Tensor]:
         s = [self.prefix, self.dprefix, self.P, self.ctx_tok, self.tree_tok, self.tree_par, self.tree_depth,
              self.anc, self.rec]
-        s += [self.kv_src, self.kv_dst, self.node, self.am, self.seed]
+        s += [self.kv_src, self.kv_dst, self.node, self.am, self.seed, self.fstep]
         return s + ([self.ctx_feat] if self.d is not None else [])
 
     def cols(self, width: int) -> torch.Tensor:
@@ -220,6 +226,8 @@ class ResidentLoop:
         logits = model(self.tree_tok[None], (pre + self.tree_depth)[None], self.t.cache, (pre + self.ar_M)[None],
                        see[None, None])  # [1, M, V]
         am = self._next(logits[0])  # [M] the next token after each node (greedy: the argmax)
+        if self.replay:
+            am = self._forced_path(am, logits[0])
         # accept (a node whose ancestors all match their parent's choice), the next context, the record
         accept_fused(am, self.tree_tok, self.tree_par, self.tree_depth, self.anc, self.prefix, self.pmax,
                      {"kv_src": self.kv_src, "kv_dst": self.kv_dst, "node": self.node, "ctx": self.ctx_tok,
@@ -230,6 +238,27 @@ class ResidentLoop:
             # each context token's target features are those of the node before it
             # (ctx_feat has the target's dtype: the features land without a cast)
             torch.index_select(model.last_features[0], 0, self.node, out=self.ctx_feat)
+
+    def _forced_path(self, am: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Acceptance replay (greedy): am [M] rewritten so that the accept takes the recorded
+        count of nodes along the path to the first node at that depth (or at the tree's deepest):
+        each path node's parent 'chooses' it, and the last node's bonus is the target's best
+        token that is none of its children (so the path stops there). logits: [M, V]."""
+        M = self.M
+        f = self.forced.index_select(0, self.fstep % FORCED_MAX)  # [1]
+        depth = self.tree_depth
+        want = torch.minimum(f, depth.max())  # [1]
+        leaf = torch.where(depth == want, self.ar_M, M).min()  # [] the first node at that depth
+        onpath = self.anc.index_select(0, leaf[None])[0] & (self.ar_M > 0)  # [M] the path below the root
+        # the leaf's bonus: its argmax, or its second choice when a child holds the argmax
+        top2 = logits.index_select(0, leaf[None])[0].topk(2).indices  # [2]
+        clash = ((self.tree_par == leaf) & (self.tree_tok == top2[0])).any()
+        bonus = torch.where(clash, top2[1], top2[0])
+        ext = torch.cat([am, am.new_zeros(1)])  # [M + 1] (slot M takes the writes of the other nodes)
+        ext.scatter_(0, torch.where(onpath, self.tree_par, M), self.tree_tok)
+        ext.index_copy_(0, leaf[None], bonus[None])
+        self.fstep.add_(1)
+        return ext[:M]
 
     def _next(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [M, V] -> [M] the token after each node: the argmax (greedy), or the tokens the
@@ -250,7 +279,8 @@ class ResidentLoop:
                 body()
             return
         # (temperature and top-p are baked into a captured graph)
-        key = (part, width, None if self.sampling is None else (self.sampling.temperature, self.sampling.top_p))
+        key = (part, width, None if self.sampling is None else (self.sampling.temperature, self.sampling.top_p),
+               self.replay)
         if key not in self._graphs:
             self._graphs[key] = self._capture(runner, body)
         self._graphs[key].replay()
@@ -297,10 +327,16 @@ class ResidentLoop:
         return prompt[done:], feats[done:]
 
     def start(self, prefix: int, dprefix: int, ctx: list[int], feats: torch.Tensor | None,
-              sampling: SamplingConfig | None = None) -> None:
+              sampling: SamplingConfig | None = None, forced_accepts: list[int] | None = None) -> None:
         """The state after the prompt: the target's and drafter's prefixes, the pending context
         (<= pmax tokens, the root last) and its features [len(ctx), F]; `sampling` (None or
-        greedy: argmax) seeds the walk from `sampling.seed`."""
+        greedy: argmax) seeds the walk from `sampling.seed`; `forced_accepts` replays recorded
+        accept counts (cycled, as the host loop's replay does)."""
+        self.replay = forced_accepts is not None and self.d is not None
+        if self.replay:
+            counts = list(forced_accepts) or [0]
+            self.forced.copy_(torch.tensor([counts[i % len(counts)] for i in range(FORCED_MAX)]))
+            self.fstep.zero_()
         if not 1 <= len(ctx) <= self.pmax:
             raise ValueError(f"{len(ctx)} pending rows; the loop takes 1 to {self.pmax}")
         self.sampling = None if sampling is None or sampling.greedy else sampling
