@@ -197,3 +197,15 @@ def test_the_sampled_walk_kernel_follows_the_target(device):
     # total variation between the empirical first-token law and the root's distribution
     tv = 0.5 * (counts / n - probs[0].cpu()).abs().sum().item()
     assert tv < 0.05, tv  # ~0.02 expected from n draws alone
+
+
+@pytest.mark.parametrize("device", [cpu("cpu", id="cpu"), cuda("cuda", id="cuda")])
+def test_resident_replay_accepts_the_recorded_counts(device):
+    """Acceptance replay inside the captured graphs: a chain of k accepts min(recorded, k)."""
+    target, draft, prompts = _pair(device, "block")
+    forced = [0, 3, 1, 7, 2, 5]
+    res = Generator(target, draft, use_graphs=graphs_for(device), resident=True)
+    r = res.generate(prompts[0], "chain", SpecConfig(k=4), gen=GenerationConfig(max_new_tokens=48, ignore_eos=True),
+                     forced_accepts=forced)
+    assert r.loop == "resident"
+    assert r.accept_lengths[:-1] == [min(forced[i % len(forced)], 4) for i in range(len(r.accept_lengths) - 1)]
