@@ -5,6 +5,7 @@
 #   PART=B: fp32 output checks (SOURCE=1: the held-out source workload too), the 8B-shape replay
 #           of the head's acceptance (random weights, labelled simulated, trace from $TRACE; its
 #           ar row is Tandem's ar at that shape) and gpt-fast at the 8B shape
+#   PART=S: sampled rows (temperature 0.7): the block drafter and the EAGLE-3 head, `tree`
 #   PART=A STRICT=1 bash bench/run_h200_table.sh $OUT      (device tool: carry .data)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
@@ -32,6 +33,9 @@ if [ "$PART" = A ]; then
   grep -e "replay median" -e "kernels," -e "tok/s" "$OUT/profile_eagle3.txt"
   echo "== peer: gpt-fast compiled AR (ms/token)"
   timeout 90 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
+elif [ "$PART" = S ]; then
+  bench sampled_block bfloat16 mbpp block ar,tree --temperature 0.7 --seed 1 --allow-mismatch
+  NP=6 bench sampled_eagle3 bfloat16 mbpp eagle3 tree --temperature 0.7 --seed 1 --allow-mismatch
 else
   NP=4 bench fp32_block float32 mbpp block chain,tree
   NP=4 bench fp32_eagle3 float32 mbpp eagle3 chain,tree
