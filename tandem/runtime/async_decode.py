@@ -104,8 +104,11 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
     if draft_model is None:
         raise ConfigError("method 'async' needs a draft model; pass --draft DIR or use --method ar")
     on_cuda = target_model.device.type == "cuda"
+    hybrid = getattr(target_model, "is_hybrid", False)
     if transport == "auto":
-        transport = "streams" if on_cuda else "inline"
+        transport = "streams" if on_cuda and not hybrid else "inline"
+    if hybrid and transport != "inline":
+        raise ConfigError(f"async with a hybrid target (Qwen3.5) runs the inline transport, not {transport!r}")
     if (tensor_parallel_size, draft_tensor_parallel_size) != (1, 1) and transport not in ("gloo", "nccl"):
         raise ConfigError(f"tensor parallelism (--tensor-parallel-size {tensor_parallel_size}, "
                           f"--draft-tensor-parallel-size {draft_tensor_parallel_size}) runs in processes; "
@@ -137,16 +140,22 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
         streams = transport == "streams"
         t_stream = torch.cuda.Stream(device=target_model.device) if streams else None
         d_stream = torch.cuda.Stream(device=draft_model.device) if streams else None
-        target = TargetWorker(runner_for(runners, "target", target_model, plan.target_rows, use_graphs), sampling, generator,
-                              stream=t_stream, deferred=not streams)
+        if hybrid:  # its tree pass walks the GDN paths; the commit replays the path (runtime.hybrid)
+            from tandem.runtime.hybrid import HybridTarget, HybridTargetWorker
+
+            target = HybridTargetWorker(HybridTarget(target_model, plan.target_rows), sampling, generator)
+        else:
+            target = TargetWorker(runner_for(runners, "target", target_model, plan.target_rows, use_graphs), sampling,
+                                  generator, stream=t_stream, deferred=not streams)
         draft = DraftWorker(runner_for(runners, "draft", draft_model, plan.draft_rows, use_graphs), spec, plan.tree_rows,
                             inline=not streams, stream=d_stream)
         # NOTE: profiling and graph capture happen before the clock starts, as the serial loop
         # builds its runners before its clock; a server would do both once, not per request.
-        _warm_buckets(target.runner, draft.tree.runner, spec, len(prompt_ids))
+        if not hybrid:
+            _warm_buckets(target.runner, draft.tree.runner, spec, len(prompt_ids))
         # Self-tuning once per engine: the controller (and its trial) lives in `runners` beside the
         # runners it measured; spec.depth given: nothing to tune, so nothing to profile.
-        key = ("depth-controller", transport, spec.nodes, spec.width, spec.depth)
+        key = ("depth-controller", transport, hybrid, spec.nodes, spec.width, spec.depth)
         ctl = runners.get(key) if runners is not None else None
         t_target = t_draft = 0.0
         if ctl is None:
@@ -158,7 +167,9 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
         ctl.new_request()
         draft.ctl = ctl
         t0 = time.perf_counter()
-        if len(prompt_ids) > 1:
+        if len(prompt_ids) > 1 and hybrid:
+            target.target.prefill(prompt_ids[:-1])
+        elif len(prompt_ids) > 1:
             with target.ctx():
                 target.runner.prefill(prompt_ids[:-1])
         draft.start(prompt_ids)

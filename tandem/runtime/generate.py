@@ -197,9 +197,10 @@ class Generator:
             with certified_lm_head(self.target_model):  # this request only; the full head comes back after
                 return self.generate(prompt_ids, method, spec, sampling, gen, on_tokens, transport, forced_accepts,
                                      tensor_parallel_size, draft_tensor_parallel_size, split_search)
-        if getattr(self.target_model, "is_hybrid", False):  # Qwen3.5: recurrent layers (runtime/hybrid.py)
+        hybrid_async = method == "async" and getattr(self.target_model, "is_hybrid", False)
+        if getattr(self.target_model, "is_hybrid", False) and not hybrid_async:  # Qwen3.5 (runtime/hybrid.py)
             if method not in ("auto", "ar", "chain", "tree"):
-                raise ConfigError(f"hybrid targets (Qwen3.5) run ar, chain and tree, not {method!r}")
+                raise ConfigError(f"hybrid targets (Qwen3.5) run ar, chain, tree and async, not {method!r}")
             from tandem.runtime.hybrid import generate_hybrid
 
             return generate_hybrid(self.target_model, prompt_ids, ("tree" if self.draft_model is not None else "ar") if method == "auto" else method,

@@ -79,6 +79,52 @@ class HybridTarget:
         return result
 
 
+class HybridTargetWorker:
+    """The async workers' target (runtime.async_workers: launch / ready / finish / profile) over a
+    hybrid target: the tree pass and the commit of HybridTarget, on the calling thread (the
+    inline transport: each pass runs when the draft asks for its result)."""
+
+    def __init__(self, target: HybridTarget, sampling: SamplingConfig, generator: torch.Generator):
+        self.target, self.sampling, self.generator = target, sampling, generator
+        self.busy_s = 0.0
+        self.path_features = None  # (feature drafters do not run async)
+
+    def ctx(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def launch(self, tree: DraftTree, now: bool = False, forced: int | None = None):
+        from tandem.runtime.target import Launch
+
+        return Launch(tree, None, forced=forced)  # run in finish: the pass and its commit go together
+
+    def ready(self, launch) -> bool:
+        return True
+
+    def finish(self, launch) -> VerifyResult:
+        t0 = time.perf_counter()
+        if launch.forced is not None:
+            raise ConfigError("acceptance replay does not run with hybrid targets")
+        result = self.target.verify(launch.tree, self.sampling, self.generator)
+        self.busy_s += time.perf_counter() - t0
+        return result
+
+    def profile(self, nodes: int, repeats: int = 3) -> float:
+        """Median seconds of a chain pass of nodes + 1 rows; the cache and the state are left as
+        they were (the rows are dropped, nothing is committed)."""
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.target.model.tree_forward([0] * (nodes + 1), list(range(-1, nodes)), self.target.state,
+                                           self.target.cache)
+            if self.target.model.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            self.target.cache.commit([])  # drop the tree rows
+        return sorted(times)[len(times) // 2]
+
+
 def hybrid_drafter(method: str, draft_model, spec: SpecConfig, plan: RequestPlan,
                    use_graphs: bool | str | None = None) -> Drafter | None:
     """The drafter of `method` over an attention-only draft model: a best-first tree (tree) or
