@@ -32,6 +32,9 @@ class EngineConfig:
     # with row_selection (plain, not batch-parallel): skip drafting in steps where its cost is not
     # repaid (tandem.engine.draft_gate: goodput with and without drafting, from running figures)
     draft_gate: bool = True
+    # greedy chains of a small draft model: one batched draft pass per chain position for every
+    # decoding request (tandem.engine.batched_draft) instead of one small pass per request
+    batched_drafting: bool = True
 
     def validate(self) -> None:
         if self.method not in ENGINE_METHODS:

@@ -38,6 +38,7 @@ from tandem.config import ConfigError, SamplingConfig, SpecConfig
 from tandem.drafting.chain_drafter import ChainDrafter
 from tandem.drafting.tree_drafter import TreeDrafter
 from tandem.engine.batch_manager import BatchManager
+from tandem.engine.batched_draft import BatchedChainDrafter
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.engine.config import EngineConfig
 from tandem.engine.draft_gate import DraftGate
@@ -128,6 +129,13 @@ class Engine:
                                                                    // config.block_size)
         self.pool = PagedKVPool.for_model(target, num_blocks, config.block_size, config.enable_prefix_caching)
         self.model = BatchedModel(target, self.pool, deterministic=config.deterministic)
+        # greedy chains of a plain draft model, drafted for every request at once (batched_draft)
+        self.chains: BatchedChainDrafter | None = None
+        if (config.batched_drafting and config.method == "chain" and isinstance(draft, Transformer)
+                and not config.batch_parallel):
+            # (a request's draft rows exceed its target rows by at most the chain plus one block)
+            per_request = -(-(self.spec.k + 1) // config.block_size) + 1
+            self.chains = BatchedChainDrafter(draft, num_blocks + config.max_num_seqs * per_request, config.block_size)
         self.scheduler = Scheduler(config, self.pool, row_budget=self._row_budget)
         self.requests: dict[str, Request] = {}
         self.eos = set(target.config.eos_token_ids)
@@ -179,6 +187,8 @@ class Engine:
         self.scheduler.finish(req, RequestState.ABORTED)
         if self.batches is not None:
             self.batches.recycle(req)
+        if self.chains is not None:
+            self.chains.release(request_id)
         req.finish_reason = "abort"
         req.runtime.clear()
         return True
@@ -208,7 +218,9 @@ class Engine:
                 else:  # drafting would not pay this step: roots only
                     trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes}
             else:
-                trees = {s.request.request_id: self._draft(s) for s in plan.decodes}
+                trees = self._batched_chains({s.request.request_id: s.rows - 1 for s in plan.decodes})
+                trees.update({s.request.request_id: self._draft(s) for s in plan.decodes
+                              if s.request.request_id not in trees})
             self._accepted = 0
             t0 = time.perf_counter()
             logits, drafted, draft_s, overlap = self._forward(plan, trees)  # logits: [decode rows, vocab]
@@ -223,7 +235,7 @@ class Engine:
         self._record(plan, trees, verify_batch, overlapped, fallback, loads, drafted, draft_s, overlap, offered)
         self.steps += 1
         if self.config.debug_check:
-            problems = self.pool.check()
+            problems = self.pool.check() + (self.chains.pool.check() if self.chains is not None else [])
             assert not problems, problems
         return finished
 
@@ -269,6 +281,8 @@ class Engine:
 
     def _drop_draft(self, req: Request) -> None:
         """Preempted: its draft K/V and pending tree are rebuilt when it returns."""
+        if self.chains is not None:
+            self.chains.release(req.request_id)
         req.runtime.pop("drafter", None)
         req.runtime.pop("pending", None)
         req.runtime.pop("features", None)  # recomputed with the prefill when it returns
@@ -315,6 +329,15 @@ class Engine:
             tree = tree.subset(list(range(s.rows)))
         return tree
 
+    def _batched_chains(self, lengths: dict[str, int]) -> dict[str, DraftTree]:
+        """Greedy chains for the requests that can be drafted together (request id -> at most
+        this many draft tokens); the others are left to their own drafters."""
+        if self.chains is None:
+            return {}
+        todo = [(rid, self.requests[rid].token_ids(), min(self.spec.k, n)) for rid, n in lengths.items()
+                if self.requests[rid].params.sampling().greedy]
+        return self.chains.propose(todo) if todo else {}
+
     def _skip_draft(self, req: Request) -> DraftTree:
         """An `ar` step for a request while the gate keeps drafting off. Its drafter is dropped: it
         did not propose this step, so it restarts from the whole context when drafting resumes."""
@@ -326,7 +349,9 @@ class Engine:
         """Row selection: every verified request's full tree, one shared node budget from the
         cost model, then each decode grows by its chosen nodes. Returns the trees and the nodes
         offered."""
-        full = {s.request.request_id: self._proposal(s.request) for s in plan.decodes}
+        full = self._batched_chains({s.request.request_id: self.spec.k for s in plan.decodes})
+        full.update({s.request.request_id: self._proposal(s.request) for s in plan.decodes
+                     if s.request.request_id not in full})
         if not full:
             return {}, 0
         room = self.config.max_num_batched_tokens - plan.num_rows
@@ -499,6 +524,8 @@ class Engine:
 
     def _end(self, req: Request, state: RequestState, reason: str | None) -> None:
         """Release a request that finished (or failed) in a step: blocks, batch, drafter."""
+        if self.chains is not None:
+            self.chains.release(req.request_id)
         self.scheduler.finish(req, state)
         if self.batches is not None:
             self.batches.recycle(req)
