@@ -11,9 +11,15 @@ tokens for R requests costs k batched passes:
     pass j:  each request's d_(j-1) as one reserved row -> d_j                 (j = 2 .. k)
     end:     the reserved rows are dropped; the next chain re-feeds what the target accepted
 
-Only greedy chains of a plain draft model are drafted this way (the engine keeps per-request
-drafters for trees, sampling and feature drafters). A chain's node log-probs are the draft's
-own, as the per-request drafters give them to row selection.
+Trees (BatchedTreeDrafter) grow as EAGLE-2's dynamic tree, as the single-request resident loop
+grows a draft model's: after the catch-up pass the root's top-w children are level 1; at each
+level the w best new nodes by cumulative log-prob are fed (w reserved rows per request, each
+seeing the committed rows and its own ancestors' rows), and each gives its top-w children; the
+N best nodes by cumulative log-prob form the tree. `depth - 1` batched passes after the catch-up.
+
+Only greedy requests with a plain draft model are drafted this way (the engine keeps
+per-request drafters for sampling and feature drafters). Node log-probs are the draft's own, as
+the per-request drafters give them to row selection.
 """
 from __future__ import annotations
 
@@ -24,7 +30,9 @@ from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
 
 
-class BatchedChainDrafter:
+class BatchedDrafter:
+    """The draft model over a paged pool of its own: per request, the rows it has seen."""
+
     def __init__(self, draft, num_blocks: int, block_size: int):
         self.draft = draft
         self.pool = PagedKVPool.for_model(draft, num_blocks, block_size, prefix_caching=False)
@@ -33,6 +41,31 @@ class BatchedChainDrafter:
     def release(self, request_id: str) -> None:
         """The request finished, was aborted or preempted: its draft rows go (rebuilt on return)."""
         self.pool.free(request_id)
+
+    def _forward(self, segs: list[Segment]) -> torch.Tensor:
+        return self.model.forward(BatchRows.build(segs, self.draft.device, self.draft.dtype))
+
+    def _catch_up(self, reqs: list[tuple[str, list[int]]]) -> torch.Tensor:
+        """Each request's tokens the draft has not seen (the root last) as one pass, committed;
+        returns the roots' logits [len(reqs), V]."""
+        segs, new = [], []
+        for rid, toks in reqs:
+            if rid not in self.pool.seqs:
+                self.pool.allocate(rid, [], 0)
+            fed = self.pool.seqs[rid].length
+            rows = toks[fed:]
+            self.pool.reserve(rid, len(rows))
+            new.append(rows)
+            segs.append(Segment(rows, list(range(fed, len(toks))), self.pool.slots(rid, 0, len(toks)),
+                                torch.ones(len(rows), len(rows), dtype=torch.bool).tril(), logits=True))
+        logits = self._forward(segs)  # [sum rows, V]
+        ends = torch.tensor([len(s.tokens) for s in segs]).cumsum(0) - 1
+        for (rid, _), rows in zip(reqs, new):
+            self.pool.commit(rid, list(range(len(rows))), rows)
+        return logits[ends.to(logits.device)]
+
+
+class BatchedChainDrafter(BatchedDrafter):
 
     @torch.no_grad()
     def propose(self, chains: list[tuple[str, list[int], int]]) -> dict[str, DraftTree]:
@@ -48,21 +81,7 @@ class BatchedChainDrafter:
         drafted: dict[str, list[int]] = {rid: [] for rid, _, _ in live}
         logp: dict[str, list[float]] = {rid: [0.0] for rid, _, _ in live}
         # pass 1: catch up on the committed tokens, the root last
-        segs, new = [], {}
-        for rid, toks, _ in live:
-            if rid not in self.pool.seqs:
-                self.pool.allocate(rid, [], 0)
-            fed = self.pool.seqs[rid].length
-            rows = toks[fed:]
-            self.pool.reserve(rid, len(rows))
-            new[rid] = rows
-            segs.append(Segment(rows, list(range(fed, len(toks))), self.pool.slots(rid, 0, len(toks)),
-                                torch.ones(len(rows), len(rows), dtype=torch.bool).tril(), logits=True))
-        logits = self.model.forward(BatchRows.build(segs, self.draft.device, self.draft.dtype))  # [sum rows, V]
-        ends = torch.tensor([len(s.tokens) for s in segs]).cumsum(0) - 1
-        self._take(live, logits[ends.to(logits.device)], drafted, logp)
-        for rid, toks, _ in live:
-            self.pool.commit(rid, list(range(len(new[rid]))), new[rid])
+        self._take(live, self._catch_up([(rid, toks) for rid, toks, _ in live]), drafted, logp)
         # passes 2 .. k: one reserved row per request still drafting
         for j in range(2, max(k for _, _, k in live) + 1):
             going = [(rid, toks, k) for rid, toks, k in live if k >= j]
@@ -72,8 +91,7 @@ class BatchedChainDrafter:
                 self.pool.reserve(rid, 1)
                 segs.append(Segment([drafted[rid][-1]], [L + j - 2], self.pool.slots(rid, 0, L + j - 1),
                                     torch.ones(1, 1, dtype=torch.bool), logits=True))
-            self._take(going, self.model.forward(BatchRows.build(segs, self.draft.device, self.draft.dtype)),
-                       drafted, logp)
+            self._take(going, self._forward(segs), drafted, logp)
         for rid, toks, _ in live:
             self.pool.commit(rid, [], [])  # drop the chain's rows: the target decides what stays
             out[rid] = DraftTree(tokens=[toks[-1]] + drafted[rid], parents=list(range(-1, len(drafted[rid]))),
@@ -88,3 +106,65 @@ class BatchedChainDrafter:
         for (rid, _, _), t, b in zip(reqs, tok.tolist(), best.tolist()):
             drafted[rid].append(t)
             logp[rid].append(logp[rid][-1] + b)
+
+
+class BatchedTreeDrafter(BatchedDrafter):
+    def __init__(self, draft, num_blocks: int, block_size: int, width: int, depth: int):
+        super().__init__(draft, num_blocks, block_size)
+        self.w, self.depth = width, depth
+
+    @torch.no_grad()
+    def propose(self, trees: list[tuple[str, list[int], int]]) -> dict[str, DraftTree]:
+        """trees: (request id, every token so far (the root last), node budget N >= 0) ->
+        request id -> the N best nodes of its level tree (module docstring), prefix-closed."""
+        out: dict[str, DraftTree] = {}
+        live = [(rid, toks, n) for rid, toks, n in trees if n > 0]
+        for rid, toks, n in trees:
+            if n <= 0:
+                out[rid] = DraftTree.chain([toks[-1]])
+        if not live:
+            return out
+        w = self.w
+        # per request: nodes as (token, parent node or -1, cumulative log-prob), and for each fed
+        # node the reserved rows it sees (its ancestors' and its own)
+        nodes: dict[str, list[tuple[int, int, float]]] = {rid: [] for rid, _, _ in live}
+        lp, tok = torch.log_softmax(self._catch_up([(rid, toks) for rid, toks, _ in live]).float(), -1).topk(w, -1)
+        for (rid, _, _), ls, ts in zip(live, lp.tolist(), tok.tolist()):
+            nodes[rid] = [(t, -1, l) for t, l in zip(ts, ls)]
+        newest = {rid: list(range(w)) for rid, _, _ in live}  # the nodes of the last level
+        rows: dict[str, dict[int, list[int]]] = {rid: {} for rid, _, _ in live}  # fed node -> rows it sees
+        for d in range(1, self.depth):
+            segs, fed_of = [], []
+            for rid, toks, _ in live:
+                ns = nodes[rid]
+                fed = sorted(newest[rid], key=lambda i: (-ns[i][2], i))[:w]  # the w best, ties to the earlier
+                L, base = len(toks), (d - 1) * w
+                self.pool.reserve(rid, len(fed))
+                S = L + base + len(fed)
+                seen = torch.zeros(len(fed), S, dtype=torch.bool)
+                seen[:, :L] = True  # the committed rows
+                for s_, i in enumerate(fed):
+                    par = ns[i][1]
+                    own = (rows[rid][par] if par >= 0 else []) + [base + s_]
+                    rows[rid][i] = own
+                    seen[s_, [L + r for r in own]] = True
+                segs.append(Segment([ns[i][0] for i in fed], [L - 1 + d] * len(fed), self.pool.slots(rid, 0, S),
+                                    torch.eye(len(fed), dtype=torch.bool), logits=True, seen=seen))
+                fed_of.append(fed)
+            lp, tok = torch.log_softmax(self._forward(segs).float(), -1).topk(w, -1)  # [sum fed, w]
+            lp, tok, k = lp.tolist(), tok.tolist(), 0
+            for (rid, _, _), fed in zip(live, fed_of):
+                ns, first = nodes[rid], len(nodes[rid])
+                for i in fed:
+                    ns += [(t, i, ns[i][2] + l) for t, l in zip(tok[k], lp[k])]
+                    k += 1
+                newest[rid] = list(range(first, len(ns)))
+        for rid, toks, n in live:
+            self.pool.commit(rid, [], [])  # drop the levels' rows: the target decides what stays
+            ns = nodes[rid]
+            keep = sorted(sorted(range(len(ns)), key=lambda i: (-ns[i][2], i))[:n])  # parents come first
+            index = {old: new + 1 for new, old in enumerate(keep)}
+            out[rid] = DraftTree(tokens=[toks[-1]] + [ns[i][0] for i in keep],
+                                 parents=[-1] + [index[ns[i][1]] if ns[i][1] >= 0 else 0 for i in keep],
+                                 logp=[0.0] + [ns[i][2] for i in keep])
+        return out

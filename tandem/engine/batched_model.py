@@ -32,6 +32,9 @@ class Segment:
     context_slots: list[int]  # [L + T] pool slots of its committed rows then of the new rows
     mask: torch.Tensor  # [T, T] bool over the new rows (causal, or a tree's ancestor mask)
     logits: bool  # whether the pass returns logits for these rows (verify: yes, prefill: no)
+    # [T, L + T] bool over every column, replacing "all earlier columns, then `mask`" (batched
+    # tree drafting: a level's rows see only their own ancestors among the earlier levels' rows)
+    seen: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,10 @@ class BatchRows:
         for r, seg in enumerate(segments):
             t, s = T[r], S[r]
             L = s - t
-            allowed[r, :t, L:s] = seg.mask  # its own new rows, under its mask
+            if seg.seen is not None:
+                allowed[r, :t, :s] = seg.seen
+            else:
+                allowed[r, :t, L:s] = seg.mask  # its own new rows, under its mask
             slots += seg.context_slots[L:]
             if seg.logits:
                 logit_rows += range(offsets[r], offsets[r + 1])

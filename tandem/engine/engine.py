@@ -38,7 +38,7 @@ from tandem.config import ConfigError, SamplingConfig, SpecConfig
 from tandem.drafting.chain_drafter import ChainDrafter
 from tandem.drafting.tree_drafter import TreeDrafter
 from tandem.engine.batch_manager import BatchManager
-from tandem.engine.batched_draft import BatchedChainDrafter
+from tandem.engine.batched_draft import BatchedChainDrafter, BatchedDrafter, BatchedTreeDrafter
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.engine.config import EngineConfig
 from tandem.engine.draft_gate import DraftGate
@@ -129,13 +129,18 @@ class Engine:
                                                                    // config.block_size)
         self.pool = PagedKVPool.for_model(target, num_blocks, config.block_size, config.enable_prefix_caching)
         self.model = BatchedModel(target, self.pool, deterministic=config.deterministic)
-        # greedy chains of a plain draft model, drafted for every request at once (batched_draft)
-        self.chains: BatchedChainDrafter | None = None
-        if (config.batched_drafting and config.method == "chain" and isinstance(draft, Transformer)
+        # greedy chains and trees of a plain draft model, drafted for every request at once (batched_draft)
+        self.batched: BatchedDrafter | None = None
+        if (config.batched_drafting and config.method in ("chain", "tree") and isinstance(draft, Transformer)
                 and not config.batch_parallel):
-            # (a request's draft rows exceed its target rows by at most the chain plus one block)
-            per_request = -(-(self.spec.k + 1) // config.block_size) + 1
-            self.chains = BatchedChainDrafter(draft, num_blocks + config.max_num_seqs * per_request, config.block_size)
+            depth = self.spec.resolved_depth()
+            ahead = self.spec.k if config.method == "chain" else (depth - 1) * self.spec.width
+            # (a request's draft rows exceed its target rows by at most the drafted rows plus one block)
+            blocks = num_blocks + config.max_num_seqs * (-(-(ahead + 1) // config.block_size) + 1)
+            if config.method == "chain":
+                self.batched = BatchedChainDrafter(draft, blocks, config.block_size)
+            else:
+                self.batched = BatchedTreeDrafter(draft, blocks, config.block_size, self.spec.width, depth)
         self.scheduler = Scheduler(config, self.pool, row_budget=self._row_budget)
         self.requests: dict[str, Request] = {}
         self.eos = set(target.config.eos_token_ids)
@@ -187,8 +192,8 @@ class Engine:
         self.scheduler.finish(req, RequestState.ABORTED)
         if self.batches is not None:
             self.batches.recycle(req)
-        if self.chains is not None:
-            self.chains.release(request_id)
+        if self.batched is not None:
+            self.batched.release(request_id)
         req.finish_reason = "abort"
         req.runtime.clear()
         return True
@@ -218,7 +223,7 @@ class Engine:
                 else:  # drafting would not pay this step: roots only
                     trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes}
             else:
-                trees = self._batched_chains({s.request.request_id: s.rows - 1 for s in plan.decodes})
+                trees = self._batched_drafts({s.request.request_id: s.rows - 1 for s in plan.decodes})
                 trees.update({s.request.request_id: self._draft(s) for s in plan.decodes
                               if s.request.request_id not in trees})
             self._accepted = 0
@@ -235,7 +240,7 @@ class Engine:
         self._record(plan, trees, verify_batch, overlapped, fallback, loads, drafted, draft_s, overlap, offered)
         self.steps += 1
         if self.config.debug_check:
-            problems = self.pool.check() + (self.chains.pool.check() if self.chains is not None else [])
+            problems = self.pool.check() + (self.batched.pool.check() if self.batched is not None else [])
             assert not problems, problems
         return finished
 
@@ -281,8 +286,8 @@ class Engine:
 
     def _drop_draft(self, req: Request) -> None:
         """Preempted: its draft K/V and pending tree are rebuilt when it returns."""
-        if self.chains is not None:
-            self.chains.release(req.request_id)
+        if self.batched is not None:
+            self.batched.release(req.request_id)
         req.runtime.pop("drafter", None)
         req.runtime.pop("pending", None)
         req.runtime.pop("features", None)  # recomputed with the prefill when it returns
@@ -329,14 +334,15 @@ class Engine:
             tree = tree.subset(list(range(s.rows)))
         return tree
 
-    def _batched_chains(self, lengths: dict[str, int]) -> dict[str, DraftTree]:
-        """Greedy chains for the requests that can be drafted together (request id -> at most
-        this many draft tokens); the others are left to their own drafters."""
-        if self.chains is None:
+    def _batched_drafts(self, budgets: dict[str, int]) -> dict[str, DraftTree]:
+        """Greedy chains / trees for the requests that can be drafted together (request id -> at
+        most this many draft nodes); the others are left to their own drafters."""
+        if self.batched is None:
             return {}
-        todo = [(rid, self.requests[rid].token_ids(), min(self.spec.k, n)) for rid, n in lengths.items()
+        cap = self.spec.k if self.config.method == "chain" else self.spec.nodes
+        todo = [(rid, self.requests[rid].token_ids(), min(cap, n)) for rid, n in budgets.items()
                 if self.requests[rid].params.sampling().greedy]
-        return self.chains.propose(todo) if todo else {}
+        return self.batched.propose(todo) if todo else {}
 
     def _skip_draft(self, req: Request) -> DraftTree:
         """An `ar` step for a request while the gate keeps drafting off. Its drafter is dropped: it
@@ -349,7 +355,7 @@ class Engine:
         """Row selection: every verified request's full tree, one shared node budget from the
         cost model, then each decode grows by its chosen nodes. Returns the trees and the nodes
         offered."""
-        full = self._batched_chains({s.request.request_id: self.spec.k for s in plan.decodes})
+        full = self._batched_drafts({s.request.request_id: self.config.draft_rows() - 1 for s in plan.decodes})
         full.update({s.request.request_id: self._proposal(s.request) for s in plan.decodes
                      if s.request.request_id not in full})
         if not full:
@@ -524,8 +530,8 @@ class Engine:
 
     def _end(self, req: Request, state: RequestState, reason: str | None) -> None:
         """Release a request that finished (or failed) in a step: blocks, batch, drafter."""
-        if self.chains is not None:
-            self.chains.release(req.request_id)
+        if self.batched is not None:
+            self.batched.release(req.request_id)
         self.scheduler.finish(req, state)
         if self.batches is not None:
             self.batches.recycle(req)
