@@ -17,8 +17,9 @@ level the w best new nodes by cumulative log-prob are fed (w reserved rows per r
 seeing the committed rows and its own ancestors' rows), and each gives its top-w children; the
 N best nodes by cumulative log-prob form the tree. `depth - 1` batched passes after the catch-up.
 
-Only greedy requests with a plain draft model are drafted this way (the engine keeps
-per-request drafters for sampling and feature drafters). Node log-probs are the draft's own, as
+Chains are drafted this way for greedy requests, trees for every request (a tree's nodes are
+point masses, so rejection sampling over them stays lossless); a sampled chain keeps its own
+drafter (it samples each token and keeps its distribution), as do feature drafters. Node log-probs are the draft's own, as
 the per-request drafters give them to row selection.
 """
 from __future__ import annotations

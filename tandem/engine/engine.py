@@ -339,9 +339,12 @@ class Engine:
         most this many draft nodes); the others are left to their own drafters."""
         if self.batched is None:
             return {}
-        cap = self.spec.k if self.config.method == "chain" else self.spec.nodes
+        chain = self.config.method == "chain"
+        cap = self.spec.k if chain else self.spec.nodes
+        # a sampled chain keeps each token's draft distribution (its own drafter); a tree is a set
+        # of point masses, greedy or sampled, so rejection sampling over it stays lossless
         todo = [(rid, self.requests[rid].token_ids(), min(cap, n)) for rid, n in budgets.items()
-                if self.requests[rid].params.sampling().greedy]
+                if not chain or self.requests[rid].params.sampling().greedy]
         return self.batched.propose(todo) if todo else {}
 
     def _skip_draft(self, req: Request) -> DraftTree:
