@@ -377,7 +377,7 @@ def test_eos_and_bad_method(pair):
 def test_generator_dispatches_a_hybrid_target(pair):
     """`Generator` (what `tandem generate` and bench drive) runs a hybrid target through the hybrid
     loop: tree and auto equal ar, and sampling runs (seeded)."""
-    from tandem.config import ConfigError, SamplingConfig
+    from tandem.config import SamplingConfig
     from tandem.runtime.generate import Generator
 
     _, _, ours = pair("default")
