@@ -38,10 +38,14 @@ class BatchedDrafter:
         self.draft = draft
         self.pool = PagedKVPool.for_model(draft, num_blocks, block_size, prefix_caching=False)
         self.model = BatchedModel(draft, self.pool)
+        # request id -> the root logits [V] of its last catch-up: a request drafted again before
+        # the target verified (batch parallelism) has nothing new to feed
+        self.root_logits: dict[str, torch.Tensor] = {}
 
     def release(self, request_id: str) -> None:
         """The request finished, was aborted or preempted: its draft rows go (rebuilt on return)."""
         self.pool.free(request_id)
+        self.root_logits.pop(request_id, None)
 
     def _forward(self, segs: list[Segment]) -> torch.Tensor:
         return self.model.forward(BatchRows.build(segs, self.draft.device, self.draft.dtype))
@@ -49,21 +53,25 @@ class BatchedDrafter:
     def _catch_up(self, reqs: list[tuple[str, list[int]]]) -> torch.Tensor:
         """Each request's tokens the draft has not seen (the root last) as one pass, committed;
         returns the roots' logits [len(reqs), V]."""
-        segs, new = [], []
+        segs, fresh = [], []
         for rid, toks in reqs:
             if rid not in self.pool.seqs:
                 self.pool.allocate(rid, [], 0)
             fed = self.pool.seqs[rid].length
             rows = toks[fed:]
+            if not rows:  # drafted again with nothing new: its last root logits still hold
+                continue
             self.pool.reserve(rid, len(rows))
-            new.append(rows)
+            fresh.append((rid, rows))
             segs.append(Segment(rows, list(range(fed, len(toks))), self.pool.slots(rid, 0, len(toks)),
                                 torch.ones(len(rows), len(rows), dtype=torch.bool).tril(), logits=True))
-        logits = self._forward(segs)  # [sum rows, V]
-        ends = torch.tensor([len(s.tokens) for s in segs]).cumsum(0) - 1
-        for (rid, _), rows in zip(reqs, new):
-            self.pool.commit(rid, list(range(len(rows))), rows)
-        return logits[ends.to(logits.device)]
+        if segs:
+            logits = self._forward(segs)  # [sum rows, V]
+            ends = torch.tensor([len(s.tokens) for s in segs]).cumsum(0) - 1
+            for (rid, rows), row in zip(fresh, logits[ends.to(logits.device)]):
+                self.pool.commit(rid, list(range(len(rows))), rows)
+                self.root_logits[rid] = row
+        return torch.stack([self.root_logits[rid] for rid, _ in reqs])
 
 
 class BatchedChainDrafter(BatchedDrafter):

@@ -131,8 +131,7 @@ class Engine:
         self.model = BatchedModel(target, self.pool, deterministic=config.deterministic)
         # greedy chains and trees of a plain draft model, drafted for every request at once (batched_draft)
         self.batched: BatchedDrafter | None = None
-        if (config.batched_drafting and config.method in ("chain", "tree") and isinstance(draft, Transformer)
-                and not config.batch_parallel):
+        if config.batched_drafting and config.method in ("chain", "tree") and isinstance(draft, Transformer):
             depth = self.spec.resolved_depth()
             ahead = self.spec.k if config.method == "chain" else (depth - 1) * self.spec.width
             # (a request's draft rows exceed its target rows by at most the drafted rows plus one block)
@@ -347,6 +346,13 @@ class Engine:
                 if not chain or self.requests[rid].params.sampling().greedy]
         return self.batched.propose(todo) if todo else {}
 
+    def _draft_pending(self, reqs: list[Request]) -> None:
+        """Batch parallelism: the other batch's full trees, drafted now and verified next step
+        (together where batched_draft applies, by each request's drafter otherwise)."""
+        trees = self._batched_drafts({r.request_id: self.config.draft_rows() - 1 for r in reqs})
+        for r in reqs:
+            r.runtime["pending"] = trees[r.request_id] if r.request_id in trees else self._proposal(r)
+
     def _skip_draft(self, req: Request) -> DraftTree:
         """An `ar` step for a request while the gate keeps drafting off. Its drafter is dropped: it
         did not propose this step, so it restarts from the whole context when drafting resumes."""
@@ -389,8 +395,7 @@ class Engine:
         if stream is None:  # CPU: drafting follows the target pass (same trees, no overlap)
             logits = self.model.forward(rows)
             t0 = time.perf_counter()
-            for r in to_draft:
-                r.runtime["pending"] = self._proposal(r)
+            self._draft_pending(to_draft)
             return logits, len(to_draft), time.perf_counter() - t0, 0.0
         main = torch.cuda.current_stream(stream.device)
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -401,8 +406,7 @@ class Engine:
         stream.wait_event(e0)  # the drafter reads committed state only (the other batch's)
         with torch.cuda.stream(stream):
             d0.record(stream)
-            for r in to_draft:
-                r.runtime["pending"] = self._proposal(r)
+            self._draft_pending(to_draft)
             d1.record(stream)
         main.wait_stream(stream)
         d1.synchronize()
