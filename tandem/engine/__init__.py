@@ -9,6 +9,7 @@
     batch_manager.py  batch parallelism (MineDraft): two batches, one verified while the other drafts
     row_selection.py  batch-aware row selection (SpecPilot): one node budget per step, a row cost model
     draft_gate.py     whether a step drafts at all: drafting cost against the tokens it returns
+    batched_draft.py  a draft model's chains and trees drafted for every request at once (its own paged pool)
     llm.py            tandem.LLM(...).generate(prompts, SamplingParams(...)), the offline API
 
 The paged KV pool itself is tandem.kv.paged.
