@@ -367,3 +367,23 @@ def test_batch_invariant_pieces_give_a_row_the_same_bits_whatever_shares_its_pas
         vis[2, :2] = True
         together = invariant.attention(q, k, v, cols, vis)
         assert torch.equal(together[0], alone[0])
+
+
+def test_batched_drafting_catches_up_a_long_prompt_in_chunks(models, monkeypatch):
+    """A prompt longer than the catch-up chunk reaches the draft pool in several passes; the
+    output still equals solo ar and the chains are accepted."""
+    from tandem.engine import batched_draft
+
+    target, draft = models
+    prompt = list(range(3, 60))  # 57 tokens: 7 chunks of 8, then the root's pass
+    want = Generator(target, None).generate(prompt, "ar", gen=GenerationConfig(max_new_tokens=20, ignore_eos=True))
+    outs = []
+    for chunk in (128, 8):  # one catch-up pass, then eight
+        monkeypatch.setattr(batched_draft, "CATCH_UP_CHUNK", chunk)
+        engine = Engine(target, draft, config=EngineConfig(method="chain", spec=SpecConfig(k=4), debug_check=True))
+        req = engine.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+        outs.append({o.request_id: o for o in engine.run()}[req.request_id])
+        assert outs[-1].token_ids == want.token_ids
+        assert_clean(engine)
+    # the chunked catch-up left the draft the same context: the same chains were accepted
+    assert outs[1].figures.accepted_tokens == outs[0].figures.accepted_tokens and outs[1].tau > 1.5

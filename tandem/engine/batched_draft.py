@@ -19,8 +19,9 @@ N best nodes by cumulative log-prob form the tree. `depth - 1` batched passes af
 
 Chains are drafted this way for greedy requests, trees for every request (a tree's nodes are
 point masses, so rejection sampling over them stays lossless); a sampled chain keeps its own
-drafter (it samples each token and keeps its distribution), as do feature drafters. Node log-probs are the draft's own, as
-the per-request drafters give them to row selection.
+drafter (it samples each token and keeps its distribution), as do feature drafters. Node
+log-probs are the draft's own, as the per-request drafters give them to row selection. A new
+request's prompt is caught up in chunks of CATCH_UP_CHUNK rows (the passes' masks stay small).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import torch
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
+
+CATCH_UP_CHUNK = 128  # rows per request in one catch-up pass
 
 
 class BatchedDrafter:
@@ -53,10 +56,26 @@ class BatchedDrafter:
     def _catch_up(self, reqs: list[tuple[str, list[int]]]) -> torch.Tensor:
         """Each request's tokens the draft has not seen (the root last) as one pass, committed;
         returns the roots' logits [len(reqs), V]."""
-        segs, fresh = [], []
-        for rid, toks in reqs:
+        for rid, _ in reqs:
             if rid not in self.pool.seqs:
                 self.pool.allocate(rid, [], 0)
+        while True:  # a long backlog (a new prompt) first, in chunks that end before the root
+            early = [(rid, toks) for rid, toks in reqs if len(toks) - self.pool.seqs[rid].length > CATCH_UP_CHUNK]
+            if not early:
+                break
+            segs, chunks = [], []
+            for rid, toks in early:
+                fed = self.pool.seqs[rid].length
+                rows = toks[fed:fed + CATCH_UP_CHUNK]
+                self.pool.reserve(rid, len(rows))
+                chunks.append((rid, rows))
+                segs.append(Segment(rows, list(range(fed, fed + len(rows))), self.pool.slots(rid, 0, fed + len(rows)),
+                                    torch.ones(len(rows), len(rows), dtype=torch.bool).tril(), logits=False))
+            self._forward(segs)
+            for rid, rows in chunks:
+                self.pool.commit(rid, list(range(len(rows))), rows)
+        segs, fresh = [], []
+        for rid, toks in reqs:
             fed = self.pool.seqs[rid].length
             rows = toks[fed:]
             if not rows:  # drafted again with nothing new: its last root logits still hold
