@@ -210,10 +210,12 @@ def test_sampled_tree_finishes_and_stops_at_eos(models, solo):
     assert_clean(engine)
 
 
-def test_sampled_batched_trees_keep_the_targets_distribution(models):
-    """Sampled requests draft batched point-mass trees (engine.batched_draft); rejection sampling
-    over them keeps the target's law: the first token of 400 seeds of one prompt, all in one
-    batch, against the target's distribution (total variation within the sampling noise)."""
+@pytest.mark.parametrize("method,spec", [("tree", SpecConfig(nodes=6, width=2)), ("chain", SpecConfig(k=3))])
+def test_sampled_batched_drafts_keep_the_targets_distribution(models, method, spec):
+    """Sampled requests draft in batches (engine.batched_draft): point-mass trees, or chains drawn
+    from the draft's q and carrying it; rejection sampling keeps the target's law: the first token
+    of 400 seeds of one prompt, all in one batch, against the target's distribution (total
+    variation within the sampling noise)."""
     import math
 
     from tandem.verify.sampling import probs_from_logits
@@ -222,8 +224,7 @@ def test_sampled_batched_trees_keep_the_targets_distribution(models):
     prompt = [5, 17, 3, 88, 41]
     with torch.no_grad():
         p = probs_from_logits(target(torch.tensor([prompt]))[0, -1], SamplingConfig(temperature=1.0))
-    engine = Engine(target, draft, config=EngineConfig(method="tree", spec=SpecConfig(nodes=6, width=2),
-                                                       max_num_seqs=64, debug_check=True))
+    engine = Engine(target, draft, config=EngineConfig(method=method, spec=spec, max_num_seqs=64, debug_check=True))
     assert engine.batched is not None
     n = 400
     reqs = [engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=1.0, seed=s, ignore_eos=True))
@@ -235,7 +236,7 @@ def test_sampled_batched_trees_keep_the_targets_distribution(models):
     noise = 0.5 * float((2 / (math.pi * n) * p * (1 - p)).sqrt().sum())
     tv = 0.5 * float((counts / n - p).abs().sum())
     assert tv < 1.3 * noise + 0.02, (tv, noise)
-    assert sum(done[r.request_id].figures.draft_tokens for r in reqs) > 0  # trees were drafted
+    assert sum(done[r.request_id].figures.draft_tokens for r in reqs) > 0  # drafts were verified
     assert_clean(engine)
 
 

@@ -17,9 +17,10 @@ level the w best new nodes by cumulative log-prob are fed (w reserved rows per r
 seeing the committed rows and its own ancestors' rows), and each gives its top-w children; the
 N best nodes by cumulative log-prob form the tree. `depth - 1` batched passes after the catch-up.
 
-Chains are drafted this way for greedy requests, trees for every request (a tree's nodes are
-point masses, so rejection sampling over them stays lossless); a sampled chain keeps its own
-drafter (it samples each token and keeps its distribution), as do feature drafters. Node
+Every request is drafted this way: a greedy chain takes argmaxes; a sampled chain draws each
+token from the draft's processed distribution q with the request's generator and keeps q with
+the tree (rejection sampling needs it); a tree's nodes are point masses, greedy or sampled, so
+rejection sampling over them stays lossless. Feature drafters keep their own drafters. Node
 log-probs are the draft's own, as the per-request drafters give them to row selection. A new
 request's prompt is caught up in chunks of CATCH_UP_CHUNK rows (the passes' masks stay small).
 """
@@ -27,9 +28,11 @@ from __future__ import annotations
 
 import torch
 
+from tandem.config import SamplingConfig
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
+from tandem.verify.sampling import probs_from_logits
 
 CATCH_UP_CHUNK = 128  # rows per request in one catch-up pass
 
@@ -96,9 +99,13 @@ class BatchedDrafter:
 class BatchedChainDrafter(BatchedDrafter):
 
     @torch.no_grad()
-    def propose(self, chains: list[tuple[str, list[int], int]]) -> dict[str, DraftTree]:
+    def propose(self, chains: list[tuple[str, list[int], int]],
+                sampled: dict[str, tuple[SamplingConfig, torch.Generator]] | None = None) -> dict[str, DraftTree]:
         """chains: (request id, every token so far (the root last), chain length k >= 0) ->
-        request id -> the greedy chain [root, d1 .. dk] with cumulative draft log-probs."""
+        request id -> the chain [root, d1 .. dk] with cumulative draft log-probs: greedy, or for
+        the requests in `sampled` each token drawn from the draft's processed distribution q
+        with the request's generator, q kept with the tree (row i: what node i was drawn from)."""
+        sampled = sampled or {}
         out: dict[str, DraftTree] = {}
         live = [(rid, toks, k) for rid, toks, k in chains if k > 0]
         for rid, toks, k in chains:
@@ -108,8 +115,9 @@ class BatchedChainDrafter(BatchedDrafter):
             return out
         drafted: dict[str, list[int]] = {rid: [] for rid, _, _ in live}
         logp: dict[str, list[float]] = {rid: [0.0] for rid, _, _ in live}
+        qs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _ in live if rid in sampled}
         # pass 1: catch up on the committed tokens, the root last
-        self._take(live, self._catch_up([(rid, toks) for rid, toks, _ in live]), drafted, logp)
+        self._take(live, self._catch_up([(rid, toks) for rid, toks, _ in live]), drafted, logp, sampled, qs)
         # passes 2 .. k: one reserved row per request still drafting
         for j in range(2, max(k for _, _, k in live) + 1):
             going = [(rid, toks, k) for rid, toks, k in live if k >= j]
@@ -119,19 +127,30 @@ class BatchedChainDrafter(BatchedDrafter):
                 self.pool.reserve(rid, 1)
                 segs.append(Segment([drafted[rid][-1]], [L + j - 2], self.pool.slots(rid, 0, L + j - 1),
                                     torch.ones(1, 1, dtype=torch.bool), logits=True))
-            self._take(going, self._forward(segs), drafted, logp)
+            self._take(going, self._forward(segs), drafted, logp, sampled, qs)
         for rid, toks, _ in live:
             self.pool.commit(rid, [], [])  # drop the chain's rows: the target decides what stays
+            q = None
+            if rid in qs:
+                q = torch.stack([torch.zeros_like(qs[rid][0])] + qs[rid])  # [k + 1, V]
             out[rid] = DraftTree(tokens=[toks[-1]] + drafted[rid], parents=list(range(-1, len(drafted[rid]))),
-                                 logp=logp[rid])
+                                 logp=logp[rid], q=q)
         return out
 
     @staticmethod
-    def _take(reqs, logits: torch.Tensor, drafted: dict[str, list[int]], logp: dict[str, list[float]]) -> None:
-        """logits [len(reqs), V]: each request's next chain token (argmax) and its log-prob."""
+    def _take(reqs, logits: torch.Tensor, drafted: dict[str, list[int]], logp: dict[str, list[float]],
+              sampled: dict[str, tuple[SamplingConfig, torch.Generator]], qs: dict[str, list[torch.Tensor]]) -> None:
+        """logits [len(reqs), V]: each request's next chain token (the argmax, or a draw from q)
+        and its cumulative log-prob."""
         lp = torch.log_softmax(logits.float(), dim=-1)
         best, tok = lp.max(-1)
-        for (rid, _, _), t, b in zip(reqs, tok.tolist(), best.tolist()):
+        for i, ((rid, _, _), t, b) in enumerate(zip(reqs, tok.tolist(), best.tolist())):
+            if rid in sampled:  # as the per-request ChainDrafter draws: q processed like the target's
+                sampling, g = sampled[rid]
+                q = probs_from_logits(logits[i][None], sampling)[0]  # [V]
+                t = int(torch.multinomial(q.cpu(), 1, generator=g))
+                b = float(torch.log(q[t].clamp_min(1e-30)))
+                qs[rid].append(q)
             drafted[rid].append(t)
             logp[rid].append(logp[rid][-1] + b)
 

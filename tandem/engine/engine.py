@@ -340,11 +340,15 @@ class Engine:
             return {}
         chain = self.config.method == "chain"
         cap = self.spec.k if chain else self.spec.nodes
-        # a sampled chain keeps each token's draft distribution (its own drafter); a tree is a set
-        # of point masses, greedy or sampled, so rejection sampling over it stays lossless
-        todo = [(rid, self.requests[rid].token_ids(), min(cap, n)) for rid, n in budgets.items()
-                if not chain or self.requests[rid].params.sampling().greedy]
-        return self.batched.propose(todo) if todo else {}
+        todo = [(rid, self.requests[rid].token_ids(), min(cap, n)) for rid, n in budgets.items()]
+        if not todo:
+            return {}
+        if not chain:  # a tree is a set of point masses, greedy or sampled: rejection stays lossless
+            return self.batched.propose(todo)
+        # a sampled chain draws from the draft's q with the request's generator and keeps q
+        sampled = {rid: (self.requests[rid].params.sampling(), self._generator(self.requests[rid]))
+                   for rid, _, _ in todo if not self.requests[rid].params.sampling().greedy}
+        return self.batched.propose(todo, sampled)
 
     def _draft_pending(self, reqs: list[Request]) -> None:
         """Batch parallelism: the other batch's full trees, drafted now and verified next step
