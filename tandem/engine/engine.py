@@ -222,9 +222,19 @@ class Engine:
                 else:  # drafting would not pay this step: roots only
                     trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes}
             else:
-                trees = self._batched_drafts({s.request.request_id: s.rows - 1 for s in plan.decodes})
-                trees.update({s.request.request_id: self._draft(s) for s in plan.decodes
-                              if s.request.request_id not in trees})
+                # full drafts, cut to each request's rows as _draft cuts them (a sampled chain
+                # draws the same tokens from its generator whatever its row budget)
+                # (batch parallelism: the verified batch's trees were drafted last step: "pending")
+                full = self._batched_drafts({s.request.request_id: self.config.draft_rows() - 1 for s in plan.decodes
+                                             if "pending" not in s.request.runtime})
+                trees = {}
+                for s in plan.decodes:
+                    rid = s.request.request_id
+                    tree = full.get(rid)
+                    if tree is None:
+                        trees[rid] = self._draft(s)
+                    else:
+                        trees[rid] = tree.subset(list(range(s.rows))) if len(tree) > s.rows else tree
             self._accepted = 0
             t0 = time.perf_counter()
             logits, drafted, draft_s, overlap = self._forward(plan, trees)  # logits: [decode rows, vocab]
@@ -368,7 +378,8 @@ class Engine:
         """Row selection: every verified request's full tree, one shared node budget from the
         cost model, then each decode grows by its chosen nodes. Returns the trees and the nodes
         offered."""
-        full = self._batched_drafts({s.request.request_id: self.config.draft_rows() - 1 for s in plan.decodes})
+        full = self._batched_drafts({s.request.request_id: self.config.draft_rows() - 1 for s in plan.decodes
+                                     if "pending" not in s.request.runtime})
         full.update({s.request.request_id: self._proposal(s.request) for s in plan.decodes
                      if s.request.request_id not in full})
         if not full:
