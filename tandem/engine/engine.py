@@ -50,11 +50,11 @@ from tandem.models.transformer import Transformer
 from tandem.runtime.emit import Emitter
 from tandem.runtime.plan import plan_request
 from tandem.runtime.runner import ModelRunner
-
-log = logging.getLogger("tandem.engine")
 from tandem.tree.draft_tree import DraftTree, ancestor_mask
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
+
+log = logging.getLogger("tandem.engine")
 
 
 @dataclass(frozen=True)
@@ -153,8 +153,6 @@ class Engine:
         # row selection's draft-cost term: whether a step drafts at all (None: always drafts)
         self.gate = DraftGate() if config.row_selection and config.draft_gate and not config.batch_parallel else None
         self._accepted = 0  # accepted draft tokens in the current step (the gate's figure)
-        self._argmax: list[int] = []  # the current step's argmax per logits row (_apply)
-        self._argmax_lo = 0  # the first of them that belongs to the request being accepted
         if config.batch_parallel:
             self.batches = BatchManager(self._load, config.rebalance_threshold)
             if target.device.type == "cuda":  # the drafter's kernels on their own stream
@@ -188,13 +186,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None or req.done:
             return False
-        self.scheduler.finish(req, RequestState.ABORTED)
-        if self.batches is not None:
-            self.batches.recycle(req)
-        if self.batched is not None:
-            self.batched.release(request_id)
-        req.finish_reason = "abort"
-        req.runtime.clear()
+        self._end(req, RequestState.ABORTED, "abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -227,14 +219,7 @@ class Engine:
                 # (batch parallelism: the verified batch's trees were drafted last step: "pending")
                 full = self._batched_drafts({s.request.request_id: self.config.draft_rows() - 1 for s in plan.decodes
                                              if "pending" not in s.request.runtime})
-                trees = {}
-                for s in plan.decodes:
-                    rid = s.request.request_id
-                    tree = full.get(rid)
-                    if tree is None:
-                        trees[rid] = self._draft(s)
-                    else:
-                        trees[rid] = tree.subset(list(range(s.rows))) if len(tree) > s.rows else tree
+                trees = {s.request.request_id: self._draft(s, full.get(s.request.request_id)) for s in plan.decodes}
             self._accepted = 0
             t0 = time.perf_counter()
             logits, drafted, draft_s, overlap = self._forward(plan, trees)  # logits: [decode rows, vocab]
@@ -332,13 +317,14 @@ class Engine:
         out[need - have.shape[0]:] = have
         return out
 
-    def _draft(self, s: ScheduledRows) -> DraftTree:
-        """The request's tree for this pass, at most `s.rows` nodes (root included)."""
+    def _draft(self, s: ScheduledRows, drafted: DraftTree | None = None) -> DraftTree:
+        """The request's tree for this pass, at most `s.rows` nodes (root included): `drafted`
+        (its full tree from the batched drafter), or its own drafter's."""
         req = s.request
         root = req.token_ids()[-1]
-        if self.config.method == "ar" or s.rows == 1 and "drafter" not in req.runtime:
+        if drafted is None and (self.config.method == "ar" or s.rows == 1 and "drafter" not in req.runtime):
             return DraftTree.chain([root])
-        tree = self._proposal(req)
+        tree = drafted if drafted is not None else self._proposal(req)
         if len(tree) > s.rows:  # the first rows of a topological order are prefix-closed
             tree = tree.subset(list(range(s.rows)))
         return tree
@@ -504,7 +490,7 @@ class Engine:
         finished, row, m = [], 0, 0  # m: the segment's first row in the pass (features)
         feats = self.model.last_features if self.feature_layers else None  # [M, F]
         # every row's argmax read back at once: one device sync per step, not one per request
-        self._argmax = logits.argmax(-1).tolist() if logits.numel() else []
+        argmax = logits.argmax(-1).tolist() if logits.numel() else []
         for s in plan.scheduled:
             req = s.request
             if s.kind == "prefill":
@@ -519,11 +505,10 @@ class Engine:
             lo, mlo = row, m  # this request's logits rows and feature rows
             row += len(tree)
             m += len(tree)
-            self._argmax_lo = lo
             try:  # a request that raises here fails alone: its rows of the pass are already out
                 if self.fault_hook is not None:
                     self.fault_hook(req)
-                done = self._commit(req, tree, logits[lo:lo + len(tree)],
+                done = self._commit(req, tree, logits[lo:lo + len(tree)], argmax[lo:lo + len(tree)],
                                     feats[mlo:mlo + len(tree)] if feats is not None else None)
             except Exception:
                 log.exception("request %s failed in its part of a step; the others go on", req.request_id)
@@ -536,10 +521,11 @@ class Engine:
                 finished.append(self.output(req))
         return finished
 
-    def _commit(self, req: Request, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor | None) -> bool:
-        """Accept over the request's rows (logits [n, vocab], feats [n, F]), commit the path, feed
-        the drafter, emit; True when the request is done."""
-        result = self._accept(req, tree, logits)
+    def _commit(self, req: Request, tree: DraftTree, logits: torch.Tensor, argmax: list[int],
+                feats: torch.Tensor | None) -> bool:
+        """Accept over the request's rows (logits [n, vocab], their argmax [n], feats [n, F]),
+        commit the path, feed the drafter, emit; True when the request is done."""
+        result = self._accept(req, tree, logits, argmax)
         self._accepted += result.accepted
         self.pool.commit(req.request_id, result.path, [tree.tokens[i] for i in result.path])
         req.num_computed += len(result.path)
@@ -561,12 +547,11 @@ class Engine:
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)
 
-    def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
-        """logits [n, vocab]: the request's rows of the pass (its rows start at `_argmax_lo` in
-        the step's argmax read back by _apply)."""
+    def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor, argmax: list[int]) -> VerifyResult:
+        """logits [n, vocab]: the request's rows of the pass; argmax [n]: theirs, read back by _apply."""
         sampling: SamplingConfig = req.params.sampling()
         if sampling.greedy:
-            return greedy_accept(tree, self._argmax[self._argmax_lo:self._argmax_lo + len(tree)])
+            return greedy_accept(tree, argmax)
         return rejection_accept(tree, probs_from_logits(logits, sampling), self._generator(req))
 
     def _emit(self, req: Request, tree: DraftTree, result: VerifyResult) -> bool:

@@ -42,8 +42,8 @@ class LogprobEngine(Engine):
         self.logprob_topk.pop(request_id, None)
         self.logprobs.pop(request_id, None)
 
-    def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
-        result = super()._accept(req, tree, logits)
+    def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor, argmax: list[int]) -> VerifyResult:
+        result = super()._accept(req, tree, logits, argmax)
         k = self.logprob_topk.get(req.request_id)
         if k is not None:
             lp = torch.log_softmax(logits[result.path].float(), dim=-1)  # [len(path), vocab]
