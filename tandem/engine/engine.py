@@ -36,6 +36,7 @@ import torch
 
 from tandem.config import ConfigError, SamplingConfig, SpecConfig
 from tandem.drafting.chain_drafter import ChainDrafter
+from tandem.drafting.feature_drafters import feature_drafter
 from tandem.drafting.tree_drafter import TreeDrafter
 from tandem.engine.batch_manager import BatchManager
 from tandem.engine.batched_draft import BatchedChainDrafter, BatchedDrafter, BatchedTreeDrafter
@@ -447,15 +448,8 @@ class Engine:
         spec, sampling = self.spec, req.params.sampling()
         plan = plan_request("engine", len(req.token_ids()), req.max_new, spec)
         if self.feature_layers:  # as the single-request loop builds them (Generator._drafter)
-            from tandem.drafting.eagle_drafter import EagleDrafter
-            from tandem.drafting.lattice_drafter import LatticeDrafter
-
-            chain = self.config.method == "chain"
-            if hasattr(self.draft, "bconfig"):
-                rows = plan.target_rows + 2 * self.draft.bconfig.block_size + spec.nodes + spec.k
-                return LatticeDrafter(ModelRunner(self.draft.lattice_model(), rows, use_graphs=False), spec, chain)
-            rows = plan.target_rows + EagleDrafter.rows_needed(spec)
-            return EagleDrafter(ModelRunner(self.draft, rows, use_graphs=False), spec, chain)
+            return feature_drafter(self.draft, spec, self.config.method == "chain", plan.target_rows,
+                                   lambda model, rows: ModelRunner(model, rows, use_graphs=False))
         runner = ModelRunner(self.draft, plan.draft_rows, use_graphs=False)
         if self.config.method == "tree":
             return TreeDrafter(runner, spec)

@@ -80,20 +80,12 @@ class Generator:
                  plan: RequestPlan):
         """The drafter for `method` over this Generator's draft: a small draft model (chain, tree)
         or a parallel block drafter (its lattice: best path for chain, best-first tree for tree)."""
-        from tandem.models.block_drafter import BlockDrafter
-        from tandem.models.eagle3 import Eagle3Head
+        from tandem.drafting.feature_drafters import feature_drafter
 
-        if isinstance(self.draft_model, Eagle3Head):
-            from tandem.drafting.eagle_drafter import EagleDrafter
-
-            runner = self._runner("draft", self.draft_model, plan.target_rows + EagleDrafter.rows_needed(spec))
-            return EagleDrafter(runner, spec, chain=method == "chain")
-        if isinstance(self.draft_model, BlockDrafter):
-            from tandem.drafting.lattice_drafter import LatticeDrafter
-
-            block = self.draft_model.bconfig.block_size
-            runner = self._runner("draft", self.draft_model.lattice_model(), plan.target_rows + 2 * block + spec.nodes + spec.k)
-            return LatticeDrafter(runner, spec, chain=method == "chain")
+        drafter = feature_drafter(self.draft_model, spec, method == "chain", plan.target_rows,
+                                  lambda model, rows: self._runner("draft", model, rows))
+        if drafter is not None:
+            return drafter
         draft_runner = self._runner("draft", self.draft_model, plan.draft_rows)
         if method == "tree":
             return TreeDrafter(draft_runner, spec)

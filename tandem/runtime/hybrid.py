@@ -16,6 +16,7 @@ bundled-style small draft), run by the usual drafters.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Protocol
 
@@ -23,6 +24,7 @@ import torch
 
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.runtime.plan import RequestPlan, plan_request
+from tandem.runtime.target import Launch
 from tandem.tree.draft_tree import DraftTree
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
@@ -90,13 +92,9 @@ class HybridTargetWorker:
         self.path_features = None  # (feature drafters do not run async)
 
     def ctx(self):
-        import contextlib
-
         return contextlib.nullcontext()
 
-    def launch(self, tree: DraftTree, now: bool = False, forced: int | None = None):
-        from tandem.runtime.target import Launch
-
+    def launch(self, tree: DraftTree, now: bool = False, forced: int | None = None) -> Launch:
         return Launch(tree, None, forced=forced)  # run in finish: the pass and its commit go together
 
     def ready(self, launch) -> bool:
@@ -131,24 +129,16 @@ def hybrid_drafter(method: str, draft_model, spec: SpecConfig, plan: RequestPlan
     the width-1 tree that a greedy chain is (chain); None for ar."""
     if method == "ar":
         return None
+    from tandem.drafting.feature_drafters import feature_drafter
     from tandem.drafting.tree_drafter import TreeDrafter
     from tandem.models.transformer import Transformer
     from tandem.runtime.runner import ModelRunner
 
-    from tandem.models.block_drafter import BlockDrafter
-    from tandem.models.eagle3 import Eagle3Head
-
-    chain = method == "chain"
-    if isinstance(draft_model, Eagle3Head):  # feature drafters read the target's features (the loop passes them)
-        from tandem.drafting.eagle_drafter import EagleDrafter
-
-        return EagleDrafter(ModelRunner(draft_model, plan.target_rows + EagleDrafter.rows_needed(spec), use_graphs),
-                            spec, chain)
-    if isinstance(draft_model, BlockDrafter):
-        from tandem.drafting.lattice_drafter import LatticeDrafter
-
-        rows = plan.target_rows + 2 * draft_model.bconfig.block_size + spec.nodes + spec.k
-        return LatticeDrafter(ModelRunner(draft_model.lattice_model(), rows, use_graphs), spec, chain)
+    # feature drafters read the target's features (the loop passes them)
+    drafter = feature_drafter(draft_model, spec, method == "chain", plan.target_rows,
+                              lambda model, rows: ModelRunner(model, rows, use_graphs))
+    if drafter is not None:
+        return drafter
     if not isinstance(draft_model, Transformer):
         raise ConfigError(f"method {method!r} with a hybrid target needs a small draft model (llama / qwen families), "
                           f"an EAGLE-3 head or a block drafter, not a {type(draft_model).__name__}")
