@@ -30,6 +30,7 @@ import torch
 
 from tandem.config import SamplingConfig
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
+from tandem.kernels.resident import topk_logprobs
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
 from tandem.verify.sampling import probs_from_logits
@@ -56,6 +57,24 @@ class BatchedDrafter:
     def _forward(self, segs: list[Segment]) -> torch.Tensor:
         return self.model.forward(BatchRows.build(segs, self.draft.device, self.draft.dtype))
 
+    def _feed(self, reqs: list[tuple[str, list[int]]], logits: bool) -> torch.Tensor | None:
+        """One causal pass over each request's tokens past what its pool holds, committed; with
+        `logits`, the logits [len(reqs), V] of each one's last token."""
+        segs = []
+        for rid, toks in reqs:
+            fed = self.pool.seqs[rid].length
+            rows = toks[fed:]
+            self.pool.reserve(rid, len(rows))
+            segs.append(Segment(rows, list(range(fed, len(toks))), self.pool.slots(rid, 0, len(toks)),
+                                torch.ones(len(rows), len(rows), dtype=torch.bool).tril(), logits=logits))
+        out = self._forward(segs)  # [sum rows, V] (empty without logits)
+        for seg, (rid, _) in zip(segs, reqs):
+            self.pool.commit(rid, list(range(len(seg.tokens))), seg.tokens)
+        if not logits:
+            return None
+        ends = torch.tensor([len(seg.tokens) for seg in segs]).cumsum(0) - 1
+        return out[ends.to(out.device)]
+
     def _catch_up(self, reqs: list[tuple[str, list[int]]]) -> torch.Tensor:
         """Each request's tokens the draft has not seen (the root last) as one pass, committed;
         returns the roots' logits [len(reqs), V]."""
@@ -63,36 +82,15 @@ class BatchedDrafter:
             if rid not in self.pool.seqs:
                 self.pool.allocate(rid, [], 0)
         while True:  # a long backlog (a new prompt) first, in chunks that end before the root
-            early = [(rid, toks) for rid, toks in reqs if len(toks) - self.pool.seqs[rid].length > CATCH_UP_CHUNK]
+            early = [(rid, toks[:self.pool.seqs[rid].length + CATCH_UP_CHUNK]) for rid, toks in reqs
+                     if len(toks) - self.pool.seqs[rid].length > CATCH_UP_CHUNK]
             if not early:
                 break
-            segs, chunks = [], []
-            for rid, toks in early:
-                fed = self.pool.seqs[rid].length
-                rows = toks[fed:fed + CATCH_UP_CHUNK]
-                self.pool.reserve(rid, len(rows))
-                chunks.append((rid, rows))
-                segs.append(Segment(rows, list(range(fed, fed + len(rows))), self.pool.slots(rid, 0, fed + len(rows)),
-                                    torch.ones(len(rows), len(rows), dtype=torch.bool).tril(), logits=False))
-            self._forward(segs)
-            for rid, rows in chunks:
-                self.pool.commit(rid, list(range(len(rows))), rows)
-        segs, fresh = [], []
-        for rid, toks in reqs:
-            fed = self.pool.seqs[rid].length
-            rows = toks[fed:]
-            if not rows:  # drafted again with nothing new: its last root logits still hold
-                continue
-            self.pool.reserve(rid, len(rows))
-            fresh.append((rid, rows))
-            segs.append(Segment(rows, list(range(fed, len(toks))), self.pool.slots(rid, 0, len(toks)),
-                                torch.ones(len(rows), len(rows), dtype=torch.bool).tril(), logits=True))
-        if segs:
-            logits = self._forward(segs)  # [sum rows, V]
-            ends = torch.tensor([len(s.tokens) for s in segs]).cumsum(0) - 1
-            for (rid, rows), row in zip(fresh, logits[ends.to(logits.device)]):
-                self.pool.commit(rid, list(range(len(rows))), rows)
-                self.root_logits[rid] = row
+            self._feed(early, logits=False)
+        # then the rest, the root last (a request drafted again with nothing new keeps its logits)
+        fresh = [(rid, toks) for rid, toks in reqs if len(toks) > self.pool.seqs[rid].length]
+        if fresh:
+            self.root_logits.update(zip((rid for rid, _ in fresh), self._feed(fresh, logits=True)))
         return torch.stack([self.root_logits[rid] for rid, _ in reqs])
 
 
@@ -142,9 +140,8 @@ class BatchedChainDrafter(BatchedDrafter):
               sampled: dict[str, tuple[SamplingConfig, torch.Generator]], qs: dict[str, list[torch.Tensor]]) -> None:
         """logits [len(reqs), V]: each request's next chain token (the argmax, or a draw from q)
         and its cumulative log-prob."""
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        best, tok = lp.max(-1)
-        for i, ((rid, _, _), t, b) in enumerate(zip(reqs, tok.tolist(), best.tolist())):
+        best, tok = topk_logprobs(logits, 1)  # [n, 1] each
+        for i, ((rid, _, _), t, b) in enumerate(zip(reqs, tok[:, 0].tolist(), best[:, 0].tolist())):
             if rid in sampled:  # as the per-request ChainDrafter draws: q processed like the target's
                 sampling, g = sampled[rid]
                 q = probs_from_logits(logits[i][None], sampling)[0]  # [V]
@@ -175,7 +172,7 @@ class BatchedTreeDrafter(BatchedDrafter):
         # per request: nodes as (token, parent node or -1, cumulative log-prob), and for each fed
         # node the reserved rows it sees (its ancestors' and its own)
         nodes: dict[str, list[tuple[int, int, float]]] = {rid: [] for rid, _, _ in live}
-        lp, tok = torch.log_softmax(self._catch_up([(rid, toks) for rid, toks, _ in live]).float(), -1).topk(w, -1)
+        lp, tok = topk_logprobs(self._catch_up([(rid, toks) for rid, toks, _ in live]), w)  # [R, w] each
         for (rid, _, _), ls, ts in zip(live, lp.tolist(), tok.tolist()):
             nodes[rid] = [(t, -1, l) for t, l in zip(ts, ls)]
         newest = {rid: list(range(w)) for rid, _, _ in live}  # the nodes of the last level
@@ -198,7 +195,7 @@ class BatchedTreeDrafter(BatchedDrafter):
                 segs.append(Segment([ns[i][0] for i in fed], [L - 1 + d] * len(fed), self.pool.slots(rid, 0, S),
                                     torch.eye(len(fed), dtype=torch.bool), logits=True, seen=seen))
                 fed_of.append(fed)
-            lp, tok = torch.log_softmax(self._forward(segs).float(), -1).topk(w, -1)  # [sum fed, w]
+            lp, tok = topk_logprobs(self._forward(segs), w)  # [sum fed, w] each
             lp, tok, k = lp.tolist(), tok.tolist(), 0
             for (rid, _, _), fed in zip(live, fed_of):
                 ns, first = nodes[rid], len(nodes[rid])
