@@ -498,43 +498,17 @@ def test_shutdown_past_the_grace_ends_in_flight_requests_with_a_clear_503(pair):
     assert_stopped_clean(s)
 
 
-def test_sigterm_on_tandem_serve_drains_and_exits_by_the_signal(tmp_path):
-    """The real process: `tandem serve` gets SIGTERM with a stream in flight; the stream ends with
-    the 503 event and `[DONE]`, the app's shutdown completes, and the process ends by SIGTERM
-    (uvicorn re-raises the signal after a clean shutdown, so a supervisor sees why it stopped)."""
-    import os
-    import re
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_sigterm_on_tandem_serve_drains_and_exits_by_the_signal():
+    """The real process (tandem.serve.reliability.check_sigterm): `tandem serve` gets SIGTERM with
+    two streams in flight; each stream ends with the 503 event and `[DONE]`, the app's shutdown
+    completes with no traceback, and the process ends by SIGTERM (uvicorn re-raises the signal
+    after a clean shutdown, so a supervisor sees why it stopped)."""
+    from tandem.serve import reliability as rel
 
-    log = tmp_path / "serve.log"
-    root = str(Path(__file__).resolve().parents[1])  # this checkout, not an installed copy
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "--port", "0", "--methods", "ar",
-                                 "--shutdown-grace", "0.3", "--log-level", "info"], stdout=f, stderr=f, env=env)
-    try:
-        deadline, url = time.monotonic() + 60, None
-        while url is None:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            m = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log.read_text())
-            url = m.group(1) if m else None
-            time.sleep(0.05)
-        started, out = threading.Event(), []
-        th = stream_in_thread(url, {"prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True},
-                              started, out)
-        assert started.wait(30)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == -signal.SIGTERM, log.read_text()[-2000:]
-        th.join(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert out[-1] == "[DONE]" and json.loads(out[-2])["error"]["code"] == "server_shutting_down"
-    text = log.read_text()
-    assert "Application shutdown complete" in text and "Traceback" not in text
+    res = rel.check_sigterm(max_tokens=400, grace_s=0.3)
+    assert res.passed, (res.figure, res.details)
+    assert "exit by SIGTERM after a clean shutdown: True" in res.figure
+    assert res.figure.endswith("streams ended: 503 server_shutting_down, 503 server_shutting_down")
 
 
 # ---- the official client ----------------------------------------------------------------------------

@@ -197,10 +197,6 @@ def test_a_server_without_inject_faults_ignores_the_fault_marker(live):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
-def test_sigterm_with_streams_in_flight_exits_cleanly():
-    res = assert_passed(rel.check_sigterm(max_tokens=400, grace_s=0.3))
-    assert "exit by SIGTERM after a clean shutdown: True" in res.figure
-
 
 def test_a_deterministic_server_gives_one_output_for_a_prompt_in_any_batch_with_speculation_on_and_off():
     """(8) bf16, --deterministic: one prompt sent 1, 4 and 8 times at once, tree and ar: one output."""

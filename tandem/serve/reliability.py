@@ -691,7 +691,7 @@ def check_sigterm(max_tokens: int = 400, grace_s: float = 0.5, timeout_s: float 
             problems.append(f"stream {k} did not end with [DONE]")
             continue
         last = json.loads(out[-2]) if len(out) > 1 else {}
-        ends.append("503" if "error" in last else "finished")
+        ends.append(f"503 {last['error'].get('code')}" if "error" in last else "finished")
     return CheckResult("sigterm", f"exit by SIGTERM after a clean shutdown: {rc == -signal.SIGTERM}; streams ended: "
                        f"{', '.join(ends) or 'none'}", not problems, tuple(problems))
 
