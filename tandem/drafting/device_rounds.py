@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from tandem.kernels.resident import topk_logprobs
-
 from tandem.runtime.runner import ModelRunner
 
 
@@ -33,12 +32,6 @@ from tandem.runtime.runner import ModelRunner
 # -inf) must still outrank the unused node slots (score -inf), so the top-k of a round never
 # picks a slot that holds no node.
 SCORE_FLOOR = -1e30
-
-
-def top_children(logits: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The w most probable next tokens and their log-probs, per row of logits [..., vocab]
-    (tandem.kernels.resident.topk_logprobs: one Triton program per row on CUDA)."""
-    return topk_logprobs(logits, w)
 
 
 class DeviceRounds:
@@ -91,7 +84,7 @@ class DeviceRounds:
         if root_logits is not None:
             assert n == 1, "deferred root children with a grown tree"
             w = self.w
-            clp, ctok = top_children(root_logits, w)  # [w] each
+            clp, ctok = topk_logprobs(root_logits, w)  # [w] each
             self.tok[1:1 + w] = ctok
             self.par[1:1 + w] = 0
             self.dep[1:1 + w] = 1
@@ -154,7 +147,7 @@ class DeviceRounds:
         depth = self.dep[idx]  # [w]
         logits = self.runner.model(self.tok[idx][None], (prefix - 1 + depth)[None], self.runner.cache,
                                    (prefix + rows)[None], mask[None, None])[0]  # [w, vocab]
-        clp, ctok = top_children(logits, w)  # [w, w] each
+        clp, ctok = topk_logprobs(logits, w)  # [w, w] each
         new = nodes + torch.arange(w * w, device=dev)  # [w*w]
         child_lp = (self.lp[idx][:, None] + clp).reshape(-1)  # [w*w]
         self.tok.index_copy_(0, new, ctok.reshape(-1))

@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 from tandem.config import SpecConfig
-from tandem.drafting.device_rounds import top_children
-from tandem.kernels.resident import level_step
+from tandem.kernels.resident import level_step, topk_logprobs
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree
 from tandem.verify.verifier import VerifyResult
@@ -94,14 +93,14 @@ class HeadLevels:
         # positions and cache slots of every level's rows (level d: position prefix - 1 + d)
         pos = (prefix - 1) + torch.arange(1, self.depth, device=prefix.device)  # [passes]
         slots = (prefix + torch.arange(self.passes * w, device=prefix.device)).view(self.passes, w)  # [passes, w]
-        lp1, d1 = top_children(self.root_logits[None], w)  # [1, w] each
+        lp1, d1 = topk_logprobs(self.root_logits[None], w)  # [1, w] each
         mask = level_step(d1, lp1, model.d2t, self.tok, self.par, self.lp, self.fed, self.ids, self.src, self.anc,
                           prefix, 0, width, self.depth > 1)
         hidden = self.root_hidden[None].index_select(0, self.src)  # [w, H] (every level-1 node reads the root's)
         for d in range(1, self.depth):
             logits, out = model.layer(self.ids[None], hidden[None], pos[d - 1:d].expand(1, w), cache,
                                       slots[d - 1][None], mask[None, None])  # [1, w, V], [1, w, H]
-            clp, cd = top_children(logits[0], w)  # [w, w] each
+            clp, cd = topk_logprobs(logits[0], w)  # [w, w] each
             prep = d + 1 < self.depth
             mask = level_step(cd, clp, model.d2t, self.tok, self.par, self.lp, self.fed, self.ids, self.src,
                               self.anc, prefix, d, width, prep)

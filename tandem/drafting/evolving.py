@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.drafting.device_rounds import DeviceRounds, top_children
+from tandem.drafting.device_rounds import DeviceRounds
+from tandem.kernels.resident import topk_logprobs
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree, children_of
 
@@ -328,7 +329,7 @@ class EvolvingTree:
 
     def _add_children(self, parents: list[int], logits: torch.Tensor) -> None:
         # logits: [len(parents), vocab]
-        top_lp, top_tok = top_children(logits, min(self.width, logits.shape[-1]))
+        top_lp, top_tok = topk_logprobs(logits, min(self.width, logits.shape[-1]))
         top_lp, top_tok = top_lp.tolist(), top_tok.tolist()  # one device sync per round
         for j, p in enumerate(parents):
             for lp, tok in zip(top_lp[j], top_tok[j]):
