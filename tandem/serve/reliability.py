@@ -133,6 +133,28 @@ def outcome_counts(t: Target) -> dict[str, float]:
     return counts
 
 
+def post_at_once(t: Target, bodies: list[dict], width: int | None = None, timeout: float = 600) -> list[httpx.Response]:
+    """POST every body to /v1/completions concurrently, at most `width` in flight (None: all at
+    once); the responses in the bodies' order."""
+    width = width or len(bodies)
+
+    async def run() -> list[httpx.Response]:
+        gate = asyncio.Semaphore(width)
+        async with httpx.AsyncClient(base_url=t.url, headers=t.auth, timeout=timeout,
+                                     limits=httpx.Limits(max_connections=width)) as ac:
+            async def one(b: dict) -> httpx.Response:
+                async with gate:
+                    return await ac.post("/v1/completions", json=b)
+
+            return await asyncio.gather(*(one(b) for b in bodies))
+
+    return asyncio.run(run())
+
+
+def completion_text(r: httpx.Response) -> str:
+    return r.json()["choices"][0]["text"] if r.status_code == 200 else f"<status {r.status_code}>"
+
+
 def sse_data(lines) -> list[str]:
     return [ln[len("data: "):] for ln in lines if ln.startswith("data: ")]
 
@@ -345,13 +367,7 @@ def check_burst(t: Target, factor: int = 4, max_tokens: int = 256) -> CheckResul
     held = HeldStreams(t, cap, max_tokens)
     problems = []
     try:
-        async def burst():
-            async with httpx.AsyncClient(base_url=t.url, headers=t.auth, timeout=120,
-                                         limits=httpx.Limits(max_connections=cap * factor)) as c:
-                return await asyncio.gather(*(c.post("/v1/completions", json=long_body(i, max_tokens, False))
-                                              for i in range((factor - 1) * cap)))
-
-        excess = asyncio.run(burst())
+        excess = post_at_once(t, [long_body(i, max_tokens, False) for i in range((factor - 1) * cap)], timeout=120)
     except BaseException:
         held.close()
         raise
@@ -516,13 +532,7 @@ def check_preemptions(t: Target, n: int = 16, max_tokens: int = 48, method: str 
     with t.client() as c:
         solo = [c.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
     before = engine.counters.preemptions
-
-    async def together() -> list[str]:
-        async with httpx.AsyncClient(base_url=t.url, headers=t.auth, timeout=600) as ac:
-            rs = await asyncio.gather(*(ac.post("/v1/completions", json=b) for b in bodies))
-        return [r.json()["choices"][0]["text"] if r.status_code == 200 else f"<status {r.status_code}>" for r in rs]
-
-    outs = asyncio.run(together())
+    outs = [completion_text(r) for r in post_at_once(t, bodies)]
     idle(t.server)
     forced = engine.counters.preemptions - before
     differ = [i for i in range(n) if outs[i] != solo[i]]
@@ -544,16 +554,10 @@ def check_deterministic(t: Target, batches: tuple[int, ...] = (1, 2, 4, 8, 16), 
         raise ValueError("check_deterministic needs a server started with --deterministic")
     body = {**long_body(0, max_tokens, stream=False), "prompt": prompt}
 
-    async def batch(b: int, method: str) -> list[str]:
-        async with httpx.AsyncClient(base_url=t.url, headers=t.auth, timeout=600,
-                                     limits=httpx.Limits(max_connections=b)) as ac:
-            rs = await asyncio.gather(*(ac.post("/v1/completions", json={**body, "method": method}) for _ in range(b)))
-        return [r.json()["choices"][0]["text"] if r.status_code == 200 else f"<status {r.status_code}>" for r in rs]
-
     outs: dict[str, int] = {}
     for method in methods:
         for b in batches:
-            for text in asyncio.run(batch(b, method)):
+            for text in map(completion_text, post_at_once(t, [{**body, "method": method}] * b)):
                 outs[text] = outs.get(text, 0) + 1
     idle(t.server)
     n = sum(outs.values())
@@ -567,10 +571,10 @@ def check_deterministic(t: Target, batches: tuple[int, ...] = (1, 2, 4, 8, 16), 
 def check_faults(t: Target, n: int = 40, every: int = 20, max_tokens: int = 24, method: str = "tree") -> CheckResult:
     """(10a, b) On a server started with inject_faults (it is killed at the end: give it its own):
     n greedy requests with speculation (as many at once as the server admits), one in `every`
-    marked to raise inside the engine in its own part of a step. Only the marked ones fail,
-    each with a 500 and an OpenAI-shaped
-    body; the others equal their solo runs; the pools end clean. Then a request stops the engine
-    loop: /health answers 503 within 1 s, and a new request gets 503."""
+    marked to raise inside the engine in its own part of a step. Only the marked ones fail, each
+    with a 500 and an OpenAI-shaped body; the others equal their solo runs; the pools end clean.
+    Then a request stops the engine loop: /health answers 503 within 1 s, and a new request gets
+    503."""
     from tandem.serve.driver import FAULT_USER, KILL_USER
 
     if not t.server.config.inject_faults:
@@ -583,19 +587,7 @@ def check_faults(t: Target, n: int = 40, every: int = 20, max_tokens: int = 24, 
                 for i, b in enumerate(bodies) if i not in faulted}
 
     # at most the server's capacity in flight (more would be refused with 503 by design: check 4)
-    width = min(n, t.server.config.max_pending)
-
-    async def together() -> list[httpx.Response]:
-        gate = asyncio.Semaphore(width)
-        async with httpx.AsyncClient(base_url=t.url, headers=t.auth, timeout=600,
-                                     limits=httpx.Limits(max_connections=width)) as ac:
-            async def one(b: dict) -> httpx.Response:
-                async with gate:
-                    return await ac.post("/v1/completions", json=b)
-
-            return await asyncio.gather(*(one(b) for b in bodies))
-
-    rs = asyncio.run(together())
+    rs = post_at_once(t, bodies, width=min(n, t.server.config.max_pending))
     problems = []
     for i, r in enumerate(rs):
         if i in faulted:
