@@ -73,7 +73,6 @@ def random_eagle3(name: str, target, device: str | torch.device = "cpu", dtype=t
     import dataclasses
 
     from tandem.models.eagle3 import Eagle3Config, Eagle3Head
-    from tandem.models.layers import rope_inv_freq
     from tandem.models.transformer import default_feature_layers
 
     if name not in EAGLE3_PRESETS:
@@ -91,9 +90,7 @@ def random_eagle3(name: str, target, device: str | torch.device = "cpu", dtype=t
             p.fill_(1.0) if "norm" in pname else p.normal_(0.0, 0.02, generator=g)
         ids = torch.randperm(tc.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values
         head.d2t = (ids - torch.arange(draft_vocab)).to(device)
-    head.inv_freq = rope_inv_freq(cfg.llama).to(device)
-    head.hidden_in = torch.zeros(1, 256, cfg.hidden_size, device=device, dtype=dtype)
-    head.hidden_out = torch.zeros(1, 256, cfg.hidden_size, device=device, dtype=dtype)
+    head.materialize_buffers(device, dtype)
     return head.eval().requires_grad_(False)
 
 

@@ -135,6 +135,13 @@ class Eagle3Head(nn.Module):
         self.register_buffer("hidden_in", torch.zeros(1, max_rows, h), persistent=False)
         self.register_buffer("hidden_out", torch.zeros(1, max_rows, h), persistent=False)
 
+    def materialize_buffers(self, device, dtype: torch.dtype) -> None:
+        """The non-persistent buffers of a head built on the meta device (RoPE frequencies and the
+        hidden-state buffers), made real on `device`."""
+        self.inv_freq = rope_inv_freq(self.econfig.llama).to(device)
+        self.hidden_in = torch.zeros(self.hidden_in.shape, device=device, dtype=dtype)
+        self.hidden_out = torch.zeros(self.hidden_out.shape, device=device, dtype=dtype)
+
     # ---- inputs ------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         e = self.embed_tokens if self.embed_tokens is not None else self.shared["embed"]
@@ -294,9 +301,7 @@ def load_eagle3(path, target, device, dtype: torch.dtype) -> Eagle3Head:
         raise ConfigError(f"EAGLE-3 head {str(d)!r}: d2t maps draft ids outside the target's vocabulary")
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=False, assign=True)
     model.d2t = d2t
-    model.inv_freq = rope_inv_freq(cfg.llama).to(device)
-    model.hidden_in = torch.zeros(1, 256, cfg.hidden_size, device=device, dtype=dtype)
-    model.hidden_out = torch.zeros(1, 256, cfg.hidden_size, device=device, dtype=dtype)
+    model.materialize_buffers(device, dtype)
     return model.eval().requires_grad_(False)
 
 
