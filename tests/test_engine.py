@@ -66,6 +66,32 @@ def test_32_concurrent_requests_equal_their_solo_ar_outputs(models, solo, method
     assert all(o.figures.ttft is not None and o.figures.target_passes >= 1 for o in outs)
 
 
+@pytest.mark.parametrize("method,spec", [("ar", SpecConfig()), ("tree", SpecConfig(nodes=8, width=2))])
+def test_graph_bucketed_passes_equal_their_solo_ar_outputs(models, solo, method, spec, monkeypatch):
+    """Every pass padded to its CUDA-graph bucket (emulated on the CPU: the same static buffers,
+    padding rows writing the scratch slot, logits picked from every row's), the target's and the
+    batched drafter's alike: outputs equal the solo ar outputs and the pool stays clean."""
+    from tandem.engine import batched_draft, batched_model, engine as engine_mod
+
+    made = []
+
+    class Emulated(batched_model.BatchedModel):
+        def __init__(self, *a, **k):
+            k["use_graphs"] = "emulate"
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(engine_mod, "BatchedModel", Emulated)
+    monkeypatch.setattr(batched_draft, "BatchedModel", Emulated)
+    prompts, refs = solo
+    engine = Engine(*models, config=EngineConfig(method=method, spec=spec, block_size=8, max_num_batched_tokens=96,
+                                                 debug_check=True))
+    outs = run_all(engine, prompts)
+    assert [o.token_ids for o in outs] == refs
+    assert_clean(engine)
+    assert len(made) == (1 if method == "ar" else 2) and all(m.use_graphs and m._graphs for m in made)
+
+
 @pytest.mark.parametrize("method", ["ar", "tree"])
 def test_a_tiny_block_budget_forces_preemptions_and_outputs_stay_exact(models, solo, method):
     prompts, refs = solo

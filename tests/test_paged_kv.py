@@ -136,9 +136,9 @@ def test_paged_tree_attention_equals_dense(shape):
         blocks = [free.pop() for _ in range(-(-(L + T) // block))]
         slots = [blocks[i // block] * block + i % block for i in range(L + T)]
         mask = ancestor_mask(parents)
-        segments.append(Segment([0] * T, list(range(T)), slots, mask, logits=True))
+        segments.append(Segment.tree([0] * T, parents, L, blocks))
         dense.append((slots, L, T, mask))
-    rows = BatchRows.build(segments, torch.device("cpu"), torch.float32)
+    rows = BatchRows.build(segments, torch.device("cpu"), torch.float32, block)
     M = rows.offsets[-1]
     q = torch.randn(M, H, D, generator=g)
     out = paged_attention_ref(q, k_cache, v_cache, rows)  # [M, H, D]
@@ -151,14 +151,16 @@ def test_paged_tree_attention_equals_dense(shape):
         torch.testing.assert_close(out[rows.offsets[r]:rows.offsets[r + 1]], ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_batched_model_equals_dense_forward(family):
+@pytest.mark.parametrize("family,graphs", [("llama", False), ("qwen2", False), ("qwen3", False),
+                                           ("llama", "emulate"), ("qwen3", "emulate")])
+def test_batched_model_equals_dense_forward(family, graphs):
     """Three requests, their prefixes fed in chunks mixed with other requests' trees, then one pass
     with all three trees: every tree row's logits equal a dense uncached forward under the same
-    [causal prefix | ancestor] mask."""
+    [causal prefix | ancestor] mask. With graphs emulated, every pass is padded to its bucket
+    (padding rows write the scratch slot) exactly as a CUDA graph replays it."""
     model = tiny_model(seed=5, family=family)
     p = PagedKVPool.for_model(model, num_blocks=64, block_size=4)
-    bm = BatchedModel(model, p)
+    bm = BatchedModel(model, p, max_seqs=4, max_seq_blocks=8, use_graphs=graphs)
     g = torch.Generator().manual_seed(9)
     prefixes = [torch.randint(0, 95, (n,), generator=g).tolist() for n in (7, 1, 13)]
     trees = [[-1, 0, 0, 1, 2, 2], [-1], [-1, 0, 1, 2]]
@@ -172,21 +174,16 @@ def test_batched_model_equals_dense_forward(family):
             if not chunk:
                 continue
             p.reserve(str(i), len(chunk))
-            segs.append(Segment(chunk, list(range(lo, lo + len(chunk))), p.slots(str(i), 0, lo + len(chunk)),
-                                torch.ones(len(chunk), len(chunk), dtype=torch.bool).tril(), logits=False))
+            segs.append(Segment.chunk(chunk, lo, p.seqs[str(i)].blocks))
             chunks.append((str(i), chunk))
-        assert bm.forward(BatchRows.build(segs, model.device, model.dtype)).shape[0] == 0
+        assert bm.forward(bm.rows(segs)).shape[0] == 0
         for sid, chunk in chunks:
             p.commit(sid, list(range(len(chunk))), chunk)
     segs = []
     for i, (pre, parents, toks) in enumerate(zip(prefixes, trees, tree_tokens)):
         p.reserve(str(i), len(toks))
-        depth = [0] * len(parents)
-        for j in range(1, len(parents)):
-            depth[j] = depth[parents[j]] + 1
-        segs.append(Segment(toks, [len(pre) + d for d in depth], p.slots(str(i), 0, len(pre) + len(toks)),
-                            ancestor_mask(parents), logits=True))
-    logits = bm.forward(BatchRows.build(segs, model.device, model.dtype))  # [sum T, vocab]
+        segs.append(Segment.tree(toks, parents, len(pre), p.seqs[str(i)].blocks))
+    logits = bm.forward(bm.rows(segs))  # [sum T, vocab]
     row = 0
     for pre, parents, toks, seg in zip(prefixes, trees, tree_tokens, segs):
         L, T = len(pre), len(toks)
@@ -199,3 +196,52 @@ def test_batched_model_equals_dense_forward(family):
         torch.testing.assert_close(logits[row:row + T], ref, rtol=1e-4, atol=1e-4)
         row += T
     assert p.check() == []
+
+
+def test_a_padded_pass_writes_only_its_rows_and_the_scratch_slot():
+    """Emulated graph bucket: 3 real rows padded to 4; the pool changes in exactly the 3 rows'
+    slots and the scratch slot, and the logits are those of the exact (unpadded) pass."""
+    model = tiny_model(seed=2)
+    p = PagedKVPool.for_model(model, num_blocks=8, block_size=4)
+    exact = BatchedModel(model, p)
+    padded = BatchedModel(model, p, max_seqs=4, max_seq_blocks=4, use_graphs="emulate")
+    p.allocate("a", [], 0)
+    p.reserve("a", 3)
+    seg = [Segment.chunk([5, 6, 7], 0, p.seqs["a"].blocks, logits=True)]
+    rows = padded.rows(seg)
+    assert rows.graph == 4 and rows.tokens.shape[0] == 4 and rows.num_rows == 3
+    before = p.kv.clone()
+    out = padded.forward(rows)
+    changed = (p.kv != before).flatten(2, 3).any(-1).any(-1).any(0).any(0)  # [slots]
+    assert changed.nonzero().flatten().tolist() == p.slots("a", 0, 3) + [p.scratch_slot]
+    torch.testing.assert_close(out, exact.forward(exact.rows(seg)), rtol=0, atol=0)
+
+
+def test_trees_wider_than_one_mask_word_equal_dense_forward():
+    """A 70-node chain-shaped tree (bits beyond 64 columns: two mask words, the reference path)
+    equals the dense forward."""
+    model = tiny_model(seed=3)
+    p = PagedKVPool.for_model(model, num_blocks=64, block_size=4)
+    bm = BatchedModel(model, p)
+    pre = list(range(1, 6))
+    p.allocate("a", [], 0)
+    p.reserve("a", len(pre))
+    bm.forward(bm.rows([Segment.chunk(pre, 0, p.seqs["a"].blocks)]))
+    p.commit("a", list(range(len(pre))), pre)
+    parents = [-1] + [i - 1 for i in range(1, 40)] + [0] + [i - 1 for i in range(41, 70)]  # two branches
+    toks = [(7 * i) % 90 + 1 for i in range(70)]
+    p.reserve("a", 70)
+    rows = bm.rows([Segment.tree(toks, parents, len(pre), p.seqs["a"].blocks)])
+    assert rows.words == 2
+    logits = bm.forward(rows)
+    L, T = len(pre), len(toks)
+    allowed = torch.zeros(L + T, L + T, dtype=torch.bool)
+    allowed[:L, :L] = torch.ones(L, L, dtype=torch.bool).tril()
+    allowed[L:, :L] = True
+    allowed[L:, L:] = ancestor_mask(parents)
+    depth = [0] * T
+    for j in range(1, T):
+        depth[j] = depth[parents[j]] + 1
+    pos = torch.tensor([list(range(L)) + [L + d for d in depth]])
+    ref = model(torch.tensor([pre + toks]), pos, mask=allowed[None, None])[0, L:]
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)

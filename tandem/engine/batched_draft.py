@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from tandem.config import SamplingConfig
-from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
+from tandem.engine.batched_model import BatchedModel, Segment
 from tandem.kernels.resident import topk_logprobs
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
@@ -41,10 +41,14 @@ CATCH_UP_CHUNK = 128  # rows per request in one catch-up pass
 class BatchedDrafter:
     """The draft model over a paged pool of its own: per request, the rows it has seen."""
 
-    def __init__(self, draft, num_blocks: int, block_size: int):
+    def __init__(self, draft, num_blocks: int, block_size: int, max_seqs: int | None = None,
+                 max_seq_blocks: int | None = None, use_graphs: bool | str | None = None):
+        """max_seqs, max_seq_blocks: requests per pass and block-table width at most (with both,
+        the passes are CUDA graphs on a GPU: tandem.engine.batched_model)."""
         self.draft = draft
         self.pool = PagedKVPool.for_model(draft, num_blocks, block_size, prefix_caching=False)
-        self.model = BatchedModel(draft, self.pool)
+        self.model = BatchedModel(draft, self.pool, max_seqs=max_seqs, max_seq_blocks=max_seq_blocks,
+                                  use_graphs=use_graphs)
         # request id -> the root logits [V] of its last catch-up: a request drafted again before
         # the target verified (batch parallelism) has nothing new to feed
         self.root_logits: dict[str, torch.Tensor] = {}
@@ -55,7 +59,7 @@ class BatchedDrafter:
         self.root_logits.pop(request_id, None)
 
     def _forward(self, segs: list[Segment]) -> torch.Tensor:
-        return self.model.forward(BatchRows.build(segs, self.draft.device, self.draft.dtype))
+        return self.model.forward(self.model.rows(segs))
 
     def _feed(self, reqs: list[tuple[str, list[int]]], logits: bool) -> torch.Tensor | None:
         """One causal pass over each request's tokens past what its pool holds, committed; with
@@ -65,8 +69,7 @@ class BatchedDrafter:
             fed = self.pool.seqs[rid].length
             rows = toks[fed:]
             self.pool.reserve(rid, len(rows))
-            segs.append(Segment(rows, list(range(fed, len(toks))), self.pool.slots(rid, 0, len(toks)),
-                                torch.ones(len(rows), len(rows), dtype=torch.bool).tril(), logits=logits))
+            segs.append(Segment.chunk(rows, fed, self.pool.seqs[rid].blocks, logits=logits))
         out = self._forward(segs)  # [sum rows, V] (empty without logits)
         for seg, (rid, _) in zip(segs, reqs):
             self.pool.commit(rid, list(range(len(seg.tokens))), seg.tokens)
@@ -123,8 +126,8 @@ class BatchedChainDrafter(BatchedDrafter):
             for rid, toks, _ in going:
                 L = len(toks)
                 self.pool.reserve(rid, 1)
-                segs.append(Segment([drafted[rid][-1]], [L + j - 2], self.pool.slots(rid, 0, L + j - 1),
-                                    torch.ones(1, 1, dtype=torch.bool), logits=True))
+                segs.append(Segment([drafted[rid][-1]], [L + j - 2], self.pool.seqs[rid].blocks, L + j - 1,
+                                    logits=True))  # (causal: it sees every column up to its own)
             self._take(going, self._forward(segs), drafted, logp, sampled, qs)
         for rid, toks, _ in live:
             self.pool.commit(rid, [], [])  # drop the chain's rows: the target decides what stays
@@ -153,8 +156,10 @@ class BatchedChainDrafter(BatchedDrafter):
 
 
 class BatchedTreeDrafter(BatchedDrafter):
-    def __init__(self, draft, num_blocks: int, block_size: int, width: int, depth: int):
-        super().__init__(draft, num_blocks, block_size)
+    def __init__(self, draft, num_blocks: int, block_size: int, width: int, depth: int,
+                 max_seqs: int | None = None, max_seq_blocks: int | None = None,
+                 use_graphs: bool | str | None = None):
+        super().__init__(draft, num_blocks, block_size, max_seqs, max_seq_blocks, use_graphs)
         self.w, self.depth = width, depth
 
     @torch.no_grad()
@@ -176,7 +181,7 @@ class BatchedTreeDrafter(BatchedDrafter):
         for (rid, _, _), ls, ts in zip(live, lp.tolist(), tok.tolist()):
             nodes[rid] = [(t, -1, l) for t, l in zip(ts, ls)]
         newest = {rid: list(range(w)) for rid, _, _ in live}  # the nodes of the last level
-        rows: dict[str, dict[int, list[int]]] = {rid: {} for rid, _, _ in live}  # fed node -> rows it sees
+        rows: dict[str, dict[int, int]] = {rid: {} for rid, _, _ in live}  # fed node -> bitmask of the rows it sees
         for d in range(1, self.depth):
             segs, fed_of = [], []
             for rid, toks, _ in live:
@@ -185,15 +190,13 @@ class BatchedTreeDrafter(BatchedDrafter):
                 L, base = len(toks), (d - 1) * w
                 self.pool.reserve(rid, len(fed))
                 S = L + base + len(fed)
-                seen = torch.zeros(len(fed), S, dtype=torch.bool)
-                seen[:, :L] = True  # the committed rows
+                bits = []  # each fed row sees the committed rows and, among the levels' rows, its own
                 for s_, i in enumerate(fed):
                     par = ns[i][1]
-                    own = (rows[rid][par] if par >= 0 else []) + [base + s_]
-                    rows[rid][i] = own
-                    seen[s_, [L + r for r in own]] = True
-                segs.append(Segment([ns[i][0] for i in fed], [L - 1 + d] * len(fed), self.pool.slots(rid, 0, S),
-                                    torch.eye(len(fed), dtype=torch.bool), logits=True, seen=seen))
+                    rows[rid][i] = (rows[rid][par] if par >= 0 else 0) | 1 << (base + s_)
+                    bits.append(rows[rid][i])
+                segs.append(Segment([ns[i][0] for i in fed], [L - 1 + d] * len(fed), self.pool.seqs[rid].blocks, S,
+                                    logits=True, prefix=L, bits=bits))
                 fed_of.append(fed)
             lp, tok = topk_logprobs(self._forward(segs), w)  # [sum fed, w] each
             lp, tok, k = lp.tolist(), tok.tolist(), 0

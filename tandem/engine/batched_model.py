@@ -1,136 +1,356 @@
 """One target forward over many requests' rows, reading and writing a paged KV pool.
 
 A pass holds M rows from R requests, packed one request after another (varlen). Request r
-feeds T_r rows (a prefill chunk, or a verify pass: root + draft tree) after its L_r committed
-rows; its rows attend to its own committed rows and to its own new rows under its own mask
-(causal for a chunk, the tree's ancestor mask for a tree), never to another request's:
-the attention mask over the whole pass is block-diagonal over requests.
+feeds T_r rows (a prefill chunk, or a verify pass: root + draft tree) as the last of its S_r
+columns in the pool; its rows attend to its own columns under its own visibility (causal for a
+chunk, the tree's ancestors for a tree), never to another request's: the attention mask over
+the whole pass is block-diagonal over requests.
+
+What a pass needs is kept compact, so a step's host work does not grow with the context: per
+request its block table and column count, per row a prefix length and a bitmask (below), all
+packed into one int64 buffer that crosses to the device in one copy. On CUDA the attention is
+one Triton kernel (tandem.kernels.paged_attention) and the whole pass is a CUDA graph per row
+bucket (padding rows write a scratch slot and are dropped); on the CPU, and for what the kernel
+does not take, `paged_attention_ref` runs SDPA over a padded per-request view built on the
+device from the same fields.
 
 The layers are those of `tandem.models.transformer.Transformer` (embedding, norms,
-projections, MLP, RoPE from tandem.kernels.fused), called here with a different attention:
-`paged_attention_ref`, the torch reference (a Triton paged kernel would sit beside it).
+projections, MLP, RoPE from tandem.kernels.fused), called here with a paged attention.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tandem.engine import invariant
+from tandem.kernels import paged_attention as pk
 from tandem.kernels.fused import add_rmsnorm, rope_
 from tandem.kv.paged import PagedKVPool
 from tandem.models.transformer import Transformer
 
+WORD = 64  # columns per int64 word of a row's bitmask
+MASK64 = (1 << 64) - 1
+
 
 @dataclass(frozen=True)
 class Segment:
-    """One request's rows in a pass."""
+    """One request's rows in a pass: the last T of its `context` columns.
+
+    Visibility: with `prefix` None the rows are causal (row t sees every column up to its own,
+    context - T + t); otherwise row t sees every column < `prefix` and column prefix + j for
+    each bit j set in `bits[t]` (a tree: its ancestors and itself; python ints, any width)."""
 
     tokens: list[int]  # [T] fed tokens
     positions: list[int]  # [T]
-    context_slots: list[int]  # [L + T] pool slots of its committed rows then of the new rows
-    mask: torch.Tensor  # [T, T] bool over the new rows (causal, or a tree's ancestor mask)
+    blocks: list[int]  # the sequence's block table (covers its `context` columns)
+    context: int  # S: columns of the request in this pass, its new rows last
     logits: bool  # whether the pass returns logits for these rows (verify: yes, prefill: no)
-    # [T, L + T] bool over every column, replacing "all earlier columns, then `mask`" (batched
-    # tree drafting: a level's rows see only their own ancestors among the earlier levels' rows)
-    seen: torch.Tensor | None = None
+    prefix: int | None = None
+    bits: list[int] | None = None
+
+    @staticmethod
+    def chunk(tokens: list[int], start: int, blocks: list[int], logits: bool = False) -> "Segment":
+        """Causal rows at positions start.. after `start` committed columns."""
+        return Segment(tokens, list(range(start, start + len(tokens))), blocks, start + len(tokens), logits)
+
+    @staticmethod
+    def tree(tokens: list[int], parents: list[int], start: int, blocks: list[int], logits: bool = True) -> "Segment":
+        """A tree (parents[i] < i, the root's -1) after `start` committed columns; node i sits at
+        position start + depth(i) and sees the committed columns and its own ancestors."""
+        depth, bits = [], []
+        for i, p in enumerate(parents):
+            depth.append(0 if p < 0 else depth[p] + 1)
+            bits.append((0 if p < 0 else bits[p]) | 1 << i)
+        return Segment(tokens, [start + d for d in depth], blocks, start + len(tokens), logits, start, bits)
+
+
+def tree_bits(mask: torch.Tensor) -> list[int]:
+    """[T, T'] bool -> each row's columns as a python-int bitmask (bit j: column j)."""
+    return [sum(1 << j for j in row.nonzero().flatten().tolist()) for row in mask]
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Sizes of a packed pass: rows, requests, attention tiles, block-table width, mask words."""
+
+    M: int
+    R: int
+    NT: int
+    B: int
+    W: int
+
+    @cached_property
+    def layout(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """name -> (offset, shape) inside the packed int64 buffer; logit_rows last (up to M)."""
+        shapes = {"tokens": (self.M,), "positions": (self.M,), "slots": (self.M,), "row_seq": (self.M,),
+                  "row_prefix": (self.M,), "row_base": (self.M,), "row_bits": (self.M, self.W),
+                  "seq_len": (self.R,), "block_tables": (self.R, self.B), "tiles": (self.NT, 3),
+                  "logit_rows": (self.M,)}
+        out, at = {}, 0
+        for name, shape in shapes.items():
+            out[name] = (at, shape)
+            at += math.prod(shape)
+        return out
+
+    @property
+    def size(self) -> int:
+        at, shape = self.layout["logit_rows"]
+        return at + shape[0]
 
 
 @dataclass(frozen=True)
 class BatchRows:
-    """A pass's rows, packed (M rows of R requests), with the padded per-request attention view.
+    """A pass's rows, packed (M rows of R requests), as views of one device int64 buffer.
 
-    Padding: request r's row t < T_r is `q_index[r, t]`; its columns s < L_r + T_r are slots
-    `kv_slots[r, s]`. Padded rows see column 0 only (never an empty softmax row) and are dropped.
-    """
+    Per row: token, position, the slot its K/V is written to, its request, `row_prefix` (columns
+    it sees in full), `row_base` and `row_bits` (further columns base + j, bit j, in words of 64).
+    Per request: `seq_len` (columns) and its block table. `tiles` [NT, 3]: (request, first row,
+    rows) for the attention kernel, up to `tile_rows` rows each. Buffers may be padded beyond
+    `num_rows` / `num_seqs` (a CUDA graph's bucket): padding rows write `scratch` slots and belong
+    to no tile."""
 
-    tokens: torch.Tensor  # [M]
-    positions: torch.Tensor  # [M]
-    slots: torch.Tensor  # [M] slot each row's K/V is written to
-    q_index: torch.Tensor  # [R, Tmax] row of M (padding: 0)
-    q_valid: torch.Tensor  # [R, Tmax] bool
-    kv_slots: torch.Tensor  # [R, Smax] slot of each column (padding: 0)
-    mask: torch.Tensor  # [R, 1, Tmax, Smax] additive (0 / -inf), in the model's dtype
-    logit_rows: torch.Tensor  # [n] rows of M whose logits the pass returns
+    packed: torch.Tensor  # the device buffer (a graph's static input when padded)
+    cap: Capacity
+    num_rows: int  # M (real rows)
+    new_rows: list[int]  # [R] T_r
+    contexts: list[int]  # [R] S_r
     offsets: list[int]  # [R + 1] request r's rows are M[offsets[r]:offsets[r + 1]]
-    window_mask: torch.Tensor | None = None  # [R, 1, Tmax, Smax] `mask` for sliding-window layers
+    num_logits: int
+    block_size: int
+    tile_rows: int
+    words: int  # mask words each row needs (the kernel takes 1)
+    dtype: torch.dtype
+    window: int | None = None
+    graph: int | None = None  # the CUDA graph bucket these buffers belong to (None: an exact, eager pass)
+
+    def _view(self, name: str) -> torch.Tensor:
+        at, shape = self.cap.layout[name]
+        return self.packed[at:at + math.prod(shape)].view(shape)
+
+    @cached_property
+    def tokens(self) -> torch.Tensor:  # [M]
+        return self._view("tokens")
+
+    @cached_property
+    def positions(self) -> torch.Tensor:  # [M]
+        return self._view("positions")
+
+    @cached_property
+    def slots(self) -> torch.Tensor:  # [M]
+        return self._view("slots")
+
+    @cached_property
+    def row_prefix(self) -> torch.Tensor:  # [M]
+        return self._view("row_prefix")
+
+    @cached_property
+    def row_base(self) -> torch.Tensor:  # [M]
+        return self._view("row_base")
+
+    @cached_property
+    def row_bits(self) -> torch.Tensor:  # [M, W]
+        return self._view("row_bits")
+
+    @cached_property
+    def seq_len(self) -> torch.Tensor:  # [R]
+        return self._view("seq_len")
+
+    @cached_property
+    def block_tables(self) -> torch.Tensor:  # [R, B]
+        return self._view("block_tables")
+
+    @cached_property
+    def tiles(self) -> torch.Tensor:  # [NT, 3]
+        return self._view("tiles")
+
+    @cached_property
+    def logit_rows(self) -> torch.Tensor:  # [n] rows of M whose logits the pass returns
+        return self._view("logit_rows")[:self.num_logits]
+
+    # ---- building ----------------------------------------------------------------------------
+    @staticmethod
+    def capacity(segments: list[Segment], tile_rows: int = 16) -> Capacity:
+        M = sum(len(s.tokens) for s in segments)
+        words = 1
+        for s in segments:
+            if s.bits:
+                words = max(words, -(-max(b.bit_length() for b in s.bits) // WORD))
+        NT = sum(-(-len(s.tokens) // tile_rows) for s in segments)
+        return Capacity(M, len(segments), max(NT, 1), max((len(s.blocks) for s in segments), default=1) or 1, words)
 
     @staticmethod
-    def build(segments: list[Segment], device: torch.device, dtype: torch.dtype,
-              window: int | None = None) -> "BatchRows":
-        """window: the target's sliding window, if some of its layers use one."""
-        R = len(segments)
+    def pack(segments: list[Segment], host: np.ndarray, cap: Capacity, block_size: int, scratch: int,
+             tile_rows: int) -> tuple[list[int], list[int], list[int], int]:
+        """Write the segments into `host` (int64, cap.size) as `cap.layout` says; padding rows
+        write `scratch`. Returns T_r, S_r, the row offsets and the number of logit rows."""
+        lay = cap.layout
+
+        def view(name):
+            at, shape = lay[name]
+            return host[at:at + math.prod(shape)].reshape(shape)
+
+        host[:] = 0
         T = [len(s.tokens) for s in segments]
-        S = [len(s.context_slots) for s in segments]
-        tmax, smax = max(T), max(S)
-        offsets = [0]
-        for t in T:
-            offsets.append(offsets[-1] + t)
-        Tt, St = torch.tensor(T), torch.tensor(S)
-        q_valid = torch.arange(tmax)[None] < Tt[:, None]  # [R, tmax]
-        q_index = torch.where(q_valid, torch.tensor(offsets[:-1])[:, None] + torch.arange(tmax)[None], 0)
-        # (python lists, one tensor each: per-request tensors cost more than the rest of the build)
-        kv_slots = torch.tensor([seg.context_slots + [0] * (smax - len(seg.context_slots)) for seg in segments])
-        cols = torch.arange(smax)[None, None]  # [1, 1, smax]
-        # the committed rows (every column before the request's new rows), then column 0 for padded rows
-        allowed = q_valid[:, :, None] & (cols < (St - Tt)[:, None, None])
+        S = [s.context for s in segments]
+        Ta, Sa = np.asarray(T, dtype=np.int64), np.asarray(S, dtype=np.int64)
+        offsets = np.zeros(len(segments) + 1, dtype=np.int64)
+        np.cumsum(T, out=offsets[1:])
+        M = int(offsets[-1])
+        view("tokens")[:M] = [t for s in segments for t in s.tokens]
+        view("positions")[:M] = [p for s in segments for p in s.positions]
+        bt = view("block_tables")
+        for r, s in enumerate(segments):
+            bt[r, :len(s.blocks)] = s.blocks
+        view("seq_len")[:len(segments)] = S
+        seq = np.repeat(np.arange(len(segments)), Ta)  # [M] request of each row
+        view("row_seq")[:M] = seq
+        t_in = np.arange(M) - offsets[:-1][seq]  # row index inside its request
+        col = (Sa - Ta)[seq] + t_in  # the column each row's K/V lands at
+        slots = view("slots")
+        slots[:M] = bt[seq, col // block_size] * block_size + col % block_size
+        slots[M:] = scratch
+        prefix, base, bits = view("row_prefix"), view("row_base"), view("row_bits")
+        prefix[:M] = col + 1  # causal, unless the segment says otherwise
+        base[:M] = Sa[seq]
+        logit_rows = []
+        for r, s in enumerate(segments):
+            lo, hi = int(offsets[r]), int(offsets[r + 1])
+            if s.prefix is not None:
+                prefix[lo:hi] = s.prefix
+                base[lo:hi] = s.prefix
+                for t, b in enumerate(s.bits):
+                    w = 0
+                    while b:  # int64 words, two's complement (bit 63 is the sign)
+                        word = b & MASK64
+                        bits[lo + t, w] = word - (1 << 64) if word >> 63 else word
+                        b >>= WORD
+                        w += 1
+            if s.logits:
+                logit_rows.extend(range(lo, hi))
+        view("logit_rows")[:len(logit_rows)] = logit_rows
+        tiles = view("tiles")
+        k = 0
+        for r, s in enumerate(segments):
+            for t0 in range(0, T[r], tile_rows):
+                tiles[k] = (r, offsets[r] + t0, min(tile_rows, T[r] - t0))
+                k += 1
+        return T, S, offsets.tolist(), len(logit_rows)
+
+    @staticmethod
+    def build(segments: list[Segment], device: torch.device, dtype: torch.dtype, block_size: int,
+              window: int | None = None, tile_rows: int = 16, scratch: int = 0) -> "BatchRows":
+        """window: the target's sliding window, if some of its layers use one. scratch: the slot
+        padding rows write (none here: this pass is not padded)."""
+        cap = BatchRows.capacity(segments, tile_rows)
+        host = np.empty(cap.size, dtype=np.int64)
+        T, S, offsets, n = BatchRows.pack(segments, host, cap, block_size, scratch, tile_rows)
+        return BatchRows(torch.from_numpy(host).to(device), cap, offsets[-1], T, S, offsets, n, block_size,
+                         tile_rows, cap.W, dtype, window)
+
+    # ---- the padded per-request view (the reference path) --------------------------------------
+    @cached_property
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q_index [R, Tmax] (row of M; padding 0), q_valid [R, Tmax], kv_slots [R, Smax] (slot of
+        each column; padding 0), mask [R, 1, Tmax, Smax] additive (0 / -inf) and the same for
+        sliding-window layers (None without a window). Padded rows see column 0 only."""
+        dev = self.packed.device
+        R = len(self.new_rows)
+        tmax, smax = max(self.new_rows), max(self.contexts)
+        Tt = torch.tensor(self.new_rows, device=dev)
+        St = torch.tensor(self.contexts, device=dev)
+        off = torch.tensor(self.offsets[:-1], device=dev)
+        t = torch.arange(tmax, device=dev)
+        s = torch.arange(smax, device=dev)
+        q_valid = t[None] < Tt[:, None]  # [R, tmax]
+        q_index = torch.where(q_valid, off[:, None] + t[None], 0)
+        bt = self.block_tables[:R]
+        blk = bt.gather(1, (s // self.block_size).clamp(max=bt.shape[1] - 1)[None].expand(R, -1))
+        kv_slots = torch.where(s[None] < St[:, None], blk * self.block_size + s % self.block_size, 0)  # [R, smax]
+        prefix = self.row_prefix[q_index]  # [R, tmax]
+        base = self.row_base[q_index]
+        words = self.row_bits[q_index]  # [R, tmax, W]
+        j = s[None, None] - base[..., None]  # [R, tmax, smax]
+        inside = (j >= 0) & (j < WORD * self.cap.W)
+        jc = j.clamp(0, WORD * self.cap.W - 1)
+        word = words.gather(2, jc // WORD)
+        bit = ((word >> (jc % WORD)) & 1).bool() & inside
+        allowed = ((s[None, None] < prefix[..., None]) | bit) & (s[None, None] < St[:, None, None]) & q_valid[..., None]
         allowed[:, :, 0] |= ~q_valid
-        slots, logit_rows = [], []
-        for r, seg in enumerate(segments):
-            t, s = T[r], S[r]
-            L = s - t
-            if seg.seen is not None:
-                allowed[r, :t, :s] = seg.seen
-            else:
-                allowed[r, :t, L:s] = seg.mask  # its own new rows, under its mask
-            slots += seg.context_slots[L:]
-            if seg.logits:
-                logit_rows += range(offsets[r], offsets[r + 1])
-        mask = torch.zeros(R, 1, tmax, smax, dtype=dtype).masked_fill_(~allowed[:, None], float("-inf"))
+        mask = torch.zeros(R, 1, tmax, smax, dtype=self.dtype, device=dev).masked_fill_(~allowed[:, None], float("-inf"))
         window_mask = None
-        if window is not None:  # a row sees the keys at positions > its own - window
-            q_pos = torch.zeros(R, tmax, dtype=torch.long)
-            k_pos = torch.zeros(R, smax, dtype=torch.long)
-            for r, seg in enumerate(segments):
-                L = S[r] - T[r]
-                q_pos[r, :T[r]] = torch.tensor(seg.positions)
-                k_pos[r, :L] = torch.arange(L)  # the committed rows, in position order
-                k_pos[r, L:S[r]] = torch.tensor(seg.positions)
-            seen = allowed & (k_pos[:, None, :] > q_pos[:, :, None] - window)
+        if self.window is not None:  # a row sees the keys at positions > its own - window
+            q_pos = self.positions[q_index]  # [R, tmax]
+            new = s[None] - (St - Tt)[:, None]  # [R, smax] index among the new rows (< 0: committed)
+            is_new = (new >= 0) & (s[None] < St[:, None])
+            k_pos = torch.where(is_new, self.positions[(off[:, None] + new).clamp(0, max(self.num_rows - 1, 0))],
+                                s[None])
+            seen = allowed & (k_pos[:, None, :] > q_pos[:, :, None] - self.window)
             seen[:, :, 0] |= ~seen.any(-1)  # (a row never sees nothing: padding rows keep column 0)
-            window_mask = torch.zeros(R, 1, tmax, smax, dtype=dtype).masked_fill_(~seen[:, None], float("-inf"))
-        flat = [tok for seg in segments for tok in seg.tokens]
-        pos = [p for seg in segments for p in seg.positions]
-        to = dict(device=device)
-        return BatchRows(torch.tensor(flat, **to), torch.tensor(pos, **to), torch.tensor(slots, **to),
-                         q_index.to(**to), q_valid.to(**to), kv_slots.to(**to), mask.to(**to),
-                         torch.tensor(logit_rows, dtype=torch.long, **to), offsets,
-                         None if window_mask is None else window_mask.to(**to))
+            window_mask = torch.zeros(R, 1, tmax, smax, dtype=self.dtype, device=dev).masked_fill_(~seen[:, None],
+                                                                                                 float("-inf"))
+        return q_index, q_valid, kv_slots, mask, window_mask
+
+    @property
+    def mask(self) -> torch.Tensor:  # [R, 1, Tmax, Smax] additive
+        return self.dense[3]
+
+    @property
+    def window_mask(self) -> torch.Tensor | None:
+        return self.dense[4]
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: BatchRows,
                         mask: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [M, H, D] (rotated); k_cache, v_cache: [num_slots, Hkv, D] (new rows already stored);
-    mask: rows.mask (default) or rows.window_mask.
+    """q: [M, H, D] (rotated; M may include padding rows); k_cache, v_cache: [num_slots, Hkv, D]
+    (new rows already stored); mask: rows.mask (default) or rows.window_mask.
 
-    Returns [M, H, D]: each row's attention over its own request's columns under its mask.
-    """
-    mask = rows.mask if mask is None else mask
+    Returns [M, H, D]: each row's attention over its own request's columns under its mask
+    (padding rows: zeros)."""
+    q_index, q_valid, kv_slots, dense_mask, _ = rows.dense
+    mask = dense_mask if mask is None else mask
     H, Hkv = q.shape[1], k_cache.shape[1]
-    qp = q[rows.q_index].transpose(1, 2)  # [R, H, Tmax, D]
-    kp = k_cache[rows.kv_slots].transpose(1, 2)  # [R, Hkv, Smax, D]
-    vp = v_cache[rows.kv_slots].transpose(1, 2)
+    qp = q[q_index].transpose(1, 2)  # [R, H, Tmax, D]
+    kp = k_cache[kv_slots].transpose(1, 2)  # [R, Hkv, Smax, D]
+    vp = v_cache[kv_slots].transpose(1, 2)
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=Hkv != H)  # [R, H, Tmax, D]
-    packed = torch.empty_like(q)
-    packed[rows.q_index[rows.q_valid]] = out.transpose(1, 2)[rows.q_valid]  # [M, H, D]
+    packed = torch.zeros_like(q)
+    packed[q_index[q_valid]] = out.transpose(1, 2)[q_valid]  # [M, H, D]
     return packed
 
 
-class BatchedModel:
-    """`forward(rows) -> logits [len(rows.logit_rows), vocab]` of a Transformer over a PagedKVPool."""
+# Row buckets of the captured passes (a pass of M rows replays the smallest bucket >= M).
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
-    def __init__(self, model: Transformer, pool: PagedKVPool, deterministic: bool = False):
+
+@dataclass
+class _Graph:
+    """One captured pass of `cap.M` rows and its static buffers."""
+
+    cap: Capacity
+    host: torch.Tensor  # [cap.size] int64, pinned: the next pass is packed here
+    packed: torch.Tensor  # [cap.size] int64 on the device: the graph's input
+    rows: "BatchRows"  # views of `packed` (what the captured body reads)
+    graph: object = None  # torch.cuda.CUDAGraph (None: emulated on the CPU)
+    logits: torch.Tensor | None = None  # [cap.M, vocab] every row's logits, written by a replay
+    features: torch.Tensor | None = None  # [cap.M, F]
+    staged: object = None  # event after the last host-to-device copy (the host buffer is free after it)
+
+
+class BatchedModel:
+    """`forward(rows) -> logits [len(rows.logit_rows), vocab]` of a Transformer over a PagedKVPool.
+
+    `rows(segments)` packs a pass. With `max_seqs` and `max_seq_blocks` (a request's block-table
+    width) known, a pass that fits a bucket is packed into that bucket's static buffers and
+    replayed as a CUDA graph (`use_graphs`: None = on CUDA; "emulate" = the same padded buckets
+    run eagerly, on any device, to test the bookkeeping)."""
+
+    def __init__(self, model: Transformer, pool: PagedKVPool, deterministic: bool = False,
+                 max_seqs: int | None = None, max_seq_blocks: int | None = None, use_graphs: bool | str | None = None):
         if any(layer.self_attn.tp_group is not None for layer in model.model.layers):
             raise ValueError("the batched engine does not run a tensor-parallel shard yet")
         self.model, self.pool = model, pool
@@ -138,11 +358,95 @@ class BatchedModel:
         # the other rows of the pass, nor on whether it is an AR step or a tree node
         self.deterministic = deterministic
         self.last_features: torch.Tensor | None = None  # [M, F] of the last pass (feature drafters)
+        c = model.config
+        self.window = c.sliding_window if getattr(c, "sliding_layers", None) else None
+        self.tile_rows = pk.tile_rows(c.num_attention_heads, c.num_key_value_heads)
+        self.emulate = use_graphs == "emulate"
+        if use_graphs is None:
+            use_graphs = model.device.type == "cuda"
+        # graphs replay fixed kernels: not the deterministic path (its own shapes per pass), not a
+        # sliding window (its mask view is built per pass), not without the sizes to pad to
+        self.use_graphs = (bool(use_graphs) and not deterministic and self.window is None
+                           and max_seqs is not None and max_seq_blocks is not None)
+        self.max_seqs, self.max_seq_blocks = max_seqs, max_seq_blocks
+        self._graphs: dict[int, _Graph] = {}
+        self._graph_pool = None
 
+    # ---- packing -----------------------------------------------------------------------------
+    def rows(self, segments: list[Segment]) -> BatchRows:
+        """The pass's rows: in a graph bucket's static buffers when one takes them, else exact."""
+        cap = BatchRows.capacity(segments, self.tile_rows)
+        bucket = next((b for b in GRAPH_BUCKETS if b >= cap.M), None) if self.use_graphs else None
+        if bucket is None or cap.W > 1 or cap.R > self.max_seqs or cap.B > self.max_seq_blocks:
+            return BatchRows.build(segments, self.model.device, self.model.dtype, self.pool.block_size,
+                                   self.window, self.tile_rows, self.pool.scratch_slot)
+        g = self._graph(bucket)
+        if g.staged is not None:  # the previous pass's copy must have left the host buffer
+            g.staged.synchronize()
+        T, S, offsets, n = BatchRows.pack(segments, g.host.numpy(), g.cap, self.pool.block_size,
+                                          self.pool.scratch_slot, self.tile_rows)
+        g.packed.copy_(g.host, non_blocking=True)
+        if not self.emulate:
+            g.staged = torch.cuda.Event()
+            g.staged.record()
+        return BatchRows(g.packed, g.cap, offsets[-1], T, S, offsets, n, self.pool.block_size, self.tile_rows, 1,
+                         self.model.dtype, graph=bucket)
+
+    def warmup(self, max_rows: int) -> None:
+        """Capture every bucket up to the one that holds `max_rows` rows now, as a server does at
+        start-up, so no pass pays a capture later (no effect without graphs)."""
+        if not self.use_graphs:
+            return
+        for b in GRAPH_BUCKETS:
+            self._graph(b)
+            if b >= max_rows:
+                break
+
+    def _graph(self, bucket: int) -> _Graph:
+        g = self._graphs.get(bucket)
+        if g is not None:
+            return g
+        dev = self.model.device
+        cap = Capacity(bucket, min(bucket, self.max_seqs), bucket, self.max_seq_blocks, 1)
+        host = torch.empty(cap.size, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        BatchRows.pack([], host.numpy(), cap, self.pool.block_size, self.pool.scratch_slot, self.tile_rows)
+        packed = host.to(dev)  # every row padding: a warm-up writes only the scratch slot
+        rows = BatchRows(packed, cap, bucket, [], [], [0], 0, self.pool.block_size, self.tile_rows, 1,
+                         self.model.dtype, graph=bucket)
+        g = self._graphs[bucket] = _Graph(cap, host, packed, rows)
+        if self.emulate:
+            return g
+        s = torch.cuda.Stream(device=dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm-up outside capture (cuBLAS handles, Triton compilation)
+                self._body(rows, every_row=True)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self._graph_pool, stream=s):
+            g.logits, g.features = self._body(rows, every_row=True)
+        return g
+
+    # ---- the pass ----------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, rows: BatchRows) -> torch.Tensor:
         """With the target's features on (Transformer.enable_features, for feature drafters),
         `last_features` holds every row's [M, F] afterwards, as the single-request runner keeps them."""
+        if rows.graph is None:
+            logits, self.last_features = self._body(rows, every_row=False)
+            return logits
+        g = self._graphs[rows.graph]
+        if self.emulate:
+            g.logits, g.features = self._body(rows, every_row=True)  # (its padded views, eagerly)
+        else:
+            g.graph.replay()
+        self.last_features = g.features[:rows.num_rows].clone() if g.features is not None else None
+        return g.logits[rows.logit_rows]  # [n, vocab] (a copy: the next replay overwrites g.logits)
+
+    def _body(self, rows: BatchRows, every_row: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers over every packed row; logits of every row or of rows.logit_rows, features."""
         m = self.model
         x, delta = m.model.embed_tokens(rows.tokens)[None], None  # [1, M, hidden]
         want = m.feature_layers or ()
@@ -155,10 +459,10 @@ class BatchedModel:
             a = self._attention(layer.self_attn, i, h, rows)
             x, h = add_rmsnorm(x, a, ln2.weight, ln2.eps)
             delta = self._rowwise(layer.mlp, h)
-        self.last_features = torch.cat([feats[i] for i in want], dim=-1)[0] if want else None  # [M, F]
+        features = torch.cat([feats[i] for i in want], dim=-1)[0] if want else None  # [M, F]
         norm = m.model.norm
         h = add_rmsnorm(x, delta, norm.weight, norm.eps)[1][0]  # [M, hidden]
-        return self._rowwise(m.lm_head, h[rows.logit_rows])  # [n, vocab]
+        return self._rowwise(m.lm_head, h if every_row else h[rows.logit_rows]), features
 
     def _rowwise(self, fn, x: torch.Tensor) -> torch.Tensor:
         """fn over the rows of x (a row-wise layer), in fixed chunks in deterministic mode."""
@@ -179,13 +483,17 @@ class BatchedModel:
         k_cache, v_cache = self.pool.layer(layer_idx)  # [num_slots, Hkv, D]
         k_cache[rows.slots] = qkv[0, :, H:H + Hkv]
         v_cache[rows.slots] = qkv[0, :, H + Hkv:]
-        mask = rows.window_mask if attn.window is not None else rows.mask  # [R, 1, Tmax, Smax]
+        q = qkv[0, :, :H]  # [M, H, D]
         if self.deterministic:
-            valid = rows.q_index[rows.q_valid]  # [M] the pass row of each (request, row) entry
-            col_slots = rows.kv_slots[:, None, :].expand_as(mask[:, 0])[rows.q_valid]  # [M, Smax]
-            visible = (mask[:, 0] == 0)[rows.q_valid]  # [M, Smax]
+            q_index, q_valid, kv_slots, mask, window_mask = rows.dense
+            mask = window_mask if attn.window is not None else mask  # [R, 1, Tmax, Smax]
+            valid = q_index[q_valid]  # [M] the pass row of each (request, row) entry
+            col_slots = kv_slots[:, None, :].expand_as(mask[:, 0])[q_valid]  # [M, Smax]
+            visible = (mask[:, 0] == 0)[q_valid]  # [M, Smax]
             out = torch.empty(M, H, D, dtype=qkv.dtype, device=qkv.device)
-            out[valid] = invariant.attention(qkv[0, valid, :H], k_cache, v_cache, col_slots, visible)
+            out[valid] = invariant.attention(q[valid], k_cache, v_cache, col_slots, visible)
+        elif attn.window is None and pk.applies(q, k_cache, rows.words):
+            out = pk.paged_attention(q, k_cache, v_cache, rows)  # [M, H, D]
         else:
-            out = paged_attention_ref(qkv[0, :, :H], k_cache, v_cache, rows, mask)  # [M, H, D]
+            out = paged_attention_ref(q, k_cache, v_cache, rows, rows.window_mask if attn.window is not None else None)
         return self._rowwise(attn.o_proj, out.reshape(1, M, H * D))

@@ -35,6 +35,9 @@ class EngineConfig:
     # greedy chains of a small draft model: one batched draft pass per chain position for every
     # decoding request (tandem.engine.batched_draft) instead of one small pass per request
     batched_drafting: bool = True
+    # CUDA graphs for the batched passes, one per row bucket, captured when the engine starts
+    # (vLLM's name; True: every pass eager, e.g. to profile single kernels)
+    enforce_eager: bool = False
 
     def validate(self) -> None:
         if self.method not in ENGINE_METHODS:

@@ -51,7 +51,7 @@ from tandem.models.transformer import Transformer
 from tandem.runtime.emit import Emitter
 from tandem.runtime.plan import plan_request
 from tandem.runtime.runner import ModelRunner
-from tandem.tree.draft_tree import DraftTree, ancestor_mask
+from tandem.tree.draft_tree import DraftTree
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
 
@@ -129,7 +129,11 @@ class Engine:
         num_blocks = config.num_blocks or config.max_num_seqs * -(-(self.context_window + config.draft_rows())
                                                                    // config.block_size)
         self.pool = PagedKVPool.for_model(target, num_blocks, config.block_size, config.enable_prefix_caching)
-        self.model = BatchedModel(target, self.pool, deterministic=config.deterministic)
+        # a request's block table holds at most its context window plus one verify pass's rows
+        seq_blocks = self.pool.blocks_for(self.context_window + config.draft_rows())
+        graphs = None if not config.enforce_eager else False
+        self.model = BatchedModel(target, self.pool, deterministic=config.deterministic,
+                                  max_seqs=config.max_num_seqs, max_seq_blocks=seq_blocks, use_graphs=graphs)
         # greedy chains and trees of a plain draft model, drafted for every request at once (batched_draft)
         self.batched: BatchedDrafter | None = None
         if config.batched_drafting and config.method in ("chain", "tree") and isinstance(draft, Transformer):
@@ -137,10 +141,16 @@ class Engine:
             ahead = self.spec.k if config.method == "chain" else (depth - 1) * self.spec.width
             # (a request's draft rows exceed its target rows by at most the drafted rows plus one block)
             blocks = num_blocks + config.max_num_seqs * (-(-(ahead + 1) // config.block_size) + 1)
+            sizes = dict(max_seqs=config.max_num_seqs, max_seq_blocks=self.pool.blocks_for(
+                self.context_window + ahead + 2 * config.block_size), use_graphs=graphs)
             if config.method == "chain":
-                self.batched = BatchedChainDrafter(draft, blocks, config.block_size)
+                self.batched = BatchedChainDrafter(draft, blocks, config.block_size, **sizes)
             else:
-                self.batched = BatchedTreeDrafter(draft, blocks, config.block_size, self.spec.width, depth)
+                self.batched = BatchedTreeDrafter(draft, blocks, config.block_size, self.spec.width, depth, **sizes)
+        # the CUDA graphs of every pass size a step can take, captured now rather than mid-serving
+        self.model.warmup(config.max_num_batched_tokens)
+        if self.batched is not None:  # (its level passes: at most w rows per request)
+            self.batched.model.warmup(config.max_num_seqs * max(self.spec.width, 1))
         self.scheduler = Scheduler(config, self.pool, row_budget=self._row_budget)
         self.requests: dict[str, Request] = {}
         self.eos = set(target.config.eos_token_ids)
@@ -467,18 +477,13 @@ class Engine:
         segments = []
         for s in plan.scheduled:
             req = s.request
+            blocks = self.pool.seqs[req.request_id].blocks
             if s.kind == "prefill":
-                tokens = req.token_ids()[s.start:s.start + s.rows]
-                positions = list(range(s.start, s.start + s.rows))
-                mask = torch.ones(s.rows, s.rows, dtype=torch.bool).tril()
+                segments.append(Segment.chunk(req.token_ids()[s.start:s.start + s.rows], s.start, blocks))
             else:
                 tree = trees[req.request_id]
-                tokens, positions, mask = tree.tokens, [s.start + d for d in tree.depth], ancestor_mask(tree.parents)
-            slots = self.pool.slots(req.request_id, 0, s.start + len(tokens))
-            segments.append(Segment(tokens, positions, slots, mask, logits=s.kind == "decode"))
-        cfg = self.target.config
-        return BatchRows.build(segments, self.target.device, self.target.dtype,
-                               cfg.sliding_window if cfg.sliding_layers else None)
+                segments.append(Segment.tree(tree.tokens, tree.parents, s.start, blocks))
+        return self.model.rows(segments)
 
     def _apply(self, plan: StepPlan, trees: dict[str, DraftTree], logits: torch.Tensor) -> list[RequestOutput]:
         finished, row, m = [], 0, 0  # m: the segment's first row in the pass (features)

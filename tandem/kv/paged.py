@@ -54,8 +54,11 @@ class PagedKVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str, prefix_caching: bool = True):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.kv = torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
-                              device=device)  # [2, layers, blocks, block_size, kv_heads, D]
+        # one block more than the tables can hold: the scratch block, where the padding rows of a
+        # bucketed (CUDA graph) pass write their K/V; no table ever holds it
+        self.kv = torch.zeros(2, num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype,
+                              device=device)  # [2, layers, blocks + 1, block_size, kv_heads, D]
+        self.scratch_slot = num_blocks * block_size
         self.prefix_caching = prefix_caching
         self.refcount = [0] * num_blocks
         # free blocks, oldest freed first (those with a hash stay findable until reused)

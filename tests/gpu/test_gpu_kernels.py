@@ -129,3 +129,56 @@ def test_cached_attention(shape, rows, dtype):
         want = attention.cached_attention_ref(q, k, v, mask)
         assert got.shape == want.shape == (1, rows, H, D)
         assert rel_err(got, want) < TOL[dtype], (shape, rows)
+
+
+def _paged_segments(g: torch.Generator, free: list[int], block: int):
+    """A pass of every kind of row: AR steps, trees, a prefill chunk and a batched-draft level
+    (rows that see their ancestors among earlier reserved rows)."""
+    from tandem.engine.batched_model import Segment
+
+    def blocks_for(n):
+        return [free.pop() for _ in range(-(-n // block))]
+
+    def rint(lo, hi):
+        return int(torch.randint(lo, hi, (), generator=g))
+
+    segs = []
+    for _ in range(5):  # AR steps over 1..300 columns
+        L = rint(0, 300)
+        segs.append(Segment.tree([1], [-1], L, blocks_for(L + 1)))
+    for T in (33, 17):  # trees
+        L = rint(1, 300)
+        parents = [-1] + [rint(0, i) for i in range(1, T)]
+        segs.append(Segment.tree([1] * T, parents, L, blocks_for(L + T)))
+    L = rint(0, 100)  # a prefill chunk of 70 rows
+    segs.append(Segment.chunk([1] * 70, L, blocks_for(L + 70), logits=True))
+    L, base = rint(1, 200), 12  # a draft level: 4 rows after 12 earlier reserved rows
+    bits = [(1 << rint(0, 4)) | (1 << rint(4, 8)) | 1 << (base + i) for i in range(4)]
+    segs.append(Segment([1] * 4, [L + 3] * 4, blocks_for(L + base + 4), L + base + 4, True, L, bits))
+    return segs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_paged_attention(shape, dtype):
+    """tandem.kernels.paged_attention over a paged pool with scattered blocks, against the SDPA
+    reference over the padded per-request view (tandem.engine.batched_model.paged_attention_ref)."""
+    from tandem.engine.batched_model import BatchRows, paged_attention_ref
+    from tandem.kernels import paged_attention as pk
+
+    cfg = SHAPES[shape]
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    block, num_blocks = 16, 256
+    g = torch.Generator().manual_seed(7)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    segs = _paged_segments(g, free, block)
+    rows = BatchRows.build(segs, torch.device("cuda"), dtype, block, tile_rows=pk.tile_rows(H, Hkv))
+    M = rows.num_rows
+    k = _randn(num_blocks * block, Hkv, D, dtype=dtype, seed=2)
+    v = _randn(num_blocks * block, Hkv, D, dtype=dtype, seed=3)
+    q = _randn(M, H + 2 * Hkv, D, dtype=dtype, seed=1)[:, :H]  # strided, as the layer passes it
+    assert pk.applies(q, k, rows.words)
+    got = pk.paged_attention(q, k, v, rows)
+    want = paged_attention_ref(q, k, v, rows)
+    assert got.shape == want.shape == (M, H, D)
+    assert rel_err(got, want) < TOL[dtype], shape

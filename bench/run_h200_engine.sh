@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The batched engine on one H200 (paged Triton attention, CUDA graphs per row bucket), one call:
+# the GPU lane for the paged kernel and the engine, then `tandem bench --concurrency` for ar and
+# tree beside transformers' generate_batch and padded generate, then the engine's modes
+# (batch-parallel, row selection, deterministic, per-request drafting) at a few concurrencies.
+#   bash bench/run_h200_engine.sh $OUT      (device tool: carry .data = mbpp/mbpp.jsonl)
+set -uo pipefail
+OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
+NP=${NP:-64}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/env.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$OUT/env.txt"
+if [ "${LANE:-1}" = 1 ]; then
+  echo "== GPU lane (paged kernel, engine)"
+  timeout 200 python3 -m pytest -q -m cuda tests/gpu/test_gpu_kernels.py -k paged tests/gpu/test_gpu_engine.py \
+    tests/gpu/test_gpu_batch_parallel.py -p no:cacheprovider > "$OUT/gpu_lane.log" 2>&1
+  rc=$?; tail -3 "$OUT/gpu_lane.log"
+  [ "$rc" != 0 ] && grep -B30 "Error" "$OUT/gpu_lane.log" | head -60
+fi
+conc() {  # conc NAME CONCURRENCIES METHODS [extra]
+  local name=$1 c=$2 m=$3; shift 3
+  echo "== $name: --concurrency $c --methods $m $*"
+  timeout ${TMO:-240} python3 -m tandem bench --device cuda --dtype bfloat16 --concurrency "$c" --methods "$m" \
+    --ignore-eos --max-new-tokens 128 --workload mbpp --data-dir .data --num-prompts "$NP" --max-prompt-tokens 256 \
+    --no-plots --allow-mismatch --out "$OUT/$name" "$@" 2>&1 | grep -v -e "it/s" -e "req/s" \
+    | grep -e "^|" -e "^- " -e "utput" -e "rror" -e "mismatch"
+}
+conc engine_concurrency 1,8,16,32,64 ar,tree --peers ${PEERS:-generate_batch,generate}
+[ "${MODES:-1}" = 1 ] && TMO=200 conc engine_modes 8,32,64 ar,tree,tree+seq --batch-parallel --row-selection \
+  --deterministic --peers none
+tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"
