@@ -9,9 +9,17 @@ OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONP
 NP=${NP:-64}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/env.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$OUT/env.txt"
+echo "== graphs: capture every bucket of the bundled target, replay vs eager"
+timeout 120 python3 bench/gpu_engine_graphs.py > "$OUT/graphs.log" 2>&1
+if [ $? != 0 ]; then
+  tail -30 "$OUT/graphs.log"; echo "== graphs: retry with a capture stream per bucket"
+  TANDEM_GRAPH_STREAM=bucket timeout 120 python3 bench/gpu_engine_graphs.py > "$OUT/graphs_bucket.log" 2>&1
+  if [ $? = 0 ]; then export TANDEM_GRAPH_STREAM=bucket; else tail -30 "$OUT/graphs_bucket.log"; export TANDEM_CUDA_GRAPHS=0; fi
+fi
+tail -4 "$OUT/graphs.log"; echo "TANDEM_GRAPH_STREAM=${TANDEM_GRAPH_STREAM:-} TANDEM_CUDA_GRAPHS=${TANDEM_CUDA_GRAPHS:-1}" | tee -a "$OUT/env.txt"
 if [ "${LANE:-1}" = 1 ]; then
   echo "== GPU lane (paged kernel, engine)"
-  timeout 200 python3 -m pytest -q -m cuda tests/gpu/test_gpu_kernels.py -k paged tests/gpu/test_gpu_engine.py \
+  timeout 200 python3 -m pytest -q -m cuda tests/gpu/test_gpu_kernels.py::test_paged_attention tests/gpu/test_gpu_engine.py \
     tests/gpu/test_gpu_batch_parallel.py -p no:cacheprovider > "$OUT/gpu_lane.log" 2>&1
   rc=$?; tail -3 "$OUT/gpu_lane.log"
   [ "$rc" != 0 ] && grep -B30 "Error" "$OUT/gpu_lane.log" | head -60
@@ -21,8 +29,8 @@ conc() {  # conc NAME CONCURRENCIES METHODS [extra]
   echo "== $name: --concurrency $c --methods $m $*"
   timeout ${TMO:-240} python3 -m tandem bench --device cuda --dtype bfloat16 --concurrency "$c" --methods "$m" \
     --ignore-eos --max-new-tokens 128 --workload mbpp --data-dir .data --num-prompts "$NP" --max-prompt-tokens 256 \
-    --no-plots --allow-mismatch --out "$OUT/$name" "$@" 2>&1 | grep -v -e "it/s" -e "req/s" \
-    | grep -e "^|" -e "^- " -e "utput" -e "rror" -e "mismatch"
+    --no-plots --allow-mismatch --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
+  grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "^- " -e "utput" -e "rror" -e "mismatch" | tail -40
 }
 conc engine_concurrency 1,8,16,32,64 ar,tree --peers ${PEERS:-generate_batch,generate}
 [ "${MODES:-1}" = 1 ] && TMO=200 conc engine_modes 8,32,64 ar,tree,tree+seq --batch-parallel --row-selection \

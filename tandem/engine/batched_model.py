@@ -20,6 +20,7 @@ projections, MLP, RoPE from tandem.kernels.fused), called here with a paged atte
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -363,7 +364,7 @@ class BatchedModel:
         self.tile_rows = pk.tile_rows(c.num_attention_heads, c.num_key_value_heads)
         self.emulate = use_graphs == "emulate"
         if use_graphs is None:
-            use_graphs = model.device.type == "cuda"
+            use_graphs = model.device.type == "cuda" and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
         # graphs replay fixed kernels: not the deterministic path (its own shapes per pass), not a
         # sliding window (its mask view is built per pass), not without the sizes to pad to
         self.use_graphs = (bool(use_graphs) and not deterministic and self.window is None
@@ -371,6 +372,9 @@ class BatchedModel:
         self.max_seqs, self.max_seq_blocks = max_seqs, max_seq_blocks
         self._graphs: dict[int, _Graph] = {}
         self._graph_pool = None
+        # NOTE: one capture stream for all of this model's graphs, as ModelRunner does: cuBLAS
+        # keys its workspace by (handle, stream) and a graph keeps its capture stream's
+        self._capture_stream = None
 
     # ---- packing -----------------------------------------------------------------------------
     def rows(self, segments: list[Segment]) -> BatchRows:
@@ -416,7 +420,9 @@ class BatchedModel:
         g = self._graphs[bucket] = _Graph(cap, host, packed, rows)
         if self.emulate:
             return g
-        s = torch.cuda.Stream(device=dev)
+        if self._capture_stream is None or os.environ.get("TANDEM_GRAPH_STREAM") == "bucket":
+            self._capture_stream = torch.cuda.Stream(device=dev)
+        s = self._capture_stream
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
             for _ in range(2):  # warm-up outside capture (cuBLAS handles, Triton compilation)
