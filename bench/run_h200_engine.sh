@@ -19,8 +19,8 @@ fi
 tail -4 "$OUT/graphs.log"; echo "TANDEM_GRAPH_STREAM=${TANDEM_GRAPH_STREAM:-} TANDEM_CUDA_GRAPHS=${TANDEM_CUDA_GRAPHS:-1}" | tee -a "$OUT/env.txt"
 if [ "${LANE:-1}" = 1 ]; then
   echo "== GPU lane (paged kernel, engine)"
-  timeout 200 python3 -m pytest -q -m cuda tests/gpu/test_gpu_kernels.py::test_paged_attention tests/gpu/test_gpu_engine.py \
-    tests/gpu/test_gpu_batch_parallel.py -p no:cacheprovider > "$OUT/gpu_lane.log" 2>&1
+  timeout 200 python3 -m pytest -q -m cuda ${LANE_TESTS:-tests/gpu/test_gpu_kernels.py::test_paged_attention \
+    tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_batch_parallel.py} -p no:cacheprovider > "$OUT/gpu_lane.log" 2>&1
   rc=$?; tail -3 "$OUT/gpu_lane.log"
   [ "$rc" != 0 ] && grep -B30 "Error" "$OUT/gpu_lane.log" | head -60
 fi
@@ -32,7 +32,7 @@ conc() {  # conc NAME CONCURRENCIES METHODS [extra]
     --no-plots --allow-mismatch --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
   grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "^- " -e "utput" -e "rror" -e "mismatch" | tail -40
 }
-conc engine_concurrency 1,8,16,32,64 ar,tree --peers ${PEERS:-generate_batch,generate}
-[ "${MODES:-1}" = 1 ] && TMO=200 conc engine_modes 8,32,64 ar,tree,tree+seq --batch-parallel --row-selection \
-  --deterministic --peers none
+conc engine_concurrency ${CONC:-1,8,16,32,64} ar,tree --peers ${PEERS:-generate_batch,generate}
+[ "${MODES:-1}" = 1 ] && TMO=200 conc engine_modes ${MODES_CONC:-8,32,64} ${MODES_METHODS:-ar,tree,tree+seq} \
+  --batch-parallel --row-selection --deterministic --peers none
 tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"

@@ -385,6 +385,9 @@ class BatchedModel:
             return BatchRows.build(segments, self.model.device, self.model.dtype, self.pool.block_size,
                                    self.window, self.tile_rows, self.pool.scratch_slot)
         g = self._graph(bucket)
+        if g is None:  # the kernel does not take this model: graphs are off (see _graph)
+            return BatchRows.build(segments, self.model.device, self.model.dtype, self.pool.block_size,
+                                   self.window, self.tile_rows, self.pool.scratch_slot)
         if g.staged is not None:  # the previous pass's copy must have left the host buffer
             g.staged.synchronize()
         T, S, offsets, n = BatchRows.pack(segments, g.host.numpy(), g.cap, self.pool.block_size,
@@ -406,11 +409,19 @@ class BatchedModel:
             if b >= max_rows:
                 break
 
-    def _graph(self, bucket: int) -> _Graph:
+    @torch.no_grad()  # (the Triton kernels, and so the graphs, run only without autograd)
+    def _graph(self, bucket: int) -> _Graph | None:
         g = self._graphs.get(bucket)
-        if g is not None:
+        if g is not None or not self.use_graphs:
             return g
         dev = self.model.device
+        attn = self.model.model.layers[0].self_attn
+        k_cache = self.pool.layer(0)[0]
+        probe = k_cache.new_empty(1, attn.n_heads, attn.head_dim)
+        if not self.emulate and not pk.applies(probe, k_cache, 1):
+            # the reference attention builds its view on the host per pass: it cannot be captured
+            self.use_graphs = False
+            return None
         cap = Capacity(bucket, min(bucket, self.max_seqs), bucket, self.max_seq_blocks, 1)
         host = torch.empty(cap.size, dtype=torch.int64, pin_memory=dev.type == "cuda")
         BatchRows.pack([], host.numpy(), cap, self.pool.block_size, self.pool.scratch_slot, self.tile_rows)
@@ -487,8 +498,8 @@ class BatchedModel:
             qkv = torch.cat([attn.q_norm(qkv[:, :, :H]), attn.k_norm(qkv[:, :, H:H + Hkv]), qkv[:, :, H + Hkv:]], dim=2)
         rope_(qkv, rows.positions[None], self.model.inv_freq, H + Hkv)  # q and k heads, in place
         k_cache, v_cache = self.pool.layer(layer_idx)  # [num_slots, Hkv, D]
-        k_cache[rows.slots] = qkv[0, :, H:H + Hkv]
-        v_cache[rows.slots] = qkv[0, :, H + Hkv:]
+        k_cache.index_copy_(0, rows.slots, qkv[0, :, H:H + Hkv])  # (padding rows: the scratch slot)
+        v_cache.index_copy_(0, rows.slots, qkv[0, :, H + Hkv:])
         q = qkv[0, :, :H]  # [M, H, D]
         if self.deterministic:
             q_index, q_valid, kv_slots, mask, window_mask = rows.dense
