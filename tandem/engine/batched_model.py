@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from itertools import chain
 from functools import cached_property
 
 import numpy as np
@@ -179,36 +180,43 @@ class BatchRows:
         M = sum(len(s.tokens) for s in segments)
         words = 1
         for s in segments:
-            if s.bits:
-                words = max(words, -(-max(b.bit_length() for b in s.bits) // WORD))
+            if s.bits:  # (the largest mask has the highest set bit)
+                words = max(words, -(-max(s.bits).bit_length() // WORD))
         NT = sum(-(-len(s.tokens) // tile_rows) for s in segments)
         return Capacity(M, len(segments), max(NT, 1), max((len(s.blocks) for s in segments), default=1) or 1, words)
 
     @staticmethod
-    def pack(segments: list[Segment], host: np.ndarray, cap: Capacity, block_size: int, scratch: int,
-             tile_rows: int) -> tuple[list[int], list[int], list[int], int]:
-        """Write the segments into `host` (int64, cap.size) as `cap.layout` says; padding rows
-        write `scratch`. Returns T_r, S_r, the row offsets and the number of logit rows."""
-        lay = cap.layout
+    def host_views(host: np.ndarray, cap: Capacity) -> dict[str, np.ndarray]:
+        """name -> numpy view of `host` (a graph bucket keeps them: building them costs as much
+        as filling them)."""
+        return {name: host[at:at + math.prod(shape)].reshape(shape) for name, (at, shape) in cap.layout.items()}
 
-        def view(name):
-            at, shape = lay[name]
-            return host[at:at + math.prod(shape)].reshape(shape)
+    @staticmethod
+    def pack(segments: list[Segment], host: np.ndarray, cap: Capacity, block_size: int, scratch: int,
+             tile_rows: int, views: dict[str, np.ndarray] | None = None) -> tuple[list[int], list[int], list[int], int]:
+        """Write the segments into `host` (int64, cap.size) as `cap.layout` says (through `views`
+        of it when given); padding rows write `scratch`. Returns T_r, S_r, the row offsets and
+        the number of logit rows."""
+        view = (views or BatchRows.host_views(host, cap)).__getitem__
 
         host[:] = 0
+        R = len(segments)
         T = [len(s.tokens) for s in segments]
         S = [s.context for s in segments]
         Ta, Sa = np.asarray(T, dtype=np.int64), np.asarray(S, dtype=np.int64)
-        offsets = np.zeros(len(segments) + 1, dtype=np.int64)
-        np.cumsum(T, out=offsets[1:])
+        offsets = np.zeros(R + 1, dtype=np.int64)
+        np.cumsum(Ta, out=offsets[1:])
         M = int(offsets[-1])
-        view("tokens")[:M] = [t for s in segments for t in s.tokens]
-        view("positions")[:M] = [p for s in segments for p in s.positions]
+        # (vectorised: at 64 requests a python loop per row or per request costs more than the pass)
+        view("tokens")[:M] = list(chain.from_iterable(s.tokens for s in segments))
+        view("positions")[:M] = list(chain.from_iterable(s.positions for s in segments))
+        nb = np.fromiter((len(s.blocks) for s in segments), dtype=np.int64, count=R)
         bt = view("block_tables")
-        for r, s in enumerate(segments):
-            bt[r, :len(s.blocks)] = s.blocks
-        view("seq_len")[:len(segments)] = S
-        seq = np.repeat(np.arange(len(segments)), Ta)  # [M] request of each row
+        b_seq = np.repeat(np.arange(R), nb)
+        bt[b_seq, np.arange(len(b_seq)) - np.repeat(np.cumsum(nb) - nb, nb)] = \
+            list(chain.from_iterable(s.blocks for s in segments))
+        view("seq_len")[:R] = Sa
+        seq = np.repeat(np.arange(R), Ta)  # [M] request of each row
         view("row_seq")[:M] = seq
         t_in = np.arange(M) - offsets[:-1][seq]  # row index inside its request
         col = (Sa - Ta)[seq] + t_in  # the column each row's K/V lands at
@@ -216,30 +224,34 @@ class BatchRows:
         slots[:M] = bt[seq, col // block_size] * block_size + col % block_size
         slots[M:] = scratch
         prefix, base, bits = view("row_prefix"), view("row_base"), view("row_bits")
-        prefix[:M] = col + 1  # causal, unless the segment says otherwise
-        base[:M] = Sa[seq]
-        logit_rows = []
-        for r, s in enumerate(segments):
-            lo, hi = int(offsets[r]), int(offsets[r + 1])
-            if s.prefix is not None:
-                prefix[lo:hi] = s.prefix
-                base[lo:hi] = s.prefix
-                for t, b in enumerate(s.bits):
-                    w = 0
-                    while b:  # int64 words, two's complement (bit 63 is the sign)
-                        word = b & MASK64
-                        bits[lo + t, w] = word - (1 << 64) if word >> 63 else word
-                        b >>= WORD
-                        w += 1
-            if s.logits:
-                logit_rows.extend(range(lo, hi))
+        # causal rows see up to their own column; tree rows every column < prefix plus their bits
+        has = np.fromiter((s.prefix is not None for s in segments), dtype=bool, count=R)
+        seg_prefix = np.fromiter((s.prefix or 0 for s in segments), dtype=np.int64, count=R)
+        prefix[:M] = np.where(has[seq], seg_prefix[seq], col + 1)
+        base[:M] = np.where(has[seq], seg_prefix[seq], Sa[seq])
+        tree_rows = np.flatnonzero(has[seq])
+        words = list(chain.from_iterable(s.bits for s in segments if s.prefix is not None))
+        if cap.W == 1:  # every mask fits one word: two's complement int64 (bit 63 is the sign)
+            bits[tree_rows, 0] = np.array(words, dtype=np.uint64).view(np.int64)
+        else:
+            for row, b in zip(tree_rows.tolist(), words):
+                w = 0
+                while b:
+                    word = b & MASK64
+                    bits[row, w] = word - (1 << 64) if word >> 63 else word
+                    b >>= WORD
+                    w += 1
+        wants = np.fromiter((s.logits for s in segments), dtype=bool, count=R)
+        logit_rows = np.flatnonzero(wants[seq])
         view("logit_rows")[:len(logit_rows)] = logit_rows
+        # attention tiles: up to tile_rows rows of one request each
+        nt = -(-Ta // tile_rows)
+        t_seq = np.repeat(np.arange(R), nt)
+        t0 = (np.arange(len(t_seq)) - np.repeat(np.cumsum(nt) - nt, nt)) * tile_rows
         tiles = view("tiles")
-        k = 0
-        for r, s in enumerate(segments):
-            for t0 in range(0, T[r], tile_rows):
-                tiles[k] = (r, offsets[r] + t0, min(tile_rows, T[r] - t0))
-                k += 1
+        tiles[:len(t_seq), 0] = t_seq
+        tiles[:len(t_seq), 1] = offsets[:-1][t_seq] + t0
+        tiles[:len(t_seq), 2] = np.minimum(tile_rows, Ta[t_seq] - t0)
         return T, S, offsets.tolist(), len(logit_rows)
 
     @staticmethod
@@ -336,6 +348,7 @@ class _Graph:
     host: torch.Tensor  # [cap.size] int64, pinned: the next pass is packed here
     packed: torch.Tensor  # [cap.size] int64 on the device: the graph's input
     rows: "BatchRows"  # views of `packed` (what the captured body reads)
+    views: dict  # numpy views of `host`, one per packed field
     graph: object = None  # torch.cuda.CUDAGraph (None: emulated on the CPU)
     logits: torch.Tensor | None = None  # [cap.M, vocab] every row's logits, written by a replay
     features: torch.Tensor | None = None  # [cap.M, F]
@@ -391,7 +404,7 @@ class BatchedModel:
         if g.staged is not None:  # the previous pass's copy must have left the host buffer
             g.staged.synchronize()
         T, S, offsets, n = BatchRows.pack(segments, g.host.numpy(), g.cap, self.pool.block_size,
-                                          self.pool.scratch_slot, self.tile_rows)
+                                          self.pool.scratch_slot, self.tile_rows, g.views)
         g.packed.copy_(g.host, non_blocking=True)
         if not self.emulate:
             g.staged = torch.cuda.Event()
@@ -428,7 +441,7 @@ class BatchedModel:
         packed = host.to(dev)  # every row padding: a warm-up writes only the scratch slot
         rows = BatchRows(packed, cap, bucket, [], [], [0], 0, self.pool.block_size, self.tile_rows, 1,
                          self.model.dtype, graph=bucket)
-        g = self._graphs[bucket] = _Graph(cap, host, packed, rows)
+        g = self._graphs[bucket] = _Graph(cap, host, packed, rows, BatchRows.host_views(host.numpy(), cap))
         if self.emulate:
             return g
         if self._capture_stream is None or os.environ.get("TANDEM_GRAPH_STREAM") == "bucket":
