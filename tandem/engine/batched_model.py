@@ -19,6 +19,7 @@ projections, MLP, RoPE from tandem.kernels.fused), called here with a paged atte
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 from dataclasses import dataclass
@@ -455,8 +456,16 @@ class BatchedModel:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self._graph_pool, stream=s):
-            g.logits, g.features = self._body(rows, every_row=True)
+        # NOTE: no garbage collection inside the capture: collecting an earlier engine (engines
+        # hold reference cycles) frees its pinned buffers, and the host allocator's event calls
+        # then invalidate the capture (seen on the H200 when a benchmark built engine after engine)
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(g.graph, pool=self._graph_pool, stream=s):
+                g.logits, g.features = self._body(rows, every_row=True)
+        finally:
+            gc.enable()
         return g
 
     # ---- the pass ----------------------------------------------------------------------------
