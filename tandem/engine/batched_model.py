@@ -20,6 +20,7 @@ projections, MLP, RoPE from tandem.kernels.fused), called here with a paged atte
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from tandem.kernels import paged_attention as pk
 from tandem.kernels.fused import add_rmsnorm, rope_
 from tandem.kv.paged import PagedKVPool
 from tandem.models.transformer import Transformer
+
+log = logging.getLogger("tandem.engine")
 
 WORD = 64  # columns per int64 word of a row's bitmask
 MASK64 = (1 << 64) - 1
@@ -464,6 +467,12 @@ class BatchedModel:
         try:
             with torch.cuda.graph(g.graph, pool=self._graph_pool, stream=s):
                 g.logits, g.features = self._body(rows, every_row=True)
+        except RuntimeError as e:  # serve eagerly rather than not at all
+            log.warning("CUDA graph capture of %d rows failed (%s); the batched passes run eagerly", bucket, e)
+            del self._graphs[bucket]
+            self.use_graphs = False
+            torch.cuda.synchronize(dev)
+            return None
         finally:
             gc.enable()
         return g
