@@ -461,8 +461,8 @@ class BatchedModel:
         g.graph = torch.cuda.CUDAGraph()
         # NOTE: no garbage collection inside the capture: collecting an earlier engine (engines
         # hold reference cycles) frees its pinned buffers, and the host allocator's event calls
-        # then invalidate the capture (seen on the H200 when a benchmark built engine after engine)
-        gc.collect()
+        # then invalidate the capture (seen on the H200 when a benchmark built engine after
+        # engine). Not gc.collect() first either: at 0.2 s a bucket it made start-up 10x slower.
         gc.disable()
         try:
             with torch.cuda.graph(g.graph, pool=self._graph_pool, stream=s):
