@@ -136,7 +136,9 @@ class Engine:
                                   max_seqs=config.max_num_seqs, max_seq_blocks=seq_blocks, use_graphs=graphs)
         # greedy chains and trees of a plain draft model, drafted for every request at once (batched_draft)
         self.batched: BatchedDrafter | None = None
-        if config.batched_drafting and config.method in ("chain", "tree") and isinstance(draft, Transformer):
+        if (config.batched_drafting and config.method in ("chain", "tree") and isinstance(draft, Transformer)
+                and (config.method == "chain" or BatchedTreeDrafter.fits(self.spec.width, self.spec.resolved_depth()))):
+            # (a wider level tree than one mask word per row drafts per request)
             depth = self.spec.resolved_depth()
             ahead = self.spec.k if config.method == "chain" else (depth - 1) * self.spec.width
             # (a request's draft rows exceed its target rows by at most the drafted rows plus one block)

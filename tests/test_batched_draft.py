@@ -1,0 +1,74 @@
+"""The batched draft tree (engine.batched_draft.BatchedTreeDrafter), grown level by level on the
+device, against the draft model's own uncached forward: every node is one of its parent's top-w
+children, its log-prob is the cumulative log-softmax along its path, and the tree holds the N
+best nodes, prefix-closed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models_for_tests import tiny_model
+from tandem.engine.batched_draft import BatchedTreeDrafter
+from tandem.engine.batched_model import BatchedModel
+
+
+def _path(tree, i: int) -> list[int]:
+    out = []
+    while i > 0:
+        out.append(tree.tokens[i])
+        i = tree.parents[i]
+    return out[::-1]
+
+
+@pytest.mark.parametrize("graphs", [False, "emulate"])
+def test_level_tree_nodes_follow_the_drafts_own_distribution(graphs, monkeypatch):
+    from tandem.engine import batched_draft
+
+    if graphs:  # every pass padded to a graph bucket, as on a GPU
+        class Emulated(BatchedModel):
+            def __init__(self, *a, **k):
+                k["use_graphs"] = "emulate"
+                super().__init__(*a, **k)
+
+        monkeypatch.setattr(batched_draft, "BatchedModel", Emulated)
+    draft = tiny_model(seed=4)
+    w, depth, n = 3, 4, 12
+    bd = BatchedTreeDrafter(draft, num_blocks=64, block_size=4, width=w, depth=depth, max_seqs=4, max_seq_blocks=16)
+    g = torch.Generator().manual_seed(1)
+    contexts = {str(i): torch.randint(1, 90, (k,), generator=g).tolist() for i, k in enumerate((5, 9, 2))}
+    for _ in range(2):  # the second call catches up on two more tokens per request
+        trees = bd.propose([(rid, toks, n) for rid, toks in contexts.items()])
+        for rid, toks in contexts.items():
+            tree = trees[rid]
+            assert len(tree) == n + 1 and tree.tokens[0] == toks[-1]
+            assert all(0 <= p < i for i, p in enumerate(tree.parents) if i > 0)  # prefix-closed, parents first
+            for i in range(1, len(tree)):
+                path = _path(tree, i)
+                ids = torch.tensor([toks + path])
+                logp = torch.log_softmax(draft(ids)[0].float(), -1)  # [len, V]
+                L = len(toks)
+                want = sum(float(logp[L - 1 + j, t]) for j, t in enumerate(path))
+                assert abs(tree.logp[i] - want) < 1e-4, (rid, i)
+                parent_row = logp[L - 2 + len(path)]  # the distribution the node was drawn from
+                assert path[-1] in parent_row.topk(w).indices.tolist()
+            # the N best: no left-out child of a kept node scores above the worst kept node
+            worst = min(tree.logp[1:])
+            for i in range(len(tree)):
+                if len(_path(tree, i)) >= depth:
+                    continue
+                ids = torch.tensor([toks + _path(tree, i)])
+                row = torch.log_softmax(draft(ids)[0, -1].float(), -1)
+                kids = {tree.tokens[j] for j in range(1, len(tree)) if tree.parents[j] == i}
+                for lp_, t in zip(*row.topk(w)):
+                    if int(t) not in kids:
+                        assert tree.logp[i] + float(lp_) <= worst + 1e-4
+        for rid in contexts:
+            contexts[rid] = contexts[rid] + [7, 11]
+    for rid in contexts:
+        bd.release(rid)
+    assert bd.pool.check() == [] and bd.pool.num_free == bd.pool.num_blocks
+
+
+def test_a_level_tree_wider_than_one_mask_word_is_refused():
+    with pytest.raises(ValueError, match="more than 64"):
+        BatchedTreeDrafter(tiny_model(seed=4), num_blocks=8, block_size=4, width=16, depth=6)
