@@ -334,7 +334,7 @@ class Engine:
         """The request's tree for this pass, at most `s.rows` nodes (root included): `drafted`
         (its full tree from the batched drafter), or its own drafter's."""
         req = s.request
-        root = req.token_ids()[-1]
+        root = req.last_token
         if drafted is None and (self.config.method == "ar" or s.rows == 1 and "drafter" not in req.runtime):
             return DraftTree.chain([root])
         tree = drafted if drafted is not None else self._proposal(req)
@@ -371,7 +371,7 @@ class Engine:
         did not propose this step, so it restarts from the whole context when drafting resumes."""
         req.runtime.pop("drafter", None)
         req.runtime.pop("features", None)  # (a restarted feature drafter reads zeros for them)
-        return DraftTree.chain([req.token_ids()[-1]])
+        return DraftTree.chain([req.last_token])
 
     def _select(self, plan: StepPlan) -> tuple[dict[str, DraftTree], int]:
         """Row selection: every verified request's full tree, one shared node budget from the

@@ -95,6 +95,11 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_token(self) -> int:
+        """token_ids()[-1] without building the list (a step asks for every request's root)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def prefill_target(self) -> int:
         """Rows to compute before decoding: every token but the last, which is the root of the
         first verify pass (as in the single-request loop)."""

@@ -143,7 +143,7 @@ class PagedKVPool:
         holding `tokens`; drop every other reserved row and free blocks no row uses any more."""
         s = self.seqs[seq_id]
         assert len(path) == len(tokens) and all(0 <= p < s.reserved for p in path), (path, s.reserved)
-        if list(path) != list(range(len(path))):  # rows already in place need no copy
+        if any(p != i for i, p in enumerate(path)):  # rows already in place need no copy
             src = torch.tensor(self.slots(seq_id, s.length, s.length + s.reserved), device=self.kv.device)[path]
             dst = torch.tensor(self.slots(seq_id, s.length, s.length + len(path)), device=self.kv.device)
             flat = self.kv.flatten(2, 3)  # [2, layers, slots, kv_heads, D]

@@ -26,6 +26,8 @@ class Emitter:
 
     def emit(self, tree: DraftTree, result: VerifyResult) -> bool:
         """Record one pass; returns True when generation is over."""
+        if len(tree.tokens) == 1:  # no draft nodes: no depth offered
+            return self.emit_pass(result.tokens, result.accepted, ())
         depth = tree.depth
         return self.emit_pass(result.tokens, result.accepted, {depth[i] for i in range(1, len(tree))})
 

@@ -44,6 +44,8 @@ class VerifyResult:
 
 def greedy_accept(tree: DraftTree, target_argmax: list[int]) -> VerifyResult:
     """target_argmax[i]: the target's argmax next token after node i."""
+    if len(tree.tokens) == 1:  # a plain decoding step (the batched engine's ar: every request, every step)
+        return VerifyResult(path=[0], tokens=[target_argmax[0]], num_draft=0)
     children = tree.children()
     path, node = [0], 0
     while True:
