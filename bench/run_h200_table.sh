@@ -43,7 +43,7 @@ else
   [ "${SOURCE:-0}" = 1 ] && bench source_block bfloat16 source block ar,tree --allow-mismatch
   echo "== replay: llama3-8b target + eagle3-llama3.1-8b head, the head's MBPP acceptance (simulated)"
   timeout 150 python3 -m tandem bench --device cuda --dtype bfloat16 --preset llama3-8b --draft-preset eagle3-llama3.1-8b \
-    --replay "${TRACE:-bench/results/h200-2026-12-01-drafters-table/mbpp_eagle3/results.json}" --methods ar,chain,tree \
+    --replay "${TRACE:-bench/results/h200-2026-12-01-drafters-table/mbpp_eagle3/results.json.gz}" --methods ar,chain,tree \
     --num-prompts "$NP" --no-plots --out "$OUT/replay_8b_eagle3" 2>&1 | grep -v -e "it/s" | grep -e "^|" -e "replayed" -e "rror"
   echo "== peer: gpt-fast compiled AR at the llama3-8b shape"
   timeout 100 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast llama3-8b 2>&1 | grep '^{' | tee "$OUT/gptfast_8b.jsonl"

@@ -287,3 +287,20 @@ def test_replay_needs_a_preset_and_a_real_trace(tmp_path, capsys):
     assert "no per-request records" in capsys.readouterr().err
     assert cli.main(["bench", "--preset", "tiny"]) == 2
     assert "need --replay" in capsys.readouterr().err
+
+
+def test_read_json_reads_a_gzipped_results_file(tmp_path):
+    """Older results are kept gzipped; --replay and --tau-json read them as they are."""
+    import gzip
+    import json
+
+    from tandem.bench.env import read_json
+
+    doc = {"runs": [{"method": "tree", "tau": 4.5}]}
+    (tmp_path / "results.json.gz").write_bytes(gzip.compress(json.dumps(doc).encode()))
+    assert read_json(tmp_path / "results.json.gz", "--replay") == doc
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
+    from tandem.config import ConfigError
+
+    with pytest.raises(ConfigError, match="ends in .gz but is not gzip data"):
+        read_json(tmp_path / "bad.json.gz", "--replay")

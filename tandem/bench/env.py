@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import json
 import os
 import platform
@@ -61,9 +62,14 @@ def _prog() -> str:
 
 
 def read_json(path: str | Path, flag: str) -> Any:
-    """The JSON document at `path`, given on the command line as `flag`; ConfigError otherwise."""
+    """The JSON document at `path` (gzipped when it ends in .gz, as older results are kept),
+    given on the command line as `flag`; ConfigError otherwise."""
     try:
-        return json.loads(Path(path).read_text())
+        raw = Path(path).read_bytes()
+        return json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)
+    except gzip.BadGzipFile:
+        raise ConfigError(f"{flag} {str(path)!r} ends in .gz but is not gzip data; give the plain .json "
+                          "or gzip it") from None
     except OSError as e:
         raise ConfigError(f"cannot read {flag} {str(path)!r}: {e.strerror}") from None
     except json.JSONDecodeError as e:
