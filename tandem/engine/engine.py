@@ -550,7 +550,9 @@ class Engine:
 
     def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor, argmax: list[int]) -> VerifyResult:
         """logits [n, vocab]: the request's rows of the pass; argmax [n]: theirs, read back by _apply."""
-        sampling: SamplingConfig = req.params.sampling()
+        sampling: SamplingConfig | None = req.runtime.get("sampling")
+        if sampling is None:  # (built once per request: every step of every request asks)
+            sampling = req.runtime["sampling"] = req.params.sampling()
         if sampling.greedy:
             return greedy_accept(tree, argmax)
         return rejection_accept(tree, probs_from_logits(logits, sampling), self._generator(req))
