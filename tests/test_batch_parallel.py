@@ -362,7 +362,7 @@ def test_the_draft_gate_weighs_drafting_cost_against_its_accepted_tokens():
     from tandem.engine.draft_gate import DraftGate
 
     cost = RowCost(tile=64)
-    g = DraftGate(alpha=1.0, probe_every=3)
+    g = DraftGate(alpha=1.0, probe_every=3, probe_budget=10.0, min_samples=1)  # (the floor of 3 rules)
     assert g.drafts(8, 8, cost)  # no figures yet
     g.observe_pass(0.010, 8, cost)  # a 10 ms pass, flat to 64 rows
     g.observe_drafting(0.040, 8, 32, 8)  # 5 ms of drafting per request for 1 accepted token each
@@ -373,12 +373,33 @@ def test_the_draft_gate_weighs_drafting_cost_against_its_accepted_tokens():
     assert g.drafts(8, 8, cost)
 
 
-def test_the_draft_gate_turns_drafting_off_where_it_does_not_pay_and_outputs_stay_exact(models, solo):
+def test_the_draft_gates_probes_lose_at_most_their_budget_of_the_time():
+    """Probes are spaced by what a drafting step loses: 10 ms plain steps, 50 ms drafting steps at
+    0.4x the throughput lose 30 ms each, so with a 3% budget one probe per 100 plain steps; a step
+    that nearly pays is probed at the floor, one that loses hugely at the ceiling."""
+    from tandem.engine.draft_gate import DraftGate
+
+    cost = RowCost(tile=64)
+    g = DraftGate(alpha=1.0, probe_every=16, probe_max=1024, probe_budget=0.03, min_samples=1)
+    g.observe_pass(0.010, 8, cost)
+    g.observe_drafting(0.040, 8, 32, 8)  # as above: 320 against 800 tok/s
+    decisions = [g.drafts(8, 8, cost) for _ in range(202)]
+    assert [i for i, d in enumerate(decisions) if d] == [100, 201]  # a probe after every 100 plain steps
+    assert g.probe_interval(0.0101, 0.010, 0.999) == 16  # nearly pays: the floor
+    assert g.probe_interval(10.0, 0.010, 0.0) == 1024  # a drafting step of 1000 plain steps: the ceiling
+    # over those 202 steps the probes cost at most their budget: 2 x 30 ms against 202 x 10 ms
+    assert 2 * 0.030 <= 0.03 * 202 * 0.010 + 1e-12
+
+
+@pytest.mark.parametrize("selection", [True, False], ids=["with-row-selection", "gate-alone"])
+def test_the_draft_gate_turns_drafting_off_where_it_does_not_pay_and_outputs_stay_exact(models, solo, selection):
     """A slow per-request drafter over 16 requests costs more than the tokens it adds, so the gate
-    keeps drafting off in most steps; every output still equals solo ar."""
+    keeps drafting off in most steps; every output still equals solo ar. The gate works with row
+    selection (its default there) and on its own (draft_gate=True)."""
     prompts, refs = solo
-    cfg = EngineConfig(method="tree", spec=TREE, block_size=8, max_num_batched_tokens=256, row_selection=True,
-                       row_cost=RowCost(tile=256), debug_check=True)
+    cfg = EngineConfig(method="tree", spec=TREE, block_size=8, max_num_batched_tokens=256, row_selection=selection,
+                       row_cost=RowCost(tile=256), debug_check=True, draft_gate=None if selection else True,
+                       batched_drafting=False)
     engine = Engine(*models, config=cfg)
     # a drafter that is slow (as a per-request draft is, next to a batched target pass)
     slow = engine._proposal

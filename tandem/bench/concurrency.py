@@ -134,6 +134,7 @@ def parse_concurrency(text: str) -> list[int]:
 # METHOD+seq (chain / tree: each request drafted on its own, the A/B of batched drafting)
 MODES = {"bp": "batch_parallel", "sel": "row_selection", "det": "deterministic"}
 OFF_MODES = {"seq": "batched_drafting"}  # a mode that turns an on-by-default switch off
+ON_MODES = {"gate": "draft_gate"}  # a mode that turns a switch on (left at its default otherwise)
 
 
 def parse_engine_methods(text: str, batch_parallel: bool = False, row_selection: bool = False,
@@ -147,13 +148,13 @@ def parse_engine_methods(text: str, batch_parallel: bool = False, row_selection:
         if base not in ENGINE_METHODS:
             raise ConfigError(f"--concurrency runs the engine methods {', '.join(ENGINE_METHODS)} (got {n!r}); "
                               "transformers peers come from --peers")
-        bad = [m for m in mods if m not in MODES and m not in OFF_MODES]
+        bad = [m for m in mods if m not in MODES and m not in OFF_MODES and m not in ON_MODES]
         if bad or len(set(mods)) != len(mods):
             raise ConfigError(f"unknown engine mode in {n!r}; modes are +bp (batch parallel), +sel (row selection), "
-                              "+det (deterministic) and +seq (per-request drafting)")
+                              "+det (deterministic), +seq (per-request drafting) and +gate (the draft gate)")
         if set(mods) - {"det"} and base == "ar":
-            raise ConfigError(f"{n!r}: batch parallelism, row selection and per-request drafting need a speculative "
-                              "method (chain or tree)")
+            raise ConfigError(f"{n!r}: batch parallelism, row selection, per-request drafting and the draft gate need "
+                              "a speculative method (chain or tree)")
     if not names:
         raise ConfigError("--methods is empty; e.g. --methods ar,tree")
     extra = []
@@ -172,10 +173,11 @@ def parse_engine_methods(text: str, batch_parallel: bool = False, row_selection:
 
 def engine_modes(label: str) -> tuple[str, dict[str, bool]]:
     """`tree+bp+sel` -> ("tree", {"batch_parallel": True, "row_selection": True, ...}); `tree+seq`
-    -> batched_drafting False."""
+    -> batched_drafting False; `tree+gate` -> draft_gate True (drafting skipped where it does not pay)."""
     base, *mods = label.split("+")
     modes = {flag: key in mods for key, flag in MODES.items()}
     modes.update({flag: False for key, flag in OFF_MODES.items() if key in mods})
+    modes.update({flag: True for key, flag in ON_MODES.items() if key in mods})
     return base, modes
 
 

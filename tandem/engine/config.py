@@ -29,9 +29,10 @@ class EngineConfig:
     row_selection: bool = False
     row_cost: RowCost = field(default_factory=RowCost)  # c(rows) of one target pass
     prompt_admission: bool = False  # with row_selection: admit new prompts only into the flat region's rows
-    # with row_selection (plain, not batch-parallel): skip drafting in steps where its cost is not
-    # repaid (tandem.engine.draft_gate: goodput with and without drafting, from running figures)
-    draft_gate: bool = True
+    # skip drafting in steps where its cost is not repaid (tandem.engine.draft_gate: goodput with
+    # and without drafting, from running figures); outside batch-parallel mode. None: on with
+    # row_selection, off without it; True / False: on / off for every speculative method
+    draft_gate: bool | None = None
     # greedy chains of a small draft model: one batched draft pass per chain position for every
     # decoding request (tandem.engine.batched_draft) instead of one small pass per request
     batched_drafting: bool = True

@@ -164,7 +164,8 @@ class Engine:
         # request alone (the reliability harness injects faults through it: tandem serve --inject-faults)
         self.fault_hook: Callable[[Request], None] | None = None
         # row selection's draft-cost term: whether a step drafts at all (None: always drafts)
-        self.gate = DraftGate() if config.row_selection and config.draft_gate and not config.batch_parallel else None
+        gated = config.row_selection if config.draft_gate is None else config.draft_gate
+        self.gate = DraftGate() if gated and config.method != "ar" and not config.batch_parallel else None
         self._accepted = 0  # accepted draft tokens in the current step (the gate's figure)
         if config.batch_parallel:
             self.batches = BatchManager(self._load, config.rebalance_threshold)
@@ -218,7 +219,7 @@ class Engine:
         offered = drafted = 0
         draft_s = overlap = 0.0
         if plan:
-            drafting_s = None  # seconds spent drafting this step's trees (row selection), None: no drafting
+            drafting_s = None  # seconds spent drafting this step's trees (the gate's figure), None: no drafting
             if self.config.row_selection:
                 if self.gate is None or self.gate.drafts(len(plan.decodes), plan.num_rows, self.config.row_cost):
                     t0 = time.perf_counter()
@@ -226,19 +227,25 @@ class Engine:
                     drafting_s = time.perf_counter() - t0
                 else:  # drafting would not pay this step: roots only
                     trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes}
+            elif self.gate is not None and not self.gate.drafts(len(plan.decodes), self._base_rows(plan),
+                                                                self.config.row_cost):
+                trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes}
             else:
                 # full drafts, cut to each request's rows as _draft cuts them (a sampled chain
                 # draws the same tokens from its generator whatever its row budget)
                 # (batch parallelism: the verified batch's trees were drafted last step: "pending")
+                t0 = time.perf_counter()
                 full = self._batched_drafts({s.request.request_id: self.config.draft_rows() - 1 for s in plan.decodes
                                              if "pending" not in s.request.runtime})
                 trees = {s.request.request_id: self._draft(s, full.get(s.request.request_id)) for s in plan.decodes}
+                drafting_s = time.perf_counter() - t0
             self._accepted = 0
             t0 = time.perf_counter()
             logits, drafted, draft_s, overlap = self._forward(plan, trees)  # logits: [decode rows, vocab]
             finished = self._apply(plan, trees, logits)
             if self.gate is not None:  # (the accepts read the logits: the pass is done by now)
-                self.gate.observe_pass(time.perf_counter() - t0, plan.num_rows, self.config.row_cost)
+                fed = self._base_rows(plan) + sum(len(t) - 1 for t in trees.values())  # rows the pass held
+                self.gate.observe_pass(time.perf_counter() - t0, fed, self.config.row_cost)
                 if drafting_s is not None:
                     self.gate.observe_drafting(drafting_s, len(trees), sum(len(t) - 1 for t in trees.values()),
                                                self._accepted)
@@ -282,6 +289,11 @@ class Engine:
         verify_batch, overlapped, fallback = bm.roles(decoding)
         return ((lambda r: bm.batch_of.get(r.request_id, verify_batch) == verify_batch), verify_batch, overlapped,
                 fallback, loads)
+
+    @staticmethod
+    def _base_rows(plan: StepPlan) -> int:
+        """The step's rows without draft nodes: its prefill chunks and one root per decode."""
+        return sum(s.rows if s.kind == "prefill" else 1 for s in plan.scheduled)
 
     def _load(self, req: Request) -> int:
         """A request's weight in batch balancing: its KV rows plus one verify pass's rows."""
