@@ -315,8 +315,12 @@ _SNIPPETS = ["def fib(n):\n", "import os\n\ndef list_files(path):\n", "class Sta
 @pytest.mark.parametrize("kind,method,spec,modes", [
     ("block", "tree", SpecConfig(nodes=32), {}), ("block", "chain", SpecConfig(k=8), {}),
     ("eagle3", "tree", SpecConfig(nodes=16, width=4), {}),
+    ("eagle3", "tree", SpecConfig(nodes=16, width=4), {"batched_drafting": False}),
+    ("eagle3", "chain", SpecConfig(k=5), {}),
+    ("eagle3", "tree", SpecConfig(nodes=16, width=4), {"batch_parallel": True, "row_selection": True}),
     ("block", "tree", SpecConfig(nodes=32), {"batch_parallel": True, "row_selection": True})],
-    ids=["block-tree", "block-chain", "eagle3-tree", "block-tree-batch-parallel-selection"])
+    ids=["block-tree", "block-chain", "eagle3-tree", "eagle3-tree-per-request", "eagle3-chain",
+         "eagle3-tree-batch-parallel-selection", "block-tree-batch-parallel-selection"])
 def test_32_concurrent_requests_with_a_feature_drafter_equal_their_solo_ar_outputs(kind, method, spec, modes):
     """The bundled target with its block drafter / EAGLE-3 head in the engine (fp32): the batched
     pass keeps every row's target features, each request's drafter reads its own."""
@@ -336,7 +340,12 @@ def test_32_concurrent_requests_with_a_feature_drafter_equal_their_solo_ar_outpu
     assert [o.token_ids for o in outs] == refs
     assert_clean(engine)
     assert sum(o.tau for o in outs) / len(outs) > 1.5  # the drafters' proposals were accepted
-    if modes:
+    from tandem.engine.batched_draft import BatchedEagleDrafter
+
+    assert isinstance(engine.batched, BatchedEagleDrafter) == (kind == "eagle3" and modes.get("batched_drafting", True))
+    if engine.batched is not None:
+        assert engine.batched.pool.seqs == {} and engine.batched.pending == {}  # every request released
+    if modes.get("batch_parallel"):
         assert engine.counters.batch_parallel_steps > 0 and engine.counters.nodes_offered > 0
 
 
@@ -414,3 +423,26 @@ def test_batched_drafting_catches_up_a_long_prompt_in_chunks(models, monkeypatch
         assert_clean(engine)
     # the chunked catch-up left the draft the same context: the same chains were accepted
     assert outs[1].figures.accepted_tokens == outs[0].figures.accepted_tokens and outs[1].tau > 1.5
+
+
+def test_batched_eagle3_trees_are_the_per_request_drafters_trees():
+    """The EAGLE-3 head drafting every request at once (engine.batched_draft.BatchedEagleDrafter)
+    grows the same trees as each request's own EagleDrafter: every request accepts exactly as
+    many draft tokens both ways (fp32), and the outputs equal solo ar."""
+    from tandem.runtime.pair import BUNDLED_TARGET, load_pair
+
+    if not (BUNDLED_TARGET / "config.json").is_file():
+        pytest.skip("no bundled target")
+    pair = load_pair(None, "eagle3", device="cpu", dtype=torch.float32)
+    prompts = [pair.tokenizer.encode(f"# case {i}\n" + _SNIPPETS[i % 8]).ids for i in range(12)]
+    accepted, tokens = {}, {}
+    for batched in (True, False):
+        engine = Engine(pair.target, pair.draft, config=EngineConfig(
+            method="tree", spec=SpecConfig(nodes=16, width=4), block_size=16, max_num_batched_tokens=512,
+            batched_drafting=batched, debug_check=True))
+        outs = run_all(engine, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+        accepted[batched] = [o.figures.accepted_tokens for o in outs]
+        tokens[batched] = [o.token_ids for o in outs]
+        assert_clean(engine)
+    assert accepted[True] == accepted[False] and sum(accepted[True]) > len(prompts)
+    assert tokens[True] == tokens[False]

@@ -31,7 +31,7 @@ from dataclasses import replace
 import torch
 
 from tandem.config import SamplingConfig
-from tandem.engine.batched_model import BatchedModel, Segment
+from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.kernels.resident import topk_logprobs
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
@@ -195,7 +195,8 @@ class BatchedTreeDrafter(BatchedDrafter):
         if not live:
             return out
         w, R = self.w, len(live)
-        lp, tok = topk_logprobs(self._catch_up([(rid, toks) for rid, toks, _ in live]), w)  # [R, w] each
+        lp, tok = topk_logprobs(self._roots(live), w)  # [R, w] each
+        tok = self._to_target(tok)
         # every node of every request: level 1 at [0, w), then each level pass's w x w children
         n_all = w + (self.depth - 1) * w * w
         node_tok = torch.zeros(R, n_all, dtype=torch.long, device=tok.device)
@@ -248,10 +249,148 @@ class BatchedTreeDrafter(BatchedDrafter):
             rows.row_bits[:M, 0] = fed_bits.flatten()
             rows.seq_len[:R] = Lt + base + w
             rows = replace(rows, contexts=[n + base + w for n in L])  # (a reference path's view is per pass)
-            clp, ctok = topk_logprobs(self.model.forward(rows), w)  # [M, w] each
+            # (the parent of fed row s: the root at level 1, else the previous level's fed row)
+            parent_row = None if d == 1 else (fed - lo) // w  # [R, w]
+            clp, ctok = topk_logprobs(self._level(rows, parent_row), w)  # [M, w] each
             lo, hi = hi, hi + w * w  # this level's children: fed row s's at lo + s * w + j
-            node_tok[:, lo:hi] = ctok.view(R, w * w)
+            node_tok[:, lo:hi] = self._to_target(ctok).view(R, w * w)
             node_par[:, lo:hi] = fed.repeat_interleave(w, dim=1)
             node_lp[:, lo:hi] = (node_lp.gather(1, fed)[:, :, None] + clp.view(R, w, w)).view(R, w * w)
         for rid, _, _ in live:
             self.pool.commit(rid, [], [])  # drop the levels' rows: the target decides what stays
+
+    # ---- what differs between drafters --------------------------------------------------------
+    def _roots(self, live: list[tuple[str, list[int], int]]) -> torch.Tensor:
+        """Each request's root distribution [R, V] (the catch-up pass over what it has not seen)."""
+        return self._catch_up([(rid, toks) for rid, toks, _ in live])
+
+    def _level(self, rows: BatchRows, parent_row: torch.Tensor | None) -> torch.Tensor:
+        """A level's pass over its fed rows -> logits [R * w, V]; parent_row [R, w]: the previous
+        level's row each fed node hangs from (None: the root's)."""
+        return self.model.forward(rows)
+
+    def _to_target(self, tok: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> the target's (one vocabulary here)."""
+        return tok
+
+
+class BatchedHead(BatchedModel):
+    """An EAGLE-3 head (tandem.models.eagle3) over a paged pool of its own, eager: its one layer
+    reads cat(input_layernorm(embed(token)), hidden_norm(h)) per row, h given with the rows."""
+
+    def __init__(self, head, pool: PagedKVPool):
+        from tandem.kernels import paged_attention as pk
+
+        self.model, self.pool = head, pool
+        self.deterministic, self.window, self.last_features = False, None, None
+        c = head.config
+        self.tile_rows = pk.tile_rows(c.num_attention_heads, c.num_key_value_heads)
+        self.emulate, self.use_graphs, self.max_seqs, self.max_seq_blocks = False, False, None, None
+        self._graphs, self._graph_pool, self._capture_stream = {}, None, None
+
+    @torch.no_grad()
+    def run(self, rows: BatchRows, hidden: torch.Tensor, logit_rows: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [M, H] each row's hidden input -> (logits [n, draft_vocab] of `logit_rows`
+        (default: every row), out [M, H] every row's pre-norm output hidden)."""
+        head = self.model
+        m = head.midlayer
+        hidden = hidden.to(head.dtype)[None]  # [1, M, H]
+        hn = m.hidden_norm(hidden)
+        x = torch.cat([m.input_layernorm(head.embed(rows.tokens[:rows.num_rows])[None]), hn], dim=-1)  # [1, M, 2H]
+        r = (hn if head.econfig.norm_before_residual else hidden) + self._attention(m.self_attn, 0, x, rows)
+        out = (r + m.mlp(m.post_attention_layernorm(r)))[0]  # [M, H]
+        picked = out if logit_rows is None else out[logit_rows]
+        return head.lm_head(head.norm(picked)), out
+
+
+class BatchedEagleDrafter(BatchedTreeDrafter):
+    """EAGLE-2's level tree from an EAGLE-3 head for every request at once (the per-request
+    EagleDrafter's tree, batched). Per request the head keeps the committed tokens it has not
+    run yet, each with its hidden input fc(target features of the position before it): `start`
+    gives the prompt's, `observe` each verify pass's (the root and the accepted nodes). A step
+    runs them all as one context pass (their rows join the head's pool), then the levels on the
+    device: a fed node reads its parent's output hidden (the root's row for level 1)."""
+
+    def __init__(self, head, num_blocks: int, block_size: int, width: int, depth: int):
+        if not self.fits(width, depth):
+            raise ValueError(f"a batched level tree feeds (depth - 1) x width = {(depth - 1) * width} rows per "
+                             f"request, more than {MAX_LEVEL_ROWS}")
+        self.draft, self.w, self.depth = head, width, depth
+        c = head.config
+        self.pool = PagedKVPool(1, c.num_key_value_heads, c.head_dim, num_blocks, block_size, head.dtype, head.device,
+                                prefix_caching=False)
+        self.model = BatchedHead(head, self.pool)
+        self.root_logits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # rid -> its last root's logits, out
+        self.pending: dict[str, tuple[list[int], torch.Tensor]] = {}  # rid -> (tokens, hidden [n, H])
+        self._root_out: torch.Tensor | None = None  # [R, H] the roots' output hidden (this step)
+        self._level_out: torch.Tensor | None = None  # [R, w, H] the last level's output hidden
+
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        self.pending.pop(request_id, None)
+
+    def started(self, request_id: str) -> bool:
+        return request_id in self.pending
+
+    def start(self, request_id: str, prompt: list[int], features: torch.Tensor | None) -> None:
+        """prompt: every token so far (the root last); features: [len - 1, F] the target's features
+        of all but the root, or None (zeros: the first proposals are weaker, never wrong)."""
+        self.release(request_id)
+        head = self.draft
+        hidden = torch.zeros(len(prompt), head.config.hidden_size, device=head.device, dtype=head.dtype)
+        if features is not None and len(prompt) > 1:  # row i reads the features of position i - 1
+            hidden[1:] = head.project(features[-(len(prompt) - 1):])
+        self.pool.allocate(request_id, [], 0)
+        self.pending[request_id] = (list(prompt), hidden)
+
+    def observe(self, request_id: str, tokens: list[int], features: torch.Tensor) -> None:
+        """A verify pass committed `tokens` (accepted nodes, then the bonus); features [len, F]:
+        the target's features of the root and the accepted nodes, the inputs of those tokens' rows."""
+        self.pending[request_id] = (list(tokens), self.draft.project(features))
+
+    def _roots(self, live: list[tuple[str, list[int], int]]) -> torch.Tensor:
+        """The context pass: every request's pending rows (in chunks of CATCH_UP_CHUNK), joined to
+        its pool rows; returns the roots' logits [R, draft_vocab] and keeps their output hidden."""
+        # (a request drafted again before its verify, as batch parallelism may, has nothing new)
+        logits = {rid: self.root_logits[rid][0] for rid, _, _ in live if not self.pending[rid][0]}
+        outs = {rid: self.root_logits[rid][1] for rid in logits}
+        todo = {rid: self.pending[rid] for rid, _, _ in live if rid not in logits}
+        while todo:
+            segs, hid, last, fed = [], [], [], {}
+            for rid, (toks, hidden) in todo.items():
+                part = toks[:CATCH_UP_CHUNK]
+                start = self.pool.seqs[rid].length
+                self.pool.reserve(rid, len(part))
+                segs.append(Segment.chunk(part, start, self.pool.seqs[rid].blocks))
+                hid.append(hidden[:len(part)])
+                fed[rid] = part
+                last.append(sum(len(s.tokens) for s in segs) - 1)
+            rows = self.model.rows(segs)
+            out_logits, out = self.model.run(rows, torch.cat(hid), torch.tensor(last, device=self.draft.device))
+            for i, rid in enumerate(fed):
+                self.pool.commit(rid, list(range(len(fed[rid]))), fed[rid])
+                toks, hidden = todo[rid]
+                if len(toks) > len(fed[rid]):
+                    todo[rid] = (toks[len(fed[rid]):], hidden[len(fed[rid]):])
+                else:
+                    logits[rid], outs[rid] = out_logits[i], out[last[i]]
+                    del todo[rid]
+        for rid, _, _ in live:
+            self.pending[rid] = ([], self.pending[rid][1][:0])  # run: nothing pending until the next observe
+            self.root_logits[rid] = (logits[rid], outs[rid])
+        self._root_out = torch.stack([outs[rid] for rid, _, _ in live])  # [R, H]
+        return torch.stack([logits[rid] for rid, _, _ in live])  # [R, draft_vocab]
+
+    def _level(self, rows: BatchRows, parent_row: torch.Tensor | None) -> torch.Tensor:
+        R, w = self._root_out.shape[0], self.w
+        if parent_row is None:  # level 1: every fed node's parent is its request's root
+            hidden = self._root_out[:, None].expand(R, w, -1)
+        else:
+            hidden = self._level_out.gather(1, parent_row[:, :, None].expand(R, w, self._level_out.shape[-1]))
+        logits, out = self.model.run(rows, hidden.reshape(R * w, -1))
+        self._level_out = out.view(R, w, -1)
+        return logits  # [R * w, draft_vocab]
+
+    def _to_target(self, tok: torch.Tensor) -> torch.Tensor:
+        return self.draft.to_target(tok)

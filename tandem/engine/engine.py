@@ -39,7 +39,8 @@ from tandem.drafting.chain_drafter import ChainDrafter
 from tandem.drafting.feature_drafters import feature_drafter
 from tandem.drafting.tree_drafter import TreeDrafter
 from tandem.engine.batch_manager import BatchManager
-from tandem.engine.batched_draft import BatchedChainDrafter, BatchedDrafter, BatchedTreeDrafter
+from tandem.engine.batched_draft import (BatchedChainDrafter, BatchedDrafter, BatchedEagleDrafter,
+                                         BatchedTreeDrafter)
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.engine.config import EngineConfig
 from tandem.engine.draft_gate import DraftGate
@@ -47,6 +48,7 @@ from tandem.engine.request import Request, RequestOutput, RequestState, Sampling
 from tandem.engine.row_selection import select_step
 from tandem.engine.scheduler import Scheduler, ScheduledRows, StepPlan
 from tandem.kv.paged import PagedKVPool
+from tandem.models.eagle3 import Eagle3Head
 from tandem.models.transformer import Transformer
 from tandem.runtime.emit import Emitter
 from tandem.runtime.plan import plan_request
@@ -109,6 +111,19 @@ class EngineCounters:
         return out
 
 
+class _BatchedFeatureHandle:
+    """A request's drafter as the engine's step sees it when a batched feature drafter drafts for
+    it: `observe` hands the verify pass's committed tokens and features over."""
+
+    def __init__(self, batched: BatchedEagleDrafter, request_id: str):
+        self.batched, self.request_id = batched, request_id
+
+    def observe(self, result: VerifyResult, tree: DraftTree, features: torch.Tensor | None = None) -> None:
+        if features is None:
+            raise RuntimeError("an EAGLE-3 head needs the target's features; enable them on the target")
+        self.batched.observe(self.request_id, result.tokens, features)
+
+
 class Engine:
     def __init__(self, target, draft=None, tokenizer=None, config: EngineConfig = EngineConfig()):
         config.validate()
@@ -149,6 +164,14 @@ class Engine:
                 self.batched = BatchedChainDrafter(draft, blocks, config.block_size, **sizes)
             else:
                 self.batched = BatchedTreeDrafter(draft, blocks, config.block_size, self.spec.width, depth, **sizes)
+        elif config.batched_drafting and config.method in ("chain", "tree") and isinstance(draft, Eagle3Head):
+            # an EAGLE-3 head's trees for every request at once (a chain: its greedy path, width 1)
+            width, depth = (1, self.spec.k) if config.method == "chain" else (self.spec.width,
+                                                                              self.spec.resolved_depth())
+            if BatchedEagleDrafter.fits(width, depth):
+                rows = self.context_window + (depth - 1) * width + 1
+                blocks = config.max_num_seqs * (-(-rows // config.block_size) + 1)
+                self.batched = BatchedEagleDrafter(draft, blocks, config.block_size, width, depth)
         # the CUDA graphs of every pass size a step can take, captured now rather than mid-serving
         self.model.warmup(config.max_num_batched_tokens)
         if self.batched is not None:  # (its level passes: at most w rows per request)
@@ -364,6 +387,13 @@ class Engine:
         todo = [(rid, self.requests[rid].token_ids(), min(cap, n)) for rid, n in budgets.items()]
         if not todo:
             return {}
+        if isinstance(self.batched, BatchedEagleDrafter):  # point-mass trees, greedy or sampled
+            for rid, toks, _ in todo:
+                req = self.requests[rid]
+                if "drafter" not in req.runtime:  # new, or back from a gate-off stretch: from its whole context
+                    self.batched.start(rid, toks, self._prompt_features(req))
+                    req.runtime["drafter"] = _BatchedFeatureHandle(self.batched, rid)
+            return self.batched.propose(todo)
         if not chain:  # a tree is a set of point masses, greedy or sampled: rejection stays lossless
             return self.batched.propose(todo)
         # a sampled chain draws from the draft's q with the request's generator and keeps q
