@@ -318,9 +318,10 @@ _SNIPPETS = ["def fib(n):\n", "import os\n\ndef list_files(path):\n", "class Sta
     ("eagle3", "tree", SpecConfig(nodes=16, width=4), {"batched_drafting": False}),
     ("eagle3", "chain", SpecConfig(k=5), {}),
     ("eagle3", "tree", SpecConfig(nodes=16, width=4), {"batch_parallel": True, "row_selection": True}),
+    ("block", "tree", SpecConfig(nodes=32), {"batched_drafting": False}),
     ("block", "tree", SpecConfig(nodes=32), {"batch_parallel": True, "row_selection": True})],
     ids=["block-tree", "block-chain", "eagle3-tree", "eagle3-tree-per-request", "eagle3-chain",
-         "eagle3-tree-batch-parallel-selection", "block-tree-batch-parallel-selection"])
+         "eagle3-tree-batch-parallel-selection", "block-tree-per-request", "block-tree-batch-parallel-selection"])
 def test_32_concurrent_requests_with_a_feature_drafter_equal_their_solo_ar_outputs(kind, method, spec, modes):
     """The bundled target with its block drafter / EAGLE-3 head in the engine (fp32): the batched
     pass keeps every row's target features, each request's drafter reads its own."""
@@ -340,9 +341,10 @@ def test_32_concurrent_requests_with_a_feature_drafter_equal_their_solo_ar_outpu
     assert [o.token_ids for o in outs] == refs
     assert_clean(engine)
     assert sum(o.tau for o in outs) / len(outs) > 1.5  # the drafters' proposals were accepted
-    from tandem.engine.batched_draft import BatchedEagleDrafter
+    from tandem.engine.batched_draft import BatchedBlockDrafter, BatchedEagleDrafter
 
-    assert isinstance(engine.batched, BatchedEagleDrafter) == (kind == "eagle3" and modes.get("batched_drafting", True))
+    batched = {"eagle3": BatchedEagleDrafter, "block": BatchedBlockDrafter}[kind]
+    assert isinstance(engine.batched, batched) == modes.get("batched_drafting", True)
     if engine.batched is not None:
         assert engine.batched.pool.seqs == {} and engine.batched.pending == {}  # every request released
     if modes.get("batch_parallel"):
@@ -425,21 +427,32 @@ def test_batched_drafting_catches_up_a_long_prompt_in_chunks(models, monkeypatch
     assert outs[1].figures.accepted_tokens == outs[0].figures.accepted_tokens and outs[1].tau > 1.5
 
 
-def test_batched_eagle3_trees_are_the_per_request_drafters_trees():
-    """The EAGLE-3 head drafting every request at once (engine.batched_draft.BatchedEagleDrafter)
-    grows the same trees as each request's own EagleDrafter: every request accepts exactly as
-    many draft tokens both ways (fp32), and the outputs equal solo ar."""
+@pytest.mark.parametrize("kind,spec,chunk", [("eagle3", SpecConfig(nodes=16, width=4), None),
+                                             ("block", SpecConfig(nodes=32), None),
+                                             ("eagle3", SpecConfig(nodes=16, width=4), 3),
+                                             ("block", SpecConfig(nodes=32), 3)],
+                         ids=["eagle3", "block", "eagle3-prompts-in-chunks", "block-prompts-in-chunks"])
+def test_batched_feature_drafters_grow_the_per_request_drafters_trees(kind, spec, chunk, monkeypatch):
+    """The EAGLE-3 head / the block drafter drafting every request at once
+    (engine.batched_draft.BatchedEagleDrafter / BatchedBlockDrafter) grow the same trees as each
+    request's own EagleDrafter / LatticeDrafter: every request accepts exactly as many draft
+    tokens both ways (fp32), and the outputs are the same. With `chunk`, a prompt reaches the
+    batched drafter in passes of that many rows (a long backlog's path)."""
+    from tandem.engine import batched_draft
     from tandem.runtime.pair import BUNDLED_TARGET, load_pair
+
+    if chunk is not None:
+        monkeypatch.setattr(batched_draft, "CATCH_UP_CHUNK", chunk)
 
     if not (BUNDLED_TARGET / "config.json").is_file():
         pytest.skip("no bundled target")
-    pair = load_pair(None, "eagle3", device="cpu", dtype=torch.float32)
+    pair = load_pair(None, kind, device="cpu", dtype=torch.float32)
     prompts = [pair.tokenizer.encode(f"# case {i}\n" + _SNIPPETS[i % 8]).ids for i in range(12)]
     accepted, tokens = {}, {}
     for batched in (True, False):
         engine = Engine(pair.target, pair.draft, config=EngineConfig(
-            method="tree", spec=SpecConfig(nodes=16, width=4), block_size=16, max_num_batched_tokens=512,
-            batched_drafting=batched, debug_check=True))
+            method="tree", spec=spec, block_size=16, max_num_batched_tokens=512, batched_drafting=batched,
+            debug_check=True))
         outs = run_all(engine, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
         accepted[batched] = [o.figures.accepted_tokens for o in outs]
         tokens[batched] = [o.token_ids for o in outs]

@@ -32,6 +32,7 @@ import torch
 
 from tandem.config import SamplingConfig
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
+from tandem.kernels.fused import add_rmsnorm
 from tandem.kernels.resident import topk_logprobs
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
@@ -394,3 +395,129 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
 
     def _to_target(self, tok: torch.Tensor) -> torch.Tensor:
         return self.draft.to_target(tok)
+
+
+class BatchedBlock(BatchedModel):
+    """A parallel block drafter (tandem.models.block_drafter) over a paged pool of its own,
+    eager: rows are embed(token) + fc(norm(features)) (mask rows: the mask embedding), through
+    its decoder layers; a pass returns each lattice row (`BlockDrafter.lattice_rows`)."""
+
+    def __init__(self, drafter, pool: PagedKVPool):
+        from tandem.kernels import paged_attention as pk
+
+        self.model, self.pool = drafter, pool
+        self.deterministic, self.window, self.last_features = False, None, None
+        c = drafter.config
+        self.tile_rows = pk.tile_rows(c.num_attention_heads, c.num_key_value_heads)
+        self.emulate, self.use_graphs, self.max_seqs, self.max_seq_blocks = False, False, None, None
+        self._graphs, self._graph_pool, self._capture_stream = {}, None, None
+
+    @torch.no_grad()
+    def run(self, rows: BatchRows, feats: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+        """feats: [M, F] each row's target features (mask rows: ignored) -> the lattice rows
+        [len(picked), 3K + K*K] of the rows `picked`."""
+        d = self.model
+        ids = rows.tokens[:rows.num_rows][None]  # [1, M]
+        x, delta = d.embed(ids, feats[None]), None  # [1, M, hidden]
+        for i, layer in enumerate(d.layers):
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            x, h = add_rmsnorm(x, delta, ln1.weight, ln1.eps)
+            a = self._attention(layer.self_attn, i, h, rows)
+            x, h = add_rmsnorm(x, a, ln2.weight, ln2.eps)
+            delta = layer.mlp(h)
+        h = add_rmsnorm(x, delta, d.norm.weight, d.norm.eps)[1][0, picked]  # [n, hidden]
+        return d.lattice_rows(d.shared["lm_head"](h)[None], ids[:, picked])[0]  # [n, 3K + K*K]
+
+
+class BatchedBlockDrafter:
+    """A parallel block drafter's lattice trees for every request at once (the per-request
+    LatticeDrafter's, batched): per request its pending context rows (committed tokens with the
+    target features of the position before each; the root last) and B - 1 mask rows after the
+    root, all requests in one causal pass; the context rows join the drafter's pool, the mask rows
+    are dropped; each request's root and mask rows give its lattice, and the best-first tree (or
+    the greedy chain) over it is built on the host, as the per-request drafter builds it."""
+
+    def __init__(self, drafter, num_blocks: int, block_size: int, nodes: int, chain: bool, context_window: int):
+        self.draft, self.nodes, self.chain, self.context_window = drafter, nodes, chain, context_window
+        c = drafter.config
+        self.block, self.k = drafter.bconfig.block_size, drafter.bconfig.num_candidates
+        self.pool = PagedKVPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, num_blocks, block_size,
+                                drafter.dtype, drafter.device, prefix_caching=False)
+        self.model = BatchedBlock(drafter, self.pool)
+        self.pending: dict[str, tuple[list[int], torch.Tensor]] = {}  # rid -> (tokens, features [n, F])
+
+    def release(self, request_id: str) -> None:
+        self.pool.free(request_id)
+        self.pending.pop(request_id, None)
+
+    def start(self, request_id: str, prompt: list[int], features: torch.Tensor | None) -> None:
+        """As BatchedEagleDrafter.start: row i pairs token i with the features of position i - 1."""
+        self.release(request_id)
+        d = self.draft
+        feats = torch.zeros(len(prompt), d.bconfig.feature_size, device=d.device, dtype=d.dtype)
+        if features is not None and len(prompt) > 1:
+            feats[1:] = features[-(len(prompt) - 1):].to(d.dtype)
+        self.pool.allocate(request_id, [], 0)
+        self.pending[request_id] = (list(prompt), feats)
+
+    def observe(self, request_id: str, tokens: list[int], features: torch.Tensor) -> None:
+        self.pending[request_id] = (list(tokens), features.to(self.draft.dtype))
+
+    @torch.no_grad()
+    def propose(self, trees: list[tuple[str, list[int], int]]) -> dict[str, DraftTree]:
+        """trees: (request id, every token so far, node budget N) -> request id -> its tree."""
+        from tandem.drafting.lattice import best_chain, best_first_tree, unpack_lattice
+
+        out: dict[str, DraftTree] = {}
+        live = []
+        for rid, toks, n in trees:
+            if n <= 0 or not self.pending[rid][0]:  # nothing to draft (or drafted already, unverified)
+                out[rid] = DraftTree.chain([toks[-1]])
+            else:
+                live.append((rid, toks, n))
+        if not live:
+            return out
+        # a long backlog (a new prompt) first: context-only passes of CATCH_UP_CHUNK rows
+        while True:
+            early = [rid for rid, _, _ in live if len(self.pending[rid][0]) > CATCH_UP_CHUNK]
+            if not early:
+                break
+            self._pass([(rid, CATCH_UP_CHUNK, 0) for rid in early])
+        # then every request's remaining rows (the root last) and its mask rows
+        plan = []
+        for rid, _, _ in live:
+            P = len(self.pending[rid][0])
+            room = self.context_window - (self.pool.seqs[rid].length + P)  # drafts past the window are useless
+            plan.append((rid, P, max(0, min(self.block - 1, room))))
+        lattice_rows = self._pass(plan).cpu()  # (one device-to-host copy for every request's lattice)
+        at = 0
+        for (rid, toks, n), (_, _, masks) in zip(live, plan):
+            lat = unpack_lattice(lattice_rows[at:at + 1 + masks], self.k)  # the root's row, then the mask rows
+            at += 1 + masks
+            root = toks[-1]
+            out[rid] = best_chain(lat, root, n) if self.chain else best_first_tree(lat, root, n)
+        return out
+
+    def _pass(self, plan: list[tuple[str, int, int]]) -> torch.Tensor:
+        """plan: (request id, context rows to feed from its pending ones, mask rows). One pass;
+        the context rows are committed, the mask rows dropped. Returns the lattice rows of each
+        request's last context row and its mask rows (none for a context-only entry), in order."""
+        segs, feats, picked = [], [], []
+        row = 0
+        for rid, P, masks in plan:
+            toks, f = self.pending[rid]
+            start = self.pool.seqs[rid].length
+            self.pool.reserve(rid, P + masks)
+            segs.append(Segment.chunk(toks[:P] + [self.draft.mask_id] * masks, start, self.pool.seqs[rid].blocks))
+            feats += [f[:P], f.new_zeros(masks, f.shape[1])]
+            if P == len(toks):  # the root is in this pass: its row and the mask rows make the lattice
+                picked += range(row + P - 1, row + P + masks)
+            row += P + masks
+        rows = self.model.rows(segs)
+        lattice = self.model.run(rows, torch.cat(feats), torch.tensor(picked, dtype=torch.long,
+                                                                      device=self.draft.device))
+        for rid, P, _ in plan:
+            toks, f = self.pending[rid]
+            self.pool.commit(rid, list(range(P)), toks[:P])  # the mask rows go
+            self.pending[rid] = (toks[P:], f[P:])
+        return lattice

@@ -5,13 +5,14 @@
     logits = model.forward(rows(plan, trees))  # ONE target pass over every request's rows
     for each request: accept, commit its path in the pool, let its drafter observe, emit
 
-Drafting is per request: each decoding request owns a drafter of the single-request runtime
-(`TreeDrafter` for tree and greedy chain, `ChainDrafter` for a sampled chain, `LatticeDrafter`
-for a block drafter, `EagleDrafter` for an EAGLE-3 head) on its own small `ModelRunner`,
-created when its prefill is done and dropped on preemption. Feature drafters read the target's
-features: the batched pass keeps every row's, the prefill chunks' are kept until the drafter
-starts, and each verify hands the drafter its accepted path's. A batched draft
-(one draft pass for every request's expansion round) is later work; verification is batched.
+Drafting is batched (tandem.engine.batched_draft): a draft model's chains and level trees, an
+EAGLE-3 head's level trees and a block drafter's lattices are drafted for every decoding request
+in shared passes over the drafter's own paged pool. Otherwise (`batched_drafting=False`, or a
+level tree wider than one mask word) each decoding request owns a drafter of the single-request
+runtime (`TreeDrafter`, `ChainDrafter` for a sampled chain, `LatticeDrafter`, `EagleDrafter`) on
+its own small `ModelRunner`, created when its prefill is done and dropped on preemption. Feature
+drafters read the target's features: the batched pass keeps every row's, the prefill chunks'
+are kept until the drafter starts, and each verify hands the drafter its accepted path's.
 
 Two modes change which rows a step holds, never an output:
 
@@ -39,8 +40,8 @@ from tandem.drafting.chain_drafter import ChainDrafter
 from tandem.drafting.feature_drafters import feature_drafter
 from tandem.drafting.tree_drafter import TreeDrafter
 from tandem.engine.batch_manager import BatchManager
-from tandem.engine.batched_draft import (BatchedChainDrafter, BatchedDrafter, BatchedEagleDrafter,
-                                         BatchedTreeDrafter)
+from tandem.engine.batched_draft import (BatchedBlockDrafter, BatchedChainDrafter, BatchedDrafter,
+                                         BatchedEagleDrafter, BatchedTreeDrafter)
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.engine.config import EngineConfig
 from tandem.engine.draft_gate import DraftGate
@@ -48,6 +49,7 @@ from tandem.engine.request import Request, RequestOutput, RequestState, Sampling
 from tandem.engine.row_selection import select_step
 from tandem.engine.scheduler import Scheduler, ScheduledRows, StepPlan
 from tandem.kv.paged import PagedKVPool
+from tandem.models.block_drafter import BlockDrafter
 from tandem.models.eagle3 import Eagle3Head
 from tandem.models.transformer import Transformer
 from tandem.runtime.emit import Emitter
@@ -115,12 +117,12 @@ class _BatchedFeatureHandle:
     """A request's drafter as the engine's step sees it when a batched feature drafter drafts for
     it: `observe` hands the verify pass's committed tokens and features over."""
 
-    def __init__(self, batched: BatchedEagleDrafter, request_id: str):
+    def __init__(self, batched: "BatchedEagleDrafter | BatchedBlockDrafter", request_id: str):
         self.batched, self.request_id = batched, request_id
 
     def observe(self, result: VerifyResult, tree: DraftTree, features: torch.Tensor | None = None) -> None:
         if features is None:
-            raise RuntimeError("an EAGLE-3 head needs the target's features; enable them on the target")
+            raise RuntimeError("a feature drafter needs the target's features; enable them on the target")
         self.batched.observe(self.request_id, result.tokens, features)
 
 
@@ -150,7 +152,7 @@ class Engine:
         self.model = BatchedModel(target, self.pool, deterministic=config.deterministic,
                                   max_seqs=config.max_num_seqs, max_seq_blocks=seq_blocks, use_graphs=graphs)
         # greedy chains and trees of a plain draft model, drafted for every request at once (batched_draft)
-        self.batched: BatchedDrafter | None = None
+        self.batched: BatchedDrafter | BatchedBlockDrafter | None = None
         if (config.batched_drafting and config.method in ("chain", "tree") and isinstance(draft, Transformer)
                 and (config.method == "chain" or BatchedTreeDrafter.fits(self.spec.width, self.spec.resolved_depth()))):
             # (a wider level tree than one mask word per row drafts per request)
@@ -172,6 +174,13 @@ class Engine:
                 rows = self.context_window + (depth - 1) * width + 1
                 blocks = config.max_num_seqs * (-(-rows // config.block_size) + 1)
                 self.batched = BatchedEagleDrafter(draft, blocks, config.block_size, width, depth)
+        elif config.batched_drafting and config.method in ("chain", "tree") and isinstance(draft, BlockDrafter):
+            # a block drafter's lattices for every request in one pass (its trees built per request)
+            rows = self.context_window + draft.bconfig.block_size
+            blocks = config.max_num_seqs * (-(-rows // config.block_size) + 1)
+            chain = config.method == "chain"
+            self.batched = BatchedBlockDrafter(draft, blocks, config.block_size, self.spec.k if chain else self.spec.nodes,
+                                               chain, self.context_window)
         # the CUDA graphs of every pass size a step can take, captured now rather than mid-serving
         self.model.warmup(config.max_num_batched_tokens)
         if self.batched is not None:  # (its level passes: at most w rows per request)
@@ -387,7 +396,7 @@ class Engine:
         todo = [(rid, self.requests[rid].token_ids(), min(cap, n)) for rid, n in budgets.items()]
         if not todo:
             return {}
-        if isinstance(self.batched, BatchedEagleDrafter):  # point-mass trees, greedy or sampled
+        if isinstance(self.batched, (BatchedEagleDrafter, BatchedBlockDrafter)):  # point masses, greedy or sampled
             for rid, toks, _ in todo:
                 req = self.requests[rid]
                 if "drafter" not in req.runtime:  # new, or back from a gate-off stretch: from its whole context
