@@ -280,14 +280,7 @@ class BatchedHead(BatchedModel):
     reads cat(input_layernorm(embed(token)), hidden_norm(h)) per row, h given with the rows."""
 
     def __init__(self, head, pool: PagedKVPool):
-        from tandem.kernels import paged_attention as pk
-
-        self.model, self.pool = head, pool
-        self.deterministic, self.window, self.last_features = False, None, None
-        c = head.config
-        self.tile_rows = pk.tile_rows(c.num_attention_heads, c.num_key_value_heads)
-        self.emulate, self.use_graphs, self.max_seqs, self.max_seq_blocks = False, False, None, None
-        self._graphs, self._graph_pool, self._capture_stream = {}, None, None
+        super().__init__(head, pool, use_graphs=False)
 
     @torch.no_grad()
     def run(self, rows: BatchRows, hidden: torch.Tensor, logit_rows: torch.Tensor | None = None
@@ -403,14 +396,7 @@ class BatchedBlock(BatchedModel):
     its decoder layers; a pass returns each lattice row (`BlockDrafter.lattice_rows`)."""
 
     def __init__(self, drafter, pool: PagedKVPool):
-        from tandem.kernels import paged_attention as pk
-
-        self.model, self.pool = drafter, pool
-        self.deterministic, self.window, self.last_features = False, None, None
-        c = drafter.config
-        self.tile_rows = pk.tile_rows(c.num_attention_heads, c.num_key_value_heads)
-        self.emulate, self.use_graphs, self.max_seqs, self.max_seq_blocks = False, False, None, None
-        self._graphs, self._graph_pool, self._capture_stream = {}, None, None
+        super().__init__(drafter, pool, use_graphs=False)
 
     @torch.no_grad()
     def run(self, rows: BatchRows, feats: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:

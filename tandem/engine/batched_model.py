@@ -369,7 +369,8 @@ class BatchedModel:
 
     def __init__(self, model: Transformer, pool: PagedKVPool, deterministic: bool = False,
                  max_seqs: int | None = None, max_seq_blocks: int | None = None, use_graphs: bool | str | None = None):
-        if any(layer.self_attn.tp_group is not None for layer in model.model.layers):
+        # (a drafter's own module, e.g. an EAGLE-3 head, has no `model.layers`: never sharded)
+        if any(layer.self_attn.tp_group is not None for layer in getattr(getattr(model, "model", None), "layers", ())):
             raise ValueError("the batched engine does not run a tensor-parallel shard yet")
         self.model, self.pool = model, pool
         # batch-invariant arithmetic (tandem.engine.invariant): a row's logits do not depend on
