@@ -69,6 +69,31 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 if triton is not None:
 
     @triton.jit
+    def scores(q, k, scale, IEEE: tl.constexpr):
+        """q [rows, D] . k [cols, D]^T * scale, fp32 (no TF32 for fp32 models: greedy equality
+        is checked in fp32)."""
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        return s * scale
+
+    @triton.jit
+    def online_softmax_step(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+        """Flash attention's recurrence: fold a block of masked scores s [rows, cols] (-inf:
+        unseen) and its values v [cols, D] into the running max m_i, sum l_i and output acc."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no column yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _cached_attn_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, T, W, scale, sq_b, sq_t, sq_h, sk_b, sk_h, sk_w,
                             sv_b, sv_h, sv_w, sm_b, sm_t, sm_w, so_b, so_t, so_h, HKV: tl.constexpr,
                             G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -91,25 +116,11 @@ if triton is not None:
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < W
             k = tl.load(k_ptr + b * sk_b + hk * sk_h + n[:, None] * sk_w + d[None, :], mask=n_ok[:, None], other=0.0)
-            if IEEE:  # fp32 models: no TF32 (greedy equality is checked in fp32)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
+            s = scores(q, k, scale, IEEE)
             allow = tl.load(m_ptr + b * sm_b + t[:, None] * sm_t + n[None, :] * sm_w,
                             mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
-            s = tl.where(allow, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no column yet
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + b * sv_b + hk * sv_h + n[:, None] * sv_w + d[None, :], mask=n_ok[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(tl.where(allow, s, float("-inf")), v, m_i, l_i, acc, IEEE)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])

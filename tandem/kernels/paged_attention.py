@@ -28,6 +28,8 @@ from tandem.kernels.fused import triton_enabled
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
     import triton.language as tl
+
+    from tandem.kernels.attention import online_softmax_step, scores
 except ImportError:  # pragma: no cover - CPU builds
     triton = None
 
@@ -98,28 +100,14 @@ if triton is not None:
             blk = tl.load(bt_ptr + r * sbt_r + n // BS, mask=n_ok, other=0)
             slot = blk * BS + n % BS  # [BLOCK_N] pool rows of these columns
             k = tl.load(k_ptr + slot[:, None] * sk_s + hk * sk_h + d[None, :], mask=n_ok[:, None], other=0.0)
-            if IEEE:  # fp32 models: no TF32 (greedy equality is checked in fp32)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
+            s = scores(q, k, scale, IEEE)
             j = n[None, :] - base[:, None]  # [rows, BLOCK_N] bit index of each column
             jc = tl.minimum(tl.maximum(j, 0), 63)
             bit = ((bits[:, None] >> jc) & 1) != 0
             allow = (n[None, :] < prefix[:, None]) | (bit & (j >= 0) & (j < 64))
             allow = allow & n_ok[None, :] & ok[:, None]
-            s = tl.where(allow, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no column yet
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + slot[:, None] * sk_s + hk * sk_h + d[None, :], mask=n_ok[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(tl.where(allow, s, float("-inf")), v, m_i, l_i, acc, IEEE)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + row[:, None] * so_m + h[:, None] * so_h + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=ok[:, None])
