@@ -3,7 +3,8 @@
 # the GPU lane for the paged kernel and the engine, then `tandem bench --concurrency` for ar and
 # tree beside transformers' generate_batch and padded generate, then the engine's modes
 # (batch-parallel, row selection, deterministic, per-request drafting) at a few concurrencies.
-#   bash bench/run_h200_engine.sh $OUT      (device tool: carry .data = mbpp/mbpp.jsonl)
+#   bash bench/run_h200_engine.sh $OUT      (device tool: carry .data/mbpp)
+#   DRAFT=eagle3 METHODS=ar,tree,tree+gate bash bench/run_h200_engine.sh $OUT   (another drafter, the gate)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 NP=${NP:-64}
@@ -29,10 +30,10 @@ conc() {  # conc NAME CONCURRENCIES METHODS [extra]
   echo "== $name: --concurrency $c --methods $m $*"
   timeout ${TMO:-240} python3 -m tandem bench --device cuda --dtype bfloat16 --concurrency "$c" --methods "$m" \
     --ignore-eos --max-new-tokens 128 --workload mbpp --data-dir .data --num-prompts "$NP" --max-prompt-tokens 256 \
-    --no-plots --allow-mismatch --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
+    --no-plots --allow-mismatch ${DRAFT:+--draft "$DRAFT"} --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
   grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "^- " -e "utput" -e "rror" -e "mismatch" | tail -40
 }
-conc engine_concurrency ${CONC:-1,8,16,32,64} ar,tree --peers ${PEERS:-generate_batch,generate}
+conc engine_concurrency ${CONC:-1,8,16,32,64} ${METHODS:-ar,tree} --peers ${PEERS:-generate_batch,generate}
 [ "${MODES:-1}" = 1 ] && TMO=200 conc engine_modes ${MODES_CONC:-8,32,64} ${MODES_METHODS:-ar,tree,tree+seq} \
   --batch-parallel --row-selection --deterministic --peers none
 tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"
