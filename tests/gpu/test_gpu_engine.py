@@ -40,3 +40,26 @@ def test_engine_matches_an_uncached_forward(device, method, num_blocks):
     if num_blocks is not None:
         assert sum(o.figures.preemptions for o in outs.values()) > 0
     assert engine.pool.check() == [] and engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+@pytest.mark.parametrize("device", [cpu("cpu", id="cpu"), cuda("cuda", id="cuda")])
+def test_engine_with_a_batched_feature_drafter_matches_an_uncached_forward(device, kind):
+    """The bundled target with its EAGLE-3 head / block drafter drafting every request at once
+    (engine.batched_draft): 16 requests decode what an uncached forward of the target says, and
+    the drafts are accepted."""
+    from tandem.engine.batched_draft import BatchedBlockDrafter, BatchedEagleDrafter
+    from tandem.runtime.pair import load_pair
+
+    pair = load_pair(None, kind, device=device, dtype="float32")
+    prompts = [pair.tokenizer.encode(f"# case {i}\ndef f{i}(x):\n").ids for i in range(16)]
+    cfg = EngineConfig(method="tree", spec=SpecConfig(nodes=16, width=4), block_size=16, max_num_batched_tokens=512,
+                       debug_check=True)
+    engine = Engine(pair.target, pair.draft, config=cfg)
+    assert isinstance(engine.batched, {"eagle3": BatchedEagleDrafter, "block": BatchedBlockDrafter}[kind])
+    ids = [engine.add_request(p, SamplingParams(max_tokens=32, ignore_eos=True)).request_id for p in prompts]
+    outs = {o.request_id: o for o in engine.run()}
+    for rid, prompt in zip(ids, prompts):
+        assert first_wrong_token(pair.target, prompt, outs[rid].token_ids) is None, (kind, prompt)
+    assert sum(o.tau for o in outs.values()) / len(outs) > 1.5
+    assert engine.pool.check() == [] and engine.batched.pool.seqs == {}
