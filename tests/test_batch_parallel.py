@@ -415,3 +415,62 @@ def test_the_draft_gate_turns_drafting_off_where_it_does_not_pay_and_outputs_sta
     c = engine.counters
     assert c.gate_off_steps > c.steps / 2 and engine.gate.decisions_off == c.gate_off_steps
     assert sum(r.nodes > 0 for r in c.records) >= 1  # it drafted to learn (probes: the unit test above)
+
+
+def test_draft_length_calibration_and_cut():
+    """draft_length: rho is accepted over predicted (moving averages, clamped); `confident` keeps
+    the nodes whose calibrated acceptance reaches the threshold, prefix-closed; `calibrated` moves
+    every node's log-prob by log rho, capped at certainty."""
+    from tandem.engine import draft_length as dl
+
+    # root, a (0.9), a's child b (0.45), root's second child c (0.2), c's child d (0.02)
+    tree = DraftTree(tokens=[1, 2, 3, 4, 5], parents=[-1, 0, 1, 0, 3],
+                     logp=[0.0, math.log(0.9), math.log(0.45), math.log(0.2), math.log(0.02)])
+    c = dl.Calibration(alpha=1.0)
+    assert c.rho == 1.0
+    c.observe(tree, 1)  # predicted 1.57, accepted 1
+    assert abs(c.rho - 1 / 1.57) < 1e-9
+    c.observe(tree, 0)
+    assert c.rho == dl.RHO_MIN
+    cut = dl.confident(tree, rho=1.0, min_prob=0.1)
+    assert cut.tokens == [1, 2, 3, 4] and cut.parents == [-1, 0, 1, 0]
+    cut = dl.confident(tree, rho=0.6, min_prob=0.1)  # 0.54, 0.27, 0.12, 0.012
+    assert cut.tokens == [1, 2, 3, 4]
+    cut = dl.confident(tree, rho=0.2, min_prob=0.1)  # 0.18, 0.09, 0.04, 0.004
+    assert cut.tokens == [1, 2] and cut.parents == [-1, 0]
+    up = dl.calibrated(tree, rho=2.0)
+    assert up.logp[1] == 0.0 and abs(up.logp[2] - math.log(0.9)) < 1e-12 and up.logp[0] == 0.0
+
+
+@pytest.mark.parametrize("selection", [False, True], ids=["cut", "with-row-selection"])
+def test_adaptive_draft_length_calibrates_an_overconfident_draft_and_outputs_stay_exact(models, solo, selection,
+                                                                                       monkeypatch):
+    """A draft that believes its proposals far more than the target accepts them (a noisier,
+    sharpened copy). Without row selection: verifying only the nodes its *calibrated* confidence
+    puts at >= 0.3 verifies fewer nodes than the same threshold on its raw confidence (rho held at
+    1), and fewer than no cut. With row selection the calibrated probabilities are ranked. Every
+    output equals solo ar either way."""
+    from tandem.engine import draft_length
+
+    prompts, refs = solo
+    target, _ = models
+    poor = noisy_copy(target, 0.6, seed=5)
+    with torch.no_grad():
+        poor.lm_head.weight.mul_(4.0)
+    nodes = {}
+    for mode in ("off", "raw", "calibrated"):
+        if mode == "raw":
+            monkeypatch.setattr(draft_length.Calibration, "rho", property(lambda self: 1.0))
+        else:
+            monkeypatch.undo()
+        cfg = EngineConfig(method="tree", spec=SpecConfig(nodes=16, width=4), block_size=8, max_num_batched_tokens=512,
+                           row_selection=selection, row_cost=RowCost(tile=512), draft_gate=False,
+                           adaptive_draft=mode != "off", min_node_prob=0.3, debug_check=True)
+        engine = Engine(target, poor, config=cfg)
+        outs = run_all(engine, prompts[:12])
+        assert [o.token_ids for o in outs] == refs[:12]
+        assert_clean(engine)
+        c = engine.counters
+        nodes[mode] = sum(r.nodes for r in c.records) / max(1, sum(r.verified for r in c.records))
+    if not selection:
+        assert nodes["calibrated"] < nodes["raw"] < nodes["off"], nodes

@@ -36,6 +36,11 @@ class EngineConfig:
     # greedy chains of a small draft model: one batched draft pass per chain position for every
     # decoding request (tandem.engine.batched_draft) instead of one small pass per request
     batched_drafting: bool = True
+    # a per-request draft length (tandem.engine.draft_length): each request's draft confidence
+    # calibrated by its recent acceptance; without row selection it verifies the nodes whose
+    # calibrated acceptance is at least min_node_prob, with it those probabilities are ranked
+    adaptive_draft: bool = False
+    min_node_prob: float = 0.05
     # CUDA graphs for the batched passes, one per row bucket, captured when the engine starts
     # (vLLM's name; True: every pass eager, e.g. to profile single kernels)
     enforce_eager: bool = False
@@ -52,6 +57,8 @@ class EngineConfig:
         if (self.batch_parallel or self.row_selection) and self.method == "ar":
             what = "batch_parallel" if self.batch_parallel else "row_selection"
             raise ConfigError(f"{what} needs a drafting method (chain or tree), not 'ar'")
+        if not 0.0 < self.min_node_prob <= 1.0:
+            raise ConfigError(f"min_node_prob must be in (0, 1] (got {self.min_node_prob})")
         if not 0.0 <= self.rebalance_threshold < 1.0:
             raise ConfigError(f"rebalance_threshold must be in [0, 1) (got {self.rebalance_threshold})")
         try:

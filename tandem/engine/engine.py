@@ -44,6 +44,7 @@ from tandem.engine.batched_draft import (BatchedBlockDrafter, BatchedChainDrafte
                                          BatchedEagleDrafter, BatchedTreeDrafter)
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.engine.config import EngineConfig
+from tandem.engine import draft_length
 from tandem.engine.draft_gate import DraftGate
 from tandem.engine.request import Request, RequestOutput, RequestState, SamplingParams
 from tandem.engine.row_selection import select_step
@@ -382,6 +383,8 @@ class Engine:
         if drafted is None and (self.config.method == "ar" or s.rows == 1 and "drafter" not in req.runtime):
             return DraftTree.chain([root])
         tree = drafted if drafted is not None else self._proposal(req)
+        if self.config.adaptive_draft:  # the nodes this request's calibrated draft believes in
+            tree = draft_length.confident(tree, self._calibration(req).rho, self.config.min_node_prob)
         if len(tree) > s.rows:  # the first rows of a topological order are prefix-closed
             tree = tree.subset(list(range(s.rows)))
         return tree
@@ -435,7 +438,11 @@ class Engine:
         if not full:
             return {}, 0
         room = self.config.max_num_batched_tokens - plan.num_rows
-        sel = select_step(full, plan.num_rows, self.config.row_cost, room)
+        ranked = full
+        if self.config.adaptive_draft:  # rank each request's nodes by their calibrated acceptance
+            ranked = {rid: draft_length.calibrated(t, self._calibration(self.requests[rid]).rho)
+                      for rid, t in full.items()}
+        sel = select_step(ranked, plan.num_rows, self.config.row_cost, room)  # (the trees keep the draft's logp)
         trees = {}
         for i, s in enumerate(plan.scheduled):
             if s.kind != "decode":
@@ -520,6 +527,14 @@ class Engine:
             return TreeDrafter(runner, SpecConfig(method="tree", nodes=spec.k, width=1, depth=spec.k - 1))
         return ChainDrafter(runner, sampling, spec.k, self._generator(req))
 
+    @staticmethod
+    def _calibration(req: Request) -> draft_length.Calibration:
+        """The request's draft calibration (adaptive draft length); kept across preemptions."""
+        c = req.runtime.get("calibration")
+        if c is None:
+            c = req.runtime["calibration"] = draft_length.Calibration()
+        return c
+
     def _generator(self, req: Request) -> torch.Generator:
         g = req.runtime.get("generator")
         if g is None:  # one stream per request, seeded as the single-request loop seeds it
@@ -579,6 +594,8 @@ class Engine:
         commit the path, feed the drafter, emit; True when the request is done."""
         result = self._accept(req, tree, logits, argmax)
         self._accepted += result.accepted
+        if self.config.adaptive_draft:
+            self._calibration(req).observe(tree, result.accepted)
         self.pool.commit(req.request_id, result.path, [tree.tokens[i] for i in result.path])
         req.num_computed += len(result.path)
         if "drafter" in req.runtime:

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-gate", action=argparse.BooleanOptionalAction, default=None,
                    help="skip drafting in steps where its cost is not repaid (default: on with --row-selection); "
                         "--no-draft-gate turns it off")
+    p.add_argument("--adaptive-draft", action="store_true",
+                   help="a per-request draft length: each request's draft confidence calibrated by its recent "
+                        "acceptance decides how many drafted nodes it verifies")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant arithmetic: a request's greedy output does not depend on the requests "
                         "batched with it, nor on speculation (slower)")
@@ -77,7 +80,8 @@ def build(args) -> tuple[object, ServerConfig]:
     ecfg = EngineConfig(spec=spec, block_size=args.block_size, num_blocks=args.num_blocks,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         batch_parallel=args.batch_parallel, row_selection=args.row_selection,
-                        draft_gate=args.draft_gate, deterministic=args.deterministic)
+                        draft_gate=args.draft_gate, adaptive_draft=args.adaptive_draft,
+                        deterministic=args.deterministic)
     if (args.batch_parallel or args.row_selection) and methods == ("ar",):
         raise ConfigError("--batch-parallel / --row-selection need a speculative method in --methods (chain or tree)")
     for m in methods:
