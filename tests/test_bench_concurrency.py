@@ -181,3 +181,26 @@ def test_engine_mode_errors_are_one_line(tiny, tmp_path, capsys):
         assert cli.main(base + extra) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+def test_the_reference_outputs_are_each_prompt_decoded_alone():
+    """solo_outputs (one ar engine, prompts one after another, no prefix cache) gives what the
+    single-request loop gives for each prompt on its own."""
+    import torch
+
+    from models_for_tests import tiny_model
+    from tandem.bench.concurrency import solo_outputs
+    from tandem.config import SpecConfig
+    from tandem.engine.request import SamplingParams
+    from tandem.runtime.generate import Generator
+    from tandem.runtime.pair import Pair
+
+    target = tiny_model(seed=3)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (3, 17, 3, 9)]
+    prompts[2] = prompts[1][:3]  # a shared prefix: the second prompt's blocks must not be reused
+    pair = Pair(target=target, draft=None, tokenizer=None, target_dir=Path("."), draft_dir=None)
+    outs = solo_outputs(pair, SpecConfig(), prompts, SamplingParams(max_tokens=12, ignore_eos=True), 256)
+    solo = Generator(target, None, use_graphs=False)
+    want = [solo.generate(p, "ar", gen=GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids for p in prompts]
+    assert outs == want

@@ -194,23 +194,42 @@ def parse_peers(text: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # Runs
-def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], prompt_index: list[int],
-               params, num_batched: int) -> RunResult:
-    """C requests submitted together to a fresh engine, stepped to the end; each step is timed."""
+def _engine(pair, method: str, spec: SpecConfig, prompts: list[list[int]], params, num_batched: int,
+            concurrency: int, **overrides):
+    """A fresh engine for `concurrency` of these prompts at once, its pool holding every request
+    whole (no preemption): sized for this workload rather than the default C full context
+    windows, which at C=64 would hold tens of GB for nothing."""
     from tandem.engine.config import EngineConfig
     from tandem.engine.engine import Engine
 
-    c = len(prompts)
     draft_rows = 1 + max(spec.k, spec.nodes)
-    rows = max(num_batched, c * draft_rows)
-    # NOTE: the pool holds every request whole (no preemption), sized for this workload rather
-    # than the default C full context windows, which at C=64 would hold tens of GB for nothing
+    rows = max(num_batched, concurrency * draft_rows)
     block = EngineConfig().block_size
     per_request = -(-(max(map(len, prompts)) + params.max_tokens + draft_rows) // block)
     base, modes = engine_modes(method)
-    cfg = EngineConfig(method=base, spec=replace(spec, method=base), max_num_seqs=c, max_num_batched_tokens=rows,
-                       num_blocks=c * per_request, **modes)
-    engine = Engine(pair.target, pair.draft if base != "ar" else None, pair.tokenizer, cfg)
+    cfg = EngineConfig(method=base, spec=replace(spec, method=base), max_num_seqs=concurrency,
+                       max_num_batched_tokens=rows, num_blocks=concurrency * per_request, **{**modes, **overrides})
+    return Engine(pair.target, pair.draft if base != "ar" else None, pair.tokenizer, cfg)
+
+
+def solo_outputs(pair, spec: SpecConfig, prompts: list[list[int]], params, num_batched: int) -> list[list[int]]:
+    """Each prompt alone through ONE ar engine, one after another: the reference outputs. (One
+    engine, not one per prompt: on a GPU every engine captures its CUDA graphs when it starts.)
+    No prefix cache, so every prompt is computed from scratch, as it would be alone."""
+    engine = _engine(pair, "ar", spec, prompts, params, num_batched, 1, enable_prefix_caching=False)
+    outs = []
+    for p in prompts:
+        req = engine.add_request(p, params)
+        engine.run()
+        outs.append(list(req.output_ids))
+    return outs
+
+
+def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], prompt_index: list[int],
+               params, num_batched: int) -> RunResult:
+    """C requests submitted together to a fresh engine, stepped to the end; each step is timed."""
+    c = len(prompts)
+    engine = _engine(pair, method, spec, prompts, params, num_batched, c)
     harness._sync(pair.target.device)
     t0 = time.perf_counter()
     reqs = [engine.add_request(p, params) for p in prompts]
@@ -470,8 +489,7 @@ def run_concurrency(prompts, methods: list[str], peers: list[str], levels: list[
     skipped: dict[str, str] = {}
     with torch.inference_mode():
         # the reference: each distinct prompt alone, greedy ar
-        refs = [engine_run(pair, "ar", spec, [p], [i], params, num_batched).requests[0].token_ids
-                for i, p in enumerate(ids_list)]
+        refs = solo_outputs(pair, spec, ids_list, params, num_batched)
         for method in methods:
             mspec = replace(spec, method=engine_modes(method)[0])
             for c in levels:
