@@ -68,20 +68,20 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 if triton is not None:
 
+    # q [rows, D] . k [cols, D]^T * scale, fp32 (no TF32 for fp32 models: greedy equality is
+    # checked in fp32)
     @triton.jit
     def scores(q, k, scale, IEEE: tl.constexpr):
-        """q [rows, D] . k [cols, D]^T * scale, fp32 (no TF32 for fp32 models: greedy equality
-        is checked in fp32)."""
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         return s * scale
 
+    # flash attention's recurrence: fold a block of masked scores s [rows, cols] (-inf: unseen)
+    # and its values v [cols, D] into the running max m_i, sum l_i and output acc
     @triton.jit
     def online_softmax_step(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
-        """Flash attention's recurrence: fold a block of masked scores s [rows, cols] (-inf:
-        unseen) and its values v [cols, D] into the running max m_i, sum l_i and output acc."""
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no column yet
         p = tl.exp(s - m_safe[:, None])
