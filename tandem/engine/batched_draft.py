@@ -1,4 +1,4 @@
-"""Batched drafting: one draft pass per chain position for all decoding requests together.
+"""Batched drafting: every decoding request's draft from shared passes of the drafter.
 
 Drafting one request at a time costs a small forward per request and round: at batch 32 the
 drafts outweigh the target pass they feed (measured: `tree` at 0.10x of `ar` at concurrency
@@ -15,14 +15,21 @@ Trees (BatchedTreeDrafter) grow as EAGLE-2's dynamic tree, as the single-request
 grows a draft model's: after the catch-up pass the root's top-w children are level 1; at each
 level the w best new nodes by cumulative log-prob are fed (w reserved rows per request, each
 seeing the committed rows and its own ancestors' rows), and each gives its top-w children; the
-N best nodes by cumulative log-prob form the tree. `depth - 1` batched passes after the catch-up.
+N best nodes by cumulative log-prob form the tree. `depth - 1` batched passes after the catch-up,
+grown on the device (one read-back per step).
 
 Every request is drafted this way: a greedy chain takes argmaxes; a sampled chain draws each
 token from the draft's processed distribution q with the request's generator and keeps q with
 the tree (rejection sampling needs it); a tree's nodes are point masses, greedy or sampled, so
-rejection sampling over them stays lossless. Feature drafters keep their own drafters. Node
-log-probs are the draft's own, as the per-request drafters give them to row selection. A new
-request's prompt is caught up in chunks of CATCH_UP_CHUNK rows (the passes' masks stay small).
+rejection sampling over them stays lossless. Node log-probs are the draft's own, as the
+per-request drafters give them to row selection. A new request's prompt is caught up in chunks
+of CATCH_UP_CHUNK rows (the passes' masks stay small).
+
+Feature drafters are batched the same way over pools of their own: an EAGLE-3 head
+(BatchedEagleDrafter: the same level tree, each fed node reading its parent's output hidden)
+and a block drafter (BatchedBlockDrafter: one pass of every request's context and mask rows,
+one lattice per request). Both keep per request the committed tokens they have not run yet,
+with the target features those rows read (`start` for a prompt, `observe` after each verify).
 """
 from __future__ import annotations
 
