@@ -245,3 +245,13 @@ def test_trees_wider_than_one_mask_word_equal_dense_forward():
     pos = torch.tensor([list(range(L)) + [L + d for d in depth]])
     ref = model(torch.tensor([pre + toks]), pos, mask=allowed[None, None])[0, L:]
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_try_reserve_takes_the_blocks_or_changes_nothing():
+    p = pool(num_blocks=3, block_size=4)
+    p.allocate("a", [], 0)
+    assert p.try_reserve("a", 6) and p.seqs["a"].reserved == 6 and len(p.seqs["a"].blocks) == 2
+    before = (list(p.seqs["a"].blocks), p.num_free)
+    assert not p.try_reserve("a", 7)  # 13 rows need 4 blocks; 3 exist
+    assert (p.seqs["a"].blocks, p.num_free, p.seqs["a"].reserved) == (before[0], before[1], 6)
+    assert p.try_reserve("a", 6) and p.num_free == 0 and p.check() == []

@@ -186,6 +186,7 @@ class Engine:
         self.model.warmup(config.max_num_batched_tokens)
         if self.batched is not None:  # (its level passes: at most w rows per request)
             self.batched.model.warmup(config.max_num_seqs * max(self.spec.width, 1))
+        self._verify_rows = 1 if config.row_selection else config.draft_rows()  # a decode's rows in a plan
         self.scheduler = Scheduler(config, self.pool, row_budget=self._row_budget)
         self.requests: dict[str, Request] = {}
         self.eos = set(target.config.eos_token_ids)
@@ -334,7 +335,7 @@ class Engine:
 
     def _row_budget(self, req: Request) -> int:
         # row selection plans the roots first and grows them by the chosen nodes (`_select`)
-        return 1 if self.config.row_selection else self.config.draft_rows()
+        return self._verify_rows
 
     def _drop_draft(self, req: Request) -> None:
         """Preempted: its draft K/V and pending tree are rebuilt when it returns."""

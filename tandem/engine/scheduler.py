@@ -90,14 +90,13 @@ class Scheduler:
                 i += 1  # drafted, not verified, this step: no rows reserved
                 continue
             kind, rows = self._want(req, budget)
-            while not self.pool.can_reserve(req.request_id, rows):
+            while not self.pool.try_reserve(req.request_id, rows):
                 victim = self.running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                self.pool.reserve(req.request_id, rows)
                 plan.scheduled.append(ScheduledRows(req, kind, req.num_computed, rows))
                 budget -= rows
                 i += 1

@@ -128,6 +128,17 @@ class PagedKVPool:
     def can_reserve(self, seq_id: str, rows: int) -> bool:
         return self.extra_blocks(seq_id, rows) <= self.num_free
 
+    def try_reserve(self, seq_id: str, rows: int) -> bool:
+        """reserve() when the blocks are there (True), else nothing (False): one capacity check."""
+        s = self.seqs[seq_id]
+        need = max(0, -(-(s.length + s.reserved + rows) // self.block_size) - len(s.blocks))
+        if need > len(self.free_blocks):
+            return False
+        for _ in range(need):
+            s.blocks.append(self._take())
+        s.reserved += rows
+        return True
+
     def reserve(self, seq_id: str, rows: int) -> None:
         """Add `rows` reserved rows after the committed ones (raises PoolExhausted, changing nothing)."""
         need = self.extra_blocks(seq_id, rows)
@@ -143,7 +154,7 @@ class PagedKVPool:
         holding `tokens`; drop every other reserved row and free blocks no row uses any more."""
         s = self.seqs[seq_id]
         assert len(path) == len(tokens) and all(0 <= p < s.reserved for p in path), (path, s.reserved)
-        if any(p != i for i, p in enumerate(path)):  # rows already in place need no copy
+        if path and path[-1] != len(path) - 1:  # rows already in place (0, 1, .., n - 1) need no copy
             src = torch.tensor(self.slots(seq_id, s.length, s.length + s.reserved), device=self.kv.device)[path]
             dst = torch.tensor(self.slots(seq_id, s.length, s.length + len(path)), device=self.kv.device)
             flat = self.kv.flatten(2, 3)  # [2, layers, slots, kv_heads, D]
