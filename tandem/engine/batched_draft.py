@@ -48,6 +48,14 @@ from tandem.verify.sampling import probs_from_logits
 CATCH_UP_CHUNK = 128  # rows per request in one catch-up pass
 
 
+def split_drafted(requests: list[tuple[str, list[int], int]], can_draft=lambda rid: True
+                  ) -> tuple[dict[str, DraftTree], list[tuple[str, list[int], int]]]:
+    """(request id, tokens, budget) entries -> (the root alone for those with nothing to draft: a
+    zero budget, or `can_draft` false; the entries to draft)."""
+    out = {rid: DraftTree.chain([toks[-1]]) for rid, toks, n in requests if n <= 0 or not can_draft(rid)}
+    return out, [(rid, toks, n) for rid, toks, n in requests if rid not in out]
+
+
 class BatchedDrafter:
     """The draft model over a paged pool of its own: per request, the rows it has seen."""
 
@@ -117,11 +125,7 @@ class BatchedChainDrafter(BatchedDrafter):
         the requests in `sampled` each token drawn from the draft's processed distribution q
         with the request's generator, q kept with the tree (row i: what node i was drawn from)."""
         sampled = sampled or {}
-        out: dict[str, DraftTree] = {}
-        live = [(rid, toks, k) for rid, toks, k in chains if k > 0]
-        for rid, toks, k in chains:
-            if k <= 0:
-                out[rid] = DraftTree.chain([toks[-1]])
+        out, live = split_drafted(chains)
         if not live:
             return out
         drafted: dict[str, list[int]] = {rid: [] for rid, _, _ in live}
@@ -183,23 +187,23 @@ class BatchedTreeDrafter(BatchedDrafter):
                  use_graphs: bool | str | None = None):
         super().__init__(draft, num_blocks, block_size, max_seqs, max_seq_blocks, use_graphs)
         self.w, self.depth = width, depth
-        if (depth - 1) * width > MAX_LEVEL_ROWS:
-            raise ValueError(f"a batched level tree feeds (depth - 1) x width = {(depth - 1) * width} rows per "
-                             f"request, more than {MAX_LEVEL_ROWS}")
+        self.check_fits(width, depth)
 
     @staticmethod
     def fits(width: int, depth: int) -> bool:
         return (depth - 1) * width <= MAX_LEVEL_ROWS
 
+    @classmethod
+    def check_fits(cls, width: int, depth: int) -> None:
+        if not cls.fits(width, depth):
+            raise ValueError(f"a batched level tree feeds (depth - 1) x width = {(depth - 1) * width} rows per "
+                             f"request, more than {MAX_LEVEL_ROWS}")
+
     @torch.no_grad()
     def propose(self, trees: list[tuple[str, list[int], int]]) -> dict[str, DraftTree]:
         """trees: (request id, every token so far (the root last), node budget N >= 0) ->
         request id -> the N best nodes of its level tree (module docstring), prefix-closed."""
-        out: dict[str, DraftTree] = {}
-        live = [(rid, toks, n) for rid, toks, n in trees if n > 0]
-        for rid, toks, n in trees:
-            if n <= 0:
-                out[rid] = DraftTree.chain([toks[-1]])
+        out, live = split_drafted(trees)
         if not live:
             return out
         w, R = self.w, len(live)
@@ -247,8 +251,11 @@ class BatchedTreeDrafter(BatchedDrafter):
         for d in range(1, self.depth):
             base = (d - 1) * w  # level rows before this level's
             fed = lo + torch.sort(-node_lp[:, lo:hi], dim=1, stable=True).indices[:, :w]  # [R, w] node index
-            if d > 1:  # the parent is the previous level's fed row whose children hold this node
-                fed_bits = fed_bits.gather(1, (fed - lo) // w)
+            # the parent of fed row s: the root at level 1, else the previous level's fed row
+            # whose children hold it
+            parent_row = None if d == 1 else (fed - lo) // w  # [R, w]
+            if parent_row is not None:
+                fed_bits = fed_bits.gather(1, parent_row)
             fed_bits = fed_bits | torch.bitwise_left_shift(torch.ones_like(fed_bits), base + s_idx)  # + itself
             col = (Lt[:, None] + base + s_idx).flatten()  # [M] the column each row is written to
             rows.tokens[:M] = node_tok.gather(1, fed).flatten()
@@ -257,8 +264,6 @@ class BatchedTreeDrafter(BatchedDrafter):
             rows.row_bits[:M, 0] = fed_bits.flatten()
             rows.seq_len[:R] = Lt + base + w
             rows = replace(rows, contexts=[n + base + w for n in L])  # (a reference path's view is per pass)
-            # (the parent of fed row s: the root at level 1, else the previous level's fed row)
-            parent_row = None if d == 1 else (fed - lo) // w  # [R, w]
             clp, ctok = topk_logprobs(self._level(rows, parent_row), w)  # [M, w] each
             lo, hi = hi, hi + w * w  # this level's children: fed row s's at lo + s * w + j
             node_tok[:, lo:hi] = self._to_target(ctok).view(R, w * w)
@@ -314,9 +319,7 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
     device: a fed node reads its parent's output hidden (the root's row for level 1)."""
 
     def __init__(self, head, num_blocks: int, block_size: int, width: int, depth: int):
-        if not self.fits(width, depth):
-            raise ValueError(f"a batched level tree feeds (depth - 1) x width = {(depth - 1) * width} rows per "
-                             f"request, more than {MAX_LEVEL_ROWS}")
+        self.check_fits(width, depth)
         self.draft, self.w, self.depth = head, width, depth
         c = head.config
         self.pool = PagedKVPool(1, c.num_key_value_heads, c.head_dim, num_blocks, block_size, head.dtype, head.device,
@@ -461,13 +464,8 @@ class BatchedBlockDrafter:
         """trees: (request id, every token so far, node budget N) -> request id -> its tree."""
         from tandem.drafting.lattice import best_chain, best_first_tree, unpack_lattice
 
-        out: dict[str, DraftTree] = {}
-        live = []
-        for rid, toks, n in trees:
-            if n <= 0 or not self.pending[rid][0]:  # nothing to draft (or drafted already, unverified)
-                out[rid] = DraftTree.chain([toks[-1]])
-            else:
-                live.append((rid, toks, n))
+        # (a request drafted already and not verified since has nothing to draft)
+        out, live = split_drafted(trees, lambda rid: bool(self.pending[rid][0]))
         if not live:
             return out
         # a long backlog (a new prompt) first: context-only passes of CATCH_UP_CHUNK rows

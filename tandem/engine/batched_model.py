@@ -75,11 +75,6 @@ class Segment:
         return Segment(tokens, [start + d for d in depth], blocks, start + len(tokens), logits, start, bits)
 
 
-def tree_bits(mask: torch.Tensor) -> list[int]:
-    """[T, T'] bool -> each row's columns as a python-int bitmask (bit j: column j)."""
-    return [sum(1 << j for j in row.nonzero().flatten().tolist()) for row in mask]
-
-
 @dataclass(frozen=True)
 class Capacity:
     """Sizes of a packed pass: rows, requests, attention tiles, block-table width, mask words."""
@@ -93,7 +88,7 @@ class Capacity:
     @cached_property
     def layout(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         """name -> (offset, shape) inside the packed int64 buffer; logit_rows last (up to M)."""
-        shapes = {"tokens": (self.M,), "positions": (self.M,), "slots": (self.M,), "row_seq": (self.M,),
+        shapes = {"tokens": (self.M,), "positions": (self.M,), "slots": (self.M,),
                   "row_prefix": (self.M,), "row_base": (self.M,), "row_bits": (self.M, self.W),
                   "seq_len": (self.R,), "block_tables": (self.R, self.B), "tiles": (self.NT, 3),
                   "logit_rows": (self.M,)}
@@ -109,16 +104,30 @@ class Capacity:
         return at + shape[0]
 
 
+class _PackedField:
+    """A field of BatchRows: its view of the packed buffer, made once (kept in the instance)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, rows: "BatchRows | None", owner=None):
+        if rows is None:  # looked up on the class
+            return self
+        view = rows._view(self.name)
+        rows.__dict__[self.name] = view  # (a frozen dataclass: set past its __setattr__, as cached_property does)
+        return view
+
+
 @dataclass(frozen=True)
 class BatchRows:
     """A pass's rows, packed (M rows of R requests), as views of one device int64 buffer.
 
-    Per row: token, position, the slot its K/V is written to, its request, `row_prefix` (columns
+    Per row: token, position, the slot its K/V is written to, `row_prefix` (columns
     it sees in full), `row_base` and `row_bits` (further columns base + j, bit j, in words of 64).
     Per request: `seq_len` (columns) and its block table. `tiles` [NT, 3]: (request, first row,
     rows) for the attention kernel, up to `tile_rows` rows each. Buffers may be padded beyond
-    `num_rows` / `num_seqs` (a CUDA graph's bucket): padding rows write `scratch` slots and belong
-    to no tile."""
+    `num_rows` rows and the R real requests (a CUDA graph's bucket): padding rows write `scratch`
+    slots and belong to no tile."""
 
     packed: torch.Tensor  # the device buffer (a graph's static input when padded)
     cap: Capacity
@@ -129,50 +138,29 @@ class BatchRows:
     num_logits: int
     block_size: int
     tile_rows: int
-    words: int  # mask words each row needs (the kernel takes 1)
     dtype: torch.dtype
     window: int | None = None
     graph: int | None = None  # the CUDA graph bucket these buffers belong to (None: an exact, eager pass)
 
+    @property
+    def words(self) -> int:
+        """Mask words each row needs (the kernel takes 1)."""
+        return self.cap.W
+
+    # views of `packed` (Capacity.layout), made on first use
+    tokens = _PackedField()  # [M]
+    positions = _PackedField()  # [M]
+    slots = _PackedField()  # [M]
+    row_prefix = _PackedField()  # [M]
+    row_base = _PackedField()  # [M]
+    row_bits = _PackedField()  # [M, W]
+    seq_len = _PackedField()  # [R]
+    block_tables = _PackedField()  # [R, B]
+    tiles = _PackedField()  # [NT, 3]
+
     def _view(self, name: str) -> torch.Tensor:
         at, shape = self.cap.layout[name]
         return self.packed[at:at + math.prod(shape)].view(shape)
-
-    @cached_property
-    def tokens(self) -> torch.Tensor:  # [M]
-        return self._view("tokens")
-
-    @cached_property
-    def positions(self) -> torch.Tensor:  # [M]
-        return self._view("positions")
-
-    @cached_property
-    def slots(self) -> torch.Tensor:  # [M]
-        return self._view("slots")
-
-    @cached_property
-    def row_prefix(self) -> torch.Tensor:  # [M]
-        return self._view("row_prefix")
-
-    @cached_property
-    def row_base(self) -> torch.Tensor:  # [M]
-        return self._view("row_base")
-
-    @cached_property
-    def row_bits(self) -> torch.Tensor:  # [M, W]
-        return self._view("row_bits")
-
-    @cached_property
-    def seq_len(self) -> torch.Tensor:  # [R]
-        return self._view("seq_len")
-
-    @cached_property
-    def block_tables(self) -> torch.Tensor:  # [R, B]
-        return self._view("block_tables")
-
-    @cached_property
-    def tiles(self) -> torch.Tensor:  # [NT, 3]
-        return self._view("tiles")
 
     @cached_property
     def logit_rows(self) -> torch.Tensor:  # [n] rows of M whose logits the pass returns
@@ -221,7 +209,6 @@ class BatchRows:
             list(chain.from_iterable(s.blocks for s in segments))
         view("seq_len")[:R] = Sa
         seq = np.repeat(np.arange(R), Ta)  # [M] request of each row
-        view("row_seq")[:M] = seq
         t_in = np.arange(M) - offsets[:-1][seq]  # row index inside its request
         col = (Sa - Ta)[seq] + t_in  # the column each row's K/V lands at
         slots = view("slots")
@@ -260,14 +247,16 @@ class BatchRows:
 
     @staticmethod
     def build(segments: list[Segment], device: torch.device, dtype: torch.dtype, block_size: int,
-              window: int | None = None, tile_rows: int = 16, scratch: int = 0) -> "BatchRows":
+              window: int | None = None, tile_rows: int = 16, scratch: int = 0,
+              cap: Capacity | None = None) -> "BatchRows":
         """window: the target's sliding window, if some of its layers use one. scratch: the slot
-        padding rows write (none here: this pass is not padded)."""
-        cap = BatchRows.capacity(segments, tile_rows)
+        padding rows write (none here: this pass is not padded). cap: the segments' capacity, if
+        the caller has it already."""
+        cap = cap or BatchRows.capacity(segments, tile_rows)
         host = np.empty(cap.size, dtype=np.int64)
         T, S, offsets, n = BatchRows.pack(segments, host, cap, block_size, scratch, tile_rows)
         return BatchRows(torch.from_numpy(host).to(device), cap, offsets[-1], T, S, offsets, n, block_size,
-                         tile_rows, cap.W, dtype, window)
+                         tile_rows, dtype, window)
 
     # ---- the padded per-request view (the reference path) --------------------------------------
     @cached_property
@@ -398,14 +387,14 @@ class BatchedModel:
     def rows(self, segments: list[Segment]) -> BatchRows:
         """The pass's rows: in a graph bucket's static buffers when one takes them, else exact."""
         cap = BatchRows.capacity(segments, self.tile_rows)
-        bucket = next((b for b in GRAPH_BUCKETS if b >= cap.M), None) if self.use_graphs else None
-        if bucket is None or cap.W > 1 or cap.R > self.max_seqs or cap.B > self.max_seq_blocks:
+        g = None
+        if self.use_graphs and cap.W == 1 and cap.R <= self.max_seqs and cap.B <= self.max_seq_blocks:
+            bucket = next((b for b in GRAPH_BUCKETS if b >= cap.M), None)
+            # (None from _graph: the kernel does not take this model, and graphs are off)
+            g = self._graph(bucket) if bucket is not None else None
+        if g is None:
             return BatchRows.build(segments, self.model.device, self.model.dtype, self.pool.block_size,
-                                   self.window, self.tile_rows, self.pool.scratch_slot)
-        g = self._graph(bucket)
-        if g is None:  # the kernel does not take this model: graphs are off (see _graph)
-            return BatchRows.build(segments, self.model.device, self.model.dtype, self.pool.block_size,
-                                   self.window, self.tile_rows, self.pool.scratch_slot)
+                                   self.window, self.tile_rows, self.pool.scratch_slot, cap)
         if g.staged is not None:  # the previous pass's copy must have left the host buffer
             g.staged.synchronize()
         T, S, offsets, n = BatchRows.pack(segments, g.host.numpy(), g.cap, self.pool.block_size,
@@ -414,8 +403,8 @@ class BatchedModel:
         if not self.emulate:
             g.staged = torch.cuda.Event()
             g.staged.record()
-        return BatchRows(g.packed, g.cap, offsets[-1], T, S, offsets, n, self.pool.block_size, self.tile_rows, 1,
-                         self.model.dtype, graph=bucket)
+        return BatchRows(g.packed, g.cap, offsets[-1], T, S, offsets, n, self.pool.block_size, self.tile_rows,
+                         self.model.dtype, graph=g.cap.M)
 
     def warmup(self, max_rows: int) -> None:
         """Capture every bucket up to the one that holds `max_rows` rows now, as a server does at
@@ -444,7 +433,7 @@ class BatchedModel:
         host = torch.empty(cap.size, dtype=torch.int64, pin_memory=dev.type == "cuda")
         BatchRows.pack([], host.numpy(), cap, self.pool.block_size, self.pool.scratch_slot, self.tile_rows)
         packed = host.to(dev)  # every row padding: a warm-up writes only the scratch slot
-        rows = BatchRows(packed, cap, bucket, [], [], [0], 0, self.pool.block_size, self.tile_rows, 1,
+        rows = BatchRows(packed, cap, bucket, [], [], [0], 0, self.pool.block_size, self.tile_rows,
                          self.model.dtype, graph=bucket)
         g = self._graphs[bucket] = _Graph(cap, host, packed, rows, BatchRows.host_views(host.numpy(), cap))
         if self.emulate:

@@ -152,36 +152,10 @@ class Engine:
         graphs = None if not config.enforce_eager else False
         self.model = BatchedModel(target, self.pool, deterministic=config.deterministic,
                                   max_seqs=config.max_num_seqs, max_seq_blocks=seq_blocks, use_graphs=graphs)
-        # greedy chains and trees of a plain draft model, drafted for every request at once (batched_draft)
+        # every request's draft from shared passes of the drafter (batched_draft), where it applies
         self.batched: BatchedDrafter | BatchedBlockDrafter | None = None
-        if (config.batched_drafting and config.method in ("chain", "tree") and isinstance(draft, Transformer)
-                and (config.method == "chain" or BatchedTreeDrafter.fits(self.spec.width, self.spec.resolved_depth()))):
-            # (a wider level tree than one mask word per row drafts per request)
-            depth = self.spec.resolved_depth()
-            ahead = self.spec.k if config.method == "chain" else (depth - 1) * self.spec.width
-            # (a request's draft rows exceed its target rows by at most the drafted rows plus one block)
-            blocks = num_blocks + config.max_num_seqs * (-(-(ahead + 1) // config.block_size) + 1)
-            sizes = dict(max_seqs=config.max_num_seqs, max_seq_blocks=self.pool.blocks_for(
-                self.context_window + ahead + 2 * config.block_size), use_graphs=graphs)
-            if config.method == "chain":
-                self.batched = BatchedChainDrafter(draft, blocks, config.block_size, **sizes)
-            else:
-                self.batched = BatchedTreeDrafter(draft, blocks, config.block_size, self.spec.width, depth, **sizes)
-        elif config.batched_drafting and config.method in ("chain", "tree") and isinstance(draft, Eagle3Head):
-            # an EAGLE-3 head's trees for every request at once (a chain: its greedy path, width 1)
-            width, depth = (1, self.spec.k) if config.method == "chain" else (self.spec.width,
-                                                                              self.spec.resolved_depth())
-            if BatchedEagleDrafter.fits(width, depth):
-                rows = self.context_window + (depth - 1) * width + 1
-                blocks = config.max_num_seqs * (-(-rows // config.block_size) + 1)
-                self.batched = BatchedEagleDrafter(draft, blocks, config.block_size, width, depth)
-        elif config.batched_drafting and config.method in ("chain", "tree") and isinstance(draft, BlockDrafter):
-            # a block drafter's lattices for every request in one pass (its trees built per request)
-            rows = self.context_window + draft.bconfig.block_size
-            blocks = config.max_num_seqs * (-(-rows // config.block_size) + 1)
-            chain = config.method == "chain"
-            self.batched = BatchedBlockDrafter(draft, blocks, config.block_size, self.spec.k if chain else self.spec.nodes,
-                                               chain, self.context_window)
+        if config.batched_drafting and config.method in ("chain", "tree"):
+            self.batched = self._batched_drafter(draft, num_blocks, graphs)
         # the CUDA graphs of every pass size a step can take, captured now rather than mid-serving
         self.model.warmup(config.max_num_batched_tokens)
         if self.batched is not None:  # (its level passes: at most w rows per request)
@@ -205,6 +179,38 @@ class Engine:
             self.batches = BatchManager(self._load, config.rebalance_threshold)
             if target.device.type == "cuda":  # the drafter's kernels on their own stream
                 self._draft_stream = torch.cuda.Stream(device=target.device)
+
+    def _batched_drafter(self, draft, num_blocks: int, graphs: bool | None):
+        """The batched drafter of this draft and method, or None (each request then drafts on its
+        own: a level tree wider than one mask word per row, or a draft it does not know)."""
+        cfg, spec = self.config, self.spec
+        chain = cfg.method == "chain"
+        width, depth = (1, spec.k) if chain else (spec.width, spec.resolved_depth())  # a chain: a width-1 tree
+
+        def pool_blocks(rows: int) -> int:  # blocks for max_num_seqs requests of `rows` rows each
+            return cfg.max_num_seqs * (-(-rows // cfg.block_size) + 1)
+
+        if isinstance(draft, Transformer):
+            if not chain and not BatchedTreeDrafter.fits(width, depth):
+                return None
+            ahead = spec.k if chain else (depth - 1) * width
+            # (a request's draft rows exceed its target rows by at most the drafted rows plus one block)
+            blocks = num_blocks + pool_blocks(ahead + 1)
+            sizes = dict(max_seqs=cfg.max_num_seqs, max_seq_blocks=self.pool.blocks_for(
+                self.context_window + ahead + 2 * cfg.block_size), use_graphs=graphs)
+            if chain:
+                return BatchedChainDrafter(draft, blocks, cfg.block_size, **sizes)
+            return BatchedTreeDrafter(draft, blocks, cfg.block_size, width, depth, **sizes)
+        if isinstance(draft, Eagle3Head):  # its level trees (a chain: its greedy path)
+            if not BatchedEagleDrafter.fits(width, depth):
+                return None
+            rows = self.context_window + (depth - 1) * width + 1
+            return BatchedEagleDrafter(draft, pool_blocks(rows), cfg.block_size, width, depth)
+        if isinstance(draft, BlockDrafter):  # its lattices in one pass (each tree built per request)
+            rows = self.context_window + draft.bconfig.block_size
+            return BatchedBlockDrafter(draft, pool_blocks(rows), cfg.block_size, spec.k if chain else spec.nodes,
+                                       chain, self.context_window)
+        return None
 
     # ---- public API ----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
@@ -254,35 +260,31 @@ class Engine:
         draft_s = overlap = 0.0
         if plan:
             drafting_s = None  # seconds spent drafting this step's trees (the gate's figure), None: no drafting
-            if self.config.row_selection:
-                if self.gate is None or self.gate.drafts(len(plan.decodes), plan.num_rows, self.config.row_cost):
-                    t0 = time.perf_counter()
-                    trees, offered = self._select(plan)
-                    drafting_s = time.perf_counter() - t0
-                else:  # drafting would not pay this step: roots only
-                    trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes}
-            elif self.gate is not None and not self.gate.drafts(len(plan.decodes), self._base_rows(plan),
-                                                                self.config.row_cost):
+            base_rows = self._base_rows(plan)
+            if self.gate is not None and not self.gate.drafts(len(plan.decodes), base_rows, self.config.row_cost):
+                # drafting would not pay this step: roots only
                 trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes}
             else:
-                # full drafts, cut to each request's rows as _draft cuts them (a sampled chain
-                # draws the same tokens from its generator whatever its row budget)
-                # (batch parallelism: the verified batch's trees were drafted last step: "pending")
                 t0 = time.perf_counter()
-                full = self._batched_drafts({s.request.request_id: self.config.draft_rows() - 1 for s in plan.decodes
-                                             if "pending" not in s.request.runtime})
-                trees = {s.request.request_id: self._draft(s, full.get(s.request.request_id)) for s in plan.decodes}
+                if self.config.row_selection:
+                    trees, offered = self._select(plan)
+                else:
+                    # full drafts, cut to each request's rows as _draft cuts them (a sampled chain
+                    # draws the same tokens from its generator whatever its row budget)
+                    # (batch parallelism: the verified batch's trees were drafted last step: "pending")
+                    full = self._batched_drafts([s.request for s in plan.decodes if "pending" not in s.request.runtime])
+                    trees = {s.request.request_id: self._draft(s, full.get(s.request.request_id))
+                             for s in plan.decodes}
                 drafting_s = time.perf_counter() - t0
             self._accepted = 0
             t0 = time.perf_counter()
             logits, drafted, draft_s, overlap = self._forward(plan, trees)  # logits: [decode rows, vocab]
             finished = self._apply(plan, trees, logits)
             if self.gate is not None:  # (the accepts read the logits: the pass is done by now)
-                fed = self._base_rows(plan) + sum(len(t) - 1 for t in trees.values())  # rows the pass held
-                self.gate.observe_pass(time.perf_counter() - t0, fed, self.config.row_cost)
+                nodes = sum(len(t) - 1 for t in trees.values())
+                self.gate.observe_pass(time.perf_counter() - t0, base_rows + nodes, self.config.row_cost)
                 if drafting_s is not None:
-                    self.gate.observe_drafting(drafting_s, len(trees), sum(len(t) - 1 for t in trees.values()),
-                                               self._accepted)
+                    self.gate.observe_drafting(drafting_s, len(trees), nodes, self._accepted)
         if self.batches is not None:
             self.batches.swap()
         self._record(plan, trees, verify_batch, overlapped, fallback, loads, drafted, draft_s, overlap, offered)
@@ -390,16 +392,14 @@ class Engine:
             tree = tree.subset(list(range(s.rows)))
         return tree
 
-    def _batched_drafts(self, budgets: dict[str, int]) -> dict[str, DraftTree]:
-        """Greedy chains / trees for the requests that can be drafted together (request id -> at
-        most this many draft nodes); the others are left to their own drafters."""
-        if self.batched is None:
+    def _batched_drafts(self, reqs: list[Request]) -> dict[str, DraftTree]:
+        """The requests' full chains / trees (k or N draft nodes) from the batched drafter, keyed by
+        request id; empty without one (each request then drafts on its own)."""
+        if self.batched is None or not reqs:
             return {}
         chain = self.config.method == "chain"
         cap = self.spec.k if chain else self.spec.nodes
-        todo = [(rid, self.requests[rid].token_ids(), min(cap, n)) for rid, n in budgets.items()]
-        if not todo:
-            return {}
+        todo = [(r.request_id, r.token_ids(), cap) for r in reqs]
         if isinstance(self.batched, (BatchedEagleDrafter, BatchedBlockDrafter)):  # point masses, greedy or sampled
             for rid, toks, _ in todo:
                 req = self.requests[rid]
@@ -417,7 +417,7 @@ class Engine:
     def _draft_pending(self, reqs: list[Request]) -> None:
         """Batch parallelism: the other batch's full trees, drafted now and verified next step
         (together where batched_draft applies, by each request's drafter otherwise)."""
-        trees = self._batched_drafts({r.request_id: self.config.draft_rows() - 1 for r in reqs})
+        trees = self._batched_drafts(reqs)
         for r in reqs:
             r.runtime["pending"] = trees[r.request_id] if r.request_id in trees else self._proposal(r)
 
@@ -432,8 +432,7 @@ class Engine:
         """Row selection: every verified request's full tree, one shared node budget from the
         cost model, then each decode grows by its chosen nodes. Returns the trees and the nodes
         offered."""
-        full = self._batched_drafts({s.request.request_id: self.config.draft_rows() - 1 for s in plan.decodes
-                                     if "pending" not in s.request.runtime})
+        full = self._batched_drafts([s.request for s in plan.decodes if "pending" not in s.request.runtime])
         full.update({s.request.request_id: self._proposal(s.request) for s in plan.decodes
                      if s.request.request_id not in full})
         if not full:

@@ -130,10 +130,10 @@ class PagedKVPool:
 
     def try_reserve(self, seq_id: str, rows: int) -> bool:
         """reserve() when the blocks are there (True), else nothing (False): one capacity check."""
-        s = self.seqs[seq_id]
-        need = max(0, -(-(s.length + s.reserved + rows) // self.block_size) - len(s.blocks))
+        need = self.extra_blocks(seq_id, rows)
         if need > len(self.free_blocks):
             return False
+        s = self.seqs[seq_id]
         for _ in range(need):
             s.blocks.append(self._take())
         s.reserved += rows
@@ -141,13 +141,8 @@ class PagedKVPool:
 
     def reserve(self, seq_id: str, rows: int) -> None:
         """Add `rows` reserved rows after the committed ones (raises PoolExhausted, changing nothing)."""
-        need = self.extra_blocks(seq_id, rows)
-        if need > self.num_free:
-            raise PoolExhausted(f"{need} blocks needed, {self.num_free} free")
-        s = self.seqs[seq_id]
-        for _ in range(need):
-            s.blocks.append(self._take())
-        s.reserved += rows
+        if not self.try_reserve(seq_id, rows):
+            raise PoolExhausted(f"{self.extra_blocks(seq_id, rows)} blocks needed, {self.num_free} free")
 
     def commit(self, seq_id: str, path: list[int], tokens: list[int]) -> None:
         """Keep reserved rows `path` (reserved-relative, in order) as the next committed rows,
