@@ -5,6 +5,8 @@
 # (batch-parallel, row selection, deterministic, per-request drafting) at a few concurrencies.
 #   bash bench/run_h200_engine.sh $OUT      (device tool: carry .data/mbpp)
 #   DRAFT=eagle3 METHODS=ar,tree,tree+gate bash bench/run_h200_engine.sh $OUT   (another drafter, the gate)
+#   MORE_DRAFTS="eagle3 block" MORE_METHODS=tree,tree+gate ...   (further drafters after the first table)
+#   SINGLE=1 ...   (also the single-request loop, block ar / tree, and gpt-fast: carry .data/peers too)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 NP=${NP:-64}
@@ -34,6 +36,17 @@ conc() {  # conc NAME CONCURRENCIES METHODS [extra]
   grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "^- " -e "utput" -e "rror" -e "mismatch" | tail -40
 }
 conc engine_concurrency ${CONC:-1,8,16,32,64} ${METHODS:-ar,tree} --peers ${PEERS:-generate_batch,generate}
+for d in ${MORE_DRAFTS:-}; do  # further drafters, speculative methods only (ar does not depend on the drafter)
+  DRAFT=$d conc engine_$d ${CONC:-1,8,16,32,64} ${MORE_METHODS:-tree} --peers none
+done
+if [ "${SINGLE:-0}" = 1 ]; then  # the single-request resident loop and the compiled-AR peer, same call
+  echo "== single request: block drafter, ar / tree (10 MBPP prompts)"
+  timeout 100 python3 -m tandem bench --device cuda --dtype bfloat16 --workload mbpp --data-dir .data --num-prompts 10 \
+    --max-new-tokens 128 --methods ar,tree --warmup 2 --max-prompt-tokens 384 --draft block --no-plots --allow-mismatch \
+    --out "$OUT/single_block" 2>&1 | grep -v -e "it/s" -e "req/s" | grep -e "^|" -e "Output check" -e "rror"
+  echo "== peer: gpt-fast compiled AR at the bundled target's shape (ms/token)"
+  timeout 90 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
+fi
 [ "${MODES:-1}" = 1 ] && TMO=200 conc engine_modes ${MODES_CONC:-8,32,64} ${MODES_METHODS:-ar,tree,tree+seq} \
   --batch-parallel --row-selection --deterministic --peers none
 tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"
