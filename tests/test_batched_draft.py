@@ -9,7 +9,6 @@ import torch
 
 from models_for_tests import tiny_model
 from tandem.engine.batched_draft import BatchedTreeDrafter
-from tandem.engine.batched_model import BatchedModel
 
 
 def _path(tree, i: int) -> list[int]:
@@ -21,19 +20,14 @@ def _path(tree, i: int) -> list[int]:
 
 
 @pytest.mark.parametrize("graphs", [False, "emulate"])
-def test_level_tree_nodes_follow_the_drafts_own_distribution(graphs, monkeypatch):
-    from tandem.engine import batched_draft
-
-    if graphs:  # every pass padded to a graph bucket, as on a GPU
-        class Emulated(BatchedModel):
-            def __init__(self, *a, **k):
-                k["use_graphs"] = "emulate"
-                super().__init__(*a, **k)
-
-        monkeypatch.setattr(batched_draft, "BatchedModel", Emulated)
+def test_level_tree_nodes_follow_the_drafts_own_distribution(graphs):
+    # "emulate": every pass padded to a graph bucket and the whole tree run over the captured
+    # tree's static buffers (3 requests in a bucket of 4: one padding request), as on a GPU
     draft = tiny_model(seed=4)
     w, depth, n = 3, 4, 12
-    bd = BatchedTreeDrafter(draft, num_blocks=64, block_size=4, width=w, depth=depth, max_seqs=4, max_seq_blocks=16)
+    bd = BatchedTreeDrafter(draft, num_blocks=64, block_size=4, width=w, depth=depth, max_seqs=4, max_seq_blocks=16,
+                            use_graphs=graphs, nodes=n)
+    assert bd.tree_graphs == bool(graphs)
     g = torch.Generator().manual_seed(1)
     contexts = {str(i): torch.randint(1, 90, (k,), generator=g).tolist() for i, k in enumerate((5, 9, 2))}
     for _ in range(2):  # the second call catches up on two more tokens per request

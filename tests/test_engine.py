@@ -90,6 +90,8 @@ def test_graph_bucketed_passes_equal_their_solo_ar_outputs(models, solo, method,
     assert [o.token_ids for o in outs] == refs
     assert_clean(engine)
     assert len(made) == (1 if method == "ar" else 2) and all(m.use_graphs and m._graphs for m in made)
+    if method != "ar":  # the draft trees ran over their captured trees' static buffers
+        assert engine.batched.tree_graphs and any(engine.batched._trees.values())
 
 
 @pytest.mark.parametrize("method", ["ar", "tree"])
@@ -430,18 +432,25 @@ def test_batched_drafting_catches_up_a_long_prompt_in_chunks(models, monkeypatch
 @pytest.mark.parametrize("kind,spec,chunk", [("eagle3", SpecConfig(nodes=16, width=4), None),
                                              ("block", SpecConfig(nodes=32), None),
                                              ("eagle3", SpecConfig(nodes=16, width=4), 3),
-                                             ("block", SpecConfig(nodes=32), 3)],
-                         ids=["eagle3", "block", "eagle3-prompts-in-chunks", "block-prompts-in-chunks"])
+                                             ("block", SpecConfig(nodes=32), 3),
+                                             ("eagle3", SpecConfig(nodes=16, width=4), "captured")],
+                         ids=["eagle3", "block", "eagle3-prompts-in-chunks", "block-prompts-in-chunks",
+                              "eagle3-captured-tree"])
 def test_batched_feature_drafters_grow_the_per_request_drafters_trees(kind, spec, chunk, monkeypatch):
     """The EAGLE-3 head / the block drafter drafting every request at once
     (engine.batched_draft.BatchedEagleDrafter / BatchedBlockDrafter) grow the same trees as each
     request's own EagleDrafter / LatticeDrafter: every request accepts exactly as many draft
     tokens both ways (fp32), and the outputs are the same. With `chunk`, a prompt reaches the
-    batched drafter in passes of that many rows (a long backlog's path)."""
+    batched drafter in passes of that many rows (a long backlog's path). "captured": the head's
+    whole tree runs over a captured tree's padded static buffers (emulated on the CPU)."""
     from tandem.engine import batched_draft
     from tandem.runtime.pair import BUNDLED_TARGET, load_pair
 
-    if chunk is not None:
+    if chunk == "captured":
+        init = batched_draft.BatchedTreeDrafter._init_trees
+        monkeypatch.setattr(batched_draft.BatchedTreeDrafter, "_init_trees",
+                            lambda self, graphs, *a: init(self, "emulate", *a))
+    elif chunk is not None:
         monkeypatch.setattr(batched_draft, "CATCH_UP_CHUNK", chunk)
 
     if not (BUNDLED_TARGET / "config.json").is_file():
@@ -453,7 +462,11 @@ def test_batched_feature_drafters_grow_the_per_request_drafters_trees(kind, spec
         engine = Engine(pair.target, pair.draft, config=EngineConfig(
             method="tree", spec=spec, block_size=16, max_num_batched_tokens=512, batched_drafting=batched,
             debug_check=True))
+        if batched and chunk == "captured":
+            assert engine.batched.tree_graphs
         outs = run_all(engine, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+        if batched and chunk == "captured":  # 12 requests: some steps padded to a bucket of 16
+            assert 16 in engine.batched._trees
         accepted[batched] = [o.figures.accepted_tokens for o in outs]
         tokens[batched] = [o.token_ids for o in outs]
         assert_clean(engine)

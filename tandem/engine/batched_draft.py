@@ -33,12 +33,13 @@ with the target features those rows read (`start` for a prompt, `observe` after 
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
 from tandem.config import SamplingConfig
-from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
+from tandem.engine.batched_model import BatchedModel, BatchRows, Capacity, Segment, StaticRows
 from tandem.kernels.fused import add_rmsnorm
 from tandem.kernels.resident import topk_logprobs
 from tandem.kv.paged import PagedKVPool
@@ -170,6 +171,19 @@ class BatchedChainDrafter(BatchedDrafter):
 
 
 MAX_LEVEL_ROWS = 64  # a tree's level rows per request: one int64 mask word (tandem.kernels.paged_attention)
+REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # requests per captured tree (padded up)
+
+
+@dataclass
+class _TreeGraph:
+    """One captured tree of level passes for R requests (padding requests write the scratch slot)."""
+
+    R: int
+    st: StaticRows  # level 1's rows [R * w]: each level rewrites their per-row fields
+    roots: tuple[torch.Tensor, ...]  # inputs: the drafter's root state, [R, ...] each (logits first)
+    graph: object = None  # torch.cuda.CUDAGraph (None: emulated, run eagerly over the same buffers)
+    idx: torch.Tensor | None = None  # output [3, R, n]: node index, token, parent node index, best first
+    lp: torch.Tensor | None = None  # output [R, n]: cumulative log-probs
 
 
 class BatchedTreeDrafter(BatchedDrafter):
@@ -177,17 +191,34 @@ class BatchedTreeDrafter(BatchedDrafter):
 
     After the catch-up pass the levels need no host: each level's fed rows (the w best newest
     nodes by cumulative log-prob, ties to the earlier node), their tokens, positions, slots and
-    ancestor masks are computed by tensor ops into the pass's buffers (a CUDA graph's static
-    inputs on a GPU), and the children's top-w are scattered into node arrays. The host reads the
-    tree back once per step, where it used to read every level's top-w back (a round trip per
-    level: 7 of them a step at N = 32, w = 4 on the H200)."""
+    ancestor masks are computed by tensor ops into the pass's buffers, and the children's top-w
+    are scattered into node arrays. With CUDA graphs the whole tree (the roots' top-w, every
+    level pass, the N best) is ONE captured graph per request bucket: a step packs level 1's
+    rows, replays it and reads the tree back once. Eagerly, each level's kernels are launched
+    from the host (on the H200's slow host about as long as the level's pass)."""
 
     def __init__(self, draft, num_blocks: int, block_size: int, width: int, depth: int,
                  max_seqs: int | None = None, max_seq_blocks: int | None = None,
-                 use_graphs: bool | str | None = None):
+                 use_graphs: bool | str | None = None, nodes: int | None = None):
+        """nodes: the largest node budget a proposal asks (the captured trees keep that many)."""
         super().__init__(draft, num_blocks, block_size, max_seqs, max_seq_blocks, use_graphs)
         self.w, self.depth = width, depth
         self.check_fits(width, depth)
+        self._init_trees(use_graphs, nodes, max_seqs, max_seq_blocks)
+
+    def _init_trees(self, use_graphs, nodes: int | None, max_seqs: int | None, max_seq_blocks: int | None) -> None:
+        self.n_all = self.w + (self.depth - 1) * self.w * self.w  # level 1, then each level's w x w children
+        self.n_graph = min(nodes or self.n_all, self.n_all)
+        self.max_seqs, self.max_seq_blocks = max_seqs, max_seq_blocks
+        self._trees: dict[int, _TreeGraph | None] = {}
+        if use_graphs is None:
+            use_graphs = self.draft.device.type == "cuda" and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
+        if self.model.emulate:  # (its passes emulate graph buckets: the tree emulates its capture too)
+            use_graphs = "emulate"
+        # a captured tree: graphs on, sizes known, levels to grow, the Triton kernel for attention
+        ok = bool(use_graphs) and max_seqs is not None and max_seq_blocks is not None and self.depth > 1
+        self.tree_graphs = ok and (use_graphs == "emulate" or self.model.kernel_applies())
+        self.emulate = use_graphs == "emulate"
 
     @staticmethod
     def fits(width: int, depth: int) -> bool:
@@ -199,6 +230,15 @@ class BatchedTreeDrafter(BatchedDrafter):
             raise ValueError(f"a batched level tree feeds (depth - 1) x width = {(depth - 1) * width} rows per "
                              f"request, more than {MAX_LEVEL_ROWS}")
 
+    def warmup(self, max_seqs: int) -> None:
+        """Capture the trees of every request bucket up to `max_seqs` now (server start-up)."""
+        if not self.tree_graphs:
+            return
+        for b in REQUEST_BUCKETS:
+            if b > max_seqs:
+                break
+            self._tree_graph(b)
+
     @torch.no_grad()
     def propose(self, trees: list[tuple[str, list[int], int]]) -> dict[str, DraftTree]:
         """trees: (request id, every token so far (the root last), node budget N >= 0) ->
@@ -207,22 +247,34 @@ class BatchedTreeDrafter(BatchedDrafter):
         if not live:
             return out
         w, R = self.w, len(live)
-        lp, tok = topk_logprobs(self._roots(live), w)  # [R, w] each
-        tok = self._to_target(tok)
-        # every node of every request: level 1 at [0, w), then each level pass's w x w children
-        n_all = w + (self.depth - 1) * w * w
-        node_tok = torch.zeros(R, n_all, dtype=torch.long, device=tok.device)
-        node_par = torch.full((R, n_all), -1, dtype=torch.long, device=tok.device)
-        node_lp = torch.zeros(R, n_all, dtype=torch.float32, device=tok.device)
-        node_tok[:, :w], node_lp[:, :w] = tok, lp
-        if self.depth > 1:
-            self._grow(live, node_tok, node_par, node_lp)
-        # the N best by cumulative log-prob (ties to the earlier node: a parent precedes its
-        # children and scores at least as high, so every prefix of this order is prefix-closed)
-        n_max = min(max(n for _, _, n in live), n_all)
-        order = torch.sort(-node_lp, dim=1, stable=True).indices[:, :n_max]  # [R, n_max]
-        picked = [order, node_tok.gather(1, order), node_par.gather(1, order), node_lp.gather(1, order)]
-        order, toks_, pars, lps = (t.tolist() for t in picked)  # the step's one read-back
+        roots = self._roots(live)  # ([R, V], drafter state ...)
+        n_max = min(max(n for _, _, n in live), self.n_all)
+        segs = []
+        if self.depth > 1:  # every level's rows now, so the block tables hold for the whole tree
+            for rid, toks, _ in live:
+                L = len(toks)
+                self.pool.reserve(rid, (self.depth - 1) * w)
+                segs.append(Segment([0] * w, [L] * w, self.pool.seqs[rid].blocks, L + w, logits=True,
+                                    prefix=L, bits=[1 << s for s in range(w)]))
+        g = None
+        if self.tree_graphs and n_max <= self.n_graph and R <= (self.max_seqs or 0):
+            g = self._tree_graph(next(b for b in REQUEST_BUCKETS if b >= R))
+        if g is not None:
+            rows = self.model.load_rows(g.st, segs)
+            for buf, t in zip(g.roots, roots):
+                buf[:R].copy_(t)
+            if g.graph is not None:
+                g.graph.replay()
+            else:  # emulated: the same padded buffers, eagerly (the reference path reads `rows`' host figures)
+                g.idx, g.lp = self._device_tree(rows, g.roots, g.R, self.n_graph)
+            idx, lp = g.idx[:, :R, :n_max], g.lp[:R, :n_max]
+        else:
+            rows = self.model.rows(segs) if segs else None
+            idx, lp = self._device_tree(rows, roots, R, n_max)
+        order, toks_, pars = idx.tolist()  # the step's one read-back
+        lps = lp.tolist()
+        for rid, _, _ in live:
+            self.pool.commit(rid, [], [])  # drop the levels' rows: the target decides what stays
         for i, (rid, toks, n) in enumerate(live):
             keep = sorted(range(min(n, n_max)), key=lambda j: order[i][j])  # by node index: parents first
             index = {order[i][j]: k + 1 for k, j in enumerate(keep)}
@@ -231,19 +283,53 @@ class BatchedTreeDrafter(BatchedDrafter):
                                  logp=[0.0] + [lps[i][j] for j in keep])
         return out
 
-    def _grow(self, live: list[tuple[str, list[int], int]], node_tok: torch.Tensor, node_par: torch.Tensor,
-              node_lp: torch.Tensor) -> None:
-        """The depth - 1 level passes, on the device: node arrays [R, n_all] filled in place."""
-        R, w, dev, bs = len(live), self.w, node_tok.device, self.pool.block_size
-        L = [len(toks) for _, toks, _ in live]
-        for rid, _, _ in live:  # every level's rows now, so the block tables hold for the whole tree
-            self.pool.reserve(rid, (self.depth - 1) * w)
-        # level 1's pass, packed once on the host; each level rewrites its per-row fields
-        rows = self.model.rows([Segment([0] * w, [L[r]] * w, self.pool.seqs[rid].blocks, L[r] + w, logits=True,
-                                        prefix=L[r], bits=[1 << s for s in range(w)])
-                                for r, (rid, _, _) in enumerate(live)])
+    def _tree_graph(self, R: int) -> _TreeGraph | None:
+        """The captured tree for a bucket of R requests (None: the capture failed; eager then)."""
+        if R in self._trees:
+            return self._trees[R]
+        w = self.w
+        cap = Capacity(R * w, R, R, self.max_seq_blocks, 1)  # (w <= 16 rows: one attention tile a request)
+        st = self.model.static_rows(cap)
+        roots = tuple(torch.zeros(R, *shape, dtype=dtype, device=self.draft.device) for shape, dtype in self._root_specs())
+        g = _TreeGraph(R, st, roots)
+        if not self.emulate:
+            def body():
+                g.idx, g.lp = self._device_tree(st.rows, roots, R, self.n_graph)
+            g.graph = self.model.capture(body)
+            if g.graph is None:
+                self.tree_graphs = False
+                g = None
+        self._trees[R] = g
+        return g
+
+    def _device_tree(self, rows: BatchRows | None, roots: tuple[torch.Tensor, ...], R: int, n_out: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole tree on the device, from the roots' state (logits [R, V] first) and level 1's
+        rows (None without levels) ->
+        idx [3, R, n_out] (node index, token, parent node index; best first), lp [R, n_out]."""
+        w = self.w
+        lp, tok = topk_logprobs(roots[0], w)  # [R, w] each
+        tok = self._to_target(tok)
+        node_tok = torch.zeros(R, self.n_all, dtype=torch.long, device=tok.device)
+        node_par = torch.full((R, self.n_all), -1, dtype=torch.long, device=tok.device)
+        node_lp = torch.zeros(R, self.n_all, dtype=torch.float32, device=tok.device)
+        node_tok[:, :w], node_lp[:, :w] = tok, lp
+        if self.depth > 1:
+            self._grow(rows, roots, R, node_tok, node_par, node_lp)
+        # the N best by cumulative log-prob (ties to the earlier node: a parent precedes its
+        # children and scores at least as high, so every prefix of this order is prefix-closed)
+        order = torch.sort(-node_lp, dim=1, stable=True).indices[:, :n_out]  # [R, n_out]
+        return torch.stack([order, node_tok.gather(1, order), node_par.gather(1, order)]), node_lp.gather(1, order)
+
+    def _grow(self, rows: BatchRows, roots: tuple[torch.Tensor, ...], R: int, node_tok: torch.Tensor,
+              node_par: torch.Tensor, node_lp: torch.Tensor) -> None:
+        """The depth - 1 level passes over level 1's packed rows (R requests, w rows each; a
+        request with no columns is padding): node arrays [R, n_all] filled in place."""
+        w, dev, bs = self.w, node_tok.device, self.pool.block_size
         M = R * w
-        Lt = torch.tensor(L, device=dev)  # [R] committed columns (the root is the last)
+        Lt = rows.seq_len[:R] - w  # [R] committed columns (the root is the last); < 0: padding
+        real = (Lt >= 0).repeat_interleave(w)  # [M]
+        ctx1 = list(rows.contexts)  # (host figures of the reference path; empty when captured)
         s_idx = torch.arange(w, device=dev)  # [w] a request's fed row
         req = torch.arange(R, device=dev).repeat_interleave(w)  # [M] the request of each row
         fed_bits = torch.zeros(R, w, dtype=torch.long, device=dev)  # the previous level's fed rows' masks
@@ -257,27 +343,32 @@ class BatchedTreeDrafter(BatchedDrafter):
             if parent_row is not None:
                 fed_bits = fed_bits.gather(1, parent_row)
             fed_bits = fed_bits | torch.bitwise_left_shift(torch.ones_like(fed_bits), base + s_idx)  # + itself
-            col = (Lt[:, None] + base + s_idx).flatten()  # [M] the column each row is written to
+            col = (Lt.clamp_min(0)[:, None] + base + s_idx).flatten()  # [M] the column each row is written to
             rows.tokens[:M] = node_tok.gather(1, fed).flatten()
-            rows.positions[:M] = (Lt - 1 + d).repeat_interleave(w)
-            rows.slots[:M] = rows.block_tables[req, col // bs] * bs + col % bs
+            rows.positions[:M] = (Lt - 1 + d).clamp_min(0).repeat_interleave(w)
+            slot = rows.block_tables[req, col // bs] * bs + col % bs
+            rows.slots[:M] = torch.where(real, slot, self.pool.scratch_slot)
             rows.row_bits[:M, 0] = fed_bits.flatten()
-            rows.seq_len[:R] = Lt + base + w
-            rows = replace(rows, contexts=[n + base + w for n in L])  # (a reference path's view is per pass)
-            clp, ctok = topk_logprobs(self._level(rows, parent_row), w)  # [M, w] each
+            rows.seq_len[:R] = torch.where(Lt >= 0, Lt + base + w, 0)
+            if ctx1:  # (a reference path's view is per pass)
+                rows = replace(rows, contexts=[c + base for c in ctx1])
+            clp, ctok = topk_logprobs(self._level(rows, parent_row, roots), w)  # [M, w] each
             lo, hi = hi, hi + w * w  # this level's children: fed row s's at lo + s * w + j
             node_tok[:, lo:hi] = self._to_target(ctok).view(R, w * w)
             node_par[:, lo:hi] = fed.repeat_interleave(w, dim=1)
             node_lp[:, lo:hi] = (node_lp.gather(1, fed)[:, :, None] + clp.view(R, w, w)).view(R, w * w)
-        for rid, _, _ in live:
-            self.pool.commit(rid, [], [])  # drop the levels' rows: the target decides what stays
+        rows.seq_len[:R] = torch.where(Lt >= 0, Lt + w, 0)  # (level 1's again: a replay starts from it)
 
     # ---- what differs between drafters --------------------------------------------------------
-    def _roots(self, live: list[tuple[str, list[int], int]]) -> torch.Tensor:
-        """Each request's root distribution [R, V] (the catch-up pass over what it has not seen)."""
-        return self._catch_up([(rid, toks) for rid, toks, _ in live])
+    def _roots(self, live: list[tuple[str, list[int], int]]) -> tuple[torch.Tensor, ...]:
+        """Each request's root state: its distribution [R, V] (the catch-up pass over what it has not seen)."""
+        return (self._catch_up([(rid, toks) for rid, toks, _ in live]),)
 
-    def _level(self, rows: BatchRows, parent_row: torch.Tensor | None) -> torch.Tensor:
+    def _root_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape past R, dtype) of each tensor of `_roots`'s state."""
+        return [((self.draft.config.vocab_size,), self.draft.dtype)]
+
+    def _level(self, rows: BatchRows, parent_row: torch.Tensor | None, roots: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """A level's pass over its fed rows -> logits [R * w, V]; parent_row [R, w]: the previous
         level's row each fed node hangs from (None: the root's)."""
         return self.model.forward(rows)
@@ -318,7 +409,9 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
     runs them all as one context pass (their rows join the head's pool), then the levels on the
     device: a fed node reads its parent's output hidden (the root's row for level 1)."""
 
-    def __init__(self, head, num_blocks: int, block_size: int, width: int, depth: int):
+    def __init__(self, head, num_blocks: int, block_size: int, width: int, depth: int,
+                 max_seqs: int | None = None, max_seq_blocks: int | None = None,
+                 use_graphs: bool | str | None = None, nodes: int | None = None):
         self.check_fits(width, depth)
         self.draft, self.w, self.depth = head, width, depth
         c = head.config
@@ -327,8 +420,8 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         self.model = BatchedHead(head, self.pool)
         self.root_logits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # rid -> its last root's logits, out
         self.pending: dict[str, tuple[list[int], torch.Tensor]] = {}  # rid -> (tokens, hidden [n, H])
-        self._root_out: torch.Tensor | None = None  # [R, H] the roots' output hidden (this step)
         self._level_out: torch.Tensor | None = None  # [R, w, H] the last level's output hidden
+        self._init_trees(use_graphs, nodes, max_seqs, max_seq_blocks)
 
     def release(self, request_id: str) -> None:
         super().release(request_id)
@@ -353,9 +446,9 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         the target's features of the root and the accepted nodes, the inputs of those tokens' rows."""
         self.pending[request_id] = (list(tokens), self.draft.project(features))
 
-    def _roots(self, live: list[tuple[str, list[int], int]]) -> torch.Tensor:
+    def _roots(self, live: list[tuple[str, list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The context pass: every request's pending rows (in chunks of CATCH_UP_CHUNK), joined to
-        its pool rows; returns the roots' logits [R, draft_vocab] and keeps their output hidden."""
+        its pool rows -> the roots' logits [R, draft_vocab] and output hidden [R, H]."""
         # (a request drafted again before its verify, as batch parallelism may, has nothing new)
         logits = {rid: self.root_logits[rid][0] for rid, _, _ in live if not self.pending[rid][0]}
         outs = {rid: self.root_logits[rid][1] for rid in logits}
@@ -383,13 +476,18 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         for rid, _, _ in live:
             self.pending[rid] = ([], self.pending[rid][1][:0])  # run: nothing pending until the next observe
             self.root_logits[rid] = (logits[rid], outs[rid])
-        self._root_out = torch.stack([outs[rid] for rid, _, _ in live])  # [R, H]
-        return torch.stack([logits[rid] for rid, _, _ in live])  # [R, draft_vocab]
+        return (torch.stack([logits[rid] for rid, _, _ in live]),  # [R, draft_vocab]
+                torch.stack([outs[rid] for rid, _, _ in live]))  # [R, H]
 
-    def _level(self, rows: BatchRows, parent_row: torch.Tensor | None) -> torch.Tensor:
-        R, w = self._root_out.shape[0], self.w
+    def _root_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        h = self.draft
+        return [((h.econfig.draft_vocab_size,), h.dtype), ((h.config.hidden_size,), h.dtype)]
+
+    def _level(self, rows: BatchRows, parent_row: torch.Tensor | None, roots: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        root_out = roots[1]  # [R, H]
+        R, w = root_out.shape[0], self.w
         if parent_row is None:  # level 1: every fed node's parent is its request's root
-            hidden = self._root_out[:, None].expand(R, w, -1)
+            hidden = root_out[:, None].expand(R, w, -1)
         else:
             hidden = self._level_out.gather(1, parent_row[:, :, None].expand(R, w, self._level_out.shape[-1]))
         logits, out = self.model.run(rows, hidden.reshape(R * w, -1))

@@ -334,6 +334,17 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 76
 
 
 @dataclass
+class StaticRows:
+    """Buffers of a pass captured by its caller (BatchedModel.static_rows)."""
+
+    cap: Capacity
+    host: torch.Tensor  # [cap.size] int64 (pinned on CUDA): segments are packed here
+    packed: torch.Tensor  # [cap.size] int64 on the device: the captured ops read it
+    rows: "BatchRows"  # views of `packed`, every row padding
+    views: dict  # numpy views of `host`, one per packed field
+
+
+@dataclass
 class _Graph:
     """One captured pass of `cap.M` rows and its static buffers."""
 
@@ -405,6 +416,63 @@ class BatchedModel:
             g.staged.record()
         return BatchRows(g.packed, g.cap, offsets[-1], T, S, offsets, n, self.pool.block_size, self.tile_rows,
                          self.model.dtype, graph=g.cap.M)
+
+    def static_rows(self, cap: Capacity) -> "StaticRows":
+        """Buffers for passes of capacity `cap` that a caller captures itself (a drafter's whole
+        tree of level passes): every row padding, so a warm-up writes only the scratch slot."""
+        pinned = self.model.device.type == "cuda" and not self.emulate
+        host = torch.empty(cap.size, dtype=torch.int64, pin_memory=pinned)
+        BatchRows.pack([], host.numpy(), cap, self.pool.block_size, self.pool.scratch_slot, self.tile_rows)
+        packed = host.to(self.model.device)
+        rows = BatchRows(packed, cap, cap.M, [], [], [0], cap.M, self.pool.block_size, self.tile_rows,
+                         self.model.dtype)
+        return StaticRows(cap, host, packed, rows, BatchRows.host_views(host.numpy(), cap))
+
+    def load_rows(self, st: "StaticRows", segments: list[Segment], num_logits: int | None = None) -> BatchRows:
+        """Pack `segments` (at most st.cap) into st's buffers -> rows over them with the
+        segments' host figures (the reference path's view). The rows keep st.cap.M rows and
+        `num_logits` logit rows (default: every row), whatever the segments hold."""
+        T, S, offsets, n = BatchRows.pack(segments, st.host.numpy(), st.cap, self.pool.block_size,
+                                          self.pool.scratch_slot, self.tile_rows, st.views)
+        st.packed.copy_(st.host, non_blocking=True)  # (a capture or replay follows on this stream)
+        return BatchRows(st.packed, st.cap, st.cap.M, T, S, offsets, st.cap.M if num_logits is None else num_logits,
+                         self.pool.block_size, self.tile_rows, self.model.dtype)
+
+    def capture(self, fn) -> object:
+        """Run fn() twice on this model's capture stream (compiles, cuBLAS handles), then capture
+        it as a CUDA graph sharing the model's memory pool -> the graph (None: the capture failed,
+        with a warning; the caller runs fn eagerly). fn must only touch static buffers."""
+        dev = self.model.device
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(device=dev)
+        s = self._capture_stream
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(dev).wait_stream(s)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        gc.disable()  # (as in _graph: no collection inside a capture)
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool, stream=s):
+                fn()
+        except RuntimeError as e:
+            log.warning("CUDA graph capture failed (%s); running eagerly", e)
+            torch.cuda.synchronize(dev)
+            return None
+        finally:
+            gc.enable()
+        return graph
+
+    def kernel_applies(self) -> bool:
+        """Whether the Triton paged kernel takes this model's attention (what a capture needs:
+        the reference path builds its view on the host per pass)."""
+        m = self.model
+        attn = m.model.layers[0].self_attn if hasattr(m, "model") else m.midlayer.self_attn  # (an EAGLE-3 head)
+        k_cache = self.pool.layer(0)[0]
+        return pk.applies(k_cache.new_empty(1, attn.n_heads, attn.head_dim), k_cache, 1)
 
     def warmup(self, max_rows: int) -> None:
         """Capture every bucket up to the one that holds `max_rows` rows now, as a server does at

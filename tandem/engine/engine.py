@@ -160,6 +160,8 @@ class Engine:
         self.model.warmup(config.max_num_batched_tokens)
         if self.batched is not None:  # (its level passes: at most w rows per request)
             self.batched.model.warmup(config.max_num_seqs * max(self.spec.width, 1))
+            if isinstance(self.batched, BatchedTreeDrafter):  # its whole trees, one graph per request bucket
+                self.batched.warmup(config.max_num_seqs)
         self._verify_rows = 1 if config.row_selection else config.draft_rows()  # a decode's rows in a plan
         self.scheduler = Scheduler(config, self.pool, row_budget=self._row_budget)
         self.requests: dict[str, Request] = {}
@@ -200,12 +202,14 @@ class Engine:
                 self.context_window + ahead + 2 * cfg.block_size), use_graphs=graphs)
             if chain:
                 return BatchedChainDrafter(draft, blocks, cfg.block_size, **sizes)
-            return BatchedTreeDrafter(draft, blocks, cfg.block_size, width, depth, **sizes)
+            return BatchedTreeDrafter(draft, blocks, cfg.block_size, width, depth, nodes=spec.nodes, **sizes)
         if isinstance(draft, Eagle3Head):  # its level trees (a chain: its greedy path)
             if not BatchedEagleDrafter.fits(width, depth):
                 return None
             rows = self.context_window + (depth - 1) * width + 1
-            return BatchedEagleDrafter(draft, pool_blocks(rows), cfg.block_size, width, depth)
+            return BatchedEagleDrafter(draft, pool_blocks(rows), cfg.block_size, width, depth,
+                                       max_seqs=cfg.max_num_seqs, max_seq_blocks=-(-rows // cfg.block_size) + 1,
+                                       use_graphs=graphs, nodes=spec.k if chain else spec.nodes)
         if isinstance(draft, BlockDrafter):  # its lattices in one pass (each tree built per request)
             rows = self.context_window + draft.bconfig.block_size
             return BatchedBlockDrafter(draft, pool_blocks(rows), cfg.block_size, spec.k if chain else spec.nodes,
