@@ -466,6 +466,7 @@ class BatchedModel:
             gc.enable()
         return graph
 
+    @torch.no_grad()  # (the passes run without autograd: ask as they will run, whoever builds the engine)
     def kernel_applies(self) -> bool:
         """Whether the Triton paged kernel takes this model's attention (what a capture needs:
         the reference path builds its view on the host per pass)."""
