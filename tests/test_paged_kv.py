@@ -46,6 +46,25 @@ def test_commit_gathers_the_path_and_frees_the_rest():
     assert p.num_free == 8 and p.check() == []
 
 
+def test_commit_many_moves_every_sequences_path_at_once():
+    """Three sequences' trees committed in one call (one gather, one scatter): each keeps its
+    own path's rows in order, as three commit() calls would, and the pool checks clean."""
+    p = pool(num_blocks=16)
+    paths = {"a": [0, 2, 5], "b": [0, 1, 2], "c": [0, 3]}  # "b" in place: no move
+    for k, sid in enumerate(paths):
+        p.allocate(sid, [], max_cached=0)
+        p.reserve(sid, 2)
+        write_rows(p, sid, 0, [k, k + 0.5])
+        p.commit(sid, [0, 1], [1, 2])
+        p.reserve(sid, 7)
+        write_rows(p, sid, 2, [10 * (k + 1) + i for i in range(7)])
+    p.commit_many([(sid, path, [5] * len(path)) for sid, path in paths.items()])
+    for k, (sid, path) in enumerate(paths.items()):
+        assert row_values(p, sid, 0, 2 + len(path)) == [k, k + 0.5] + [10 * (k + 1) + i for i in path]
+        assert p.seqs[sid].length == 2 + len(path) and p.seqs[sid].reserved == 0
+    assert p.check() == []
+
+
 def test_reserve_beyond_the_pool_raises_and_changes_nothing():
     p = pool(num_blocks=2)
     p.allocate("a", [], 0)

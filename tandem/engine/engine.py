@@ -558,15 +558,21 @@ class Engine:
         return self.model.rows(segments)
 
     def _apply(self, plan: StepPlan, trees: dict[str, DraftTree], logits: torch.Tensor) -> list[RequestOutput]:
-        finished, row, m = [], 0, 0  # m: the segment's first row in the pass (features)
+        """Accept every decode, commit every request's rows in one pool call, then feed the
+        drafters and emit. A request that raises in its part fails alone (its rows of the pass
+        are already out)."""
+        row, m = 0, 0  # the segment's first logits row / first row in the pass (features)
         feats = self.model.last_features if self.feature_layers else None  # [M, F]
         # every row's argmax read back at once: one device sync per step, not one per request
         argmax = logits.argmax(-1).tolist() if logits.numel() else []
+        commits: list[tuple[str, list[int], list[int]]] = []
+        accepted: list[tuple[Request, DraftTree, VerifyResult, torch.Tensor | None]] = []
+        failed: list[Request] = []
         for s in plan.scheduled:
             req = s.request
             if s.kind == "prefill":
                 chunk = req.token_ids()[s.start:s.start + s.rows]
-                self.pool.commit(req.request_id, list(range(s.rows)), chunk)
+                commits.append((req.request_id, list(range(s.rows)), chunk))
                 req.num_computed += s.rows
                 if feats is not None:  # kept until the request's drafter starts
                     req.runtime.setdefault("features", []).append(feats[m:m + s.rows].clone())
@@ -576,31 +582,40 @@ class Engine:
             lo, mlo = row, m  # this request's logits rows and feature rows
             row += len(tree)
             m += len(tree)
-            try:  # a request that raises here fails alone: its rows of the pass are already out
+            try:
                 if self.fault_hook is not None:
                     self.fault_hook(req)
-                done = self._commit(req, tree, logits[lo:lo + len(tree)], argmax[lo:lo + len(tree)],
-                                    feats[mlo:mlo + len(tree)] if feats is not None else None)
+                result = self._accept(req, tree, logits[lo:lo + len(tree)], argmax[lo:lo + len(tree)])
             except Exception:
                 log.exception("request %s failed in its part of a step; the others go on", req.request_id)
-                self._end(req, RequestState.ABORTED, "error")
-                self.counters.failed += 1
-                finished.append(self.output(req))
+                failed.append(req)
+                continue
+            commits.append((req.request_id, result.path, [tree.tokens[i] for i in result.path]))
+            accepted.append((req, tree, result, feats[mlo:mlo + len(tree)] if feats is not None else None))
+        self.pool.commit_many(commits)  # (before any request ends: ending frees its blocks)
+        finished = []
+        for req, tree, result, f in accepted:
+            try:
+                done = self._commit(req, tree, result, f)
+            except Exception:
+                log.exception("request %s failed in its part of a step; the others go on", req.request_id)
+                failed.append(req)
                 continue
             if done:
                 self._end(req, RequestState.FINISHED, req.finish_reason)
                 finished.append(self.output(req))
+        for req in failed:
+            self._end(req, RequestState.ABORTED, "error")
+            self.counters.failed += 1
+            finished.append(self.output(req))
         return finished
 
-    def _commit(self, req: Request, tree: DraftTree, logits: torch.Tensor, argmax: list[int],
-                feats: torch.Tensor | None) -> bool:
-        """Accept over the request's rows (logits [n, vocab], their argmax [n], feats [n, F]),
-        commit the path, feed the drafter, emit; True when the request is done."""
-        result = self._accept(req, tree, logits, argmax)
+    def _commit(self, req: Request, tree: DraftTree, result: VerifyResult, feats: torch.Tensor | None) -> bool:
+        """After the pool kept the accepted path: count it, feed the drafter (feats [n, F]: the
+        request's rows' features), emit; True when the request is done."""
         self._accepted += result.accepted
         if self.config.adaptive_draft:
             self._calibration(req).observe(tree, result.accepted)
-        self.pool.commit(req.request_id, result.path, [tree.tokens[i] for i in result.path])
         req.num_computed += len(result.path)
         if "drafter" in req.runtime:
             if feats is not None:  # the root's and the accepted nodes' features

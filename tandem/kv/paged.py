@@ -147,19 +147,32 @@ class PagedKVPool:
     def commit(self, seq_id: str, path: list[int], tokens: list[int]) -> None:
         """Keep reserved rows `path` (reserved-relative, in order) as the next committed rows,
         holding `tokens`; drop every other reserved row and free blocks no row uses any more."""
-        s = self.seqs[seq_id]
-        assert len(path) == len(tokens) and all(0 <= p < s.reserved for p in path), (path, s.reserved)
-        if path and path[-1] != len(path) - 1:  # rows already in place (0, 1, .., n - 1) need no copy
-            src = torch.tensor(self.slots(seq_id, s.length, s.length + s.reserved), device=self.kv.device)[path]
-            dst = torch.tensor(self.slots(seq_id, s.length, s.length + len(path)), device=self.kv.device)
+        self.commit_many([(seq_id, path, tokens)])
+
+    def commit_many(self, commits: list[tuple[str, list[int], list[int]]]) -> None:
+        """commit() for several sequences (seq_id, path, tokens), their row moves as one gather
+        and one scatter: a tree's accepted path is rarely in place, and a move per request costs
+        two host-to-device copies and two kernels (at 32 requests, more than the verify pass)."""
+        src: list[int] = []  # slots the kept rows are in
+        dst: list[int] = []  # slots they move to (the first len(path) reserved rows)
+        for seq_id, path, tokens in commits:
+            s = self.seqs[seq_id]
+            assert len(path) == len(tokens) and all(0 <= p < s.reserved for p in path), (path, s.reserved)
+            if path and path[-1] != len(path) - 1:  # rows already in place (0, 1, .., n - 1) need no copy
+                reserved = self.slots(seq_id, s.length, s.length + s.reserved)
+                src += [reserved[p] for p in path]
+                dst += reserved[:len(path)]
+            s.length += len(path)
+            s.reserved = 0
+            s.tokens += tokens
+            # (blocks freed here are not handed out before the copy below runs: same stream)
+            self._trim(s)
+            self._register_full_blocks(s)
+        if src:
+            idx = torch.tensor(src + dst, device=self.kv.device)  # one host-to-device copy
             flat = self.kv.flatten(2, 3)  # [2, layers, slots, kv_heads, D]
             # NOTE: index_select copies first, then we write, so overlapping src/dst is safe
-            flat[:, :, dst] = flat.index_select(2, src)
-        s.length += len(path)
-        s.reserved = 0
-        s.tokens += tokens
-        self._trim(s)
-        self._register_full_blocks(s)
+            flat[:, :, idx[len(src):]] = flat.index_select(2, idx[:len(src)])
 
     def free(self, seq_id: str) -> None:
         """Close a sequence (finished, aborted or preempted); its blocks return to the free list."""
