@@ -14,6 +14,11 @@ bucket (padding rows write a scratch slot and are dropped); on the CPU, and for 
 does not take, `paged_attention_ref` runs SDPA over a padded per-request view built on the
 device from the same fields.
 
+Deterministic mode (tandem.engine.invariant) swaps the pass's reductions for batch-invariant
+ones: on CUDA the invariant GEMM (tandem.kernels.invariant_gemm) for every row-wise product and
+the invariant attention (tandem.kernels.invariant_attention), captured in the same graphs; on
+the CPU their torch references.
+
 The layers are those of `tandem.models.transformer.Transformer` (embedding, norms,
 projections, MLP, RoPE from tandem.kernels.fused), called here with a paged attention.
 """
@@ -30,11 +35,15 @@ from functools import cached_property
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from tandem.engine import invariant
+from tandem.kernels import invariant_attention as ia
+from tandem.kernels import invariant_gemm as ig
 from tandem.kernels import paged_attention as pk
-from tandem.kernels.fused import add_rmsnorm, rope_
+from tandem.kernels.fused import add_rmsnorm, rope_, silu_mul
 from tandem.kv.paged import PagedKVPool
+from tandem.models.layers import MLP
 from tandem.models.transformer import Transformer
 
 log = logging.getLogger("tandem.engine")
@@ -88,7 +97,7 @@ class Capacity:
     @cached_property
     def layout(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         """name -> (offset, shape) inside the packed int64 buffer; logit_rows last (up to M)."""
-        shapes = {"tokens": (self.M,), "positions": (self.M,), "slots": (self.M,),
+        shapes = {"tokens": (self.M,), "positions": (self.M,), "slots": (self.M,), "row_seq": (self.M,),
                   "row_prefix": (self.M,), "row_base": (self.M,), "row_bits": (self.M, self.W),
                   "seq_len": (self.R,), "block_tables": (self.R, self.B), "tiles": (self.NT, 3),
                   "logit_rows": (self.M,)}
@@ -122,7 +131,7 @@ class _PackedField:
 class BatchRows:
     """A pass's rows, packed (M rows of R requests), as views of one device int64 buffer.
 
-    Per row: token, position, the slot its K/V is written to, `row_prefix` (columns
+    Per row: token, position, the slot its K/V is written to, its request (`row_seq`), `row_prefix` (columns
     it sees in full), `row_base` and `row_bits` (further columns base + j, bit j, in words of 64).
     Per request: `seq_len` (columns) and its block table. `tiles` [NT, 3]: (request, first row,
     rows) for the attention kernel, up to `tile_rows` rows each. Buffers may be padded beyond
@@ -151,6 +160,7 @@ class BatchRows:
     tokens = _PackedField()  # [M]
     positions = _PackedField()  # [M]
     slots = _PackedField()  # [M]
+    row_seq = _PackedField()  # [M] (padding rows: 0, seeing nothing)
     row_prefix = _PackedField()  # [M]
     row_base = _PackedField()  # [M]
     row_bits = _PackedField()  # [M, W]
@@ -209,6 +219,7 @@ class BatchRows:
             list(chain.from_iterable(s.blocks for s in segments))
         view("seq_len")[:R] = Sa
         seq = np.repeat(np.arange(R), Ta)  # [M] request of each row
+        view("row_seq")[:M] = seq
         t_in = np.arange(M) - offsets[:-1][seq]  # row index inside its request
         col = (Sa - Ta)[seq] + t_in  # the column each row's K/V lands at
         slots = view("slots")
@@ -383,9 +394,10 @@ class BatchedModel:
         self.emulate = use_graphs == "emulate"
         if use_graphs is None:
             use_graphs = model.device.type == "cuda" and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
-        # graphs replay fixed kernels: not the deterministic path (its own shapes per pass), not a
-        # sliding window (its mask view is built per pass), not without the sizes to pad to
-        self.use_graphs = (bool(use_graphs) and not deterministic and self.window is None
+        # graphs replay fixed kernels: not a sliding window (its mask view is built per pass), not
+        # without the sizes to pad to. Deterministic mode is captured too on CUDA: its kernels
+        # (invariant GEMM and attention) are as capturable as the fast ones
+        self.use_graphs = (bool(use_graphs) and self.window is None
                            and max_seqs is not None and max_seq_blocks is not None)
         self.max_seqs, self.max_seq_blocks = max_seqs, max_seq_blocks
         self._graphs: dict[int, _Graph] = {}
@@ -468,12 +480,14 @@ class BatchedModel:
 
     @torch.no_grad()  # (the passes run without autograd: ask as they will run, whoever builds the engine)
     def kernel_applies(self) -> bool:
-        """Whether the Triton paged kernel takes this model's attention (what a capture needs:
-        the reference path builds its view on the host per pass)."""
+        """Whether the Triton paged kernel (in deterministic mode the invariant one) takes this
+        model's attention (what a capture needs: the reference path builds its view on the host
+        per pass)."""
         m = self.model
         attn = m.model.layers[0].self_attn if hasattr(m, "model") else m.midlayer.self_attn  # (an EAGLE-3 head)
         k_cache = self.pool.layer(0)[0]
-        return pk.applies(k_cache.new_empty(1, attn.n_heads, attn.head_dim), k_cache, 1)
+        probe = k_cache.new_empty(1, attn.n_heads, attn.head_dim)
+        return ia.applies(probe, k_cache) if self.deterministic else pk.applies(probe, k_cache, 1)
 
     def warmup(self, max_rows: int) -> None:
         """Capture every bucket up to the one that holds `max_rows` rows now, as a server does at
@@ -491,10 +505,7 @@ class BatchedModel:
         if g is not None or not self.use_graphs:
             return g
         dev = self.model.device
-        attn = self.model.model.layers[0].self_attn
-        k_cache = self.pool.layer(0)[0]
-        probe = k_cache.new_empty(1, attn.n_heads, attn.head_dim)
-        if not self.emulate and not pk.applies(probe, k_cache, 1):
+        if not self.emulate and not self.kernel_applies():
             # the reference attention builds its view on the host per pass: it cannot be captured
             self.use_graphs = False
             return None
@@ -572,17 +583,36 @@ class BatchedModel:
         return self._rowwise(m.lm_head, h if every_row else h[rows.logit_rows]), features
 
     def _rowwise(self, fn, x: torch.Tensor) -> torch.Tensor:
-        """fn over the rows of x (a row-wise layer), in fixed chunks in deterministic mode."""
-        return invariant.rowwise(fn, x) if self.deterministic else fn(x)
+        """fn (a row-wise layer) over the rows of x [..., M, h]. In deterministic mode batch-invariant:
+        an nn.Linear or the MLP through the invariant GEMM where it applies (CUDA), anything else
+        (the CPU, a quantized head) in fixed chunks of rows (tandem.engine.invariant)."""
+        if not self.deterministic:
+            return fn(x)
+        if type(fn) is nn.Linear and ig.applies(x, fn.weight):
+            return ig.linear(x, fn.weight, fn.bias)
+        if type(fn) is MLP and fn.tp_group is None and ig.applies(x, fn.down_proj.weight) and all(
+                type(p) is nn.Linear and p.bias is None for p in (fn.gate_proj, fn.up_proj, fn.down_proj)):
+            if fn.gate_up_weight is not None:
+                gate_up = ig.linear(x, fn.gate_up_weight)  # [..., M, 2 * inter]
+                return ig.linear(silu_mul(gate_up), fn.down_proj.weight)
+            gate, up = ig.linear(x, fn.gate_proj.weight), ig.linear(x, fn.up_proj.weight)
+            return ig.linear(F.silu(gate) * up, fn.down_proj.weight)
+        return invariant.rowwise(fn, x)
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear(x, weight, bias) as a row-wise layer (_rowwise), for weights without a module."""
+        if self.deterministic and ig.applies(x, weight):
+            return ig.linear(x, weight, bias)
+        return self._rowwise(lambda t: F.linear(t, weight, bias), x)
 
     def _attention(self, attn, layer_idx: int, x: torch.Tensor, rows: BatchRows) -> torch.Tensor:
         # x: [1, M, hidden]
         M = x.shape[1]
         H, Hkv, D = attn.n_heads, attn.n_kv, attn.head_dim
         if attn.qkv_weight is not None:
-            qkv = self._rowwise(lambda t: F.linear(t, attn.qkv_weight, attn.qkv_bias), x)
+            qkv = self._project(x, attn.qkv_weight, attn.qkv_bias)
         else:
-            qkv = self._rowwise(lambda t: torch.cat([attn.q_proj(t), attn.k_proj(t), attn.v_proj(t)], dim=-1), x)
+            qkv = torch.cat([self._rowwise(p, x) for p in (attn.q_proj, attn.k_proj, attn.v_proj)], dim=-1)
         qkv = qkv.view(1, M, H + 2 * Hkv, D)
         if attn.q_norm is not None:
             qkv = torch.cat([attn.q_norm(qkv[:, :, :H]), attn.k_norm(qkv[:, :, H:H + Hkv]), qkv[:, :, H + Hkv:]], dim=2)
@@ -591,7 +621,9 @@ class BatchedModel:
         k_cache.index_copy_(0, rows.slots, qkv[0, :, H:H + Hkv])  # (padding rows: the scratch slot)
         v_cache.index_copy_(0, rows.slots, qkv[0, :, H + Hkv:])
         q = qkv[0, :, :H]  # [M, H, D]
-        if self.deterministic:
+        if self.deterministic and attn.window is None and ia.applies(q, k_cache):
+            out = ia.paged(q, k_cache, v_cache, rows)  # [M, H, D] each row over its visible sequence
+        elif self.deterministic:
             q_index, q_valid, kv_slots, mask, window_mask = rows.dense
             mask = window_mask if attn.window is not None else mask  # [R, 1, Tmax, Smax]
             valid = q_index[q_valid]  # [M] the pass row of each (request, row) entry

@@ -6,18 +6,31 @@ Fast kernels break this in two places, because their reduction order depends on 
 
 - **Matrix products.** A GEMM picks its algorithm (tiles, split-K, GEMV for one row) from M, the
   number of rows, so row i's dot products are summed in an order that changes with M.
-  `rowwise` runs every row-wise layer (projections, MLP, LM head) over fixed chunks of
-  `CHUNK` rows, the last one zero-padded: every product has the same shape, so every row is
-  reduced in the same order, whatever else is in its chunk.
 - **Attention.** A row sees its request's committed columns and, in a tree, its ancestors. The
-  fused kernels reduce over the pass's padded column count, and a tree node's ancestors sit
-  at other column indices than the same tokens do in an AR step. `attention` gathers each row's
+  fast kernels reduce over the pool's column order in tiles of rows, and a tree node's ancestors
+  sit at other column indices than the same tokens do in an AR step.
+
+The cure is a fixed reduction order per row, with no split that changes with M. BatchedModel
+(tandem.engine.batched_model) takes it from one of two implementations:
+
+- **On CUDA, Triton kernels** (captured in the same CUDA graph buckets as the default mode):
+  `tandem.kernels.invariant_gemm` for every row-wise product (q/k/v, o_proj, MLP, LM head), a
+  GEMM whose tiling depends on the weight alone, K walked in one order, no split-K; and
+  `tandem.kernels.invariant_attention`, a program per (row, KV head) that walks the row's
+  visible sequence (its committed columns, then its ancestors and itself) in tiles of a fixed
+  number of visible columns with an online softmax.
+- **Here, in torch: the reference, and the path on the CPU** (or where a kernel does not apply:
+  a quantized head, a sliding window). `rowwise` runs a row-wise layer over fixed chunks of
+  `CHUNK` rows, the last one zero-padded: every product has the same shape, so every row is
+  reduced in the same order, whatever else is in its chunk. `attention` gathers each row's
   visible K/V in position order (for a node that is exactly the prefix an AR step would see),
   pads them to a length that depends only on the row's own count (`padded_len`), and reduces
   in fp32 with elementwise products and sums over fixed dimensions.
 
-Norms, RoPE, SiLU and embeddings are per row already. The cost is more, smaller launches: the
-engine pays it only when asked.
+The two give a row different bits (other reduction orders), each invariant on its own. Norms,
+RoPE, SiLU and embeddings are per row already (tandem.kernels.fused: a program per row or per
+row and head). The CPU path pays in more, smaller launches; the CUDA path's cost against the
+default mode has not been measured.
 """
 from __future__ import annotations
 
