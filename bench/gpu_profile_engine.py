@@ -56,6 +56,39 @@ def main() -> int:
     tokens = args.concurrency * args.max_tokens
     print(f"{args.draft} {args.method} C={args.concurrency}: {wall / steps * 1e3:.3f} ms/step, {steps} steps, "
           f"{tokens / wall:.1f} tok/s (no profiler)")
+    # the step's pieces, each between two device syncs (the syncs add a little to each)
+    phases: dict[str, float] = {}
+
+    def timed(obj, name: str, label: str):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            sync()
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            sync()
+            phases[label] = phases.get(label, 0.0) + time.perf_counter() - t0
+            return out
+        setattr(obj, name, wrapper)
+
+    def sync():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    timed(eng.scheduler, "plan_step", "plan")
+    timed(eng, "_batched_drafts", "draft (batched)")
+    timed(eng, "_rows", "target rows (trees -> packed)")
+    timed(eng.model, "forward", "target pass")
+    timed(eng, "_apply", "accept, commit, emit")
+    if eng.batched is not None:
+        timed(eng.batched, "_roots", "  draft: catch-up / context pass")
+    wall, steps = run()
+    print(f"with synced phases: {wall / steps * 1e3:.3f} ms/step")
+    for k, v in phases.items():
+        print(f"  {k:40s} {v / steps * 1e3:8.3f} ms/step")
+    for obj in (eng.scheduler, eng, eng.model) + ((eng.batched,) if eng.batched is not None else ()):
+        for k in [k for k in vars(obj) if k in ("plan_step", "_batched_drafts", "_rows", "forward", "_apply", "_roots")]:
+            delattr(obj, k)  # the plain methods again
     pr = cProfile.Profile()
     pr.enable()
     wall, steps = run()
