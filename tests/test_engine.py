@@ -433,23 +433,25 @@ def test_batched_drafting_catches_up_a_long_prompt_in_chunks(models, monkeypatch
                                              ("block", SpecConfig(nodes=32), None),
                                              ("eagle3", SpecConfig(nodes=16, width=4), 3),
                                              ("block", SpecConfig(nodes=32), 3),
-                                             ("eagle3", SpecConfig(nodes=16, width=4), "captured")],
+                                             ("eagle3", SpecConfig(nodes=16, width=4), "captured"),
+                                             ("block", SpecConfig(nodes=32), "captured")],
                          ids=["eagle3", "block", "eagle3-prompts-in-chunks", "block-prompts-in-chunks",
-                              "eagle3-captured-tree"])
+                              "eagle3-captured", "block-captured"])
 def test_batched_feature_drafters_grow_the_per_request_drafters_trees(kind, spec, chunk, monkeypatch):
     """The EAGLE-3 head / the block drafter drafting every request at once
     (engine.batched_draft.BatchedEagleDrafter / BatchedBlockDrafter) grow the same trees as each
     request's own EagleDrafter / LatticeDrafter: every request accepts exactly as many draft
     tokens both ways (fp32), and the outputs are the same. With `chunk`, a prompt reaches the
-    batched drafter in passes of that many rows (a long backlog's path). "captured": the head's
-    whole tree runs over a captured tree's padded static buffers (emulated on the CPU)."""
-    from tandem.engine import batched_draft
+    batched drafter in passes of that many rows (a long backlog's path). "captured": the
+    drafter's passes and the head's whole tree run over their captures' padded static buffers
+    (emulated on the CPU)."""
+    from tandem.engine import batched_draft, engine as engine_mod
     from tandem.runtime.pair import BUNDLED_TARGET, load_pair
 
     if chunk == "captured":
-        init = batched_draft.BatchedTreeDrafter._init_trees
-        monkeypatch.setattr(batched_draft.BatchedTreeDrafter, "_init_trees",
-                            lambda self, graphs, *a: init(self, "emulate", *a))
+        made = engine_mod.Engine._batched_drafter
+        monkeypatch.setattr(engine_mod.Engine, "_batched_drafter",
+                            lambda self, draft, blocks, graphs: made(self, draft, blocks, "emulate"))
     elif chunk is not None:
         monkeypatch.setattr(batched_draft, "CATCH_UP_CHUNK", chunk)
 
@@ -462,11 +464,9 @@ def test_batched_feature_drafters_grow_the_per_request_drafters_trees(kind, spec
         engine = Engine(pair.target, pair.draft, config=EngineConfig(
             method="tree", spec=spec, block_size=16, max_num_batched_tokens=512, batched_drafting=batched,
             debug_check=True))
-        if batched and chunk == "captured":
-            assert engine.batched.tree_graphs
         outs = run_all(engine, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
-        if batched and chunk == "captured":  # 12 requests: some steps padded to a bucket of 16
-            assert 16 in engine.batched._trees
+        if batched and chunk == "captured":  # (12 requests: trees padded to a bucket of 16)
+            assert engine.batched.model._input_graphs and (kind == "block" or 16 in engine.batched._trees)
         accepted[batched] = [o.figures.accepted_tokens for o in outs]
         tokens[batched] = [o.token_ids for o in outs]
         assert_clean(engine)

@@ -77,6 +77,10 @@ class BatchedDrafter:
         self.pool.free(request_id)
         self.root_logits.pop(request_id, None)
 
+    def warmup(self, max_seqs: int) -> None:
+        """Capture now what steps of up to `max_seqs` requests replay (server start-up)."""
+        self.model.warmup(max_seqs * 4)  # (catch-up passes: about tau rows a request)
+
     def _forward(self, segs: list[Segment]) -> torch.Tensor:
         return self.model.forward(self.model.rows(segs))
 
@@ -231,13 +235,17 @@ class BatchedTreeDrafter(BatchedDrafter):
                              f"request, more than {MAX_LEVEL_ROWS}")
 
     def warmup(self, max_seqs: int) -> None:
-        """Capture the trees of every request bucket up to `max_seqs` now (server start-up)."""
+        """The context passes' captures, then the trees of every request bucket up to `max_seqs`."""
+        self._warm_context(max_seqs)
         if not self.tree_graphs:
             return
         for b in REQUEST_BUCKETS:
             if b > max_seqs:
                 break
             self._tree_graph(b)
+
+    def _warm_context(self, max_seqs: int) -> None:
+        self.model.warmup(max_seqs * self.w)
 
     @torch.no_grad()
     def propose(self, trees: list[tuple[str, list[int], int]]) -> dict[str, DraftTree]:
@@ -379,11 +387,18 @@ class BatchedTreeDrafter(BatchedDrafter):
 
 
 class BatchedHead(BatchedModel):
-    """An EAGLE-3 head (tandem.models.eagle3) over a paged pool of its own, eager: its one layer
-    reads cat(input_layernorm(embed(token)), hidden_norm(h)) per row, h given with the rows."""
+    """An EAGLE-3 head (tandem.models.eagle3) over a paged pool of its own: its one layer reads
+    cat(input_layernorm(embed(token)), hidden_norm(h)) per row, h given with the rows. Its
+    context pass is captured per row bucket (`context`); the level passes inside the tree's graph."""
 
-    def __init__(self, head, pool: PagedKVPool):
-        super().__init__(head, pool, use_graphs=False)
+    rows = BatchedModel.exact_rows  # (its passes are not the target's: no `_body` to capture per bucket)
+
+    def context(self, segments: list[Segment], hidden: torch.Tensor, last: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pass over the segments' rows with their hidden inputs [M, H] -> (logits [len(last),
+        draft_vocab] of rows `last`, out [M, H] every row's output hidden)."""
+        logits, out = self.run_rows(segments, hidden, self.run)
+        return logits[torch.tensor(last, device=logits.device)], out
 
     @torch.no_grad()
     def run(self, rows: BatchRows, hidden: torch.Tensor, logit_rows: torch.Tensor | None = None
@@ -417,7 +432,7 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         c = head.config
         self.pool = PagedKVPool(1, c.num_key_value_heads, c.head_dim, num_blocks, block_size, head.dtype, head.device,
                                 prefix_caching=False)
-        self.model = BatchedHead(head, self.pool)
+        self.model = BatchedHead(head, self.pool, max_seqs=max_seqs, max_seq_blocks=max_seq_blocks, use_graphs=use_graphs)
         self.root_logits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # rid -> its last root's logits, out
         self.pending: dict[str, tuple[list[int], torch.Tensor]] = {}  # rid -> (tokens, hidden [n, H])
         self._level_out: torch.Tensor | None = None  # [R, w, H] the last level's output hidden
@@ -463,8 +478,7 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
                 hid.append(hidden[:len(part)])
                 fed[rid] = part
                 last.append(sum(len(s.tokens) for s in segs) - 1)
-            rows = self.model.rows(segs)
-            out_logits, out = self.model.run(rows, torch.cat(hid), torch.tensor(last, device=self.draft.device))
+            out_logits, out = self.model.context(segs, torch.cat(hid), last)
             for i, rid in enumerate(fed):
                 self.pool.commit(rid, list(range(len(fed[rid]))), fed[rid])
                 toks, hidden = todo[rid]
@@ -483,6 +497,11 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         h = self.draft
         return [((h.econfig.draft_vocab_size,), h.dtype), ((h.config.hidden_size,), h.dtype)]
 
+    def _warm_context(self, max_seqs: int) -> None:
+        h = self.draft  # (a step's context pass: each request's accepted rows and bonus)
+        like = torch.zeros(1, h.config.hidden_size, dtype=h.dtype, device=h.device)
+        self.model.warmup_inputs(max_seqs * (self.depth + 1), like, self.model.run)
+
     def _level(self, rows: BatchRows, parent_row: torch.Tensor | None, roots: tuple[torch.Tensor, ...]) -> torch.Tensor:
         root_out = roots[1]  # [R, H]
         R, w = root_out.shape[0], self.w
@@ -499,19 +518,28 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
 
 
 class BatchedBlock(BatchedModel):
-    """A parallel block drafter (tandem.models.block_drafter) over a paged pool of its own,
-    eager: rows are embed(token) + fc(norm(features)) (mask rows: the mask embedding), through
-    its decoder layers; a pass returns each lattice row (`BlockDrafter.lattice_rows`)."""
+    """A parallel block drafter (tandem.models.block_drafter) over a paged pool of its own: rows
+    are embed(token) + fc(norm(features)) (mask rows: the mask embedding), through its decoder
+    layers; a pass returns each lattice row (`BlockDrafter.lattice_rows`), captured per row
+    bucket (`context`)."""
 
-    def __init__(self, drafter, pool: PagedKVPool):
-        super().__init__(drafter, pool, use_graphs=False)
+    rows = BatchedModel.exact_rows  # (no `_body` of a target to capture per bucket)
+
+    def context(self, segments: list[Segment], feats: torch.Tensor, picked: list[int]) -> torch.Tensor:
+        """A pass over the segments' rows with their features [M, F] -> the lattice rows
+        [len(picked), 3K + K*K] of rows `picked` (every row's is computed: the same values, a
+        row's lattice reads only its own and the previous row's)."""
+        (lattice,) = self.run_rows(segments, feats, lambda rows, f: (self.run(rows, f),))
+        return lattice[torch.tensor(picked, dtype=torch.long, device=lattice.device)]
 
     @torch.no_grad()
-    def run(self, rows: BatchRows, feats: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    def run(self, rows: BatchRows, feats: torch.Tensor, picked: torch.Tensor | None = None) -> torch.Tensor:
         """feats: [M, F] each row's target features (mask rows: ignored) -> the lattice rows
-        [len(picked), 3K + K*K] of the rows `picked`."""
+        [len(picked), 3K + K*K] of the rows `picked` (default: every row)."""
         d = self.model
         ids = rows.tokens[:rows.num_rows][None]  # [1, M]
+        if picked is None:
+            picked = slice(None)
         x, delta = d.embed(ids, feats[None]), None  # [1, M, hidden]
         for i, layer in enumerate(d.layers):
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
@@ -531,14 +559,22 @@ class BatchedBlockDrafter:
     are dropped; each request's root and mask rows give its lattice, and the best-first tree (or
     the greedy chain) over it is built on the host, as the per-request drafter builds it."""
 
-    def __init__(self, drafter, num_blocks: int, block_size: int, nodes: int, chain: bool, context_window: int):
+    def __init__(self, drafter, num_blocks: int, block_size: int, nodes: int, chain: bool, context_window: int,
+                 max_seqs: int | None = None, max_seq_blocks: int | None = None, use_graphs: bool | str | None = None):
         self.draft, self.nodes, self.chain, self.context_window = drafter, nodes, chain, context_window
         c = drafter.config
         self.block, self.k = drafter.bconfig.block_size, drafter.bconfig.num_candidates
         self.pool = PagedKVPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, num_blocks, block_size,
                                 drafter.dtype, drafter.device, prefix_caching=False)
-        self.model = BatchedBlock(drafter, self.pool)
+        self.model = BatchedBlock(drafter, self.pool, max_seqs=max_seqs, max_seq_blocks=max_seq_blocks,
+                                  use_graphs=use_graphs)
         self.pending: dict[str, tuple[list[int], torch.Tensor]] = {}  # rid -> (tokens, features [n, F])
+
+    def warmup(self, max_seqs: int) -> None:
+        """The pass's captures for a step's rows (each request's accepted rows and B - 1 mask rows)."""
+        d = self.draft
+        like = torch.zeros(1, d.bconfig.feature_size, dtype=d.dtype, device=d.device)
+        self.model.warmup_inputs(max_seqs * 2 * self.block, like, lambda rows, f: (self.model.run(rows, f),))
 
     def release(self, request_id: str) -> None:
         self.pool.free(request_id)
@@ -602,9 +638,7 @@ class BatchedBlockDrafter:
             if P == len(toks):  # the root is in this pass: its row and the mask rows make the lattice
                 picked += range(row + P - 1, row + P + masks)
             row += P + masks
-        rows = self.model.rows(segs)
-        lattice = self.model.run(rows, torch.cat(feats), torch.tensor(picked, dtype=torch.long,
-                                                                      device=self.draft.device))
+        lattice = self.model.context(segs, torch.cat(feats), picked)
         for rid, P, _ in plan:
             toks, f = self.pending[rid]
             self.pool.commit(rid, list(range(P)), toks[:P])  # the mask rows go

@@ -356,6 +356,16 @@ class StaticRows:
 
 
 @dataclass
+class _InputGraph:
+    """A captured drafter pass whose rows read a float input each (BatchedModel.run_rows)."""
+
+    st: StaticRows
+    inputs: torch.Tensor  # [bucket, F] static input
+    outputs: tuple | None = None  # per-row outputs [bucket, ...] of the capture
+    graph: object = None  # torch.cuda.CUDAGraph (None: emulated)
+
+
+@dataclass
 class _Graph:
     """One captured pass of `cap.M` rows and its static buffers."""
 
@@ -405,6 +415,7 @@ class BatchedModel:
         # NOTE: one capture stream for all of this model's graphs, as ModelRunner does: cuBLAS
         # keys its workspace by (handle, stream) and a graph keeps its capture stream's
         self._capture_stream = None
+        self._input_graphs: dict[int, _InputGraph] = {}  # run_rows' captures, by row bucket
 
     # ---- packing -----------------------------------------------------------------------------
     def rows(self, segments: list[Segment]) -> BatchRows:
@@ -428,6 +439,59 @@ class BatchedModel:
             g.staged.record()
         return BatchRows(g.packed, g.cap, offsets[-1], T, S, offsets, n, self.pool.block_size, self.tile_rows,
                          self.model.dtype, graph=g.cap.M)
+
+    def exact_rows(self, segments: list[Segment]) -> BatchRows:
+        """The pass's rows as they are (no padding, no graph)."""
+        return BatchRows.build(segments, self.model.device, self.model.dtype, self.pool.block_size, self.window,
+                               self.tile_rows, self.pool.scratch_slot)
+
+    def run_rows(self, segments: list[Segment], inputs: torch.Tensor, body) -> tuple[torch.Tensor, ...]:
+        """A drafter's pass whose rows also read a float input each (an EAGLE-3 head's hidden
+        state, a block drafter's target features): body(rows, inputs [M', F]) -> per-row outputs
+        [M', ...] (every row). Returns them for the segments' M rows. With graphs, replayed from
+        the row bucket's capture (inputs copied into its static buffer); else one exact pass."""
+        cap = BatchRows.capacity(segments, self.tile_rows)
+        g = None
+        if self.use_graphs and cap.W == 1 and cap.R <= self.max_seqs and cap.B <= self.max_seq_blocks:
+            bucket = next((b for b in GRAPH_BUCKETS if b >= cap.M), None)
+            g = self._input_graph(bucket, inputs, body) if bucket is not None else None
+        if g is None:
+            return body(self.exact_rows(segments), inputs)
+        rows = self.load_rows(g.st, segments)
+        g.inputs[:cap.M].copy_(inputs)
+        if g.graph is None:  # emulated: the same padded buffers, eagerly
+            g.outputs = body(rows, g.inputs)
+        else:
+            g.graph.replay()
+        return tuple(o[:cap.M].clone() for o in g.outputs)  # (copies: the next replay overwrites them)
+
+    def warmup_inputs(self, max_rows: int, inputs: torch.Tensor, body) -> None:
+        """run_rows' captures for every bucket up to `max_rows` rows, now (inputs: [1, F], its dtype)."""
+        for b in GRAPH_BUCKETS:
+            if not self.use_graphs:
+                return
+            self._input_graph(b, inputs, body)
+            if b >= max_rows:
+                return
+
+    def _input_graph(self, bucket: int, like: torch.Tensor, body) -> "_InputGraph | None":
+        g = self._input_graphs.get(bucket)
+        if g is not None:
+            return g
+        if not self.emulate and not self.kernel_applies():
+            self.use_graphs = False  # (the reference attention cannot be captured)
+            return None
+        cap = Capacity(bucket, min(bucket, self.max_seqs), bucket, self.max_seq_blocks, 1)
+        g = _InputGraph(self.static_rows(cap), like.new_zeros(bucket, like.shape[1]))
+        if not self.emulate:
+            def fn():
+                g.outputs = body(g.st.rows, g.inputs)
+            g.graph = self.capture(fn)
+            if g.graph is None:
+                self.use_graphs = False
+                return None
+        self._input_graphs[bucket] = g
+        return g
 
     def static_rows(self, cap: Capacity) -> "StaticRows":
         """Buffers for passes of capacity `cap` that a caller captures itself (a drafter's whole
@@ -484,7 +548,10 @@ class BatchedModel:
         model's attention (what a capture needs: the reference path builds its view on the host
         per pass)."""
         m = self.model
-        attn = m.model.layers[0].self_attn if hasattr(m, "model") else m.midlayer.self_attn  # (an EAGLE-3 head)
+        if hasattr(m, "model"):  # a Transformer
+            attn = m.model.layers[0].self_attn
+        else:  # an EAGLE-3 head, a block drafter
+            attn = m.midlayer.self_attn if hasattr(m, "midlayer") else m.layers[0].self_attn
         k_cache = self.pool.layer(0)[0]
         probe = k_cache.new_empty(1, attn.n_heads, attn.head_dim)
         return ia.applies(probe, k_cache) if self.deterministic else pk.applies(probe, k_cache, 1)

@@ -158,10 +158,8 @@ class Engine:
             self.batched = self._batched_drafter(draft, num_blocks, graphs)
         # the CUDA graphs of every pass size a step can take, captured now rather than mid-serving
         self.model.warmup(config.max_num_batched_tokens)
-        if self.batched is not None:  # (its level passes: at most w rows per request)
-            self.batched.model.warmup(config.max_num_seqs * max(self.spec.width, 1))
-            if isinstance(self.batched, BatchedTreeDrafter):  # its whole trees, one graph per request bucket
-                self.batched.warmup(config.max_num_seqs)
+        if self.batched is not None:  # its passes (and level trees), by bucket
+            self.batched.warmup(config.max_num_seqs)
         self._verify_rows = 1 if config.row_selection else config.draft_rows()  # a decode's rows in a plan
         self.scheduler = Scheduler(config, self.pool, row_budget=self._row_budget)
         self.requests: dict[str, Request] = {}
@@ -213,7 +211,8 @@ class Engine:
         if isinstance(draft, BlockDrafter):  # its lattices in one pass (each tree built per request)
             rows = self.context_window + draft.bconfig.block_size
             return BatchedBlockDrafter(draft, pool_blocks(rows), cfg.block_size, spec.k if chain else spec.nodes,
-                                       chain, self.context_window)
+                                       chain, self.context_window, max_seqs=cfg.max_num_seqs,
+                                       max_seq_blocks=-(-rows // cfg.block_size) + 1, use_graphs=graphs)
         return None
 
     # ---- public API ----------------------------------------------------------------------
