@@ -6,6 +6,7 @@
 #   bash bench/run_h200_engine.sh $OUT      (device tool: carry .data/mbpp)
 #   DRAFT=eagle3 METHODS=ar,tree,tree+gate bash bench/run_h200_engine.sh $OUT   (another drafter, the gate)
 #   MORE_DRAFTS="eagle3 block" MORE_METHODS=tree,tree+gate ...   (further drafters after the first table)
+#   DET_CONC=64 ...   (first: ar and ar+det, batch-invariant mode, at those concurrencies)
 #   SINGLE=1 ...   (also the single-request loop, block ar / tree, and gpt-fast: carry .data/peers too)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
@@ -35,6 +36,7 @@ conc() {  # conc NAME CONCURRENCIES METHODS [extra]
     --no-plots --allow-mismatch ${DRAFT:+--draft "$DRAFT"} --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
   grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "^- " -e "utput" -e "rror" -e "mismatch" | tail -40
 }
+[ -n "${DET_CONC:-}" ] && conc engine_det "$DET_CONC" ar --deterministic --peers none  # ar and ar+det, same prompts
 conc engine_concurrency ${CONC:-1,8,16,32,64} ${METHODS:-ar,tree} --peers ${PEERS:-generate_batch,generate}
 for d in ${MORE_DRAFTS:-}; do  # further drafters, speculative methods only (ar does not depend on the drafter)
   DRAFT=$d conc engine_$d ${CONC:-1,8,16,32,64} ${MORE_METHODS:-tree} --peers none
