@@ -78,3 +78,12 @@ def first_wrong_token(model, prompt: list[int], new: list[int], near_tie: float 
         if best != t and float(row[best] - row[t]) > near_tie:
             return {"index": i, "got": t, "want": best, "margin": float(row[best] - row[t])}
     return None
+
+
+@pytest.fixture
+def no_grad():
+    """The kernels have no backward: with grad enabled the torch paths would run instead. A
+    module opts in with `pytestmark = pytest.mark.usefixtures("no_grad")` (or its autouse fixture)."""
+    with torch.no_grad():
+        yield
+

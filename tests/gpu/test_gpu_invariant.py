@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_lane import NEEDS_CUDA, bundled_pair, preset_model
+from gpu_lane import NEEDS_CUDA, no_grad, bundled_pair, preset_model
 from invariant_checks import check_attention, check_gemm, model_rows_alone_and_among
 from tandem.bench.presets import PRESETS
 from tandem.config import SpecConfig
@@ -29,16 +29,12 @@ from tandem.kernels import invariant_gemm as ig
 from tandem.models.loader import read_config
 from tandem.runtime.pair import BUNDLED_TARGET
 
-pytestmark = [pytest.mark.cuda, NEEDS_CUDA]
+pytestmark = [pytest.mark.cuda, NEEDS_CUDA, pytest.mark.usefixtures(no_grad.__name__)]
 
 CONFIGS = {"bundled-target": read_config(BUNDLED_TARGET), "llama3-8b": PRESETS["llama3-8b"]}
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
 
 
-@pytest.fixture(autouse=True)
-def _inference():
-    with torch.no_grad():  # the kernels have no backward: with grad enabled the torch path runs
-        yield
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_lane import NEEDS_CUDA, rel_err
+from gpu_lane import NEEDS_CUDA, no_grad, rel_err
 from tandem.bench.presets import PRESETS
 from tandem.kernels import fused
 from tandem.models.layers import rope_inv_freq
 from tandem.models.loader import read_config
 from tandem.runtime.pair import BUNDLED_DRAFT, BUNDLED_TARGET
 
-pytestmark = [pytest.mark.cuda, NEEDS_CUDA]
+pytestmark = [pytest.mark.cuda, NEEDS_CUDA, pytest.mark.usefixtures(no_grad.__name__)]
 
 SHAPES = {"bundled-target": read_config(BUNDLED_TARGET), "bundled-draft": read_config(BUNDLED_DRAFT),
           "llama3-8b": PRESETS["llama3-8b"], "llama3.2-1b": PRESETS["llama3.2-1b"]}
@@ -31,10 +31,6 @@ def _randn(*shape, dtype, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=g, device="cuda", dtype=dtype)
 
 
-@pytest.fixture(autouse=True)
-def _inference():
-    with torch.no_grad():  # the kernels have no backward: with grad enabled the torch path runs
-        yield
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -13,12 +13,12 @@ import functools
 import pytest
 import torch
 
-from gpu_lane import NEEDS_CUDA, rel_err
+from gpu_lane import NEEDS_CUDA, no_grad, rel_err
 from tandem.bench.presets import PRESETS
 from tandem.models.loader import read_config
 from tandem.runtime.pair import BUNDLED_TARGET
 
-pytestmark = [pytest.mark.cuda, NEEDS_CUDA]
+pytestmark = [pytest.mark.cuda, NEEDS_CUDA, pytest.mark.usefixtures(no_grad.__name__)]
 
 
 def _shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -58,10 +58,6 @@ def _encoded(n: int, k: int):
     return w, records, escapes, pack_w12(records, escapes, "cuda")
 
 
-@pytest.fixture(autouse=True)
-def _inference():
-    with torch.no_grad():
-        yield
 
 
 @pytest.mark.parametrize("rows", ROWS)
