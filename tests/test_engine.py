@@ -472,3 +472,55 @@ def test_batched_feature_drafters_grow_the_per_request_drafters_trees(kind, spec
         assert_clean(engine)
     assert accepted[True] == accepted[False] and sum(accepted[True]) > len(prompts)
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("kind", ["block", "eagle3"])
+def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind):
+    """While the draft gate keeps drafting off, the batched feature drafter is still handed every
+    committed row with the target's features: when drafting resumes, its pending rows are exactly
+    the tokens committed since it last drafted, each with the target's features of the position
+    before it (as an uncached forward of the target gives them), and the output equals solo ar."""
+    from tandem.runtime.pair import BUNDLED_TARGET, load_pair
+
+    if not (BUNDLED_TARGET / "config.json").is_file():
+        pytest.skip("no bundled target")
+    pair = load_pair(None, kind, device="cpu", dtype=torch.float32)
+    target, draft = pair.target, pair.draft
+    prompt = pair.tokenizer.encode(_SNIPPETS[1]).ids
+    engine = Engine(target, draft, config=EngineConfig(method="tree", spec=SpecConfig(nodes=16, width=4),
+                                                       block_size=16, draft_gate=True, debug_check=True))
+    req = engine.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+    seen = {}
+
+    class Pattern:  # drafts on its first two decode steps, not on the next three, then again
+        decisions_off, calls = 0, 0
+
+        def drafts(self, requests, base_rows, cost):
+            if requests == 0:
+                return True
+            self.calls += 1
+            if self.calls == 2:
+                seen["from"] = len(req.token_ids())  # this step's drafting runs every pending row
+            if self.calls == 6:  # drafting resumes: what the drafter has not run yet
+                seen["pending"] = engine.batched.pending[req.request_id]
+                seen["tokens"] = req.token_ids()
+            return not 3 <= self.calls <= 5
+
+        def observe_pass(self, *a):
+            pass
+
+        def observe_drafting(self, *a):
+            pass
+
+    engine.gate = Pattern()
+    out = run_all(engine, [prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    solo = Engine(target, None, config=EngineConfig(method="ar"))
+    assert out.token_ids == run_all(solo, [prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
+    toks, rows = seen["pending"]
+    assert toks == seen["tokens"][seen["from"]:] and len(toks) >= 4  # step 2's accepted path, then 3 roots
+    with torch.no_grad():
+        target(torch.tensor([seen["tokens"]]))
+        want = target.last_features[0, seen["from"] - 1:len(seen["tokens"]) - 1]  # [n, F] position p - 1
+        if kind == "eagle3":
+            want = draft.project(want)
+    assert torch.allclose(rows.float(), want.float(), atol=1e-4), (rows - want).abs().max()

@@ -458,8 +458,10 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
 
     def observe(self, request_id: str, tokens: list[int], features: torch.Tensor) -> None:
         """A verify pass committed `tokens` (accepted nodes, then the bonus); features [len, F]:
-        the target's features of the root and the accepted nodes, the inputs of those tokens' rows."""
-        self.pending[request_id] = (list(tokens), self.draft.project(features))
+        the target's features of the root and the accepted nodes, the inputs of those tokens' rows.
+        They join the rows the head has not run (several passes' worth when steps skip drafting)."""
+        toks, hidden = self.pending[request_id]
+        self.pending[request_id] = (toks + list(tokens), torch.cat([hidden, self.draft.project(features)]))
 
     def _roots(self, live: list[tuple[str, list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The context pass: every request's pending rows (in chunks of CATCH_UP_CHUNK), joined to
@@ -591,7 +593,9 @@ class BatchedBlockDrafter:
         self.pending[request_id] = (list(prompt), feats)
 
     def observe(self, request_id: str, tokens: list[int], features: torch.Tensor) -> None:
-        self.pending[request_id] = (list(tokens), features.to(self.draft.dtype))
+        """As BatchedEagleDrafter.observe: the committed rows join the pending ones."""
+        toks, feats = self.pending[request_id]
+        self.pending[request_id] = (toks + list(tokens), torch.cat([feats, features.to(self.draft.dtype)]))
 
     @torch.no_grad()
     def propose(self, trees: list[tuple[str, list[int], int]]) -> dict[str, DraftTree]:

@@ -404,11 +404,8 @@ class Engine:
         cap = self.spec.k if chain else self.spec.nodes
         todo = [(r.request_id, r.token_ids(), cap) for r in reqs]
         if isinstance(self.batched, (BatchedEagleDrafter, BatchedBlockDrafter)):  # point masses, greedy or sampled
-            for rid, toks, _ in todo:
-                req = self.requests[rid]
-                if "drafter" not in req.runtime:  # new, or back from a gate-off stretch: from its whole context
-                    self.batched.start(rid, toks, self._prompt_features(req))
-                    req.runtime["drafter"] = _BatchedFeatureHandle(self.batched, rid)
+            for r in reqs:
+                self._feature_handle(r)
             return self.batched.propose(todo)
         if not chain:  # a tree is a set of point masses, greedy or sampled: rejection stays lossless
             return self.batched.propose(todo)
@@ -424,11 +421,25 @@ class Engine:
         for r in reqs:
             r.runtime["pending"] = trees[r.request_id] if r.request_id in trees else self._proposal(r)
 
+    def _feature_handle(self, req: Request) -> "_BatchedFeatureHandle":
+        """The request's handle on the batched feature drafter, started on its whole context
+        (with its prefill's features) the first time."""
+        h = req.runtime.get("drafter")
+        if h is None:
+            self.batched.start(req.request_id, req.token_ids(), self._prompt_features(req))
+            h = req.runtime["drafter"] = _BatchedFeatureHandle(self.batched, req.request_id)
+        return h
+
     def _skip_draft(self, req: Request) -> DraftTree:
-        """An `ar` step for a request while the gate keeps drafting off. Its drafter is dropped: it
-        did not propose this step, so it restarts from the whole context when drafting resumes."""
-        req.runtime.pop("drafter", None)
-        req.runtime.pop("features", None)  # (a restarted feature drafter reads zeros for them)
+        """An `ar` step for a request while the gate keeps drafting off. A batched feature drafter
+        keeps being handed the committed rows and their target features (the pass computes them
+        anyway), so drafting resumes where it stopped, on real features. A per-request drafter is
+        dropped: it did not propose this step, so it restarts from the whole context."""
+        if isinstance(self.batched, (BatchedEagleDrafter, BatchedBlockDrafter)):
+            self._feature_handle(req)
+        else:
+            req.runtime.pop("drafter", None)
+            req.runtime.pop("features", None)  # (a restarted feature drafter reads zeros for them)
         return DraftTree.chain([req.last_token])
 
     def _select(self, plan: StepPlan) -> tuple[dict[str, DraftTree], int]:
