@@ -333,33 +333,39 @@ class BatchedTreeDrafter(BatchedDrafter):
               node_par: torch.Tensor, node_lp: torch.Tensor) -> None:
         """The depth - 1 level passes over level 1's packed rows (R requests, w rows each; a
         request with no columns is padding): node arrays [R, n_all] filled in place."""
-        w, dev, bs = self.w, node_tok.device, self.pool.block_size
+        w, dev, bs, L = self.w, node_tok.device, self.pool.block_size, self.depth - 1
         M = R * w
         Lt = rows.seq_len[:R] - w  # [R] committed columns (the root is the last); < 0: padding
-        real = (Lt >= 0).repeat_interleave(w)  # [M]
+        real = Lt >= 0  # [R]
         ctx1 = list(rows.contexts)  # (host figures of the reference path; empty when captured)
-        s_idx = torch.arange(w, device=dev)  # [w] a request's fed row
-        req = torch.arange(R, device=dev).repeat_interleave(w)  # [M] the request of each row
+        # every level's per-row fields at once (a level then only copies its row of each): the
+        # column level d's row s is written to, its slot, its position, the requests' column counts
+        base = torch.arange(L, device=dev)[:, None, None] * w  # [L, 1, 1] level rows before level d
+        col = Lt.clamp_min(0)[None, :, None] + base + torch.arange(w, device=dev)  # [L, R, w]
+        blk = rows.block_tables[:R].gather(1, (col // bs).permute(1, 0, 2).reshape(R, -1))  # [R, L * w]
+        slots = torch.where(real[None, :, None], blk.view(R, L, w).permute(1, 0, 2) * bs + col % bs,
+                            self.pool.scratch_slot).reshape(L, M)  # [L, M]
+        positions = (Lt[None, :, None] + torch.arange(L, device=dev)[:, None, None]).clamp_min(0)
+        positions = positions.expand(L, R, w).reshape(L, M)  # [L, M] level d sits at Lt - 1 + d
+        seq_len = torch.where(real, Lt + w + base.view(L, 1), 0)  # [L, R]
+        self_bits = torch.bitwise_left_shift(torch.ones_like(col[:, 0]), (base[:, 0] + torch.arange(w, device=dev)))  # [L, w]
         fed_bits = torch.zeros(R, w, dtype=torch.long, device=dev)  # the previous level's fed rows' masks
         lo, hi = 0, w  # the newest level's nodes
         for d in range(1, self.depth):
-            base = (d - 1) * w  # level rows before this level's
             fed = lo + torch.sort(-node_lp[:, lo:hi], dim=1, stable=True).indices[:, :w]  # [R, w] node index
             # the parent of fed row s: the root at level 1, else the previous level's fed row
             # whose children hold it
             parent_row = None if d == 1 else (fed - lo) // w  # [R, w]
             if parent_row is not None:
                 fed_bits = fed_bits.gather(1, parent_row)
-            fed_bits = fed_bits | torch.bitwise_left_shift(torch.ones_like(fed_bits), base + s_idx)  # + itself
-            col = (Lt.clamp_min(0)[:, None] + base + s_idx).flatten()  # [M] the column each row is written to
+            fed_bits = fed_bits | self_bits[d - 1]  # + itself
             rows.tokens[:M] = node_tok.gather(1, fed).flatten()
-            rows.positions[:M] = (Lt - 1 + d).clamp_min(0).repeat_interleave(w)
-            slot = rows.block_tables[req, col // bs] * bs + col % bs
-            rows.slots[:M] = torch.where(real, slot, self.pool.scratch_slot)
+            rows.positions[:M] = positions[d - 1]
+            rows.slots[:M] = slots[d - 1]
             rows.row_bits[:M, 0] = fed_bits.flatten()
-            rows.seq_len[:R] = torch.where(Lt >= 0, Lt + base + w, 0)
+            rows.seq_len[:R] = seq_len[d - 1]
             if ctx1:  # (a reference path's view is per pass)
-                rows = replace(rows, contexts=[c + base for c in ctx1])
+                rows = replace(rows, contexts=[c + (d - 1) * w for c in ctx1])
             clp, ctok = topk_logprobs(self._level(rows, parent_row, roots), w)  # [M, w] each
             lo, hi = hi, hi + w * w  # this level's children: fed row s's at lo + s * w + j
             node_tok[:, lo:hi] = self._to_target(ctok).view(R, w * w)
