@@ -66,3 +66,19 @@ def test_level_tree_nodes_follow_the_drafts_own_distribution(graphs):
 def test_a_level_tree_wider_than_one_mask_word_is_refused():
     with pytest.raises(ValueError, match="more than 64"):
         BatchedTreeDrafter(tiny_model(seed=4), num_blocks=8, block_size=4, width=16, depth=6)
+
+
+@pytest.mark.parametrize("graphs", [False, "emulate"])
+def test_a_smaller_budget_keeps_the_best_nodes_of_the_same_tree(graphs):
+    """Requests drafted together with different node budgets: the 5-node tree is the 5 best
+    nodes (by path log-prob) of the 12-node tree the same request gets alone, prefix-closed."""
+    draft = tiny_model(seed=4)
+    bd = BatchedTreeDrafter(draft, num_blocks=64, block_size=4, width=3, depth=4, max_seqs=4, max_seq_blocks=16,
+                            use_graphs=graphs, nodes=12)
+    g = torch.Generator().manual_seed(2)
+    a, b = (torch.randint(1, 90, (k,), generator=g).tolist() for k in (6, 9))
+    small = bd.propose([("a", a, 12), ("b", b, 5)])["b"]
+    full = bd.propose([("b", b, 12)])["b"]  # (nothing new to catch up: the same roots)
+    assert len(small) == 6 and all(0 <= p < i for i, p in enumerate(small.parents) if i > 0)
+    best = sorted(range(1, len(full)), key=lambda i: -full.logp[i])[:5]
+    assert sorted(_path(small, i) for i in range(1, 6)) == sorted(_path(full, i) for i in best)

@@ -186,7 +186,7 @@ class _TreeGraph:
     st: StaticRows  # level 1's rows [R * w]: each level rewrites their per-row fields
     roots: tuple[torch.Tensor, ...]  # inputs: the drafter's root state, [R, ...] each (logits first)
     graph: object = None  # torch.cuda.CUDAGraph (None: emulated, run eagerly over the same buffers)
-    idx: torch.Tensor | None = None  # output [3, R, n]: node index, token, parent node index, best first
+    idx: torch.Tensor | None = None  # output [3, R, n]: token, parent's tree position, rank by score (tree order)
     lp: torch.Tensor | None = None  # output [R, n]: cumulative log-probs
 
 
@@ -279,15 +279,18 @@ class BatchedTreeDrafter(BatchedDrafter):
         else:
             rows = self.model.rows(segs) if segs else None
             idx, lp = self._device_tree(rows, roots, R, n_max)
-        order, toks_, pars = idx.tolist()  # the step's one read-back
+        toks_, pars, rank = idx.tolist()  # the step's one read-back
         lps = lp.tolist()
         for rid, _, _ in live:
             self.pool.commit(rid, [], [])  # drop the levels' rows: the target decides what stays
         for i, (rid, toks, n) in enumerate(live):
-            keep = sorted(range(min(n, n_max)), key=lambda j: order[i][j])  # by node index: parents first
-            index = {order[i][j]: k + 1 for k, j in enumerate(keep)}
+            if n >= n_max:  # every picked node, in tree order already
+                out[rid] = DraftTree(tokens=[toks[-1]] + toks_[i], parents=[-1] + pars[i], logp=[0.0] + lps[i])
+                continue
+            keep = [j for j in range(n_max) if rank[i][j] < n]  # its n best (prefix-closed), in tree order
+            index = {j + 1: k + 1 for k, j in enumerate(keep)}
             out[rid] = DraftTree(tokens=[toks[-1]] + [toks_[i][j] for j in keep],
-                                 parents=[-1] + [index[pars[i][j]] if pars[i][j] >= 0 else 0 for j in keep],
+                                 parents=[-1] + [index.get(pars[i][j], 0) for j in keep],
                                  logp=[0.0] + [lps[i][j] for j in keep])
         return out
 
@@ -313,8 +316,8 @@ class BatchedTreeDrafter(BatchedDrafter):
     def _device_tree(self, rows: BatchRows | None, roots: tuple[torch.Tensor, ...], R: int, n_out: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole tree on the device, from the roots' state (logits [R, V] first) and level 1's
-        rows (None without levels) ->
-        idx [3, R, n_out] (node index, token, parent node index; best first), lp [R, n_out]."""
+        rows (None without levels) -> the N best nodes in tree order (by node index):
+        idx [3, R, n_out] (token, parent's tree position (0: the root), rank by score), lp [R, n_out]."""
         w = self.w
         lp, tok = topk_logprobs(roots[0], w)  # [R, w] each
         tok = self._to_target(tok)
@@ -326,8 +329,16 @@ class BatchedTreeDrafter(BatchedDrafter):
             self._grow(rows, roots, R, node_tok, node_par, node_lp)
         # the N best by cumulative log-prob (ties to the earlier node: a parent precedes its
         # children and scores at least as high, so every prefix of this order is prefix-closed)
-        order = torch.sort(-node_lp, dim=1, stable=True).indices[:, :n_out]  # [R, n_out]
-        return torch.stack([order, node_tok.gather(1, order), node_par.gather(1, order)]), node_lp.gather(1, order)
+        order = torch.sort(-node_lp, dim=1, stable=True).indices[:, :n_out]  # [R, n_out] best first
+        # in tree order (by node index: a parent before its children), parents as tree positions,
+        # so the host slices lists instead of re-sorting and re-indexing every request's tree
+        by_index = order.sort(dim=1)
+        sel, rank = by_index.values, by_index.indices  # [R, n_out] node index; its rank by score
+        pos = torch.zeros(R, self.n_all, dtype=torch.long, device=sel.device)
+        pos.scatter_(1, sel, torch.arange(1, n_out + 1, device=sel.device).expand(R, n_out))  # node -> tree position
+        par = node_par.gather(1, sel)  # [R, n_out] parent node (-1: the root)
+        par_pos = torch.where(par >= 0, pos.gather(1, par.clamp_min(0)), 0)
+        return torch.stack([node_tok.gather(1, sel), par_pos, rank]), node_lp.gather(1, sel)
 
     def _grow(self, rows: BatchRows, roots: tuple[torch.Tensor, ...], R: int, node_tok: torch.Tensor,
               node_par: torch.Tensor, node_lp: torch.Tensor) -> None:
