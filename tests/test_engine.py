@@ -524,3 +524,32 @@ def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind):
         if kind == "eagle3":
             want = draft.project(want)
     assert torch.allclose(rows.float(), want.float(), atol=1e-4), (rows - want).abs().max()
+
+
+def test_a_step_the_gate_keeps_from_drafting_reserves_one_row_a_request(models, solo):
+    """The draft gate decides before the step is planned: in steps it keeps drafting off every
+    decoding request is planned (and its KV reserved) with its root alone, as in `ar`; outputs
+    equal solo `ar` and the pool stays clean."""
+    prompts, refs = solo
+    engine = Engine(*models, config=EngineConfig(method="tree", spec=SpecConfig(nodes=8, width=2), block_size=8,
+                                                 draft_gate=True, debug_check=True))
+
+    class Off:  # drafts on the first two decoding steps, then never
+        decisions_off, calls = 0, 0
+
+        def drafts(self, requests, base_rows, cost):
+            self.calls += requests > 0
+            return self.calls <= 2
+
+        def observe_pass(self, *a):
+            pass
+
+        def observe_drafting(self, *a):
+            pass
+
+    engine.gate = Off()
+    outs = run_all(engine, prompts[:8])
+    assert [o.token_ids for o in outs] == refs[:8]
+    full = [r for r in engine.counters.records if r.verified == 8 and r.nodes == 0]  # every request decoding
+    assert len(full) > 5 and all(r.rows == 8 for r in full)  # (drafting on, a step reserves 8 x 9 rows)
+    assert_clean(engine)

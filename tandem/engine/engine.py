@@ -161,6 +161,7 @@ class Engine:
         if self.batched is not None:  # its passes (and level trees), by bucket
             self.batched.warmup(config.max_num_seqs)
         self._verify_rows = 1 if config.row_selection else config.draft_rows()  # a decode's rows in a plan
+        self._step_rows = self._verify_rows  # this step's (1 when the draft gate keeps drafting off)
         self.scheduler = Scheduler(config, self.pool, row_budget=self._row_budget)
         self.requests: dict[str, Request] = {}
         self.eos = set(target.config.eos_token_ids)
@@ -254,6 +255,9 @@ class Engine:
         """Run one target pass; returns the requests that finished in it."""
         verify, verify_batch, overlapped, fallback, loads = self._boundary()
         admit = self.config.row_cost.tile if self.config.row_selection and self.config.prompt_admission else None
+        # the gate decides before planning, so a step without drafting reserves one row a request
+        drafting = self._gate_drafts()
+        self._step_rows = self._verify_rows if drafting else 1
         plan = self.scheduler.plan_step(verify, admit, verify_batch or 0)
         for req in plan.preempted:
             self._drop_draft(req)
@@ -264,8 +268,7 @@ class Engine:
         if plan:
             drafting_s = None  # seconds spent drafting this step's trees (the gate's figure), None: no drafting
             base_rows = self._base_rows(plan)
-            if self.gate is not None and not self.gate.drafts(len(plan.decodes), base_rows, self.config.row_cost):
-                # drafting would not pay this step: roots only
+            if not drafting:  # drafting would not pay this step: roots only
                 trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes}
             else:
                 t0 = time.perf_counter()
@@ -340,7 +343,21 @@ class Engine:
 
     def _row_budget(self, req: Request) -> int:
         # row selection plans the roots first and grows them by the chosen nodes (`_select`)
-        return self._verify_rows
+        return self._step_rows
+
+    def _gate_drafts(self) -> bool:
+        """The draft gate's decision for the coming step (True without a gate), from the running
+        requests: those decoding, and the rows the prefilling ones will feed."""
+        if self.gate is None:
+            return True
+        decoding, prefill = 0, 0
+        for r in self.scheduler.running:
+            if r.in_prefill:
+                prefill += r.prefill_target - r.num_computed
+            else:
+                decoding += 1
+        base = min(decoding + prefill, self.config.max_num_batched_tokens)
+        return self.gate.drafts(decoding, base, self.config.row_cost)
 
     def _drop_draft(self, req: Request) -> None:
         """Preempted: its draft K/V and pending tree are rebuilt when it returns."""
