@@ -74,8 +74,14 @@ def test_concurrency_runs_write_results_and_every_output_equals_solo_ar(tiny, tm
     assert chk["checked"] and chk["mismatch_count"] == 0 and chk["peer_mismatch_count"] == 0
     assert chk["runs"]["tree@4"] == {"mismatches": 0, "of": 4, "first": None}
 
+    # the engine's step times: the whole step, and of it drafting (tree drafts, ar does not)
+    for c in (1, 4):
+        tree, ar = runs[("tree", c)], runs[("ar", c)]
+        assert 0 < tree["drafting_ms"] < tree["step_ms"] and ar["drafting_ms"] < 0.5 * ar["step_ms"]
+        assert abs(tree["step_ms"] * tree["steps"] / 1e3 - tree["seconds"]) < 0.5 * tree["seconds"]
     md = (out / "results.md").read_text()
     assert "| tree | 4 |" in md and "| hf generate (padded) | 4 |" in md and "0 mismatching engine" in md
+    assert "- tree C=4: " in md
     assert md == captured.out
     try:
         import matplotlib  # noqa: F401

@@ -91,6 +91,8 @@ class RunResult:
     preemptions: int | None = None  # engine: requests preempted (0 expected: the pool holds them all)
     skipped: str | None = None  # why a peer did not run
     call_seconds: float | None = None  # generate_batch: the whole call, manager setup included
+    step_ms: float | None = None  # engine: mean wall ms of a step
+    drafting_ms: float | None = None  # engine: of it, mean ms drafting (the drafts' read-back included)
 
     @property
     def new_tokens(self) -> int:
@@ -108,6 +110,7 @@ class RunResult:
                 "seconds": self.seconds, "new_tokens": self.new_tokens, "tokens_per_s": self.tokens_per_s,
                 "call_seconds": self.call_seconds, "steps": self.steps, "tau": self.tau,
                 "cached_tokens": self.cached_tokens, "preemptions": self.preemptions,
+                "step_ms": self.step_ms, "drafting_ms": self.drafting_ms,
                 "ttft_s": summarize([r.ttft for r in reqs]).to_dict(),
                 "itl_s": summarize([r.itl for r in reqs if r.itl is not None]).to_dict(),
                 "e2e_s": summarize([r.e2e for r in reqs]).to_dict(),
@@ -249,9 +252,12 @@ def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], pr
     timed = [Timed(i, prompt_index[i], list(r.output_ids), (first[i] or last[i]) - t0, last[i] - t0)
              for i, r in enumerate(reqs)]
     passes = sum(r.figures.target_passes for r in reqs)
+    k = engine.counters
+    per_step = (lambda s: 1e3 * s / k.steps) if k.steps else (lambda s: None)
     return RunResult(method, c, False, seconds, timed, engine.steps,
                      sum(len(t.token_ids) for t in timed) / passes if passes else None,
-                     sum(r.figures.cached_tokens for r in reqs), sum(r.figures.preemptions for r in reqs))
+                     sum(r.figures.cached_tokens for r in reqs), sum(r.figures.preemptions for r in reqs),
+                     step_ms=per_step(k.step_s), drafting_ms=per_step(k.drafting_s))
 
 
 class _StepTimes:
@@ -388,6 +394,12 @@ def markdown(results: dict) -> str:
 
         lines.append(f"| {r['name']} | {r['concurrency']} | {f(r['tokens_per_s'])} | {vs} | {lat(r['ttft_s'])} | "
                      f"{lat(r['itl_s'])} | {lat(r['e2e_s'])} | {f(r['tau'], nd=2)} | {r['steps'] or '-'} | {eq} |")
+    timed = [r for r in results["runs"] if not r["skipped"] and r.get("step_ms") is not None]
+    if timed:
+        lines += ["", "Engine step, mean wall ms (a step ends on the host's read of its tokens): whole step / "
+                      "of it drafting:"]
+        lines += [f"- {r['name']} C={r['concurrency']}: {f(r['step_ms'], nd=3)} / {f(r['drafting_ms'], nd=3)}"
+                  for r in timed]
     for name, why in results["peers_skipped"].items():
         lines += ["", f"Peer {name} skipped: {why}"]
     chk = results["check"]

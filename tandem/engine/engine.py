@@ -79,6 +79,8 @@ class StepRecord:
     overlap: float  # fraction of that drafting hidden under the target pass (CPU: 0.0, sequential)
     nodes: int  # draft nodes verified
     offered: int  # row selection: draft nodes the trees offered (0 when off)
+    drafting_s: float = 0.0  # wall seconds drafting this step's trees (their read-back included)
+    seconds: float = 0.0  # wall seconds of the whole step
 
 
 @dataclass
@@ -99,6 +101,8 @@ class EngineCounters:
     failed: int = 0  # requests that raised in their own part of a step (ended with finish_reason "error")
     draft_s: float = 0.0  # drafting of the other batch (batch parallelism)
     draft_hidden_s: float = 0.0  # of it, under the target pass (CUDA events; 0 on the CPU)
+    drafting_s: float = 0.0  # wall seconds drafting the verified trees (StepRecord.drafting_s, summed)
+    step_s: float = 0.0  # wall seconds of every step (the host reads each step's tokens: no extra sync)
     records: deque = field(default_factory=lambda: deque(maxlen=4096), repr=False)
 
     @property
@@ -253,6 +257,7 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Run one target pass; returns the requests that finished in it."""
+        t_step = time.perf_counter()
         verify, verify_batch, overlapped, fallback, loads = self._boundary()
         admit = self.config.row_cost.tile if self.config.row_selection and self.config.prompt_admission else None
         # the gate decides before planning, so a step without drafting reserves one row a request
@@ -265,8 +270,8 @@ class Engine:
         trees: dict[str, DraftTree] = {}
         offered = drafted = 0
         draft_s = overlap = 0.0
+        drafting_s = None  # seconds spent drafting this step's trees (the gate's figure), None: no drafting
         if plan:
-            drafting_s = None  # seconds spent drafting this step's trees (the gate's figure), None: no drafting
             base_rows = self._base_rows(plan)
             if not drafting:  # drafting would not pay this step: roots only
                 trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes}
@@ -293,7 +298,8 @@ class Engine:
                     self.gate.observe_drafting(drafting_s, len(trees), nodes, self._accepted)
         if self.batches is not None:
             self.batches.swap()
-        self._record(plan, trees, verify_batch, overlapped, fallback, loads, drafted, draft_s, overlap, offered)
+        self._record(plan, trees, verify_batch, overlapped, fallback, loads, drafted, draft_s, overlap, offered,
+                     drafting_s or 0.0, time.perf_counter() - t_step)
         self.steps += 1
         if self.config.debug_check:
             problems = self.pool.check() + (self.batched.pool.check() if self.batched is not None else [])
@@ -521,12 +527,14 @@ class Engine:
 
     def _record(self, plan: StepPlan, trees: dict[str, DraftTree], verify_batch: int | None, overlapped: bool,
                 fallback: bool, loads: tuple[int, int] | None, drafted: int, draft_s: float, overlap: float,
-                offered: int) -> None:
+                offered: int, drafting_s: float, seconds: float) -> None:
         c = self.counters
         decodes = len(plan.decodes)
         nodes = sum(len(t) - 1 for t in trees.values())
         rec = StepRecord(self.steps, plan.num_rows, decodes, verify_batch, drafted, overlapped, fallback, loads,
-                         draft_s, overlap, nodes, offered)
+                         draft_s, overlap, nodes, offered, drafting_s, seconds)
+        c.drafting_s += drafting_s
+        c.step_s += seconds
         c.records.append(rec)
         c.steps += 1
         c.preemptions += len(plan.preempted)
