@@ -16,7 +16,8 @@ grows a draft model's: after the catch-up pass the root's top-w children are lev
 level the w best new nodes by cumulative log-prob are fed (w reserved rows per request, each
 seeing the committed rows and its own ancestors' rows), and each gives its top-w children; the
 N best nodes by cumulative log-prob form the tree. `depth - 1` batched passes after the catch-up,
-grown on the device (one read-back per step).
+grown on the device (one read-back per step); on a GPU the whole tree is one CUDA graph per
+request bucket.
 
 Every request is drafted this way: a greedy chain takes argmaxes; a sampled chain draws each
 token from the draft's processed distribution q with the request's generator and keeps q with
@@ -29,7 +30,8 @@ Feature drafters are batched the same way over pools of their own: an EAGLE-3 he
 (BatchedEagleDrafter: the same level tree, each fed node reading its parent's output hidden)
 and a block drafter (BatchedBlockDrafter: one pass of every request's context and mask rows,
 one lattice per request). Both keep per request the committed tokens they have not run yet,
-with the target features those rows read (`start` for a prompt, `observe` after each verify).
+with the target features those rows read (`start` for a prompt, `observe` after each verify,
+drafting or not), and their passes are captured per row bucket (BatchedModel.run_rows).
 """
 from __future__ import annotations
 
