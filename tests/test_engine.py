@@ -66,7 +66,8 @@ def test_32_concurrent_requests_equal_their_solo_ar_outputs(models, solo, method
     assert all(o.figures.ttft is not None and o.figures.target_passes >= 1 for o in outs)
 
 
-@pytest.mark.parametrize("method,spec", [("ar", SpecConfig()), ("tree", SpecConfig(nodes=8, width=2))])
+@pytest.mark.parametrize("method,spec", [("ar", SpecConfig()), ("tree", SpecConfig(nodes=8, width=2)),
+                                         ("chain", SpecConfig(k=4))])
 def test_graph_bucketed_passes_equal_their_solo_ar_outputs(models, solo, method, spec, monkeypatch):
     """Every pass padded to its CUDA-graph bucket (emulated on the CPU: the same static buffers,
     padding rows writing the scratch slot, logits picked from every row's), the target's and the
@@ -90,7 +91,7 @@ def test_graph_bucketed_passes_equal_their_solo_ar_outputs(models, solo, method,
     assert [o.token_ids for o in outs] == refs
     assert_clean(engine)
     assert len(made) == (1 if method == "ar" else 2) and all(m.use_graphs and m._graphs for m in made)
-    if method != "ar":  # the draft trees ran over their captured trees' static buffers
+    if method != "ar":  # the draft trees (a greedy chain: the width-1 tree) ran over their captures' buffers
         assert engine.batched.tree_graphs and any(engine.batched._trees.values())
 
 

@@ -122,60 +122,6 @@ class BatchedDrafter:
         return torch.stack([self.root_logits[rid] for rid, _ in reqs])
 
 
-class BatchedChainDrafter(BatchedDrafter):
-
-    @torch.no_grad()
-    def propose(self, chains: list[tuple[str, list[int], int]],
-                sampled: dict[str, tuple[SamplingConfig, torch.Generator]] | None = None) -> dict[str, DraftTree]:
-        """chains: (request id, every token so far (the root last), chain length k >= 0) ->
-        request id -> the chain [root, d1 .. dk] with cumulative draft log-probs: greedy, or for
-        the requests in `sampled` each token drawn from the draft's processed distribution q
-        with the request's generator, q kept with the tree (row i: what node i was drawn from)."""
-        sampled = sampled or {}
-        out, live = split_drafted(chains)
-        if not live:
-            return out
-        drafted: dict[str, list[int]] = {rid: [] for rid, _, _ in live}
-        logp: dict[str, list[float]] = {rid: [0.0] for rid, _, _ in live}
-        qs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _ in live if rid in sampled}
-        # pass 1: catch up on the committed tokens, the root last
-        self._take(live, self._catch_up([(rid, toks) for rid, toks, _ in live]), drafted, logp, sampled, qs)
-        # passes 2 .. k: one reserved row per request still drafting
-        for j in range(2, max(k for _, _, k in live) + 1):
-            going = [(rid, toks, k) for rid, toks, k in live if k >= j]
-            segs = []
-            for rid, toks, _ in going:
-                L = len(toks)
-                self.pool.reserve(rid, 1)
-                segs.append(Segment([drafted[rid][-1]], [L + j - 2], self.pool.seqs[rid].blocks, L + j - 1,
-                                    logits=True))  # (causal: it sees every column up to its own)
-            self._take(going, self._forward(segs), drafted, logp, sampled, qs)
-        for rid, toks, _ in live:
-            self.pool.commit(rid, [], [])  # drop the chain's rows: the target decides what stays
-            q = None
-            if rid in qs:
-                q = torch.stack([torch.zeros_like(qs[rid][0])] + qs[rid])  # [k + 1, V]
-            out[rid] = DraftTree(tokens=[toks[-1]] + drafted[rid], parents=list(range(-1, len(drafted[rid]))),
-                                 logp=logp[rid], q=q)
-        return out
-
-    @staticmethod
-    def _take(reqs, logits: torch.Tensor, drafted: dict[str, list[int]], logp: dict[str, list[float]],
-              sampled: dict[str, tuple[SamplingConfig, torch.Generator]], qs: dict[str, list[torch.Tensor]]) -> None:
-        """logits [len(reqs), V]: each request's next chain token (the argmax, or a draw from q)
-        and its cumulative log-prob."""
-        best, tok = topk_logprobs(logits, 1)  # [n, 1] each
-        for i, ((rid, _, _), t, b) in enumerate(zip(reqs, tok[:, 0].tolist(), best[:, 0].tolist())):
-            if rid in sampled:  # as the per-request ChainDrafter draws: q processed like the target's
-                sampling, g = sampled[rid]
-                q = probs_from_logits(logits[i][None], sampling)[0]  # [V]
-                t = int(torch.multinomial(q.cpu(), 1, generator=g))
-                b = float(torch.log(q[t].clamp_min(1e-30)))
-                qs[rid].append(q)
-            drafted[rid].append(t)
-            logp[rid].append(logp[rid][-1] + b)
-
-
 MAX_LEVEL_ROWS = 64  # a tree's level rows per request: one int64 mask word (tandem.kernels.paged_attention)
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # requests per captured tree (padded up)
 
@@ -403,6 +349,77 @@ class BatchedTreeDrafter(BatchedDrafter):
     def _to_target(self, tok: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> the target's (one vocabulary here)."""
         return tok
+
+
+class BatchedChainDrafter(BatchedTreeDrafter):
+    """Chains of k draft tokens for every request. A greedy chain is the width-1 level tree (on
+    a GPU one captured graph a step, as any tree); a sampled chain draws each token from the
+    draft's processed distribution q with the request's generator, one batched pass per position."""
+
+    def __init__(self, draft, num_blocks: int, block_size: int, k: int, max_seqs: int | None = None,
+                 max_seq_blocks: int | None = None, use_graphs: bool | str | None = None):
+        super().__init__(draft, num_blocks, block_size, 1, max(k, 1), max_seqs, max_seq_blocks, use_graphs, nodes=k)
+
+    @torch.no_grad()
+    def propose(self, chains: list[tuple[str, list[int], int]],
+                sampled: dict[str, tuple[SamplingConfig, torch.Generator]] | None = None) -> dict[str, DraftTree]:
+        """chains: (request id, every token so far (the root last), chain length k >= 0) ->
+        request id -> the chain [root, d1 .. dk] with cumulative draft log-probs: greedy, or for
+        the requests in `sampled` each token drawn from the draft's processed distribution q
+        with the request's generator, q kept with the tree (row i: what node i was drawn from)."""
+        sampled = sampled or {}
+        greedy = [c for c in chains if c[0] not in sampled]
+        out = super().propose(greedy) if greedy else {}
+        drawn = [c for c in chains if c[0] in sampled]
+        if drawn:
+            out.update(self._sampled_chains(drawn, sampled))
+        return out
+
+    def _sampled_chains(self, chains: list[tuple[str, list[int], int]],
+                        sampled: dict[str, tuple[SamplingConfig, torch.Generator]]) -> dict[str, DraftTree]:
+        """The sampled chains: position j of every chain in one batched pass (j = 1 .. k)."""
+        out, live = split_drafted(chains)
+        if not live:
+            return out
+        drafted: dict[str, list[int]] = {rid: [] for rid, _, _ in live}
+        logp: dict[str, list[float]] = {rid: [0.0] for rid, _, _ in live}
+        qs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _ in live if rid in sampled}
+        # pass 1: catch up on the committed tokens, the root last
+        self._take(live, self._catch_up([(rid, toks) for rid, toks, _ in live]), drafted, logp, sampled, qs)
+        # passes 2 .. k: one reserved row per request still drafting
+        for j in range(2, max(k for _, _, k in live) + 1):
+            going = [(rid, toks, k) for rid, toks, k in live if k >= j]
+            segs = []
+            for rid, toks, _ in going:
+                L = len(toks)
+                self.pool.reserve(rid, 1)
+                segs.append(Segment([drafted[rid][-1]], [L + j - 2], self.pool.seqs[rid].blocks, L + j - 1,
+                                    logits=True))  # (causal: it sees every column up to its own)
+            self._take(going, self._forward(segs), drafted, logp, sampled, qs)
+        for rid, toks, _ in live:
+            self.pool.commit(rid, [], [])  # drop the chain's rows: the target decides what stays
+            q = None
+            if rid in qs:
+                q = torch.stack([torch.zeros_like(qs[rid][0])] + qs[rid])  # [k + 1, V]
+            out[rid] = DraftTree(tokens=[toks[-1]] + drafted[rid], parents=list(range(-1, len(drafted[rid]))),
+                                 logp=logp[rid], q=q)
+        return out
+
+    @staticmethod
+    def _take(reqs, logits: torch.Tensor, drafted: dict[str, list[int]], logp: dict[str, list[float]],
+              sampled: dict[str, tuple[SamplingConfig, torch.Generator]], qs: dict[str, list[torch.Tensor]]) -> None:
+        """logits [len(reqs), V]: each request's next chain token (the argmax, or a draw from q)
+        and its cumulative log-prob."""
+        best, tok = topk_logprobs(logits, 1)  # [n, 1] each
+        for i, ((rid, _, _), t, b) in enumerate(zip(reqs, tok[:, 0].tolist(), best[:, 0].tolist())):
+            if rid in sampled:  # as the per-request ChainDrafter draws: q processed like the target's
+                sampling, g = sampled[rid]
+                q = probs_from_logits(logits[i][None], sampling)[0]  # [V]
+                t = int(torch.multinomial(q.cpu(), 1, generator=g))
+                b = float(torch.log(q[t].clamp_min(1e-30)))
+                qs[rid].append(q)
+            drafted[rid].append(t)
+            logp[rid].append(logp[rid][-1] + b)
 
 
 class BatchedHead(BatchedModel):

@@ -204,7 +204,7 @@ class Engine:
             sizes = dict(max_seqs=cfg.max_num_seqs, max_seq_blocks=self.pool.blocks_for(
                 self.context_window + ahead + 2 * cfg.block_size), use_graphs=graphs)
             if chain:
-                return BatchedChainDrafter(draft, blocks, cfg.block_size, **sizes)
+                return BatchedChainDrafter(draft, blocks, cfg.block_size, spec.k, **sizes)
             return BatchedTreeDrafter(draft, blocks, cfg.block_size, width, depth, nodes=spec.nodes, **sizes)
         if isinstance(draft, Eagle3Head):  # its level trees (a chain: its greedy path)
             if not BatchedEagleDrafter.fits(width, depth):
