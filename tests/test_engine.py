@@ -435,9 +435,10 @@ def test_batched_drafting_catches_up_a_long_prompt_in_chunks(models, monkeypatch
                                              ("eagle3", SpecConfig(nodes=16, width=4), 3),
                                              ("block", SpecConfig(nodes=32), 3),
                                              ("eagle3", SpecConfig(nodes=16, width=4), "captured"),
-                                             ("block", SpecConfig(nodes=32), "captured")],
+                                             ("block", SpecConfig(nodes=32), "captured"),
+                                             ("block", SpecConfig(nodes=32), "trees-together")],
                          ids=["eagle3", "block", "eagle3-prompts-in-chunks", "block-prompts-in-chunks",
-                              "eagle3-captured", "block-captured"])
+                              "eagle3-captured", "block-captured", "block-trees-together"])
 def test_batched_feature_drafters_grow_the_per_request_drafters_trees(kind, spec, chunk, monkeypatch):
     """The EAGLE-3 head / the block drafter drafting every request at once
     (engine.batched_draft.BatchedEagleDrafter / BatchedBlockDrafter) grow the same trees as each
@@ -445,7 +446,8 @@ def test_batched_feature_drafters_grow_the_per_request_drafters_trees(kind, spec
     tokens both ways (fp32), and the outputs are the same. With `chunk`, a prompt reaches the
     batched drafter in passes of that many rows (a long backlog's path). "captured": the
     drafter's passes and the head's whole tree run over their captures' padded static buffers
-    (emulated on the CPU)."""
+    (emulated on the CPU). "trees-together": the block drafter's trees built for all requests at
+    once (lattice.best_first_trees, the GPU's path) instead of a heap walk each."""
     from tandem.engine import batched_draft, engine as engine_mod
     from tandem.runtime.pair import BUNDLED_TARGET, load_pair
 
@@ -453,7 +455,7 @@ def test_batched_feature_drafters_grow_the_per_request_drafters_trees(kind, spec
         made = engine_mod.Engine._batched_drafter
         monkeypatch.setattr(engine_mod.Engine, "_batched_drafter",
                             lambda self, draft, blocks, graphs: made(self, draft, blocks, "emulate"))
-    elif chunk is not None:
+    elif isinstance(chunk, int):
         monkeypatch.setattr(batched_draft, "CATCH_UP_CHUNK", chunk)
 
     if not (BUNDLED_TARGET / "config.json").is_file():
@@ -465,6 +467,8 @@ def test_batched_feature_drafters_grow_the_per_request_drafters_trees(kind, spec
         engine = Engine(pair.target, pair.draft, config=EngineConfig(
             method="tree", spec=spec, block_size=16, max_num_batched_tokens=512, batched_drafting=batched,
             debug_check=True))
+        if batched and chunk == "trees-together":
+            engine.batched.device_trees_from = 1
         outs = run_all(engine, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
         if batched and chunk == "captured":  # (12 requests: trees padded to a bucket of 16)
             assert engine.batched.model._input_graphs and (kind == "block" or 16 in engine.batched._trees)

@@ -126,3 +126,64 @@ def best_chain(lat: Lattice, root: int, k: int) -> DraftTree:
         c = int(np.argmax(lat.cond[d, c]))
         tokens.append(int(lat.tokens[d, c]))
     return DraftTree.chain(tokens)
+
+
+def best_first_trees(rows: torch.Tensor, positions: list[int], roots: list[int], k: int,
+                     nodes: int) -> list[DraftTree]:
+    """best_first_tree for R lattices at once, in a fixed number of tensor ops whatever R (on
+    the lattices' device): a batch of block drafts then costs the host about as much as one
+    (a heap walk per request grows with the batch).
+
+    rows: [R, B, 3K + K*K] each request's lattice rows (BlockDrafter.lattice_rows: the root's
+    row, then its mask rows), padded to B; positions[r]: its real rows. -> each request's
+    `nodes` best nodes, in depth-major order (parents first), read back in one copy.
+
+    Level beams, as tandem.drafting.device_tree builds one tree: level d + 1 keeps the `nodes`
+    best children of level d's beam, so every node of the global best set is in its level's
+    beam; then the best `nodes` over all beams. Scores in float64 with stable sorts (ties to the
+    lower parent slot, then candidate), as the heap walk sums and orders them. Positions past a
+    request's own are -inf, and so are the nodes a lattice too short to hold `nodes` leaves
+    over: those are dropped."""
+    R, B = rows.shape[:2]
+    dev, W = rows.device, nodes  # W: the beam width
+    rows = rows.double()
+    tok = rows[:, :, :k].long()  # [R, B, K]
+    cond = rows[:, :, 3 * k:].reshape(R, B, k, k).clone()  # [R, B, K(parent), K(child)]
+    cond[:, 0, 0] = rows[:, 0, 2 * k:3 * k]  # the root's children: given the root token itself
+    cond[torch.arange(B, device=dev)[None] >= torch.tensor(positions, device=dev)[:, None]] = float("-inf")
+    score = torch.full((R, W), float("-inf"), dtype=torch.float64, device=dev)
+    score[:, 0] = 0.0  # slot 0 of the root's "beam" is the root
+    cand = torch.zeros(R, W, dtype=torch.long, device=dev)
+    scores, cands, pslots = [], [], []
+    for d in range(B):
+        child = cond[:, d].gather(1, cand[:, :, None].expand(R, W, k))  # [R, W, K] the beam's children
+        s = (score[:, :, None] + child).reshape(R, W * k)
+        best = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :W]
+        score = s.gather(1, best)
+        cand = best % k
+        scores.append(score)
+        cands.append(cand)
+        pslots.append(best // k)
+    flat = torch.stack(scores, 1).reshape(R, B * W)
+    top = torch.sort(flat, dim=1, descending=True, stable=True).indices[:, :nodes]  # the best over every level
+    sel = top.sort(dim=1).values  # depth-major: a topological order
+    level = sel // W
+    ids = torch.zeros(R, B * W, dtype=torch.long, device=dev)  # tree position of each kept entry
+    ids.scatter_(1, sel, torch.arange(1, nodes + 1, device=dev).expand(R, nodes))
+    parent_entry = (level - 1).clamp(min=0) * W + torch.stack(pslots, 1).reshape(R, -1).gather(1, sel)
+    parent = torch.where(level == 0, 0, ids.gather(1, parent_entry))
+    c = torch.stack(cands, 1).reshape(R, -1).gather(1, sel)
+    token = tok.reshape(R, B * k).gather(1, level * k + c)
+    logp = flat.gather(1, sel)
+    token, parent, logp = token.tolist(), parent.tolist(), logp.tolist()  # (one copy each, after one sync)
+    out = []
+    for r in range(R):
+        keep = [j for j, v in enumerate(logp[r]) if v != float("-inf")]  # (-inf nodes come with their subtrees)
+        if len(keep) == nodes:
+            out.append(DraftTree(tokens=[roots[r]] + token[r], parents=[-1] + parent[r], logp=[0.0] + logp[r]))
+            continue
+        index = {j + 1: i + 1 for i, j in enumerate(keep)}
+        out.append(DraftTree(tokens=[roots[r]] + [token[r][j] for j in keep],
+                             parents=[-1] + [index.get(parent[r][j], 0) for j in keep],
+                             logp=[0.0] + [logp[r][j] for j in keep]))
+    return out
