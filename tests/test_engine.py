@@ -344,7 +344,7 @@ def test_32_concurrent_requests_with_a_feature_drafter_equal_their_solo_ar_outpu
     assert [o.token_ids for o in outs] == refs
     assert_clean(engine)
     assert sum(o.tau for o in outs) / len(outs) > 1.5  # the drafters' proposals were accepted
-    from tandem.engine.batched_draft import BatchedBlockDrafter, BatchedEagleDrafter
+    from tandem.engine.batched_features import BatchedBlockDrafter, BatchedEagleDrafter
 
     batched = {"eagle3": BatchedEagleDrafter, "block": BatchedBlockDrafter}[kind]
     assert isinstance(engine.batched, batched) == modes.get("batched_drafting", True)
@@ -441,7 +441,7 @@ def test_batched_drafting_catches_up_a_long_prompt_in_chunks(models, monkeypatch
                               "eagle3-captured", "block-captured", "block-trees-together"])
 def test_batched_feature_drafters_grow_the_per_request_drafters_trees(kind, spec, chunk, monkeypatch):
     """The EAGLE-3 head / the block drafter drafting every request at once
-    (engine.batched_draft.BatchedEagleDrafter / BatchedBlockDrafter) grow the same trees as each
+    (engine.batched_features.BatchedEagleDrafter / BatchedBlockDrafter) grow the same trees as each
     request's own EagleDrafter / LatticeDrafter: every request accepts exactly as many draft
     tokens both ways (fp32), and the outputs are the same. With `chunk`, a prompt reaches the
     batched drafter in passes of that many rows (a long backlog's path). "captured": the

@@ -9,7 +9,10 @@
     batch_manager.py  batch parallelism (MineDraft): two batches, one verified while the other drafts
     row_selection.py  batch-aware row selection (SpecPilot): one node budget per step, a row cost model
     draft_gate.py     whether a step drafts at all: drafting cost against the tokens it returns
-    batched_draft.py  a draft model's chains and trees drafted for every request at once (its own paged pool)
+    batched_draft.py  a draft model's chains and trees drafted for every request at once (its own paged
+                      pool); the level tree captured whole per request bucket on a GPU
+    batched_features.py  the same for feature drafters: an EAGLE-3 head's level trees, a block drafter's lattices
+    draft_length.py   a per-request draft length, from the request's calibrated draft confidence
     llm.py            tandem.LLM(...).generate(prompts, SamplingParams(...)), the offline API
 
 The paged KV pool itself is tandem.kv.paged.

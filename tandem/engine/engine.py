@@ -40,8 +40,8 @@ from tandem.drafting.chain_drafter import ChainDrafter
 from tandem.drafting.feature_drafters import feature_drafter
 from tandem.drafting.tree_drafter import TreeDrafter
 from tandem.engine.batch_manager import BatchManager
-from tandem.engine.batched_draft import (BatchedBlockDrafter, BatchedChainDrafter, BatchedDrafter,
-                                         BatchedEagleDrafter, BatchedTreeDrafter)
+from tandem.engine.batched_draft import BatchedChainDrafter, BatchedDrafter, BatchedTreeDrafter
+from tandem.engine.batched_features import BatchedBlockDrafter, BatchedEagleDrafter
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.engine.config import EngineConfig
 from tandem.engine import draft_length

@@ -48,7 +48,7 @@ def test_engine_with_a_batched_feature_drafter_matches_an_uncached_forward(devic
     """The bundled target with its EAGLE-3 head / block drafter drafting every request at once
     (engine.batched_draft): 16 requests decode what an uncached forward of the target says, and
     the drafts are accepted."""
-    from tandem.engine.batched_draft import BatchedBlockDrafter, BatchedEagleDrafter
+    from tandem.engine.batched_features import BatchedBlockDrafter, BatchedEagleDrafter
     from tandem.runtime.pair import load_pair
 
     pair = load_pair(None, kind, device=device, dtype="float32")
