@@ -55,3 +55,41 @@ def unit_scaled_model(vocab: int = 96, seed: int = 0, head_scale: float = 4.0, m
                     else torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
         m.lm_head.weight.mul_(head_scale)
     return m
+
+
+def check_best_first_trees(nodes: int, device: str) -> None:
+    """tandem.drafting.lattice.best_first_trees over random ragged lattices (on `device`) against
+    the heap walk over each lattice alone: the same node sets (as token paths) and scores."""
+    import numpy as np
+
+    from tandem.drafting.lattice import best_first_tree, best_first_trees, unpack_lattice
+
+    K, B = 16, 16
+    rng = np.random.default_rng(nodes)
+    positions = [16, 1, 5, 16, 2, 11]
+    rows = np.zeros((len(positions), B, 3 * K + K * K), dtype=np.float32)
+    for r in range(len(positions)):
+        rows[r, :, :K] = np.stack([rng.choice(8000, K, replace=False) for _ in range(B)])  # candidates
+        logits = rng.normal(size=(B, K + K * K)) * 2.0  # (own and parent-conditioned scores, log-softmaxed)
+        rows[r, :, 2 * K:3 * K] = logits[:, :K] - np.log(np.exp(logits[:, :K]).sum(-1, keepdims=True) + 1.0)
+        given = logits[:, K:].reshape(B, K, K)
+        rows[r, :, 3 * K:] = (given - np.log(np.exp(given).sum(-1, keepdims=True) + 1.0)).reshape(B, K * K)
+    roots = [100 + r for r in range(len(positions))]
+    got = best_first_trees(torch.from_numpy(rows).to(device), positions, roots, K, nodes)
+
+    def paths(tree):
+        out = set()
+        for i in range(1, len(tree)):
+            p, j = [], i
+            while j > 0:
+                p.append(tree.tokens[j])
+                j = tree.parents[j]
+            out.add(tuple(p[::-1]))
+        return out
+
+    for r, tree in enumerate(got):
+        want = best_first_tree(unpack_lattice(torch.from_numpy(rows[r, :positions[r]]), K), roots[r], nodes)
+        assert tree.tokens[0] == roots[r] and all(0 <= p < i for i, p in enumerate(tree.parents) if i > 0)
+        assert len(tree) == len(want) and paths(tree) == paths(want), r
+        assert np.allclose(sorted(tree.logp), sorted(want.logp), atol=1e-9)
+

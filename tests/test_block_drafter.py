@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from models_for_tests import tiny_model
+from models_for_tests import check_best_first_trees, tiny_model
 from tandem.config import SamplingConfig, SpecConfig, GenerationConfig
-from tandem.drafting.lattice import Lattice, best_first_tree, best_first_trees, build_lattice, unpack_lattice
+from tandem.drafting.lattice import Lattice, best_first_tree, build_lattice
 from tandem.models.block_drafter import BlockDrafter, BlockDrafterConfig, load_block_drafter, save_block_drafter
 from tandem.runtime.generate import Generator
 
@@ -86,34 +86,7 @@ def test_best_first_trees_of_a_batch_equal_each_lattices_own_tree(nodes):
     """The vectorised trees over a batch of lattices (ragged: 1 to 16 positions, so some hold
     fewer than `nodes` nodes) have each request's node set of the heap walk over its own
     lattice, in an order where every parent comes first."""
-    K, B = 16, 16
-    rng = np.random.default_rng(nodes)
-    positions = [16, 1, 5, 16, 2, 11]
-    rows = np.zeros((len(positions), B, 3 * K + K * K), dtype=np.float32)
-    for r in range(len(positions)):
-        rows[r, :, :K] = np.stack([rng.choice(8000, K, replace=False) for _ in range(B)])  # candidates
-        logits = rng.normal(size=(B, K + K * K)) * 2.0  # (own and parent-conditioned scores, log-softmaxed)
-        rows[r, :, 2 * K:3 * K] = logits[:, :K] - np.log(np.exp(logits[:, :K]).sum(-1, keepdims=True) + 1.0)
-        given = logits[:, K:].reshape(B, K, K)
-        rows[r, :, 3 * K:] = (given - np.log(np.exp(given).sum(-1, keepdims=True) + 1.0)).reshape(B, K * K)
-    roots = [100 + r for r in range(len(positions))]
-    got = best_first_trees(torch.from_numpy(rows), positions, roots, K, nodes)
-
-    def paths(tree):
-        out = set()
-        for i in range(1, len(tree)):
-            p, j = [], i
-            while j > 0:
-                p.append(tree.tokens[j])
-                j = tree.parents[j]
-            out.add(tuple(p[::-1]))
-        return out
-
-    for r, tree in enumerate(got):
-        want = best_first_tree(unpack_lattice(torch.from_numpy(rows[r, :positions[r]]), K), roots[r], nodes)
-        assert tree.tokens[0] == roots[r] and all(0 <= p < i for i, p in enumerate(tree.parents) if i > 0)
-        assert len(tree) == len(want) and paths(tree) == paths(want), r
-        assert sorted(tree.logp) == pytest.approx(sorted(want.logp), abs=1e-9)
+    check_best_first_trees(nodes, "cpu")
 
 
 

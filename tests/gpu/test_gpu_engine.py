@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gpu_lane import bundled_pair, cpu, cuda, first_wrong_token
-from models_for_tests import noisy_copy, tiny_model
+from models_for_tests import check_best_first_trees, noisy_copy, tiny_model
 from tandem.config import SpecConfig
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
@@ -63,3 +63,12 @@ def test_engine_with_a_batched_feature_drafter_matches_an_uncached_forward(devic
         assert first_wrong_token(pair.target, prompt, outs[rid].token_ids) is None, (kind, prompt)
     assert sum(o.tau for o in outs.values()) / len(outs) > 1.5
     assert engine.pool.check() == [] and engine.batched.pool.seqs == {}
+
+
+@pytest.mark.parametrize("nodes", [7, 32])
+@pytest.mark.parametrize("device", [cuda("cuda", id="cuda")])
+def test_block_trees_built_together_on_the_device_equal_the_heap_walks(device, nodes):
+    """The block drafter's trees of a batch built on the GPU (lattice.best_first_trees, the
+    engine's path from 8 requests) have the heap walk's node sets and scores (float64 on both)."""
+    check_best_first_trees(nodes, device)
+
