@@ -514,6 +514,7 @@ class BatchedModel:
         return BatchRows(st.packed, st.cap, st.cap.M, T, S, offsets, st.cap.M if num_logits is None else num_logits,
                          self.pool.block_size, self.tile_rows, self.model.dtype)
 
+    @torch.no_grad()  # (as the passes run: the Triton kernels only take over without autograd)
     def capture(self, fn) -> object:
         """Run fn() twice on this model's capture stream (compiles, cuBLAS handles), then capture
         it as a CUDA graph sharing the model's memory pool -> the graph (None: the capture failed,
