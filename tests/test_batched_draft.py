@@ -82,3 +82,17 @@ def test_a_smaller_budget_keeps_the_best_nodes_of_the_same_tree(graphs):
     assert len(small) == 6 and all(0 <= p < i for i, p in enumerate(small.parents) if i > 0)
     best = sorted(range(1, len(full)), key=lambda i: -full.logp[i])[:5]
     assert sorted(_path(small, i) for i in range(1, 6)) == sorted(_path(full, i) for i in best)
+
+
+@pytest.mark.parametrize("graphs", [False, "emulate"])
+def test_every_request_with_a_budget_below_the_captured_trees(graphs):
+    """All requests of a call ask fewer nodes than the drafter's captured trees hold: each gets
+    its best nodes by score (not the first ones in tree order), as with the full budget."""
+    draft = tiny_model(seed=4)
+    bd = BatchedTreeDrafter(draft, num_blocks=64, block_size=4, width=3, depth=4, max_seqs=4, max_seq_blocks=16,
+                            use_graphs=graphs, nodes=12)
+    toks = torch.randint(1, 90, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    small = bd.propose([("a", toks, 7)])["a"]
+    full = bd.propose([("a", toks, 12)])["a"]  # (nothing new to catch up: the same root)
+    best = sorted(range(1, len(full)), key=lambda i: -full.logp[i])[:7]
+    assert len(small) == 8 and sorted(_path(small, i) for i in range(1, 8)) == sorted(_path(full, i) for i in best)

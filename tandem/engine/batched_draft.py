@@ -218,7 +218,8 @@ class BatchedTreeDrafter(BatchedDrafter):
                 g.graph.replay()
             else:  # emulated: the same padded buffers, eagerly (the reference path reads `rows`' host figures)
                 g.idx, g.lp = self._device_tree(rows, g.roots, g.R, self.n_graph)
-            idx, lp = g.idx[:, :R, :n_max], g.lp[:R, :n_max]
+            # (its n_graph best in tree order: a smaller budget takes its best by rank, below)
+            n_max, idx, lp = self.n_graph, g.idx[:, :R], g.lp[:R]
         else:
             rows = self.model.rows(segs) if segs else None
             idx, lp = self._device_tree(rows, roots, R, n_max)
