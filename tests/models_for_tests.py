@@ -57,6 +57,20 @@ def unit_scaled_model(vocab: int = 96, seed: int = 0, head_scale: float = 4.0, m
     return m
 
 
+def token_path(tokens: list[int], parents: list[int], i: int) -> list[int]:
+    """Node i of a tree as the token path from the root (the root excluded)."""
+    out = []
+    while i > 0:
+        out.append(tokens[i])
+        i = parents[i]
+    return out[::-1]
+
+
+def token_paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
+    """Every node as its token path from the root (a node's identity in a lattice tree)."""
+    return {tuple(token_path(tokens, parents, i)) for i in range(1, len(tokens))}
+
+
 def check_best_first_trees(nodes: int, device: str) -> None:
     """tandem.drafting.lattice.best_first_trees over random ragged lattices (on `device`) against
     the heap walk over each lattice alone: the same node sets (as token paths) and scores."""
@@ -77,19 +91,10 @@ def check_best_first_trees(nodes: int, device: str) -> None:
     roots = [100 + r for r in range(len(positions))]
     got = best_first_trees(torch.from_numpy(rows).to(device), positions, roots, K, nodes)
 
-    def paths(tree):
-        out = set()
-        for i in range(1, len(tree)):
-            p, j = [], i
-            while j > 0:
-                p.append(tree.tokens[j])
-                j = tree.parents[j]
-            out.add(tuple(p[::-1]))
-        return out
-
     for r, tree in enumerate(got):
         want = best_first_tree(unpack_lattice(torch.from_numpy(rows[r, :positions[r]]), K), roots[r], nodes)
         assert tree.tokens[0] == roots[r] and all(0 <= p < i for i, p in enumerate(tree.parents) if i > 0)
-        assert len(tree) == len(want) and paths(tree) == paths(want), r
+        same = token_paths(tree.tokens, tree.parents) == token_paths(want.tokens, want.parents)
+        assert len(tree) == len(want) and same, r
         assert np.allclose(sorted(tree.logp), sorted(want.logp), atol=1e-9)
 

@@ -7,16 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models_for_tests import tiny_model
+from models_for_tests import tiny_model, token_path
 from tandem.engine.batched_draft import BatchedTreeDrafter
 
 
 def _path(tree, i: int) -> list[int]:
-    out = []
-    while i > 0:
-        out.append(tree.tokens[i])
-        i = tree.parents[i]
-    return out[::-1]
+    return token_path(tree.tokens, tree.parents, i)
 
 
 @pytest.mark.parametrize("graphs", [False, "emulate"])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from models_for_tests import tiny_model
+from models_for_tests import tiny_model, token_paths
 from test_block_drafter import make_drafter
 from tandem.config import GenerationConfig, SpecConfig
 from tandem.drafting import device_tree as dt
@@ -24,16 +24,6 @@ def _random_lattice(seed: int, B: int = 16, K: int = 16):
     return tok, cond, Lattice(tokens=tok.numpy(), cond=cond.double().numpy())
 
 
-def _paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
-    """Each node as the token path from the root (a node's identity in a lattice tree)."""
-    out = set()
-    for i in range(1, len(tokens)):
-        p, j = [], i
-        while j > 0:
-            p.append(tokens[j])
-            j = parents[j]
-        out.add(tuple(reversed(p)))
-    return out
 
 
 @pytest.mark.parametrize("nodes", [1, 7, 32, 60])
@@ -47,7 +37,7 @@ def test_device_tree_is_the_host_best_first_tree(nodes):
         assert len(t) == nodes + 1 and t[0] == 3 and p[0] == -1
         assert all(0 <= p[i] < i for i in range(1, len(p)))  # prefix-closed, topological
         assert d == [0] + [d[p[i]] + 1 for i in range(1, len(p))]
-        assert _paths(t, p) == _paths(want.tokens, want.parents)
+        assert token_paths(t, p) == token_paths(want.tokens, want.parents)
 
 
 def test_device_chain_is_the_host_greedy_chain():

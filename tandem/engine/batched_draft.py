@@ -31,7 +31,6 @@ tandem.engine.batched_features.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -151,21 +150,16 @@ class BatchedTreeDrafter(BatchedDrafter):
         super().__init__(draft, num_blocks, block_size, max_seqs, max_seq_blocks, use_graphs)
         self.w, self.depth = width, depth
         self.check_fits(width, depth)
-        self._init_trees(use_graphs, nodes, max_seqs, max_seq_blocks)
+        self._init_trees(nodes)
 
-    def _init_trees(self, use_graphs, nodes: int | None, max_seqs: int | None, max_seq_blocks: int | None) -> None:
+    def _init_trees(self, nodes: int | None) -> None:
         self.n_all = self.w + (self.depth - 1) * self.w * self.w  # level 1, then each level's w x w children
         self.n_graph = min(nodes or self.n_all, self.n_all)
-        self.max_seqs, self.max_seq_blocks = max_seqs, max_seq_blocks
         self._trees: dict[int, _TreeGraph | None] = {}
-        if use_graphs is None:
-            use_graphs = self.draft.device.type == "cuda" and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
-        if self.model.emulate:  # (its passes emulate graph buckets: the tree emulates its capture too)
-            use_graphs = "emulate"
-        # a captured tree: graphs on, sizes known, levels to grow, the Triton kernel for attention
-        ok = bool(use_graphs) and max_seqs is not None and max_seq_blocks is not None and self.depth > 1
-        self.tree_graphs = ok and (use_graphs == "emulate" or self.model.kernel_applies())
-        self.emulate = use_graphs == "emulate"
+        # a captured tree: levels to grow, and its model's passes captured (graphs on, sizes known,
+        # no sliding window) with the Triton kernel for attention (or emulated)
+        m = self.model
+        self.tree_graphs = m.use_graphs and self.depth > 1 and (m.emulate or m.kernel_applies())
 
     @staticmethod
     def fits(width: int, depth: int) -> bool:
@@ -208,7 +202,7 @@ class BatchedTreeDrafter(BatchedDrafter):
                 segs.append(Segment([0] * w, [L] * w, self.pool.seqs[rid].blocks, L + w, logits=True,
                                     prefix=L, bits=[1 << s for s in range(w)]))
         g = None
-        if self.tree_graphs and n_max <= self.n_graph and R <= (self.max_seqs or 0):
+        if self.tree_graphs and n_max <= self.n_graph and R <= self.model.max_seqs:
             g = self._tree_graph(next(b for b in REQUEST_BUCKETS if b >= R))
         if g is not None:
             rows = self.model.load_rows(g.st, segs)
@@ -243,11 +237,11 @@ class BatchedTreeDrafter(BatchedDrafter):
         if R in self._trees:
             return self._trees[R]
         w = self.w
-        cap = Capacity(R * w, R, R, self.max_seq_blocks, 1)  # (w <= 16 rows: one attention tile a request)
+        cap = Capacity(R * w, R, R, self.model.max_seq_blocks, 1)  # (w <= 16 rows: one attention tile a request)
         st = self.model.static_rows(cap)
         roots = tuple(torch.zeros(R, *shape, dtype=dtype, device=self.draft.device) for shape, dtype in self._root_specs())
         g = _TreeGraph(R, st, roots)
-        if not self.emulate:
+        if not self.model.emulate:
             def body():
                 g.idx, g.lp = self._device_tree(st.rows, roots, R, self.n_graph)
             g.graph = self.model.capture(body)

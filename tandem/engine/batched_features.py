@@ -73,14 +73,11 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         self.root_logits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # rid -> its last root's logits, out
         self.pending: dict[str, tuple[list[int], torch.Tensor]] = {}  # rid -> (tokens, hidden [n, H])
         self._level_out: torch.Tensor | None = None  # [R, w, H] the last level's output hidden
-        self._init_trees(use_graphs, nodes, max_seqs, max_seq_blocks)
+        self._init_trees(nodes)
 
     def release(self, request_id: str) -> None:
         super().release(request_id)
         self.pending.pop(request_id, None)
-
-    def started(self, request_id: str) -> bool:
-        return request_id in self.pending
 
     def start(self, request_id: str, prompt: list[int], features: torch.Tensor | None) -> None:
         """prompt: every token so far (the root last); features: [len - 1, F] the target's features
@@ -109,6 +106,7 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         todo = {rid: self.pending[rid] for rid, _, _ in live if rid not in logits}
         while todo:
             segs, hid, last, fed = [], [], [], {}
+            rows = 0
             for rid, (toks, hidden) in todo.items():
                 part = toks[:batched_draft.CATCH_UP_CHUNK]
                 start = self.pool.seqs[rid].length
@@ -116,7 +114,8 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
                 segs.append(Segment.chunk(part, start, self.pool.seqs[rid].blocks))
                 hid.append(hidden[:len(part)])
                 fed[rid] = part
-                last.append(sum(len(s.tokens) for s in segs) - 1)
+                rows += len(part)
+                last.append(rows - 1)  # (each request's last row in the pass)
             out_logits, out = self.model.context(segs, torch.cat(hid), last)
             for i, rid in enumerate(fed):
                 self.pool.commit(rid, list(range(len(fed[rid]))), fed[rid])
@@ -168,8 +167,12 @@ class BatchedBlock(BatchedModel):
         """A pass over the segments' rows with their features [M, F] -> the lattice rows
         [len(picked), 3K + K*K] of rows `picked` (every row's is computed: the same values, a
         row's lattice reads only its own and the previous row's)."""
-        (lattice,) = self.run_rows(segments, feats, lambda rows, f: (self.run(rows, f),))
+        (lattice,) = self.run_rows(segments, feats, self.every_lattice)
         return lattice[torch.tensor(picked, dtype=torch.long, device=lattice.device)]
+
+    def every_lattice(self, rows: BatchRows, feats: torch.Tensor) -> tuple[torch.Tensor]:
+        """run() over every row, as run_rows' body (its captured pass)."""
+        return (self.run(rows, feats),)
 
     @torch.no_grad()
     def run(self, rows: BatchRows, feats: torch.Tensor, picked: torch.Tensor | None = None) -> torch.Tensor:
@@ -219,7 +222,7 @@ class BatchedBlockDrafter:
         """The pass's captures for a step's rows (each request's accepted rows and B - 1 mask rows)."""
         d = self.draft
         like = torch.zeros(1, d.bconfig.feature_size, dtype=d.dtype, device=d.device)
-        self.model.warmup_inputs(max_seqs * 2 * self.block, like, lambda rows, f: (self.model.run(rows, f),))
+        self.model.warmup_inputs(max_seqs * 2 * self.block, like, self.model.every_lattice)
 
     def release(self, request_id: str) -> None:
         self.pool.free(request_id)

@@ -346,13 +346,14 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 76
 
 @dataclass
 class StaticRows:
-    """Buffers of a pass captured by its caller (BatchedModel.static_rows)."""
+    """The static input buffers of a captured pass (BatchedModel.static_rows)."""
 
     cap: Capacity
     host: torch.Tensor  # [cap.size] int64 (pinned on CUDA): segments are packed here
     packed: torch.Tensor  # [cap.size] int64 on the device: the captured ops read it
     rows: "BatchRows"  # views of `packed`, every row padding
     views: dict  # numpy views of `host`, one per packed field
+    staged: object = None  # event after the last host-to-device copy (the host buffer is free after it)
 
 
 @dataclass
@@ -367,17 +368,12 @@ class _InputGraph:
 
 @dataclass
 class _Graph:
-    """One captured pass of `cap.M` rows and its static buffers."""
+    """One captured pass of `st.cap.M` rows: its static buffers and outputs."""
 
-    cap: Capacity
-    host: torch.Tensor  # [cap.size] int64, pinned: the next pass is packed here
-    packed: torch.Tensor  # [cap.size] int64 on the device: the graph's input
-    rows: "BatchRows"  # views of `packed` (what the captured body reads)
-    views: dict  # numpy views of `host`, one per packed field
+    st: StaticRows
     graph: object = None  # torch.cuda.CUDAGraph (None: emulated on the CPU)
     logits: torch.Tensor | None = None  # [cap.M, vocab] every row's logits, written by a replay
     features: torch.Tensor | None = None  # [cap.M, F]
-    staged: object = None  # event after the last host-to-device copy (the host buffer is free after it)
 
 
 class BatchedModel:
@@ -429,16 +425,7 @@ class BatchedModel:
         if g is None:
             return BatchRows.build(segments, self.model.device, self.model.dtype, self.pool.block_size,
                                    self.window, self.tile_rows, self.pool.scratch_slot, cap)
-        if g.staged is not None:  # the previous pass's copy must have left the host buffer
-            g.staged.synchronize()
-        T, S, offsets, n = BatchRows.pack(segments, g.host.numpy(), g.cap, self.pool.block_size,
-                                          self.pool.scratch_slot, self.tile_rows, g.views)
-        g.packed.copy_(g.host, non_blocking=True)
-        if not self.emulate:
-            g.staged = torch.cuda.Event()
-            g.staged.record()
-        return BatchRows(g.packed, g.cap, offsets[-1], T, S, offsets, n, self.pool.block_size, self.tile_rows,
-                         self.model.dtype, graph=g.cap.M)
+        return self.load_rows(g.st, segments, graph=g.st.cap.M)
 
     def exact_rows(self, segments: list[Segment]) -> BatchRows:
         """The pass's rows as they are (no padding, no graph)."""
@@ -504,15 +491,23 @@ class BatchedModel:
                          self.model.dtype)
         return StaticRows(cap, host, packed, rows, BatchRows.host_views(host.numpy(), cap))
 
-    def load_rows(self, st: "StaticRows", segments: list[Segment], num_logits: int | None = None) -> BatchRows:
-        """Pack `segments` (at most st.cap) into st's buffers -> rows over them with the
-        segments' host figures (the reference path's view). The rows keep st.cap.M rows and
-        `num_logits` logit rows (default: every row), whatever the segments hold."""
+    def load_rows(self, st: "StaticRows", segments: list[Segment], graph: int | None = None) -> BatchRows:
+        """Pack `segments` (at most st.cap) into st's buffers, once the previous pass's copy has
+        left them -> rows over them with the segments' host figures (the reference path's view).
+        `graph`: the bucket of this model's own graph (the rows are the segments' rows and logit
+        rows); None: a caller's own capture, whose body reads every row (the rows keep st.cap.M
+        rows and logit rows, whatever the segments hold)."""
+        if st.staged is not None:
+            st.staged.synchronize()
         T, S, offsets, n = BatchRows.pack(segments, st.host.numpy(), st.cap, self.pool.block_size,
                                           self.pool.scratch_slot, self.tile_rows, st.views)
         st.packed.copy_(st.host, non_blocking=True)  # (a capture or replay follows on this stream)
-        return BatchRows(st.packed, st.cap, st.cap.M, T, S, offsets, st.cap.M if num_logits is None else num_logits,
-                         self.pool.block_size, self.tile_rows, self.model.dtype)
+        if not self.emulate:
+            st.staged = torch.cuda.Event()
+            st.staged.record()
+        M, logits = (offsets[-1], n) if graph is not None else (st.cap.M, st.cap.M)
+        return BatchRows(st.packed, st.cap, M, T, S, offsets, logits, self.pool.block_size, self.tile_rows,
+                         self.model.dtype, graph=graph)
 
     @torch.no_grad()  # (as the passes run: the Triton kernels only take over without autograd)
     def capture(self, fn) -> object:
@@ -520,7 +515,7 @@ class BatchedModel:
         it as a CUDA graph sharing the model's memory pool -> the graph (None: the capture failed,
         with a warning; the caller runs fn eagerly). fn must only touch static buffers."""
         dev = self.model.device
-        if self._capture_stream is None:
+        if self._capture_stream is None or os.environ.get("TANDEM_GRAPH_STREAM") == "bucket":
             self._capture_stream = torch.cuda.Stream(device=dev)
         s = self._capture_stream
         s.wait_stream(torch.cuda.current_stream(dev))
@@ -531,7 +526,11 @@ class BatchedModel:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        gc.disable()  # (as in _graph: no collection inside a capture)
+        # NOTE: no garbage collection inside the capture: collecting an earlier engine (engines
+        # hold reference cycles) frees its pinned buffers, and the host allocator's event calls
+        # then invalidate the capture (seen on the H200 when a benchmark built engine after
+        # engine). Not gc.collect() first either: at 0.2 s a bucket it made start-up 10x slower.
+        gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self._graph_pool, stream=s):
                 fn()
@@ -567,52 +566,23 @@ class BatchedModel:
             if b >= max_rows:
                 break
 
-    @torch.no_grad()  # (the Triton kernels, and so the graphs, run only without autograd)
     def _graph(self, bucket: int) -> _Graph | None:
         g = self._graphs.get(bucket)
         if g is not None or not self.use_graphs:
             return g
-        dev = self.model.device
         if not self.emulate and not self.kernel_applies():
             # the reference attention builds its view on the host per pass: it cannot be captured
             self.use_graphs = False
             return None
-        cap = Capacity(bucket, min(bucket, self.max_seqs), bucket, self.max_seq_blocks, 1)
-        host = torch.empty(cap.size, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        BatchRows.pack([], host.numpy(), cap, self.pool.block_size, self.pool.scratch_slot, self.tile_rows)
-        packed = host.to(dev)  # every row padding: a warm-up writes only the scratch slot
-        rows = BatchRows(packed, cap, bucket, [], [], [0], 0, self.pool.block_size, self.tile_rows,
-                         self.model.dtype, graph=bucket)
-        g = self._graphs[bucket] = _Graph(cap, host, packed, rows, BatchRows.host_views(host.numpy(), cap))
-        if self.emulate:
-            return g
-        if self._capture_stream is None or os.environ.get("TANDEM_GRAPH_STREAM") == "bucket":
-            self._capture_stream = torch.cuda.Stream(device=dev)
-        s = self._capture_stream
-        s.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(s):
-            for _ in range(2):  # warm-up outside capture (cuBLAS handles, Triton compilation)
-                self._body(rows, every_row=True)
-        torch.cuda.current_stream(dev).wait_stream(s)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        g.graph = torch.cuda.CUDAGraph()
-        # NOTE: no garbage collection inside the capture: collecting an earlier engine (engines
-        # hold reference cycles) frees its pinned buffers, and the host allocator's event calls
-        # then invalidate the capture (seen on the H200 when a benchmark built engine after
-        # engine). Not gc.collect() first either: at 0.2 s a bucket it made start-up 10x slower.
-        gc.disable()
-        try:
-            with torch.cuda.graph(g.graph, pool=self._graph_pool, stream=s):
-                g.logits, g.features = self._body(rows, every_row=True)
-        except RuntimeError as e:  # serve eagerly rather than not at all
-            log.warning("CUDA graph capture of %d rows failed (%s); the batched passes run eagerly", bucket, e)
-            del self._graphs[bucket]
-            self.use_graphs = False
-            torch.cuda.synchronize(dev)
-            return None
-        finally:
-            gc.enable()
+        g = _Graph(self.static_rows(Capacity(bucket, min(bucket, self.max_seqs), bucket, self.max_seq_blocks, 1)))
+        if not self.emulate:
+            def body():
+                g.logits, g.features = self._body(g.st.rows, every_row=True)
+            g.graph = self.capture(body)
+            if g.graph is None:  # serve eagerly rather than not at all
+                self.use_graphs = False
+                return None
+        self._graphs[bucket] = g
         return g
 
     # ---- the pass ----------------------------------------------------------------------------

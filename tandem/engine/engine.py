@@ -187,16 +187,19 @@ class Engine:
 
     def _batched_drafter(self, draft, num_blocks: int, graphs: bool | None):
         """The batched drafter of this draft and method, or None (each request then drafts on its
-        own: a level tree wider than one mask word per row, or a draft it does not know)."""
+        own: a level tree or greedy chain wider than one mask word per row, or a draft it does not know)."""
         cfg, spec = self.config, self.spec
         chain = cfg.method == "chain"
         width, depth = (1, spec.k) if chain else (spec.width, spec.resolved_depth())  # a chain: a width-1 tree
 
+        def seq_blocks(rows: int) -> int:  # a request's block table for `rows` rows (one block to spare)
+            return -(-rows // cfg.block_size) + 1
+
         def pool_blocks(rows: int) -> int:  # blocks for max_num_seqs requests of `rows` rows each
-            return cfg.max_num_seqs * (-(-rows // cfg.block_size) + 1)
+            return cfg.max_num_seqs * seq_blocks(rows)
 
         if isinstance(draft, Transformer):
-            if not chain and not BatchedTreeDrafter.fits(width, depth):
+            if not BatchedTreeDrafter.fits(width, depth):  # (a greedy chain is the width-1 tree)
                 return None
             ahead = spec.k if chain else (depth - 1) * width
             # (a request's draft rows exceed its target rows by at most the drafted rows plus one block)
@@ -211,13 +214,13 @@ class Engine:
                 return None
             rows = self.context_window + (depth - 1) * width + 1
             return BatchedEagleDrafter(draft, pool_blocks(rows), cfg.block_size, width, depth,
-                                       max_seqs=cfg.max_num_seqs, max_seq_blocks=-(-rows // cfg.block_size) + 1,
+                                       max_seqs=cfg.max_num_seqs, max_seq_blocks=seq_blocks(rows),
                                        use_graphs=graphs, nodes=spec.k if chain else spec.nodes)
         if isinstance(draft, BlockDrafter):  # its lattices in one pass (each tree built per request)
             rows = self.context_window + draft.bconfig.block_size
             return BatchedBlockDrafter(draft, pool_blocks(rows), cfg.block_size, spec.k if chain else spec.nodes,
                                        chain, self.context_window, max_seqs=cfg.max_num_seqs,
-                                       max_seq_blocks=-(-rows // cfg.block_size) + 1, use_graphs=graphs)
+                                       max_seq_blocks=seq_blocks(rows), use_graphs=graphs)
         return None
 
     # ---- public API ----------------------------------------------------------------------
@@ -272,7 +275,6 @@ class Engine:
         draft_s = overlap = 0.0
         drafting_s = None  # seconds spent drafting this step's trees (the gate's figure), None: no drafting
         if plan:
-            base_rows = self._base_rows(plan)
             if not drafting:  # drafting would not pay this step: roots only
                 trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes}
             else:
@@ -293,7 +295,7 @@ class Engine:
             finished = self._apply(plan, trees, logits)
             if self.gate is not None:  # (the accepts read the logits: the pass is done by now)
                 nodes = sum(len(t) - 1 for t in trees.values())
-                self.gate.observe_pass(time.perf_counter() - t0, base_rows + nodes, self.config.row_cost)
+                self.gate.observe_pass(time.perf_counter() - t0, self._base_rows(plan) + nodes, self.config.row_cost)
                 if drafting_s is not None:
                     self.gate.observe_drafting(drafting_s, len(trees), nodes, self._accepted)
         if self.batches is not None:

@@ -110,12 +110,11 @@ class Scheduler:
             cached = self.pool.allocate(req.request_id, tokens, max_cached=req.prefill_target)
             req.num_computed = req.figures.cached_tokens = cached
             kind, rows = self._want(req, budget)
-            if not self.pool.can_reserve(req.request_id, rows):
+            if not self.pool.try_reserve(req.request_id, rows):
                 self.pool.free(req.request_id)  # head-of-line: wait for blocks (FIFO)
                 req.num_computed = 0
                 break
             self.waiting.popleft()
-            self.pool.reserve(req.request_id, rows)
             req.state = RequestState.RUNNING
             self.running.append(req)
             plan.admitted.append(req)
