@@ -507,7 +507,8 @@ def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind):
             if self.calls == 2:
                 seen["from"] = len(req.token_ids())  # this step's drafting runs every pending row
             if self.calls == 6:  # drafting resumes: what the drafter has not run yet
-                seen["pending"] = engine.batched.pending[req.request_id]
+                p = engine.batched.pending[req.request_id]
+                seen["pending"] = (list(p.tokens), torch.cat(p.chunks))
                 seen["tokens"] = req.token_ids()
             return not 3 <= self.calls <= 5
 

@@ -23,6 +23,48 @@ from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
 
 
+class PendingRows:
+    """A request's committed rows its feature drafter has not run yet: the tokens and each row's
+    input (features, or the head's projected hidden), kept as a list of chunks so that feeding a
+    step's rows launches no kernel per request (the H200's host pays ~10 us a launch: a cat per
+    request was ~4 ms a step at 64 requests); a pass takes its first n rows as views."""
+
+    __slots__ = ("tokens", "chunks")
+
+    def __init__(self, tokens: list[int], rows: torch.Tensor):
+        self.tokens = list(tokens)
+        self.chunks = [rows] if rows.shape[0] else []  # [n_i, F] each, n_i summing to len(tokens)
+
+    def append(self, tokens: list[int], rows: torch.Tensor) -> None:
+        self.tokens += tokens
+        self.chunks.append(rows)
+
+    def take(self, n: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The first n tokens and views of their rows (a list of chunks), removed from here."""
+        toks, self.tokens = self.tokens[:n], self.tokens[n:]
+        n = len(toks)
+        views: list[torch.Tensor] = []
+        while n > 0:
+            c = self.chunks[0]
+            if c.shape[0] <= n:
+                views.append(self.chunks.pop(0))
+                n -= c.shape[0]
+            else:
+                views.append(c[:n])
+                self.chunks[0] = c[n:]
+                n = 0
+        return toks, views
+
+
+def split_rows(rows: torch.Tensor, items: list[tuple[str, list[int]]]) -> list[tuple[str, list[int], torch.Tensor]]:
+    """rows [sum of len(tokens), F], the items' rows in order -> (request id, tokens, its view)."""
+    out, at = [], 0
+    for rid, tokens in items:
+        out.append((rid, tokens, rows[at:at + len(tokens)]))
+        at += len(tokens)
+    return out
+
+
 class BatchedHead(BatchedModel):
     """An EAGLE-3 head (tandem.models.eagle3) over a paged pool of its own: its one layer reads
     cat(input_layernorm(embed(token)), hidden_norm(h)) per row, h given with the rows. Its
@@ -71,7 +113,7 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
                                 prefix_caching=False)
         self.model = BatchedHead(head, self.pool, max_seqs=max_seqs, max_seq_blocks=max_seq_blocks, use_graphs=use_graphs)
         self.root_logits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # rid -> its last root's logits, out
-        self.pending: dict[str, tuple[list[int], torch.Tensor]] = {}  # rid -> (tokens, hidden [n, H])
+        self.pending: dict[str, PendingRows] = {}  # rid -> its tokens not run yet, their hidden inputs [n, H]
         self._level_out: torch.Tensor | None = None  # [R, w, H] the last level's output hidden
         self._init_trees(nodes)
 
@@ -88,45 +130,42 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         if features is not None and len(prompt) > 1:  # row i reads the features of position i - 1
             hidden[1:] = head.project(features[-(len(prompt) - 1):])
         self.pool.allocate(request_id, [], 0)
-        self.pending[request_id] = (list(prompt), hidden)
+        self.pending[request_id] = PendingRows(prompt, hidden)
 
-    def observe(self, request_id: str, tokens: list[int], features: torch.Tensor) -> None:
-        """A verify pass committed `tokens` (accepted nodes, then the bonus); features [len, F]:
-        the target's features of the root and the accepted nodes, the inputs of those tokens' rows.
-        They join the rows the head has not run (several passes' worth when steps skip drafting)."""
-        toks, hidden = self.pending[request_id]
-        self.pending[request_id] = (toks + list(tokens), torch.cat([hidden, self.draft.project(features)]))
+    def observe_many(self, items: list[tuple[str, list[int]]], features: torch.Tensor) -> None:
+        """A verify pass committed each request's `tokens` (accepted nodes, then the bonus);
+        features [sum of lens, F]: the target's features of the roots and the accepted nodes, the
+        inputs of those tokens' rows, in the items' order (one projection for all). They join the
+        rows the head has not run (several passes' worth when steps skip drafting)."""
+        for rid, tokens, hidden in split_rows(self.draft.project(features), items):
+            self.pending[rid].append(tokens, hidden)
 
     def _roots(self, live: list[tuple[str, list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The context pass: every request's pending rows (in chunks of CATCH_UP_CHUNK), joined to
         its pool rows -> the roots' logits [R, draft_vocab] and output hidden [R, H]."""
         # (a request drafted again before its verify, as batch parallelism may, has nothing new)
-        logits = {rid: self.root_logits[rid][0] for rid, _, _ in live if not self.pending[rid][0]}
+        logits = {rid: self.root_logits[rid][0] for rid, _, _ in live if not self.pending[rid].tokens}
         outs = {rid: self.root_logits[rid][1] for rid in logits}
-        todo = {rid: self.pending[rid] for rid, _, _ in live if rid not in logits}
+        todo = [rid for rid, _, _ in live if rid not in logits]
         while todo:
             segs, hid, last, fed = [], [], [], {}
             rows = 0
-            for rid, (toks, hidden) in todo.items():
-                part = toks[:batched_draft.CATCH_UP_CHUNK]
+            for rid in todo:
+                part, views = self.pending[rid].take(batched_draft.CATCH_UP_CHUNK)
                 start = self.pool.seqs[rid].length
                 self.pool.reserve(rid, len(part))
                 segs.append(Segment.chunk(part, start, self.pool.seqs[rid].blocks))
-                hid.append(hidden[:len(part)])
+                hid += views
                 fed[rid] = part
                 rows += len(part)
                 last.append(rows - 1)  # (each request's last row in the pass)
             out_logits, out = self.model.context(segs, torch.cat(hid), last)
+            self.pool.commit_many([(rid, list(range(len(part))), part) for rid, part in fed.items()])
             for i, rid in enumerate(fed):
-                self.pool.commit(rid, list(range(len(fed[rid]))), fed[rid])
-                toks, hidden = todo[rid]
-                if len(toks) > len(fed[rid]):
-                    todo[rid] = (toks[len(fed[rid]):], hidden[len(fed[rid]):])
-                else:
+                if not self.pending[rid].tokens:  # its root ran: nothing pending until the next observe
                     logits[rid], outs[rid] = out_logits[i], out[last[i]]
-                    del todo[rid]
+            todo = [rid for rid in todo if self.pending[rid].tokens]
         for rid, _, _ in live:
-            self.pending[rid] = ([], self.pending[rid][1][:0])  # run: nothing pending until the next observe
             self.root_logits[rid] = (logits[rid], outs[rid])
         return (torch.stack([logits[rid] for rid, _, _ in live]),  # [R, draft_vocab]
                 torch.stack([outs[rid] for rid, _, _ in live]))  # [R, H]
@@ -210,7 +249,7 @@ class BatchedBlockDrafter:
                                 drafter.dtype, drafter.device, prefix_caching=False)
         self.model = BatchedBlock(drafter, self.pool, max_seqs=max_seqs, max_seq_blocks=max_seq_blocks,
                                   use_graphs=use_graphs)
-        self.pending: dict[str, tuple[list[int], torch.Tensor]] = {}  # rid -> (tokens, features [n, F])
+        self.pending: dict[str, PendingRows] = {}  # rid -> its tokens not run yet, their features [n, F]
         # from this many requests on, their trees are built together on the device
         # (lattice.best_first_trees: a fixed number of kernels) rather than by a heap walk each on
         # the host; never on the CPU, where the walk is cheaper at every batch (measured on this
@@ -236,12 +275,12 @@ class BatchedBlockDrafter:
         if features is not None and len(prompt) > 1:
             feats[1:] = features[-(len(prompt) - 1):].to(d.dtype)
         self.pool.allocate(request_id, [], 0)
-        self.pending[request_id] = (list(prompt), feats)
+        self.pending[request_id] = PendingRows(prompt, feats)
 
-    def observe(self, request_id: str, tokens: list[int], features: torch.Tensor) -> None:
-        """As BatchedEagleDrafter.observe: the committed rows join the pending ones."""
-        toks, feats = self.pending[request_id]
-        self.pending[request_id] = (toks + list(tokens), torch.cat([feats, features.to(self.draft.dtype)]))
+    def observe_many(self, items: list[tuple[str, list[int]]], features: torch.Tensor) -> None:
+        """As BatchedEagleDrafter.observe_many: the committed rows join the pending ones."""
+        for rid, tokens, feats in split_rows(features.to(self.draft.dtype), items):
+            self.pending[rid].append(tokens, feats)
 
     @torch.no_grad()
     def propose(self, trees: list[tuple[str, list[int], int]]) -> dict[str, DraftTree]:
@@ -249,19 +288,19 @@ class BatchedBlockDrafter:
         from tandem.drafting.lattice import best_chain, best_first_tree, best_first_trees, unpack_lattice
 
         # (a request drafted already and not verified since has nothing to draft)
-        out, live = split_drafted(trees, lambda rid: bool(self.pending[rid][0]))
+        out, live = split_drafted(trees, lambda rid: bool(self.pending[rid].tokens))
         if not live:
             return out
         # a long backlog (a new prompt) first: context-only passes of batched_draft.CATCH_UP_CHUNK rows
         while True:
-            early = [rid for rid, _, _ in live if len(self.pending[rid][0]) > batched_draft.CATCH_UP_CHUNK]
+            early = [rid for rid, _, _ in live if len(self.pending[rid].tokens) > batched_draft.CATCH_UP_CHUNK]
             if not early:
                 break
             self._pass([(rid, batched_draft.CATCH_UP_CHUNK, 0) for rid in early])
         # then every request's remaining rows (the root last) and its mask rows
         plan = []
         for rid, _, _ in live:
-            P = len(self.pending[rid][0])
+            P = len(self.pending[rid].tokens)
             room = self.context_window - (self.pool.seqs[rid].length + P)  # drafts past the window are useless
             plan.append((rid, P, max(0, min(self.block - 1, room))))
         lattice = self._pass(plan)  # [sum of 1 + masks, 3K + K*K]: each request's root row, then its mask rows
@@ -291,20 +330,20 @@ class BatchedBlockDrafter:
         """plan: (request id, context rows to feed from its pending ones, mask rows). One pass;
         the context rows are committed, the mask rows dropped. Returns the lattice rows of each
         request's last context row and its mask rows (none for a context-only entry), in order."""
-        segs, feats, picked = [], [], []
+        d = self.draft
+        zeros = torch.zeros(max(m for _, _, m in plan), d.bconfig.feature_size, dtype=d.dtype, device=d.device)
+        segs, feats, picked, fed = [], [], [], []
         row = 0
         for rid, P, masks in plan:
-            toks, f = self.pending[rid]
+            toks, views = self.pending[rid].take(P)
             start = self.pool.seqs[rid].length
             self.pool.reserve(rid, P + masks)
-            segs.append(Segment.chunk(toks[:P] + [self.draft.mask_id] * masks, start, self.pool.seqs[rid].blocks))
-            feats += [f[:P], f.new_zeros(masks, f.shape[1])]
-            if P == len(toks):  # the root is in this pass: its row and the mask rows make the lattice
+            segs.append(Segment.chunk(toks + [d.mask_id] * masks, start, self.pool.seqs[rid].blocks))
+            feats += views + [zeros[:masks]]  # (the mask rows read no features)
+            if not self.pending[rid].tokens:  # the root is in this pass: its row and the mask rows make the lattice
                 picked += range(row + P - 1, row + P + masks)
             row += P + masks
+            fed.append((rid, list(range(P)), toks))  # the mask rows go
         lattice = self.model.context(segs, torch.cat(feats), picked)
-        for rid, P, _ in plan:
-            toks, f = self.pending[rid]
-            self.pool.commit(rid, list(range(P)), toks[:P])  # the mask rows go
-            self.pending[rid] = (toks[P:], f[P:])
+        self.pool.commit_many(fed)
         return lattice

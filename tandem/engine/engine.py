@@ -120,15 +120,12 @@ class EngineCounters:
 
 class _BatchedFeatureHandle:
     """A request's drafter as the engine's step sees it when a batched feature drafter drafts for
-    it: `observe` hands the verify pass's committed tokens and features over."""
+    it; the step hands the verify pass's committed tokens and features over for all requests at once."""
 
     def __init__(self, batched: "BatchedEagleDrafter | BatchedBlockDrafter", request_id: str):
         self.batched, self.request_id = batched, request_id
 
-    def observe(self, result: VerifyResult, tree: DraftTree, features: torch.Tensor | None = None) -> None:
-        if features is None:
-            raise RuntimeError("a feature drafter needs the target's features; enable them on the target")
-        self.batched.observe(self.request_id, result.tokens, features)
+    # (no observe: the step hands every request's committed rows over at once, Engine._feed)
 
 
 class Engine:
@@ -628,12 +625,13 @@ class Engine:
                 failed.append(req)
                 continue
             commits.append((req.request_id, result.path, [tree.tokens[i] for i in result.path]))
-            accepted.append((req, tree, result, feats[mlo:mlo + len(tree)] if feats is not None else None))
+            accepted.append((req, tree, result, mlo))
         self.pool.commit_many(commits)  # (before any request ends: ending frees its blocks)
+        self._feed(accepted, feats)
         finished = []
-        for req, tree, result, f in accepted:
+        for req, tree, result, mlo in accepted:
             try:
-                done = self._commit(req, tree, result, f)
+                done = self._commit(req, tree, result, feats[mlo:mlo + len(tree)] if feats is not None else None)
             except Exception:
                 log.exception("request %s failed in its part of a step; the others go on", req.request_id)
                 failed.append(req)
@@ -647,6 +645,18 @@ class Engine:
             finished.append(self.output(req))
         return finished
 
+    def _feed(self, accepted: list[tuple[Request, DraftTree, VerifyResult, int]], feats: torch.Tensor | None) -> None:
+        """Hand the batched feature drafter every request's committed tokens with their rows'
+        target features (feats [M, F]; a request's rows from its offset in `accepted`): one
+        gather for all requests, not a few kernels each (drafting or not, every step does this)."""
+        items, rows = [], []
+        for req, _, result, mlo in accepted:
+            if isinstance(req.runtime.get("drafter"), _BatchedFeatureHandle):
+                items.append((req.request_id, result.tokens))
+                rows += [mlo + p for p in result.path]  # the root's and the accepted nodes' rows
+        if items:
+            self.batched.observe_many(items, feats[torch.tensor(rows, device=feats.device)])
+
     def _commit(self, req: Request, tree: DraftTree, result: VerifyResult, feats: torch.Tensor | None) -> bool:
         """After the pool kept the accepted path: count it, feed the drafter (feats [n, F]: the
         request's rows' features), emit; True when the request is done."""
@@ -654,7 +664,7 @@ class Engine:
         if self.config.adaptive_draft:
             self._calibration(req).observe(tree, result.accepted)
         req.num_computed += len(result.path)
-        if "drafter" in req.runtime:
+        if "drafter" in req.runtime and not isinstance(req.runtime["drafter"], _BatchedFeatureHandle):
             if feats is not None:  # the root's and the accepted nodes' features
                 req.runtime["drafter"].observe(result, tree, feats[result.path])
             else:
