@@ -356,59 +356,70 @@ def test_prompt_admission_holds_new_prompts_to_the_flat_region_and_changes_no_ou
     assert outs[0] == outs[1] == refs[:12]
 
 
-def test_the_draft_gate_weighs_drafting_cost_against_its_accepted_tokens():
-    """DraftGate: drafts while learning; off when a request's drafting costs more than its
-    accepted tokens return; on when they repay it; one probe step every probe_every off steps."""
-    from tandem.engine.draft_gate import DraftGate
+def test_the_draft_gate_weighs_measured_step_costs_against_accepted_tokens():
+    """DraftGate: learns the acceptance on a sample of the requests; drafts for all of them where
+    (1 + a) plain steps' time covers a drafting step's, for none where it does not (a sample now
+    and then, a probe), and again for all once the acceptance repays it."""
+    from tandem.engine.draft_gate import DraftGate, StepCosts
 
-    cost = RowCost(tile=64)
-    g = DraftGate(alpha=1.0, probe_every=3, probe_budget=10.0, min_samples=1)  # (the floor of 3 rules)
-    assert g.drafts(8, 8, cost)  # no figures yet
-    g.observe_pass(0.010, 8, cost)  # a 10 ms pass, flat to 64 rows
-    g.observe_drafting(0.040, 8, 32, 8)  # 5 ms of drafting per request for 1 accepted token each
-    # with: 8 * 2 / (10 ms + 40 ms) = 320 tok/s; without: 8 / 10 ms = 800 tok/s
-    assert [g.drafts(8, 8, cost) for _ in range(4)] == [False, False, False, True]  # the 4th: a probe
-    assert g.decisions_off == 3
-    g.observe_drafting(0.004, 8, 32, 24)  # cheap drafting, 3 accepted each: 8 * 4 / 14 ms > 800 tok/s
-    assert g.drafts(8, 8, cost)
+    # plain steps 10 ms at any batch; drafting 20 ms for one request, 50 ms for 8
+    costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.030, 0.050))
+    g = DraftGate(costs, sample=4, alpha=1.0, min_samples=1, probe_every=3, probe_budget=10.0)
+    assert g.plan(8) == 4  # learning: a sample of 4 drafts
+    g.observe(8, 4, 0.013, accepted=4, decode_only=True)  # 1 accepted token each
+    assert g.plan(1) == 1  # alone: 2 tokens in 20 ms against 1 in 10 ms, it pays (ties draft)
+    # 8 requests: 16 tokens in 50 ms against 8 in 10 ms: off; the 4th decision a probe (the floor of 3)
+    assert [g.plan(8) for _ in range(4)] == [0, 0, 0, 4]
+    assert g.decisions_off == 3 and g.probes == 2
+    g.observe(8, 4, 0.013, accepted=20, decode_only=True)  # 5 accepted each: 48 tokens in 50 ms
+    assert g.plan(8) == 8
+    assert g.predicted(2) == pytest.approx((0.010, 0.020 + 0.010 / 3))  # (linear between the measured points)
 
 
-def test_the_draft_gates_probes_lose_at_most_their_budget_of_the_time():
-    """Probes are spaced by what a drafting step loses: 10 ms plain steps, 50 ms drafting steps at
-    0.4x the throughput lose 30 ms each, so with a 3% budget one probe per 100 plain steps; a step
-    that nearly pays is probed at the floor, one that loses hugely at the ceiling."""
-    from tandem.engine.draft_gate import DraftGate
+def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their_budget():
+    """Each step kind's predictions follow the observed steps (a moving average of observed over
+    measured, prefill steps left out); probes are spaced by what a sample's drafting costs: with
+    a 3% budget, a 30 ms loss against 10 ms plain steps is one probe per 100 of them."""
+    from tandem.engine.draft_gate import DraftGate, StepCosts
 
-    cost = RowCost(tile=64)
-    g = DraftGate(alpha=1.0, probe_every=16, probe_max=1024, probe_budget=0.03, min_samples=1)
-    g.observe_pass(0.010, 8, cost)
-    g.observe_drafting(0.040, 8, 32, 8)  # as above: 320 against 800 tok/s
-    decisions = [g.drafts(8, 8, cost) for _ in range(202)]
-    assert [i for i, d in enumerate(decisions) if d] == [100, 201]  # a probe after every 100 plain steps
-    assert g.probe_interval(0.0101, 0.010, 0.999) == 16  # nearly pays: the floor
-    assert g.probe_interval(10.0, 0.010, 0.0) == 1024  # a drafting step of 1000 plain steps: the ceiling
-    # over those 202 steps the probes cost at most their budget: 2 x 30 ms against 202 x 10 ms
-    assert 2 * 0.030 <= 0.03 * 202 * 0.010 + 1e-12
+    costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.040, 0.050))
+    g = DraftGate(costs, sample=4, alpha=0.5, min_samples=1, probe_every=16, probe_max=1024, probe_budget=0.03)
+    g.observe(8, 4, 0.030, accepted=4, decode_only=True)  # a = 1: off at 8 requests
+    decisions = [g.plan(8) for _ in range(202)]
+    assert [i for i, k in enumerate(decisions) if k] == [100, 201] and decisions[100] == 4
+    assert g.probe_interval(1) == 34  # a probe of one request loses 10 ms: 10 / 0.3
+    assert DraftGate(costs, probe_every=50).probe_interval(1) == 50  # the floor
+    g.observe(8, 0, 0.020, accepted=0, decode_only=True)  # plain steps take twice the measured time
+    assert g.plain_scale == 1.5
+    g.observe(8, 0, 0.500, accepted=0, decode_only=False)  # a step with prefill rows teaches nothing
+    assert g.plain_scale == 1.5
+    g.observe(8, 8, 0.050, accepted=8, decode_only=True)
+    assert g.drafting_scale == 1.0 and g.accepted == 1.0
+    assert DraftGate(StepCosts((1,), (0.01,), (10.0,)), probe_max=1024).probe_interval(1) == 1024  # the ceiling
 
 
 @pytest.mark.parametrize("selection", [True, False], ids=["with-row-selection", "gate-alone"])
-def test_the_draft_gate_turns_drafting_off_where_it_does_not_pay_and_outputs_stay_exact(models, solo, selection):
-    """A slow per-request drafter over 16 requests costs more than the tokens it adds, so the gate
-    keeps drafting off in most steps; every output still equals solo ar. The gate works with row
-    selection (its default there) and on its own (draft_gate=True)."""
+def test_the_draft_gate_turns_drafting_off_where_it_does_not_pay_and_outputs_stay_exact(models, solo, selection,
+                                                                                       monkeypatch):
+    """A slow per-request drafter over 16 requests costs more than the tokens it adds (the
+    engine measures that when it starts), so the gate keeps drafting off in most steps; every
+    output still equals solo ar. The gate works with row selection (its default there) and on its
+    own (draft_gate=True)."""
     prompts, refs = solo
     cfg = EngineConfig(method="tree", spec=TREE, block_size=8, max_num_batched_tokens=256, row_selection=selection,
                        row_cost=RowCost(tile=256), debug_check=True, draft_gate=None if selection else True,
-                       batched_drafting=False)
-    engine = Engine(*models, config=cfg)
+                       batched_drafting=False, max_num_seqs=16)
     # a drafter that is slow (as a per-request draft is, next to a batched target pass)
-    slow = engine._proposal
+    slow = Engine._proposal
 
-    def proposal(req):
+    def proposal(self, req):
         time.sleep(0.02)
-        return slow(req)
+        return slow(self, req)
 
-    engine._proposal = proposal
+    monkeypatch.setattr(Engine, "_proposal", proposal)
+    engine = Engine(*models, config=cfg)
+    costs = engine.gate.costs
+    assert costs.requests == (1, 4, 16) and costs.drafting_s(16) > 16 * 0.02 > costs.plain_s(16)
     outs = run_all(engine, prompts[:16])
     assert [o.token_ids for o in outs] == refs[:16]
     assert_clean(engine)

@@ -500,9 +500,9 @@ def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind):
     class Pattern:  # drafts on its first two decode steps, not on the next three, then again
         decisions_off, calls = 0, 0
 
-        def drafts(self, requests, base_rows, cost):
+        def plan(self, requests):
             if requests == 0:
-                return True
+                return 0
             self.calls += 1
             if self.calls == 2:
                 seen["from"] = len(req.token_ids())  # this step's drafting runs every pending row
@@ -510,12 +510,9 @@ def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind):
                 p = engine.batched.pending[req.request_id]
                 seen["pending"] = (list(p.tokens), torch.cat(p.chunks))
                 seen["tokens"] = req.token_ids()
-            return not 3 <= self.calls <= 5
+            return 0 if 3 <= self.calls <= 5 else requests
 
-        def observe_pass(self, *a):
-            pass
-
-        def observe_drafting(self, *a):
+        def observe(self, *a, **k):
             pass
 
     engine.gate = Pattern()
@@ -543,14 +540,11 @@ def test_a_step_the_gate_keeps_from_drafting_reserves_one_row_a_request(models, 
     class Off:  # drafts on the first two decoding steps, then never
         decisions_off, calls = 0, 0
 
-        def drafts(self, requests, base_rows, cost):
+        def plan(self, requests):
             self.calls += requests > 0
-            return self.calls <= 2
+            return requests if self.calls <= 2 else 0
 
-        def observe_pass(self, *a):
-            pass
-
-        def observe_drafting(self, *a):
+        def observe(self, *a, **k):
             pass
 
     engine.gate = Off()

@@ -93,6 +93,9 @@ class RunResult:
     call_seconds: float | None = None  # generate_batch: the whole call, manager setup included
     step_ms: float | None = None  # engine: mean wall ms of a step
     drafting_ms: float | None = None  # engine: of it, mean ms drafting (the drafts' read-back included)
+    drafted_steps: int | None = None  # engine: steps that drafted (the draft gate turns it off in others)
+    drafted_step_ms: float | None = None  # engine: mean wall ms of those steps
+    plain_step_ms: float | None = None  # engine: mean wall ms of the others (prefill-only steps included)
 
     @property
     def new_tokens(self) -> int:
@@ -110,7 +113,8 @@ class RunResult:
                 "seconds": self.seconds, "new_tokens": self.new_tokens, "tokens_per_s": self.tokens_per_s,
                 "call_seconds": self.call_seconds, "steps": self.steps, "tau": self.tau,
                 "cached_tokens": self.cached_tokens, "preemptions": self.preemptions,
-                "step_ms": self.step_ms, "drafting_ms": self.drafting_ms,
+                "step_ms": self.step_ms, "drafting_ms": self.drafting_ms, "drafted_steps": self.drafted_steps,
+                "drafted_step_ms": self.drafted_step_ms, "plain_step_ms": self.plain_step_ms,
                 "ttft_s": summarize([r.ttft for r in reqs]).to_dict(),
                 "itl_s": summarize([r.itl for r in reqs if r.itl is not None]).to_dict(),
                 "e2e_s": summarize([r.e2e for r in reqs]).to_dict(),
@@ -254,10 +258,14 @@ def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], pr
     passes = sum(r.figures.target_passes for r in reqs)
     k = engine.counters
     per_step = (lambda s: 1e3 * s / k.steps) if k.steps else (lambda s: None)
+    drafted = [r.seconds for r in k.records if r.drafting_s > 0]
+    plain = [r.seconds for r in k.records if r.drafting_s == 0]
     return RunResult(method, c, False, seconds, timed, engine.steps,
                      sum(len(t.token_ids) for t in timed) / passes if passes else None,
                      sum(r.figures.cached_tokens for r in reqs), sum(r.figures.preemptions for r in reqs),
-                     step_ms=per_step(k.step_s), drafting_ms=per_step(k.drafting_s))
+                     step_ms=per_step(k.step_s), drafting_ms=per_step(k.drafting_s), drafted_steps=len(drafted),
+                     drafted_step_ms=1e3 * sum(drafted) / len(drafted) if drafted else None,
+                     plain_step_ms=1e3 * sum(plain) / len(plain) if plain else None)
 
 
 class _StepTimes:
@@ -399,6 +407,8 @@ def markdown(results: dict) -> str:
         lines += ["", "Engine step, mean wall ms (a step ends on the host's read of its tokens): whole step / "
                       "of it drafting:"]
         lines += [f"- {r['name']} C={r['concurrency']}: {f(r['step_ms'], nd=3)} / {f(r['drafting_ms'], nd=3)}"
+                  + (f"; {r['drafted_steps']} of {r['steps']} steps drafted ({f(r['drafted_step_ms'], nd=3)} ms "
+                     f"each), the others {f(r['plain_step_ms'], nd=3)} ms" if r.get("drafted_steps") else "")
                   for r in timed]
     for name, why in results["peers_skipped"].items():
         lines += ["", f"Peer {name} skipped: {why}"]

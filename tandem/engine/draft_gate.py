@@ -1,89 +1,126 @@
-"""Whether a step drafts at all: the draft-cost term of row selection's goodput.
+"""Whether a step drafts at all, and for how many requests: drafting's cost against its tokens.
 
 Row selection (tandem.engine.row_selection) picks which drafted nodes a step verifies, but by
-then the drafting is paid. In a batch that cost grows with the requests (each drafts its own
-tree) while the target pass barely does, so past some concurrency speculation loses to plain
-decoding however the rows are chosen. The gate decides *before* drafting, from running
-figures of this engine:
+then the drafting is paid. In a batch that cost grows with the requests while a plain step
+barely does, so past some concurrency speculation loses to plain decoding however the rows are
+chosen (on the H200, 2026-12-02: the engine's EAGLE-3 `tree` at 1.35x `ar` with one request,
+0.50x with 64). The gate decides *before* drafting, for R decoding requests:
 
-    with drafting:     R (1 + a) / (u c(rows_spec) + R d)      tokens per second
-    without drafting:  R         / (u c(rows_ar))
+    draft every request  when  (1 + a) t_plain(R) >= t_draft(R)      (more tokens per second)
 
-R decoding requests, a the accepted draft tokens per drafted request-step, d the drafting
-seconds per request, u the seconds per unit of the row-cost model c (RowCost), rows_ar the
-step's rows without drafts and rows_spec those plus the nodes verified per request recently.
-Each figure is an exponential moving average. Until `min_samples` drafting steps have been
-seen the engine drafts. While the gate keeps drafting off it still drafts a probe step now and then, so the
-figures follow the workload; a probe costs what drafting loses in one step, so probes are spaced
-to keep that loss under `probe_budget` of the time (at least `probe_every` steps apart, at most
-`probe_max`): where a drafting step costs 12 plain steps (the engine's `tree` on the H200, 2026-12-01),
-one probe in ~370 steps, not one in 16 (which would lose an estimated 11/16 of the time).
+a the accepted draft tokens per drafted request-step (a moving average of this engine's steps),
+t_plain(R) and t_draft(R) the wall seconds of a step of R decoding requests without and with
+drafting. Those two are *measured* (`StepCosts`, Engine.measure_step_costs: real steps of
+throwaway requests when the engine starts, every cost of a step included: packing, the pass,
+the drafter, accepting, committing), then kept true by the ratio of each observed step to its
+prediction. An estimate of the row cost alone (RowCost) missed the H200's host overheads by
+several times.
+
+Learning a costs steps that draft, and a full drafting step at 64 requests costs eight plain ones;
+acceptance does not depend on the batch, so learning and the probes that keep a current draft
+only a *sample* of the requests (`sample`; the others decode plain in the same step). Probes are
+spaced to keep what they lose under `probe_budget` of the time.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from tandem.engine.row_selection import RowCost
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Measured wall seconds of one decode step by the number of decoding requests R: `plain`
+    (roots only) and `drafting` (every request drafts its full tree), at `requests` (increasing).
+    Between the points linear; past the last one, the last slope (at least flat)."""
+
+    requests: tuple[int, ...]
+    plain: tuple[float, ...]
+    drafting: tuple[float, ...]
+
+    def plain_s(self, r: int) -> float:
+        return self._at(self.plain, r)
+
+    def drafting_s(self, r: int) -> float:
+        return self._at(self.drafting, r)
+
+    def _at(self, ys: tuple[float, ...], r: int) -> float:
+        xs = self.requests
+        if len(xs) == 1 or r <= xs[0]:
+            return ys[0]
+        for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]):
+            if r <= x1:
+                return y0 + (y1 - y0) * (r - x0) / (x1 - x0)
+        return ys[-1] + max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])) * (r - xs[-1])
 
 
 @dataclass
 class DraftGate:
+    costs: StepCosts
+    sample: int = 4  # requests a learning or probe step drafts (the others decode plain)
     alpha: float = 0.25  # weight of the newest observation in each moving average
-    probe_every: int = 16  # fewest steps without drafting before a drafting step refreshes the figures
-    probe_max: int = 1024  # most steps between probes
+    min_samples: int = 3  # drafting steps observed before the gate trusts a
+    probe_every: int = 16  # fewest plain steps between two probes
+    probe_max: int = 1024  # most plain steps between two probes
     probe_budget: float = 0.03  # the share of the time probes may lose
-    min_samples: int = 4  # drafting steps observed before the gate may turn drafting off
     accepted: float | None = None  # a: accepted draft tokens per drafted request-step
-    nodes: float | None = None  # draft nodes verified per drafted request-step
-    draft_s: float | None = None  # d: drafting seconds per drafted request
-    unit_s: float | None = None  # u: seconds per unit of c(rows)
     samples: int = 0  # drafting steps observed
+    plain_scale: float = 1.0  # observed / measured wall seconds, plain steps (moving average)
+    drafting_scale: float = 1.0  # the same for steps where every request drafts
     off_streak: int = 0
     decisions_off: int = 0  # steps it kept drafting off
+    probes: int = 0  # steps it drafted for a sample only (learning included)
 
-    def drafts(self, requests: int, base_rows: int, cost: RowCost) -> bool:
-        """Whether the next step (R = requests decoding, base_rows without drafts) drafts."""
+    def plan(self, requests: int) -> int:
+        """How many of the next step's R decoding requests draft: R, none, or a sample."""
         if requests == 0:
-            return True
-        if None in (self.accepted, self.nodes, self.draft_s, self.unit_s) or self.samples < self.min_samples:
-            return True  # still learning (one step, e.g. a lone request early on, is a poor sample)
-        spec_rows = base_rows + round(requests * self.nodes)
-        t_spec = self.unit_s * cost(spec_rows) + requests * self.draft_s  # seconds of a drafting step
-        t_ar = self.unit_s * cost(base_rows)  # seconds of a plain step
-        with_draft = requests * (1 + self.accepted) / t_spec
-        without = requests / t_ar
-        if with_draft >= without:
+            return 0
+        if self.accepted is None or self.samples < self.min_samples:
+            return self._probe(requests)  # still learning a
+        t_plain, t_draft = self.predicted(requests)
+        if (1 + self.accepted) * t_plain >= t_draft:
             self.off_streak = 0
-            return True
-        if self.off_streak >= self.probe_interval(t_spec, t_ar, with_draft / without):
+            return requests
+        if self.off_streak >= self.probe_interval(requests):
             self.off_streak = 0
-            return True  # a probe
+            return self._probe(requests)
         self.off_streak += 1
         self.decisions_off += 1
-        return False
+        return 0
 
-    def probe_interval(self, t_spec: float, t_ar: float, ratio: float) -> int:
-        """Plain steps between probes: a probe step takes t_spec and yields `ratio` of a plain
-        step's throughput, so it loses t_spec (1 - ratio) seconds of plain decoding; spaced by n
-        plain steps of t_ar each, the loss is at most `probe_budget` of the time."""
-        loss = t_spec * (1.0 - ratio)
-        n = math.ceil(loss / (self.probe_budget * t_ar)) if t_ar > 0 else self.probe_max
+    def predicted(self, requests: int) -> tuple[float, float]:
+        """(t_plain, t_draft): a step's seconds for R requests without and with drafting."""
+        return (self.plain_scale * self.costs.plain_s(requests),
+                self.drafting_scale * self.costs.drafting_s(requests))
+
+    def probe_interval(self, requests: int) -> int:
+        """Plain steps between probes: a probe drafts for a sample of k requests, which costs about
+        what drafting costs k requests, t_draft(k) - t_plain(k); spaced by n plain steps of
+        t_plain(R), the probes lose at most `probe_budget` of the time."""
+        k = min(requests, self.sample)
+        loss = max(0.0, self.drafting_scale * self.costs.drafting_s(k) - self.plain_scale * self.costs.plain_s(k))
+        t_plain = self.plain_scale * self.costs.plain_s(requests)
+        n = math.ceil(loss / (self.probe_budget * t_plain)) if t_plain > 0 else self.probe_max
         return max(self.probe_every, min(self.probe_max, n))
 
-    def observe_pass(self, seconds: float, rows: int, cost: RowCost) -> None:
-        """A target pass over `rows` rows took `seconds`."""
-        self.unit_s = self._ema(self.unit_s, seconds / cost(rows))
-
-    def observe_drafting(self, seconds: float, requests: int, nodes: int, accepted: int) -> None:
-        """`requests` requests drafted in `seconds`; their trees had `nodes` verified draft nodes
-        and `accepted` of them were accepted."""
+    def observe(self, requests: int, drafted: int, seconds: float, accepted: int, decode_only: bool) -> None:
+        """A step of R decoding requests, `drafted` of them drafting, took `seconds` and accepted
+        `accepted` draft tokens. Steps that also ran prefill rows (decode_only False) teach a only."""
         if requests == 0:
             return
-        self.samples += 1
-        self.draft_s = self._ema(self.draft_s, seconds / requests)
-        self.nodes = self._ema(self.nodes, nodes / requests)
-        self.accepted = self._ema(self.accepted, accepted / requests)
+        if drafted:
+            self.samples += 1
+            self.accepted = self._ema(self.accepted, accepted / drafted)
+        if not decode_only:
+            return
+        if drafted == 0:
+            self.plain_scale = self._ema(self.plain_scale, seconds / self.costs.plain_s(requests))
+        elif drafted == requests:
+            self.drafting_scale = self._ema(self.drafting_scale, seconds / self.costs.drafting_s(requests))
+
+    def _probe(self, requests: int) -> int:
+        k = min(requests, self.sample)
+        self.probes += k < requests
+        return k
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new

@@ -28,6 +28,7 @@ Two modes change which rows a step holds, never an output:
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -45,7 +46,7 @@ from tandem.engine.batched_features import BatchedBlockDrafter, BatchedEagleDraf
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.engine.config import EngineConfig
 from tandem.engine import draft_length
-from tandem.engine.draft_gate import DraftGate
+from tandem.engine.draft_gate import DraftGate, StepCosts
 from tandem.engine.request import Request, RequestOutput, RequestState, SamplingParams
 from tandem.engine.row_selection import select_step
 from tandem.engine.scheduler import Scheduler, ScheduledRows, StepPlan
@@ -162,7 +163,7 @@ class Engine:
         if self.batched is not None:  # its passes (and level trees), by bucket
             self.batched.warmup(config.max_num_seqs)
         self._verify_rows = 1 if config.row_selection else config.draft_rows()  # a decode's rows in a plan
-        self._step_rows = self._verify_rows  # this step's (1 when the draft gate keeps drafting off)
+        self._drafting: set[str] | None = None  # this step's drafting requests (None: all; the draft gate's pick)
         self.scheduler = Scheduler(config, self.pool, row_budget=self._row_budget)
         self.requests: dict[str, Request] = {}
         self.eos = set(target.config.eos_token_ids)
@@ -173,14 +174,18 @@ class Engine:
         # called with each decoding request before its accept; whatever it raises fails that
         # request alone (the reliability harness injects faults through it: tandem serve --inject-faults)
         self.fault_hook: Callable[[Request], None] | None = None
-        # row selection's draft-cost term: whether a step drafts at all (None: always drafts)
-        gated = config.row_selection if config.draft_gate is None else config.draft_gate
-        self.gate = DraftGate() if gated and config.method != "ar" and not config.batch_parallel else None
         self._accepted = 0  # accepted draft tokens in the current step (the gate's figure)
         if config.batch_parallel:
             self.batches = BatchManager(self._load, config.rebalance_threshold)
             if target.device.type == "cuda":  # the drafter's kernels on their own stream
                 self._draft_stream = torch.cuda.Stream(device=target.device)
+        # row selection's draft-cost term: whether a step drafts at all (None: always drafts),
+        # from this engine's step costs, measured now on throwaway requests
+        gated = config.row_selection if config.draft_gate is None else config.draft_gate
+        self.gate: DraftGate | None = None
+        self._forced: bool | None = None  # measure_step_costs: every request drafts (True) or none
+        if gated and config.method != "ar" and not config.batch_parallel:
+            self.gate = DraftGate(self.measure_step_costs())
 
     def _batched_drafter(self, draft, num_blocks: int, graphs: bool | None):
         """The batched drafter of this draft and method, or None (each request then drafts on its
@@ -261,8 +266,7 @@ class Engine:
         verify, verify_batch, overlapped, fallback, loads = self._boundary()
         admit = self.config.row_cost.tile if self.config.row_selection and self.config.prompt_admission else None
         # the gate decides before planning, so a step without drafting reserves one row a request
-        drafting = self._gate_drafts()
-        self._step_rows = self._verify_rows if drafting else 1
+        self._drafting = self._gate_drafts()
         plan = self.scheduler.plan_step(verify, admit, verify_batch or 0)
         for req in plan.preempted:
             self._drop_draft(req)
@@ -272,29 +276,29 @@ class Engine:
         draft_s = overlap = 0.0
         drafting_s = None  # seconds spent drafting this step's trees (the gate's figure), None: no drafting
         if plan:
-            if not drafting:  # drafting would not pay this step: roots only
-                trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes}
-            else:
+            # the requests the draft gate keeps from drafting this step decode plain (roots only)
+            drafts = [s for s in plan.decodes if self._drafts(s.request)]
+            trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes
+                     if not self._drafts(s.request)}
+            if drafts:
                 t0 = time.perf_counter()
                 if self.config.row_selection:
-                    trees, offered = self._select(plan)
+                    picked, offered = self._select(plan, drafts)
+                    trees.update(picked)
                 else:
                     # full drafts, cut to each request's rows as _draft cuts them (a sampled chain
                     # draws the same tokens from its generator whatever its row budget)
                     # (batch parallelism: the verified batch's trees were drafted last step: "pending")
-                    full = self._batched_drafts([s.request for s in plan.decodes if "pending" not in s.request.runtime])
-                    trees = {s.request.request_id: self._draft(s, full.get(s.request.request_id))
-                             for s in plan.decodes}
+                    full = self._batched_drafts([s.request for s in drafts if "pending" not in s.request.runtime])
+                    trees.update((s.request.request_id, self._draft(s, full.get(s.request.request_id)))
+                                 for s in drafts)
                 drafting_s = time.perf_counter() - t0
             self._accepted = 0
-            t0 = time.perf_counter()
             logits, drafted, draft_s, overlap = self._forward(plan, trees)  # logits: [decode rows, vocab]
             finished = self._apply(plan, trees, logits)
-            if self.gate is not None:  # (the accepts read the logits: the pass is done by now)
-                nodes = sum(len(t) - 1 for t in trees.values())
-                self.gate.observe_pass(time.perf_counter() - t0, self._base_rows(plan) + nodes, self.config.row_cost)
-                if drafting_s is not None:
-                    self.gate.observe_drafting(drafting_s, len(trees), nodes, self._accepted)
+            if self.gate is not None and self._forced is None:  # (the accepts read the logits: the pass is done)
+                self.gate.observe(len(plan.decodes), len(drafts), time.perf_counter() - t_step, self._accepted,
+                                  decode_only=len(plan.decodes) == len(plan.scheduled))
         if self.batches is not None:
             self.batches.swap()
         self._record(plan, trees, verify_batch, overlapped, fallback, loads, drafted, draft_s, overlap, offered,
@@ -304,6 +308,43 @@ class Engine:
             problems = self.pool.check() + (self.batched.pool.check() if self.batched is not None else [])
             assert not problems, problems
         return finished
+
+    @torch.no_grad()
+    def measure_step_costs(self, steps: int = 3) -> StepCosts:
+        """The draft gate's step costs, measured on this engine: for R throwaway requests (random
+        prompts of 16 tokens; R = 1, 4, 16, .. up to max_num_seqs) the median wall seconds of
+        `steps` decode steps where none drafts and `steps` where all do, alternating as the gate's
+        decisions do (a drafting step first catches up on the tokens of the plain one before it).
+        The requests are aborted and the counters reset afterwards; called when the engine starts,
+        before any request."""
+        cfg = self.config
+        levels = sorted({min(4 ** i, cfg.max_num_seqs) for i in range(8) if 4 ** i < 4 * cfg.max_num_seqs})
+        g = torch.Generator().manual_seed(0)
+        vocab = self.target.config.vocab_size
+        # enough new tokens for every step to decode (a short window cuts them: a request that ends
+        # early leaves its steps to the others)
+        new = max(1, min((2 * steps + 2) * cfg.draft_rows(), self.context_window - 17))
+        params = SamplingParams(max_tokens=new, ignore_eos=True)
+        plain: list[float] = []
+        drafting: list[float] = []
+        for r in levels:
+            reqs = [self.add_request(torch.randint(0, vocab, (16,), generator=g).tolist(), params) for _ in range(r)]
+            while any(q.in_prefill or q.state == RequestState.WAITING for q in reqs):
+                self.step()
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for forced in [True] + [False, True] * steps:  # (the first drafting step starts the drafters)
+                self._forced = forced
+                t0 = time.perf_counter()
+                self.step()
+                times[forced].append(time.perf_counter() - t0)
+            self._forced = None
+            for q in reqs:
+                self.abort(q.request_id)
+            plain.append(statistics.median(times[False]))
+            drafting.append(statistics.median(times[True][1:]))
+        self._forced = None
+        self.steps, self.counters = 0, EngineCounters()
+        return StepCosts(tuple(levels[:len(plain)]), tuple(plain), tuple(drafting))
 
     def metrics(self) -> dict:
         """The engine's counters as a flat dict (for /metrics and bench results)."""
@@ -337,32 +378,32 @@ class Engine:
         return ((lambda r: bm.batch_of.get(r.request_id, verify_batch) == verify_batch), verify_batch, overlapped,
                 fallback, loads)
 
-    @staticmethod
-    def _base_rows(plan: StepPlan) -> int:
-        """The step's rows without draft nodes: its prefill chunks and one root per decode."""
-        return sum(s.rows if s.kind == "prefill" else 1 for s in plan.scheduled)
-
     def _load(self, req: Request) -> int:
         """A request's weight in batch balancing: its KV rows plus one verify pass's rows."""
         return req.num_computed + self.config.draft_rows()
 
     def _row_budget(self, req: Request) -> int:
         # row selection plans the roots first and grows them by the chosen nodes (`_select`)
-        return self._step_rows
+        return self._verify_rows if self._drafts(req) else 1
 
-    def _gate_drafts(self) -> bool:
-        """The draft gate's decision for the coming step (True without a gate), from the running
-        requests: those decoding, and the rows the prefilling ones will feed."""
-        if self.gate is None:
-            return True
-        decoding, prefill = 0, 0
-        for r in self.scheduler.running:
-            if r.in_prefill:
-                prefill += r.prefill_target - r.num_computed
-            else:
-                decoding += 1
-        base = min(decoding + prefill, self.config.max_num_batched_tokens)
-        return self.gate.drafts(decoding, base, self.config.row_cost)
+    def _drafts(self, req: Request) -> bool:
+        """Whether the request drafts this step (the draft gate's pick)."""
+        return self._drafting is None or req.request_id in self._drafting
+
+    def _gate_drafts(self) -> set[str] | None:
+        """The requests that draft in the coming step, None for all (always so without a gate):
+        all, none, or a sample (the gate's learning and probes), taken in turn."""
+        if self.gate is None and self._forced is None:
+            return None
+        decoding = [r for r in self.scheduler.running if not r.in_prefill]
+        if self._forced is not None:  # (measure_step_costs, before the gate exists)
+            k = len(decoding) if self._forced else 0
+        else:
+            k = self.gate.plan(len(decoding))
+        if k >= len(decoding):
+            return None
+        at = self.steps * k % len(decoding)  # (the sample moves on each step)
+        return {r.request_id for r in (decoding[at:] + decoding[:at])[:k]}
 
     def _drop_draft(self, req: Request) -> None:
         """Preempted: its draft K/V and pending tree are rebuilt when it returns."""
@@ -464,12 +505,11 @@ class Engine:
             req.runtime.pop("features", None)  # (a restarted feature drafter reads zeros for them)
         return DraftTree.chain([req.last_token])
 
-    def _select(self, plan: StepPlan) -> tuple[dict[str, DraftTree], int]:
-        """Row selection: every verified request's full tree, one shared node budget from the
-        cost model, then each decode grows by its chosen nodes. Returns the trees and the nodes
-        offered."""
-        full = self._batched_drafts([s.request for s in plan.decodes if "pending" not in s.request.runtime])
-        full.update({s.request.request_id: self._proposal(s.request) for s in plan.decodes
+    def _select(self, plan: StepPlan, drafts: list[ScheduledRows]) -> tuple[dict[str, DraftTree], int]:
+        """Row selection: every drafting request's full tree, one shared node budget from the
+        cost model, then each grows by its chosen nodes. Returns their trees and the nodes offered."""
+        full = self._batched_drafts([s.request for s in drafts if "pending" not in s.request.runtime])
+        full.update({s.request.request_id: self._proposal(s.request) for s in drafts
                      if s.request.request_id not in full})
         if not full:
             return {}, 0
@@ -481,7 +521,7 @@ class Engine:
         sel = select_step(ranked, plan.num_rows, self.config.row_cost, room)  # (the trees keep the draft's logp)
         trees = {}
         for i, s in enumerate(plan.scheduled):
-            if s.kind != "decode":
+            if s.kind != "decode" or s.request.request_id not in full:
                 continue
             rid = s.request.request_id
             keep = sel.keep[rid]
