@@ -258,8 +258,8 @@ def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], pr
     passes = sum(r.figures.target_passes for r in reqs)
     k = engine.counters
     per_step = (lambda s: 1e3 * s / k.steps) if k.steps else (lambda s: None)
-    drafted = [r.seconds for r in k.records if r.drafting_s > 0]
-    plain = [r.seconds for r in k.records if r.drafting_s == 0]
+    drafted = [r.seconds for r in k.records if r.nodes > 0]
+    plain = [r.seconds for r in k.records if r.nodes == 0]
     return RunResult(method, c, False, seconds, timed, engine.steps,
                      sum(len(t.token_ids) for t in timed) / passes if passes else None,
                      sum(r.figures.cached_tokens for r in reqs), sum(r.figures.preemptions for r in reqs),

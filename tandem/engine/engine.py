@@ -321,13 +321,16 @@ class Engine:
         levels = sorted({min(4 ** i, cfg.max_num_seqs) for i in range(8) if 4 ** i < 4 * cfg.max_num_seqs})
         g = torch.Generator().manual_seed(0)
         vocab = self.target.config.vocab_size
-        # enough new tokens for every step to decode (a short window cuts them: a request that ends
-        # early leaves its steps to the others)
-        new = max(1, min((2 * steps + 2) * cfg.draft_rows(), self.context_window - 17))
-        params = SamplingParams(max_tokens=new, ignore_eos=True)
         plain: list[float] = []
         drafting: list[float] = []
         for r in levels:
+            # enough new tokens for every step to decode, within the window and r requests' share
+            # of the pool (a request that ends early leaves its steps to the others)
+            share = self.pool.num_blocks // r * cfg.block_size - 16 - cfg.draft_rows() - cfg.block_size
+            new = min((2 * steps + 2) * cfg.draft_rows(), self.context_window - 17, share)
+            if new < 2 * steps + 2 and plain:
+                break  # (the pool is sized for fewer or shorter requests: the gate extrapolates)
+            params = SamplingParams(max_tokens=max(1, new), ignore_eos=True)
             reqs = [self.add_request(torch.randint(0, vocab, (16,), generator=g).tolist(), params) for _ in range(r)]
             while any(q.in_prefill or q.state == RequestState.WAITING for q in reqs):
                 self.step()
