@@ -1,7 +1,7 @@
 """Where the batched engine's step time goes: host functions (cProfile, sorted by own time) and
 wall time per step, for a method / drafter / concurrency on the bundled pair.
 
-    python bench/gpu_profile_engine.py --draft draft --method tree --concurrency 1 [--top 30]
+    python bench/gpu_profile_engine.py --draft draft --method tree --concurrency 1 [--top 30] [--no-drafting]
 
 The GPU runs asynchronously, so host time in a function includes its kernel launches and any
 device sync it waits on (a `.tolist()` read-back waits for the pass before it).
@@ -32,6 +32,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--no-drafting", action="store_true",
+                    help="every step plain (as the draft gate's off steps): what a drafting engine's plain step costs")
     args = ap.parse_args()
     pair = load_pair(None, None if args.draft == "draft" else args.draft, args.device, args.dtype,
                      need_draft=args.method != "ar")
@@ -39,6 +41,8 @@ def main() -> int:
     if args.draft in ("block",):
         cfg = replace(cfg, spec=SpecConfig(method=args.method))
     eng = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
+    if args.no_drafting:
+        eng._forced = False
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
@@ -80,6 +84,7 @@ def main() -> int:
     timed(eng, "_rows", "target rows (trees -> packed)")
     timed(eng.model, "forward", "target pass")
     timed(eng, "_apply", "accept, commit, emit")
+    timed(eng, "_gate_drafts", "gate")
     if eng.batched is not None:
         timed(eng.batched, "_roots", "  draft: catch-up / context pass")
     wall, steps = run()
@@ -87,7 +92,8 @@ def main() -> int:
     for k, v in phases.items():
         print(f"  {k:40s} {v / steps * 1e3:8.3f} ms/step")
     for obj in (eng.scheduler, eng, eng.model) + ((eng.batched,) if eng.batched is not None else ()):
-        for k in [k for k in vars(obj) if k in ("plan_step", "_batched_drafts", "_rows", "forward", "_apply", "_roots")]:
+        for k in [k for k in vars(obj) if k in ("plan_step", "_batched_drafts", "_rows", "forward", "_apply", "_roots",
+                                                 "_gate_drafts")]:
             delattr(obj, k)  # the plain methods again
     pr = cProfile.Profile()
     pr.enable()

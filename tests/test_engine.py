@@ -553,3 +553,18 @@ def test_a_step_the_gate_keeps_from_drafting_reserves_one_row_a_request(models, 
     full = [r for r in engine.counters.records if r.verified == 8 and r.nodes == 0]  # every request decoding
     assert len(full) > 5 and all(r.rows == 8 for r in full)  # (drafting on, a step reserves 8 x 9 rows)
     assert_clean(engine)
+
+
+def test_an_engine_without_a_feature_drafter_keeps_no_target_features(models, solo):
+    """The target is shared: once an engine with a feature drafter enabled its features, an `ar`
+    engine on it must not keep computing them (they cost it a third of its step on the H200)."""
+    target, _ = models
+    prompts, refs = solo
+    target.enable_features()
+    try:
+        engine = Engine(target, None, config=EngineConfig(method="ar", block_size=8))
+        outs = run_all(engine, prompts[:2])
+        assert [o.token_ids for o in outs] == refs[:2]
+        assert engine.model.last_features is None
+    finally:
+        target.feature_layers = None

@@ -153,7 +153,8 @@ class Engine:
         seq_blocks = self.pool.blocks_for(self.context_window + config.draft_rows())
         graphs = None if not config.enforce_eager else False
         self.model = BatchedModel(target, self.pool, deterministic=config.deterministic,
-                                  max_seqs=config.max_num_seqs, max_seq_blocks=seq_blocks, use_graphs=graphs)
+                                  max_seqs=config.max_num_seqs, max_seq_blocks=seq_blocks, use_graphs=graphs,
+                                  features=bool(self.feature_layers))
         # every request's draft from shared passes of the drafter (batched_draft), where it applies
         self.batched: BatchedDrafter | BatchedBlockDrafter | None = None
         if config.batched_drafting and config.method in ("chain", "tree"):
