@@ -508,7 +508,7 @@ def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind):
                 seen["from"] = len(req.token_ids())  # this step's drafting runs every pending row
             if self.calls == 6:  # drafting resumes: what the drafter has not run yet
                 p = engine.batched.pending[req.request_id]
-                seen["pending"] = (list(p.tokens), torch.cat(p.chunks))
+                seen["pending"] = (list(p.tokens), p.rows())
                 seen["tokens"] = req.token_ids()
             return 0 if 3 <= self.calls <= 5 else requests
 

@@ -25,19 +25,21 @@ from tandem.tree.draft_tree import DraftTree
 
 class PendingRows:
     """A request's committed rows its feature drafter has not run yet: the tokens and each row's
-    input (features, or the head's projected hidden), kept as a list of chunks so that feeding a
-    step's rows launches no kernel per request (the H200's host pays ~10 us a launch: a cat per
-    request was ~4 ms a step at 64 requests); a pass takes its first n rows as views."""
+    input (features, or the head's projected hidden), kept as (tensor, first row, end row) spans
+    of the steps' shared tensors, so that feeding a step's rows costs neither a kernel nor a view
+    per request (the H200's host pays ~10 us a launch and ~5 us a view: a cat per request was ~4 ms
+    a step at 64 requests); a pass takes its first n rows as views."""
 
-    __slots__ = ("tokens", "chunks")
+    __slots__ = ("tokens", "spans")
 
     def __init__(self, tokens: list[int], rows: torch.Tensor):
         self.tokens = list(tokens)
-        self.chunks = [rows] if rows.shape[0] else []  # [n_i, F] each, n_i summing to len(tokens)
+        self.spans: list[tuple[torch.Tensor, int, int]] = [(rows, 0, rows.shape[0])] if rows.shape[0] else []
 
-    def append(self, tokens: list[int], rows: torch.Tensor) -> None:
+    def append(self, tokens: list[int], rows: torch.Tensor, lo: int) -> None:
+        """tokens' rows are rows[lo:lo + len(tokens)]."""
         self.tokens += tokens
-        self.chunks.append(rows)
+        self.spans.append((rows, lo, lo + len(tokens)))
 
     def take(self, n: int) -> tuple[list[int], list[torch.Tensor]]:
         """The first n tokens and views of their rows (a list of chunks), removed from here."""
@@ -45,24 +47,28 @@ class PendingRows:
         n = len(toks)
         views: list[torch.Tensor] = []
         while n > 0:
-            c = self.chunks[0]
-            if c.shape[0] <= n:
-                views.append(self.chunks.pop(0))
-                n -= c.shape[0]
+            t, lo, hi = self.spans[0]
+            if hi - lo <= n:
+                views.append(t[lo:hi])
+                self.spans.pop(0)
+                n -= hi - lo
             else:
-                views.append(c[:n])
-                self.chunks[0] = c[n:]
+                views.append(t[lo:lo + n])
+                self.spans[0] = (t, lo + n, hi)
                 n = 0
         return toks, views
 
+    def rows(self) -> torch.Tensor:
+        """Every pending row's input [len(tokens), F] (a copy; for inspection)."""
+        return torch.cat([t[lo:hi] for t, lo, hi in self.spans])
 
-def split_rows(rows: torch.Tensor, items: list[tuple[str, list[int]]]) -> list[tuple[str, list[int], torch.Tensor]]:
-    """rows [sum of len(tokens), F], the items' rows in order -> (request id, tokens, its view)."""
-    out, at = [], 0
+
+def feed(pending: dict[str, PendingRows], items: list[tuple[str, list[int]]], rows: torch.Tensor) -> None:
+    """rows [sum of len(tokens), F]: the items' rows in order; each request's join its pending ones."""
+    at = 0
     for rid, tokens in items:
-        out.append((rid, tokens, rows[at:at + len(tokens)]))
+        pending[rid].append(tokens, rows, at)
         at += len(tokens)
-    return out
 
 
 class BatchedHead(BatchedModel):
@@ -137,8 +143,7 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         features [sum of lens, F]: the target's features of the roots and the accepted nodes, the
         inputs of those tokens' rows, in the items' order (one projection for all). They join the
         rows the head has not run (several passes' worth when steps skip drafting)."""
-        for rid, tokens, hidden in split_rows(self.draft.project(features), items):
-            self.pending[rid].append(tokens, hidden)
+        feed(self.pending, items, self.draft.project(features))
 
     def _roots(self, live: list[tuple[str, list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The context pass: every request's pending rows (in chunks of CATCH_UP_CHUNK), joined to
@@ -279,8 +284,7 @@ class BatchedBlockDrafter:
 
     def observe_many(self, items: list[tuple[str, list[int]]], features: torch.Tensor) -> None:
         """As BatchedEagleDrafter.observe_many: the committed rows join the pending ones."""
-        for rid, tokens, feats in split_rows(features.to(self.draft.dtype), items):
-            self.pending[rid].append(tokens, feats)
+        feed(self.pending, items, features.to(self.draft.dtype))
 
     @torch.no_grad()
     def propose(self, trees: list[tuple[str, list[int], int]]) -> dict[str, DraftTree]:

@@ -675,7 +675,7 @@ class Engine:
         finished = []
         for req, tree, result, mlo in accepted:
             try:
-                done = self._commit(req, tree, result, feats[mlo:mlo + len(tree)] if feats is not None else None)
+                done = self._commit(req, tree, result, feats, mlo)
             except Exception:
                 log.exception("request %s failed in its part of a step; the others go on", req.request_id)
                 failed.append(req)
@@ -701,16 +701,18 @@ class Engine:
         if items:
             self.batched.observe_many(items, feats[torch.tensor(rows, device=feats.device)])
 
-    def _commit(self, req: Request, tree: DraftTree, result: VerifyResult, feats: torch.Tensor | None) -> bool:
-        """After the pool kept the accepted path: count it, feed the drafter (feats [n, F]: the
-        request's rows' features), emit; True when the request is done."""
+    def _commit(self, req: Request, tree: DraftTree, result: VerifyResult, feats: torch.Tensor | None,
+                first: int) -> bool:
+        """After the pool kept the accepted path: count it, feed a per-request drafter (feats [M, F]:
+        the pass's features, this request's rows from `first`; a batched one was fed by _feed), emit;
+        True when the request is done."""
         self._accepted += result.accepted
         if self.config.adaptive_draft:
             self._calibration(req).observe(tree, result.accepted)
         req.num_computed += len(result.path)
         if "drafter" in req.runtime and not isinstance(req.runtime["drafter"], _BatchedFeatureHandle):
             if feats is not None:  # the root's and the accepted nodes' features
-                req.runtime["drafter"].observe(result, tree, feats[result.path])
+                req.runtime["drafter"].observe(result, tree, feats[first:first + len(tree)][result.path])
             else:
                 req.runtime["drafter"].observe(result, tree)
         return self._emit(req, tree, result)
