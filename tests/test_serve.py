@@ -528,3 +528,23 @@ def test_the_official_openai_client_gets_a_completion_and_a_streamed_chat(live, 
     assert chunks[-1].usage.completion_tokens == full.json()["usage"]["completion_tokens"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_stream_behind_the_engine_gets_its_queued_deltas_as_one():
+    """RequestHandle.next_merged joins the Deltas queued behind the first (token ids and logprobs
+    in order) and leaves the end event for the next call."""
+    import asyncio
+
+    from tandem.serve.app import RequestHandle
+    from tandem.serve.driver import Delta, Failed
+
+    async def go():
+        h = RequestHandle(None, "r")
+        for ev in (Delta([1], ["a"]), Delta([2, 3], ["b", "c"]), Failed("gone"), Delta([9], ["z"])):
+            h.queue.put_nowait(ev)
+        first = await h.next_merged()
+        end = await h.next_merged()
+        return first, end, h.done, h.queue.qsize()
+
+    first, end, done, left = asyncio.run(go())
+    assert first == Delta([1, 2, 3], ["a", "b", "c"]) and end == Failed("gone") and done and left == 1

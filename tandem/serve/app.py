@@ -112,13 +112,34 @@ class RequestHandle:
     def __init__(self, server: "Server", request_id: str):
         self.server, self.request_id = server, request_id
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._held: Event | None = None  # taken from the queue by next_merged, not yet handed out
         self.done = self.closed = False
 
     async def next(self) -> Event:
-        ev = await self.queue.get()
+        if self._held is not None:
+            ev, self._held = self._held, None
+        else:
+            ev = await self.queue.get()
         if isinstance(ev, (Finished, Failed)):
             self.done = True
         return ev
+
+    async def next_merged(self) -> Event:
+        """The next event, with the Deltas queued behind it joined into one (a stream that fell
+        behind the engine sends one chunk for them, not one per step)."""
+        ev = await self.next()
+        if not isinstance(ev, Delta):
+            return ev
+        ids, lps = list(ev.token_ids), list(ev.logprobs) if ev.logprobs is not None else None
+        while not self.queue.empty():
+            more = self.queue.get_nowait()
+            if not isinstance(more, Delta):
+                self._held = more  # (the end: next() hands it out)
+                break
+            ids += more.token_ids
+            if lps is not None:
+                lps += more.logprobs
+        return Delta(ids, lps)
 
     def close(self) -> None:
         if self.closed:
@@ -252,8 +273,7 @@ class Server:
         loop = asyncio.get_running_loop()
         self.pending += 1
         self.metrics.pending.set(self.pending)
-        job = Job(handle.request_id, prompt_ids, params, method, top_logprobs,
-                  sink=lambda ev: loop.call_soon_threadsafe(handle.queue.put_nowait, ev))
+        job = Job(handle.request_id, prompt_ids, params, method, top_logprobs, loop=loop, put=handle.queue.put_nowait)
         try:
             await asyncio.wrap_future(self.driver.submit(job))
         except ConfigError as e:
@@ -474,7 +494,7 @@ def create_app(server: Server) -> FastAPI:
             streamer = StopStreamer(tok.decode, params.stop)
             printed = 0
             while True:
-                ev = await handle.next()
+                ev = await handle.next_merged()
                 if isinstance(ev, Delta):
                     text = streamer.push(ev.token_ids)
                     if text or ev.logprobs:

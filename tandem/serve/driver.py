@@ -1,7 +1,9 @@
 """EngineDriver: ONE thread owns the engines and steps them while requests exist.
 
 HTTP handlers never touch an engine. They `submit` a Job (its `sink` hands events to the
-handler's asyncio queue through `loop.call_soon_threadsafe`) and `abort` by id; both are
+handler's asyncio queue through `loop.call_soon_threadsafe`; a Job that names its `loop` and
+`put` instead has a whole step's events for that loop delivered by ONE such call: at 64 streams a
+wake-up per request per step was more host time than the step) and `abort` by id; both are
 commands on a thread-safe queue that the engine thread drains between steps, so every engine
 call happens on the one thread, in order (an abort always follows its add).
 
@@ -13,6 +15,7 @@ False (so /health answers 503) after failing every live request.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -76,7 +79,10 @@ class Job:
     params: SamplingParams
     method: str
     top_logprobs: int | None  # None: no logprobs; k: the token's own plus k alternatives
-    sink: Callable[[Event], None] = field(repr=False)
+    sink: Callable[[Event], None] | None = field(default=None, repr=False)  # called on the engine thread
+    # or: `put` called on `loop`'s thread, the events of a step batched into one call_soon_threadsafe
+    loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    put: Callable[[Event], None] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -87,11 +93,18 @@ class _Live:
     sent: int = 0  # output tokens already handed out
 
 
+def _deliver(items: list) -> None:
+    """On an event loop's thread: each (put, event) of a step, in order."""
+    for put, event in items:
+        put(event)
+
+
 class EngineDriver:
     def __init__(self, engines: dict[str, LogprobEngine], metrics: ServerMetrics, idle_wait_s: float = 0.05):
         self.engines, self.metrics, self.idle_wait_s = engines, metrics, idle_wait_s
         self.commands: queue.Queue = queue.Queue()
         self.live: dict[str, _Live] = {}  # engine thread only
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # loop -> [(put, event)], engine thread only
         self.error: str | None = None
         self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._main, name="tandem-engine", daemon=True)
@@ -130,6 +143,7 @@ class EngineDriver:
                 for method, engine in self.engines.items():
                     if engine.has_unfinished():
                         self._step(method, engine)
+                self._flush()
                 self._gauges()
         except Exception as e:  # a bug outside a step: the loop is dead, say so everywhere
             log.exception("the engine loop stopped")
@@ -143,6 +157,7 @@ class EngineDriver:
                 else:
                     self._fail(self.live.pop(rid), "the engine stopped")
             self._drain(block=False)  # adds that raced the stop: refused
+            self._flush()
             self._gauges()
 
     def _drain(self, block: bool) -> None:
@@ -255,10 +270,23 @@ class EngineDriver:
         self._send(lv, Failed(message, status, code))
 
     def _send(self, lv: _Live, event: Event) -> None:
+        job = lv.job
+        if job.loop is not None:
+            self._outbox.setdefault(job.loop, []).append((job.put, event))
+            return
         try:
-            lv.job.sink(event)
+            job.sink(event)
         except RuntimeError:  # the handler's event loop is closed (server shutting down)
             pass
+
+    def _flush(self) -> None:
+        """Hand each event loop its events of this step in one call (in the order they were sent)."""
+        box, self._outbox = self._outbox, {}
+        for loop, items in box.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the handler's event loop is closed (server shutting down)
+                pass
 
     def _gauges(self) -> None:
         m = self.metrics
