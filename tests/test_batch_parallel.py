@@ -376,19 +376,36 @@ def test_the_draft_gate_weighs_measured_step_costs_against_accepted_tokens():
     assert g.predicted(2) == pytest.approx((0.010, 0.020 + 0.010 / 3))  # (linear between the measured points)
 
 
+def test_the_draft_gate_learns_the_acceptance_as_the_mean_of_its_first_samples():
+    """While learning (min_samples steps) every sample weighs the same, so a request's slow first
+    step (its drafter just started) does not dominate; after that a moving average follows."""
+    from tandem.engine.draft_gate import DraftGate, StepCosts
+
+    g = DraftGate(StepCosts((1,), (0.01,), (0.02,)), alpha=0.5, min_samples=3)
+    for accepted in (0, 3, 6):
+        assert g.plan(1) == 1  # learning
+        g.observe(1, 1, 0.02, accepted=accepted, decode_only=True)
+    assert g.accepted == 3.0
+    g.observe(1, 1, 0.02, accepted=1, decode_only=True)
+    assert g.accepted == 2.0
+
+
 def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their_budget():
     """Each step kind's predictions follow the observed steps (a moving average of observed over
-    measured, prefill steps left out); probes are spaced by what a sample's drafting costs: with
-    a 3% budget, a 30 ms loss against 10 ms plain steps is one probe per 100 of them."""
+    measured, prefill steps left out); probes are spaced by what they lose: a sample of 4 costs
+    40 - 10 ms and returns 4 tokens worth 4 x 10 / 8 ms of plain decoding, so with a 3% budget of
+    10 ms plain steps, one probe per 84 of them; one that loses nothing comes at the floor."""
     from tandem.engine.draft_gate import DraftGate, StepCosts
 
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.040, 0.050))
     g = DraftGate(costs, sample=4, alpha=0.5, min_samples=1, probe_every=16, probe_max=1024, probe_budget=0.03)
     g.observe(8, 4, 0.030, accepted=4, decode_only=True)  # a = 1: off at 8 requests
-    decisions = [g.plan(8) for _ in range(202)]
-    assert [i for i, k in enumerate(decisions) if k] == [100, 201] and decisions[100] == 4
-    assert g.probe_interval(1) == 34  # a probe of one request loses 10 ms: 10 / 0.3
-    assert DraftGate(costs, probe_every=50).probe_interval(1) == 50  # the floor
+    decisions = [g.plan(8) for _ in range(170)]
+    assert [i for i, k in enumerate(decisions) if k] == [84, 169] and decisions[84] == 4  # ceil(25 / 0.3)
+    # the probes' loss over those steps: 2 x 25 ms against 168 plain steps of 10 ms, within 3%
+    assert 2 * 0.025 <= 0.03 * 168 * 0.010
+    assert g.probe_interval(1) == 16  # alone: 20 ms for 2 tokens against 10 ms for 1, no loss: the floor
+    assert DraftGate(costs, probe_every=50).probe_interval(1) == 50
     g.observe(8, 0, 0.020, accepted=0, decode_only=True)  # plain steps take twice the measured time
     assert g.plain_scale == 1.5
     g.observe(8, 0, 0.500, accepted=0, decode_only=False)  # a step with prefill rows teaches nothing

@@ -93,12 +93,15 @@ class DraftGate:
                 self.drafting_scale * self.costs.drafting_s(requests))
 
     def probe_interval(self, requests: int) -> int:
-        """Plain steps between probes: a probe drafts for a sample of k requests, which costs about
-        what drafting costs k requests, t_draft(k) - t_plain(k); spaced by n plain steps of
-        t_plain(R), the probes lose at most `probe_budget` of the time."""
+        """Plain steps between probes. A probe drafts for a sample of k requests: it costs about
+        what drafting costs k requests, t_draft(k) - t_plain(k), and returns their k a accepted
+        tokens, worth k a t_plain(R) / R of plain decoding; spaced by n plain steps of t_plain(R),
+        the probes lose at most `probe_budget` of the time. (So near break-even, where a probe
+        loses little, the gate looks again soon.)"""
         k = min(requests, self.sample)
-        loss = max(0.0, self.drafting_scale * self.costs.drafting_s(k) - self.plain_scale * self.costs.plain_s(k))
         t_plain = self.plain_scale * self.costs.plain_s(requests)
+        cost = self.drafting_scale * self.costs.drafting_s(k) - self.plain_scale * self.costs.plain_s(k)
+        loss = max(0.0, cost - k * (self.accepted or 0.0) * t_plain / requests)
         n = math.ceil(loss / (self.probe_budget * t_plain)) if t_plain > 0 else self.probe_max
         return max(self.probe_every, min(self.probe_max, n))
 
@@ -109,7 +112,10 @@ class DraftGate:
             return
         if drafted:
             self.samples += 1
-            self.accepted = self._ema(self.accepted, accepted / drafted)
+            if self.samples <= self.min_samples:  # learning: the plain mean, not the first step's weight
+                self.accepted = ((self.accepted or 0.0) * (self.samples - 1) + accepted / drafted) / self.samples
+            else:
+                self.accepted = self._ema(self.accepted, accepted / drafted)
         if not decode_only:
             return
         if drafted == 0:
