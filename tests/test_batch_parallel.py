@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -502,3 +503,24 @@ def test_adaptive_draft_length_calibrates_an_overconfident_draft_and_outputs_sta
         nodes[mode] = sum(r.nodes for r in c.records) / max(1, sum(r.verified for r in c.records))
     if not selection:
         assert nodes["calibrated"] < nodes["raw"] < nodes["off"], nodes
+
+
+def test_row_selection_can_measure_its_cost_curve_on_the_engine(models, solo):
+    """measure_row_cost times this engine's own prefill passes of 1, 8, 16, .. rows: the points
+    grow with the rows and never fall; the throwaway requests leave no block, step or counter
+    behind; row selection then runs on those points, and outputs equal solo ar."""
+    prompts, refs = solo
+    cfg = EngineConfig(method="tree", spec=TREE, block_size=8, max_num_batched_tokens=64, row_selection=True,
+                       measure_row_cost=True, draft_gate=False, debug_check=True)
+    engine = Engine(*models, config=cfg)
+    pts = engine.row_cost.points
+    assert [r for r, _ in pts] == [1, 8, 16, 32, 64]
+    assert all(c > 0 for _, c in pts) and all(a[1] <= b[1] for a, b in zip(pts, pts[1:]))
+    assert engine.steps == 0 and engine.counters.steps == 0 and not engine.requests
+    assert engine.pool.check() == []
+    outs = run_all(engine, prompts[:6])
+    assert [o.token_ids for o in outs] == refs[:6]
+    assert_clean(engine)
+    given = RowCost(points=((1, 1.0), (64, 1.05), (128, 2.0)))
+    assert given.flat_rows() == 64 and RowCost(tile=32).flat_rows() == 32
+    assert Engine(*models, config=replace(cfg, row_cost=given)).row_cost is given  # given points are kept

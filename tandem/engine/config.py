@@ -28,6 +28,9 @@ class EngineConfig:
     # batch-aware row selection (SpecPilot s4.4; tandem.engine.row_selection): one node budget per step
     row_selection: bool = False
     row_cost: RowCost = field(default_factory=RowCost)  # c(rows) of one target pass
+    # with row_selection and a row_cost without points: measure c(rows) of this engine's target
+    # pass when it starts (Engine.measure_row_cost); None: on a GPU, where the flat region is real
+    measure_row_cost: bool | None = None
     prompt_admission: bool = False  # with row_selection: admit new prompts only into the flat region's rows
     # skip drafting in steps where its cost is not repaid (tandem.engine.draft_gate: goodput with
     # and without drafting, from running figures); outside batch-parallel mode. None: on with

@@ -48,7 +48,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine import draft_length
 from tandem.engine.draft_gate import DraftGate, StepCosts
 from tandem.engine.request import Request, RequestOutput, RequestState, SamplingParams
-from tandem.engine.row_selection import select_step
+from tandem.engine.row_selection import RowCost, select_step
 from tandem.engine.scheduler import Scheduler, ScheduledRows, StepPlan
 from tandem.kv.paged import PagedKVPool
 from tandem.models.block_drafter import BlockDrafter
@@ -180,11 +180,16 @@ class Engine:
             self.batches = BatchManager(self._load, config.rebalance_threshold)
             if target.device.type == "cuda":  # the drafter's kernels on their own stream
                 self._draft_stream = torch.cuda.Stream(device=target.device)
+        self.gate: DraftGate | None = None
+        self._forced: bool | None = None  # the measurements' steps: every request drafts (True) or none
+        # row selection's c(rows): given, or measured on this engine's target pass
+        self.row_cost = config.row_cost
+        measure = config.measure_row_cost if config.measure_row_cost is not None else target.device.type == "cuda"
+        if config.row_selection and measure and not config.row_cost.points:
+            self.row_cost = self.measure_row_cost()
         # row selection's draft-cost term: whether a step drafts at all (None: always drafts),
         # from this engine's step costs, measured now on throwaway requests
         gated = config.row_selection if config.draft_gate is None else config.draft_gate
-        self.gate: DraftGate | None = None
-        self._forced: bool | None = None  # measure_step_costs: every request drafts (True) or none
         if gated and config.method != "ar" and not config.batch_parallel:
             self.gate = DraftGate(self.measure_step_costs())
 
@@ -265,7 +270,7 @@ class Engine:
         """Run one target pass; returns the requests that finished in it."""
         t_step = time.perf_counter()
         verify, verify_batch, overlapped, fallback, loads = self._boundary()
-        admit = self.config.row_cost.tile if self.config.row_selection and self.config.prompt_admission else None
+        admit = self.row_cost.flat_rows() if self.config.row_selection and self.config.prompt_admission else None
         # the gate decides before planning, so a step without drafting reserves one row a request
         self._drafting = self._gate_drafts()
         plan = self.scheduler.plan_step(verify, admit, verify_batch or 0)
@@ -309,6 +314,36 @@ class Engine:
             problems = self.pool.check() + (self.batched.pool.check() if self.batched is not None else [])
             assert not problems, problems
         return finished
+
+    @torch.no_grad()
+    def measure_row_cost(self, reps: int = 3) -> RowCost:
+        """c(rows) of this engine's target pass, measured: the median wall seconds of the first step
+        of one throwaway request of n + 1 random tokens, its prefill of n rows (a fresh prompt each
+        time: no prefix-cache hit), n = 1, 8, 16, .. up to max_num_batched_tokens, within the
+        window and the pool. A step's host work for one request is in every point alike. Called
+        when the engine starts."""
+        cfg = self.config
+        cap = min(cfg.max_num_batched_tokens, self.context_window - 3,
+                  (self.pool.num_blocks - 1) * cfg.block_size - cfg.draft_rows() - 1)
+        sizes = [n for n in (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if n <= cap]
+        g = torch.Generator().manual_seed(1)
+        vocab = self.target.config.vocab_size
+        saved, self._forced = self._forced, False  # (prefill only; no drafter starts)
+        points = []
+        for n in sizes:
+            times = []
+            for _ in range(reps + 1):  # (the first of each size warms it)
+                req = self.add_request(torch.randint(0, vocab, (n + 1,), generator=g).tolist(),
+                                       SamplingParams(max_tokens=1, ignore_eos=True))
+                t0 = time.perf_counter()
+                self.step()  # (its prefill: n rows, the last prompt token being the first root)
+                times.append(time.perf_counter() - t0)
+                self.abort(req.request_id)
+            # (never below a smaller pass's: timing noise must not make more rows look cheaper)
+            points.append((n, max([statistics.median(times[1:])] + [c for _, c in points])))
+        self._forced = saved
+        self.steps, self.counters = 0, EngineCounters()
+        return RowCost(points=tuple(points))
 
     @torch.no_grad()
     def measure_step_costs(self, steps: int = 3) -> StepCosts:
@@ -404,6 +439,8 @@ class Engine:
             k = len(decoding) if self._forced else 0
         else:
             k = self.gate.plan(len(decoding))
+        if k == 0:
+            return set()  # (a request admitted this step that decodes at once does not draft either)
         if k >= len(decoding):
             return None
         at = self.steps * k % len(decoding)  # (the sample moves on each step)
@@ -522,7 +559,7 @@ class Engine:
         if self.config.adaptive_draft:  # rank each request's nodes by their calibrated acceptance
             ranked = {rid: draft_length.calibrated(t, self._calibration(self.requests[rid]).rho)
                       for rid, t in full.items()}
-        sel = select_step(ranked, plan.num_rows, self.config.row_cost, room)  # (the trees keep the draft's logp)
+        sel = select_step(ranked, plan.num_rows, self.row_cost, room)  # (the trees keep the draft's logp)
         trees = {}
         for i, s in enumerate(plan.scheduled):
             if s.kind != "decode" or s.request.request_id not in full:

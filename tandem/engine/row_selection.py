@@ -50,6 +50,14 @@ class RowCost:
             return c1 + (c1 - c0) * (rows - r1) / (r1 - r0)
         return 1.0 if rows <= self.tile else 1.0 + self.slope * (rows - self.tile) / self.tile
 
+    def flat_rows(self, tolerance: float = 0.1) -> int:
+        """The flat region's end: the most rows a pass takes within `tolerance` of one row's cost
+        (`tile` without points)."""
+        if not self.points:
+            return self.tile
+        base = self(1)
+        return max([r for r, c in self.points if c <= (1 + tolerance) * base], default=1)
+
     def validate(self) -> None:
         if self.tile < 1 or self.slope < 0:
             raise ValueError(f"row cost needs tile >= 1 and slope >= 0 (got {self.tile}, {self.slope})")
