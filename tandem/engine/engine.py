@@ -22,8 +22,13 @@ Two modes change which rows a step holds, never an output:
   runs on its own stream, launched after the target pass so its kernels can overlap the
   target's; on the CPU the two run one after the other (no overlap, same outputs).
 - `row_selection` (tandem.engine.row_selection): decodes are planned with their roots, then the
-  step's draft nodes are chosen over all requests' trees by path score under a cost model and
-  reserved (`Scheduler.grow`).
+  step's draft nodes are chosen over all requests' trees by path score under a cost model (on a
+  GPU measured on this engine when it starts: `measure_row_cost`) and reserved (`Scheduler.grow`).
+
+The draft gate (tandem.engine.draft_gate; with row selection, or `draft_gate=True`) decides before
+planning which requests draft this step (all, none, or a sample of them while it learns the
+acceptance), from plain and drafting step costs measured on throwaway requests when the engine
+starts (`measure_step_costs`).
 """
 from __future__ import annotations
 
