@@ -3,6 +3,8 @@
     server  = --url URL, or `tandem serve`'s app started here on 127.0.0.1 (a free port, a thread)
     for method in --methods, for c in --concurrency:
         send --requests streamed completions (prompts cycled from the workload), at most c in flight,
+        from a client process of its own (an in-process server's engine and HTTP handling share one
+        interpreter lock, as they do under `tandem serve`; a client there would take a share too),
         at most --request-rate starts per second, none started after --max-seconds
     report per (method, c): requests/s, output tokens/s, TTFT, inter-token and end-to-end p50/p99,
     errors by kind -> results.json, results.md, online_latency.png
@@ -174,6 +176,20 @@ async def run_level(load: Load, prompts: list[str], method: str | None, concurre
         t0 = time.perf_counter()  # the level's clock starts once the client exists, not before
         samples = await asyncio.gather(*(guarded(i, client, t0) for i in range(load.requests)))
     return summarize(method or "default", concurrency, load.request_rate, list(samples), time.perf_counter() - t0)
+
+
+def run_levels(prompts: list[str], plan: list[tuple[Load, str | None, int]]) -> list[Level]:
+    """Each (load, method, concurrency) of the plan in turn, in this process."""
+    return [asyncio.run(run_level(load, prompts, m, c)) for load, m, c in plan]
+
+
+def client_process(prompts: list[str], plan: list[tuple[Load, str | None, int]]) -> list[Level]:
+    """run_levels in a spawned process (no CUDA, no model: only the HTTP client)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(run_levels, prompts, plan).result()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,11 +380,14 @@ def run(args: argparse.Namespace) -> int:
         url = args.url
     load = Load(url, args.api_key, args.max_new_tokens, args.requests, args.max_seconds, args.request_rate,
                 temperature=args.temperature, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    # warm-up: one short request per method, not measured (first-call costs on both sides)
+    warm = Load(**{**asdict(load), "requests": 1, "max_tokens": 2})
+    plan = [(warm, m, 1) for m in methods or [None]] + [(load, m, c) for m in (methods or [None]) for c in levels]
     try:
-        # warm-up: one short request per method, not measured (first-call costs on both sides)
-        for m in methods or [None]:
-            asyncio.run(run_level(Load(**{**asdict(load), "requests": 1, "max_tokens": 2}), prompts, m, 1))
-        rows = [asyncio.run(run_level(load, prompts, m, c)) for m in (methods or [None]) for c in levels]
+        # an in-process server shares this interpreter's lock with its engine thread: a client in
+        # the same process would take a share of it too (profiled on the CPU: the load generator
+        # held it more than the server did), so the load comes from a process of its own
+        rows = (client_process(prompts, plan) if local is not None else run_levels(prompts, plan))[len(methods or [None]):]
     finally:
         if local is not None:
             local.stop()
@@ -376,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
 
     results = {"env": environment(resolve_device(args.device) if local is not None else "cpu"),
                "config": {"server": "in-process tandem serve" if local is not None else args.url,
+                          "client": "a process of its own" if local is not None else "this process",
                           "methods": methods or ["default"], "concurrency": levels, "requests": args.requests,
                           "max_tokens": args.max_new_tokens, "max_seconds": args.max_seconds,
                           "request_rate": args.request_rate, "workload": args.workload, "num_prompts": len(prompts)},
