@@ -524,3 +524,11 @@ def test_row_selection_can_measure_its_cost_curve_on_the_engine(models, solo):
     given = RowCost(points=((1, 1.0), (64, 1.05), (128, 2.0)))
     assert given.flat_rows() == 64 and RowCost(tile=32).flat_rows() == 32
     assert Engine(*models, config=replace(cfg, row_cost=given)).row_cost is given  # given points are kept
+
+
+def test_a_pool_too_small_for_the_gates_measurement_is_a_clear_error(models):
+    """The gate measures steps of 16-token requests when the engine starts: a pool that cannot
+    hold even one says so in one line, instead of failing somewhere inside a step."""
+    cfg = EngineConfig(method="tree", spec=TREE, block_size=8, num_blocks=2, draft_gate=True)
+    with pytest.raises(ConfigError, match="the draft gate cannot measure this engine's steps: request needs"):
+        Engine(*models, config=cfg)

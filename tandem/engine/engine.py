@@ -372,7 +372,15 @@ class Engine:
             if new < 2 * steps + 2 and plain:
                 break  # (the pool is sized for fewer or shorter requests: the gate extrapolates)
             params = SamplingParams(max_tokens=max(1, new), ignore_eos=True)
-            reqs = [self.add_request(torch.randint(0, vocab, (16,), generator=g).tolist(), params) for _ in range(r)]
+            try:
+                reqs = [self.add_request(torch.randint(0, vocab, (16,), generator=g).tolist(), params)
+                        for _ in range(r)]
+            except ConfigError as e:  # (a pool too small for even these requests)
+                for q in list(self.requests):
+                    self.abort(q)
+                if plain:
+                    break
+                raise ConfigError(f"the draft gate cannot measure this engine's steps: {e}") from None
             while any(q.in_prefill or q.state == RequestState.WAITING for q in reqs):
                 self.step()
             times: dict[bool, list[float]] = {False: [], True: []}
