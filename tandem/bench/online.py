@@ -249,6 +249,10 @@ def build_local_server(args: argparse.Namespace, methods: list[str], max_concurr
     for m in methods:
         engine_config_for(ecfg, m).validate()
     cfg = ServerConfig(methods=tuple(methods), max_pending=max(ServerConfig().max_pending, max_concurrency))
+    if getattr(args, "engine_process", False):
+        from tandem.serve.cli import process_server
+
+        return process_server(args, cfg, ecfg)
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=any(m != "ar" for m in methods))
     return Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg, ChatTemplate.for_checkpoint(pair.target_dir))
 
@@ -268,6 +272,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=None,
                    help="with --online: request starts per second (evenly spaced); default: as concurrency allows")
     p.add_argument("--requests", type=int, default=16, help="with --online: requests per level")
+    p.add_argument("--engine-process", action="store_true",
+                   help="with --online and no --url: the server's engines in a process of their own "
+                        "(tandem serve --engine-process)")
     p.add_argument("--max-seconds", type=float, default=120.0,
                    help="with --online: per level; requests not started by then are skipped")
 
@@ -394,7 +401,8 @@ def run(args: argparse.Namespace) -> int:
     from tandem.runtime.pair import resolve_device
 
     results = {"env": environment(resolve_device(args.device) if local is not None else "cpu"),
-               "config": {"server": "in-process tandem serve" if local is not None else args.url,
+               "config": {"server": ("in-process tandem serve" + (", engine process" if args.engine_process else "")
+                                     if local is not None else args.url),
                           "client": "a process of its own" if local is not None else "this process",
                           "methods": methods or ["default"], "concurrency": levels, "requests": args.requests,
                           "max_tokens": args.max_new_tokens, "max_seconds": args.max_seconds,

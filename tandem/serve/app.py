@@ -37,6 +37,7 @@ from tandem.serve.config import ServerConfig
 from tandem.serve.driver import (FAULT_PREFIX, FAULT_USER, KILL_PREFIX, KILL_USER, Delta, EngineDriver, Event, Failed,
                                  Finished, Job, inject_faults)
 from tandem.serve.errors import APIError, error_body
+from tandem.serve.engine_process import EngineSpec, ProcessDriver
 from tandem.serve.logprobs import LogprobEngine, TokenLogprob
 from tandem.serve.metrics import ServerMetrics
 from tandem.serve.schemas import ChatCompletionRequest, CompletionRequest
@@ -169,18 +170,26 @@ class Server:
     the tokenizer and chat template, the bounded-queue count (event-loop thread only)."""
 
     def __init__(self, target, draft, tokenizer, config: ServerConfig = ServerConfig(),
-                 engine_config: EngineConfig = EngineConfig(), chat_template: ChatTemplate | None = None):
+                 engine_config: EngineConfig = EngineConfig(), chat_template: ChatTemplate | None = None,
+                 engine_process: EngineSpec | None = None):
+        """engine_process: run the engines in a process of their own, built from this spec
+        (tandem.serve.engine_process; target and draft are then None: this process loads no model)."""
         config.validate()
         self.config, self.tokenizer = config, tokenizer
         self.chat_template = chat_template or ChatTemplate(BUILTIN_TEMPLATE, builtin=True)
-        self.engines = {m: LogprobEngine(target, draft if m != "ar" else None, tokenizer,
-                                         engine_config_for(engine_config, m)) for m in config.methods}
-        self.context_window = min(e.context_window for e in self.engines.values())
         self.metrics = ServerMetrics()
-        self.driver = EngineDriver(self.engines, self.metrics)
-        if config.inject_faults:
-            for e in self.engines.values():
-                e.fault_hook = inject_faults
+        self.engines: dict[str, LogprobEngine] = {}  # (empty with an engine process)
+        if engine_process is not None:
+            self.driver = ProcessDriver(engine_process, self.metrics)
+            self.context_window = min(self.driver.context_windows.values())
+        else:
+            self.engines = {m: LogprobEngine(target, draft if m != "ar" else None, tokenizer,
+                                             engine_config_for(engine_config, m)) for m in config.methods}
+            self.context_window = min(e.context_window for e in self.engines.values())
+            self.driver = EngineDriver(self.engines, self.metrics)
+            if config.inject_faults:
+                for e in self.engines.values():
+                    e.fault_hook = inject_faults
         self.pending = 0
         self.created = int(time.time())
 
@@ -227,7 +236,7 @@ class Server:
         if body.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_value")
         method = body.method or c.methods[0]
-        if method not in self.engines:
+        if method not in c.methods:
             raise APIError(400, f"method {clip(method)} is not served here; choose one of {', '.join(c.methods)}",
                            param="method", code="unsupported_value")
         if prompt_len >= self.context_window:

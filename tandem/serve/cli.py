@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the engine, one with user 'tandem-kill' stops the engine loop")
     p.add_argument("--shutdown-grace", type=float, default=s.shutdown_grace_s,
                    help="seconds in-flight requests may run after SIGTERM; then each gets 503")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engines in a process of their own: the engine loop then shares no interpreter "
+                        "lock with the HTTP side (streams that fall behind get several steps' tokens a chunk)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -86,10 +89,31 @@ def build(args) -> tuple[object, ServerConfig]:
         raise ConfigError("--batch-parallel / --row-selection need a speculative method in --methods (chain or tree)")
     for m in methods:
         engine_config_for(ecfg, m).validate()
-    pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=any(m != "ar" for m in methods))
-    template = ChatTemplate.for_checkpoint(pair.target_dir, args.chat_template)
-    server = Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg, template)
+    if args.engine_process:  # this process keeps the tokenizer and the template; the engine process the models
+        server = process_server(args, cfg, ecfg)
+    else:
+        pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=any(m != "ar" for m in methods))
+        template = ChatTemplate.for_checkpoint(pair.target_dir, args.chat_template)
+        server = Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg, template)
     return create_app(server), cfg
+
+
+def process_server(args, cfg: ServerConfig, ecfg: EngineConfig):
+    """A Server whose engines run in a process of their own (tandem.serve.engine_process)."""
+    from pathlib import Path
+
+    from tandem.models.loader import load_tokenizer
+    from tandem.runtime.pair import BUNDLED_TARGET, bundled_available
+    from tandem.serve.app import Server
+    from tandem.serve.chat_template import ChatTemplate
+    from tandem.serve.engine_process import EngineSpec
+
+    if args.target is None and not bundled_available():
+        raise ConfigError("no --target given and the bundled pair is missing; pass --target DIR")
+    target_dir = Path(args.target) if args.target is not None else BUNDLED_TARGET
+    template = ChatTemplate.for_checkpoint(target_dir, getattr(args, "chat_template", None))
+    spec = EngineSpec(args.target, args.draft, args.device, args.dtype, cfg.methods, ecfg, cfg.inject_faults)
+    return Server(None, None, load_tokenizer(target_dir), cfg, ecfg, template, engine_process=spec)
 
 
 def run(args) -> int:

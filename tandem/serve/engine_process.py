@@ -1,0 +1,302 @@
+"""The engine loop in a process of its own (`tandem serve --engine-process`).
+
+In one process the engine thread and the HTTP side (detokenizing, JSON, one SSE chunk per stream
+per step) share one interpreter lock: on the H200 (2026-12-02) the server delivered 0.15-0.5x of
+the offline engine's tokens from 8 streams up, the step's Python work being a fraction of the
+HTTP side's. Here the child process loads the models and runs the unchanged EngineDriver; the
+server process keeps the tokenizer, the routes and the streams, and a stream that falls behind
+joins the steps' tokens into one chunk (RequestHandle.next_merged) while the engine runs on.
+
+    server process                                   engine process (spawned)
+    ProcessDriver.submit(job) ---- ("add", ...) ---->  EngineDriver.submit
+                   <------------- ("added", rid, error)
+    ProcessDriver.abort(rid) ----- ("abort", rid) -->  EngineDriver.abort
+    reader thread  <------ ("events", [(rid, event)], metric calls)   after every loop turn
+      -> each event loop gets its requests' events in one call_soon_threadsafe;
+         the metric calls are replayed on the server's ServerMetrics
+    ProcessDriver.stop() --------- ("stop",) ------->  EngineDriver.stop (in-flight: 503), exit
+                   <------------- ("ended", error)     also when the loop dies (error: its text)
+
+The child ignores SIGINT and SIGTERM: the server process's shutdown path stops it (a terminal's
+Ctrl-C reaches the whole process group); if the server process dies, the pipe closes and the
+child stops and exits.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from tandem.config import ConfigError
+from tandem.engine.config import EngineConfig
+from tandem.serve.driver import EngineDriver, Failed, Finished, Job, _deliver
+
+START_TIMEOUT_S = 900.0  # loading the models (the child's whole start)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engine process builds its engines from (the server process loads no model)."""
+
+    target: str | None  # None: the bundled pair
+    draft: str | None
+    device: str
+    dtype: str
+    methods: tuple[str, ...]
+    engine_config: EngineConfig
+    inject_faults: bool = False
+
+
+# ---- metrics: recorded in the child, replayed on the server's registry -----------------------
+class _Recorder:
+    """Stands for ServerMetrics in the child: every call on a metric is kept (name, labels, op,
+    value) for the server process to replay; gauges keep only their last value per turn."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, tuple, str, float]] = []
+        self.gauges: dict[tuple[str, tuple], float] = {}
+
+    def __getattr__(self, name: str) -> "_Metric":
+        return _Metric(self, name, ())
+
+    def take(self) -> list[tuple[str, tuple, str, float]]:
+        out = self.calls + [(n, lab, "set", v) for (n, lab), v in self.gauges.items()]
+        self.calls, self.gauges = [], {}
+        return out
+
+
+class _Metric:
+    def __init__(self, rec: _Recorder, name: str, labels: tuple):
+        self.rec, self.name, self.label_values = rec, name, labels
+
+    def labels(self, *values) -> "_Metric":
+        return _Metric(self.rec, self.name, tuple(values))
+
+    def inc(self, value: float = 1.0) -> None:
+        self.rec.calls.append((self.name, self.label_values, "inc", value))
+
+    def observe(self, value: float) -> None:
+        self.rec.calls.append((self.name, self.label_values, "observe", value))
+
+    def set(self, value: float) -> None:
+        self.rec.gauges[(self.name, self.label_values)] = value
+
+
+def replay(metrics, calls: list[tuple[str, tuple, str, float]]) -> None:
+    """The child's metric calls, on the server's ServerMetrics."""
+    for name, labels, op, value in calls:
+        m = getattr(metrics, name)
+        getattr(m.labels(*labels) if labels else m, op)(value)
+
+
+# ---- the engine process ---------------------------------------------------------------------------
+class _ChildDriver(EngineDriver):
+    """The EngineDriver, its events and metric calls sent to the server process after every turn."""
+
+    def __init__(self, engines, recorder: _Recorder, send):
+        super().__init__(engines, recorder)
+        self.send, self.batch = send, []
+
+    def _send(self, lv, event) -> None:
+        self.batch.append((lv.job.request_id, event))
+
+    def _flush(self) -> None:
+        calls = self.metrics.take()
+        if self.batch or calls:
+            batch, self.batch = self.batch, []
+            self.send(("events", batch, calls))
+
+    def _main(self) -> None:
+        try:
+            super()._main()
+        finally:
+            self.send(("ended", self.error))
+
+
+def _child(spec: EngineSpec, conn) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    lock = threading.Lock()
+
+    def send(msg) -> None:
+        with lock:
+            conn.send(msg)
+
+    try:
+        from tandem.runtime.pair import load_pair
+        from tandem.serve.app import engine_config_for
+        from tandem.serve.driver import inject_faults
+        from tandem.serve.logprobs import LogprobEngine
+
+        pair = load_pair(spec.target, spec.draft, spec.device, spec.dtype,
+                         need_draft=any(m != "ar" for m in spec.methods))
+        engines = {m: LogprobEngine(pair.target, pair.draft if m != "ar" else None, pair.tokenizer,
+                                    engine_config_for(spec.engine_config, m)) for m in spec.methods}
+        if spec.inject_faults:
+            for e in engines.values():
+                e.fault_hook = inject_faults
+    except Exception as e:  # (ConfigError's text is for the user; anything else: its type too)
+        send(("failed", str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"))
+        return
+    driver = _ChildDriver(engines, _Recorder(), send)
+    send(("ready", {m: e.context_window for m, e in engines.items()}))
+    driver.start()
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the server process is gone
+            msg = ("stop",)
+        if msg[0] == "add":
+            _, rid, prompt_ids, params, method, top = msg
+            fut: Future = Future()
+            fut.add_done_callback(lambda f, rid=rid: send(("added", rid, _error(f))))
+            driver.commands.put(("add", Job(rid, prompt_ids, params, method, top, loop=_KEY), fut))
+        elif msg[0] == "abort":
+            driver.abort(msg[1])
+        else:  # stop
+            driver.stop()
+            return
+
+
+_KEY = "engine-process"  # (the child's jobs all go through _ChildDriver._send)
+
+
+def _error(f: Future) -> str | None:
+    e = f.exception()
+    return None if e is None else str(e)
+
+
+# ---- the server process's side -------------------------------------------------------------------
+class ProcessDriver:
+    """EngineDriver's interface (start, stop, alive, submit, abort) over an engine process.
+    Spawns it and waits until its engines are built (ConfigError if it could not build them)."""
+
+    def __init__(self, spec: EngineSpec, metrics, start_timeout_s: float = START_TIMEOUT_S):
+        ctx = multiprocessing.get_context("spawn")  # (fork would copy a CUDA context and the server's threads)
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_child, args=(spec, child), name="tandem-engine", daemon=True)
+        self.metrics = metrics
+        self.jobs: dict[str, Job] = {}
+        self.futures: dict[str, Future] = {}
+        self.error: str | None = None
+        self._lock = threading.Lock()  # the pipe's sending end and the two dicts
+        self._stopping = threading.Event()
+        self.process.start()
+        child.close()
+        if not self.conn.poll(start_timeout_s):
+            self.process.kill()
+            raise ConfigError(f"the engine process did not start within {start_timeout_s:.0f} s")
+        msg = self.conn.recv()
+        if msg[0] != "ready":
+            self.process.join(5)
+            raise ConfigError(f"the engine process could not start: {msg[1]}")
+        self.context_windows: dict[str, int] = msg[1]
+        self.thread = threading.Thread(target=self._read, name="tandem-engine-reader", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive() and self.error is None and not self._stopping.is_set()
+
+    def submit(self, job: Job) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if not self.alive:
+                fut.set_exception(ConfigError("the engine is not running"))
+                return fut
+            self.jobs[job.request_id], self.futures[job.request_id] = job, fut
+            self.conn.send(("add", job.request_id, job.prompt_ids, job.params, job.method, job.top_logprobs))
+        return fut
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if self.process.is_alive():
+                try:
+                    self.conn.send(("abort", request_id))
+                except (OSError, ValueError):  # (the pipe is closed: the process is gone)
+                    pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """In-flight requests get 503 server_shutting_down (from the engine process), then it exits."""
+        self._stopping.set()
+        with self._lock:
+            try:
+                self.conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.conn.recv()
+                if msg[0] == "events":
+                    self._events(msg[1])
+                    replay(self.metrics, msg[2])
+                elif msg[0] == "added":
+                    _, rid, error = msg
+                    with self._lock:
+                        fut = self.futures.pop(rid, None)
+                        if error is not None:
+                            self.jobs.pop(rid, None)
+                    if fut is not None and fut.set_running_or_notify_cancel():
+                        fut.set_exception(ConfigError(error)) if error is not None else fut.set_result(None)
+                else:  # ended
+                    self.error = msg[1]
+                    if self.error is None and not self._stopping.is_set():
+                        self.error = "the engine loop stopped"
+                    break
+        except (EOFError, OSError):
+            self.error = self.error or "the engine process exited"
+        finally:
+            self._fail_all()
+
+    def _events(self, batch: list) -> None:
+        """Each event loop gets its requests' events of one turn in one call."""
+        out: dict = {}
+        with self._lock:
+            for rid, event in batch:
+                job = self.jobs.get(rid)
+                if job is None:
+                    continue
+                if isinstance(event, (Finished, Failed)):
+                    del self.jobs[rid]
+                out.setdefault(job.loop, []).append((job.put, event))
+        for loop, items in out.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the handler's event loop is closed (shutting down)
+                pass
+
+    def _fail_all(self) -> None:
+        """The engine process is gone: whatever is still in flight fails (and waits no more)."""
+        with self._lock:
+            jobs, self.jobs = self.jobs, {}
+            futures, self.futures = self.futures, {}
+        for fut in futures.values():
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(ConfigError("the engine is not running"))
+        shutting = self._stopping.is_set() and self.error is None
+        event = (Failed("the server is shutting down; retry on a running server", 503, "server_shutting_down")
+                 if shutting else Failed("the engine stopped"))
+        self._events_for(jobs, event)
+
+    def _events_for(self, jobs: dict[str, Job], event) -> None:
+        out: dict = {}
+        for job in jobs.values():
+            out.setdefault(job.loop, []).append((job.put, event))
+        for loop, items in out.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:
+                pass
