@@ -20,7 +20,6 @@ import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,7 +32,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.request import SamplingParams
 from tandem.runtime.streaming import StopStreamer
 from tandem.serve.chat_template import BUILTIN_TEMPLATE, ChatTemplate, TemplateError
-from tandem.serve.config import ServerConfig
+from tandem.serve.config import ServerConfig, engine_config_for
 from tandem.serve.driver import (FAULT_PREFIX, FAULT_USER, KILL_PREFIX, KILL_USER, Delta, EngineDriver, Event, Failed,
                                  Finished, Job, inject_faults)
 from tandem.serve.errors import APIError, error_body
@@ -155,14 +154,6 @@ class RequestHandle:
 def clip(value: str, limit: int = 64) -> str:
     """A client's string echoed in an error message, cut short: an error body stays small (<= 4 KB)."""
     return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value)} characters)"
-
-
-def engine_config_for(cfg: EngineConfig, method: str) -> EngineConfig:
-    """The engine config of one served method: batch parallelism and row selection apply to the
-    speculative methods only (an `ar` engine has nothing to draft)."""
-    if method == "ar":
-        return replace(cfg, method=method, batch_parallel=False, row_selection=False, prompt_admission=False)
-    return replace(cfg, method=method)
 
 
 class Server:

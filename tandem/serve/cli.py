@@ -70,7 +70,8 @@ def build(args) -> tuple[object, ServerConfig]:
     except ImportError as e:
         raise ConfigError(f"`tandem serve` needs {e.name}; install with pip install 'tandem[serve]'") from None
     from tandem.runtime.pair import load_pair
-    from tandem.serve.app import Server, create_app, engine_config_for
+    from tandem.serve.app import Server, create_app
+    from tandem.serve.config import engine_config_for
     from tandem.serve.chat_template import ChatTemplate
 
     with_draft = args.draft is not None or args.target is None

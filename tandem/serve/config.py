@@ -1,10 +1,10 @@
 """ServerConfig: the server's knobs, one frozen record; `tandem serve`'s defaults come from it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tandem.config import ConfigError
-from tandem.engine.config import ENGINE_METHODS
+from tandem.engine.config import ENGINE_METHODS, EngineConfig
 
 LOOPBACK = "127.0.0.1"
 
@@ -47,3 +47,11 @@ class ServerConfig:
             raise ConfigError("--api-key is empty; give a key or leave the flag out")
         if not self.served_model_name:
             raise ConfigError("--served-model-name is empty")
+
+
+def engine_config_for(cfg: EngineConfig, method: str) -> EngineConfig:
+    """The engine config of one served method: batch parallelism and row selection apply to the
+    speculative methods only (an `ar` engine has nothing to draft)."""
+    if method == "ar":
+        return replace(cfg, method=method, batch_parallel=False, row_selection=False, prompt_admission=False)
+    return replace(cfg, method=method)

@@ -127,7 +127,7 @@ def _child(spec: EngineSpec, conn) -> None:
 
     try:
         from tandem.runtime.pair import load_pair
-        from tandem.serve.app import engine_config_for
+        from tandem.serve.config import engine_config_for
         from tandem.serve.driver import inject_faults
         from tandem.serve.logprobs import LogprobEngine
 
