@@ -126,3 +126,24 @@ def test_an_engine_process_that_cannot_build_its_engines_is_one_clear_error(tmp_
     spec = EngineSpec(None, str(tmp_path / "nowhere"), "cpu", "float32", cfg.methods, EngineConfig())
     with pytest.raises(ConfigError, match="the engine process could not start: .*nowhere"):
         Server(None, None, load_tokenizer(BUNDLED_TARGET), cfg, EngineConfig(), engine_process=spec)
+
+
+def test_the_engine_processs_metric_calls_replay_on_the_servers_registry():
+    """Counters and histograms are replayed call for call; a gauge is sent when it changed only
+    (an idle engine loop sends nothing)."""
+    from tandem.serve.engine_process import _Recorder, replay
+    from tandem.serve.metrics import ServerMetrics
+
+    rec, m = _Recorder(), ServerMetrics()
+    rec.generation_tokens.inc(5)
+    rec.steps.labels("tree", "true").inc()
+    rec.tau.labels("tree").observe(3.5)
+    rec.kv_blocks.labels("tree").set(7)
+    rec.kv_blocks.labels("tree").set(9)
+    replay(m, rec.take())
+    rec.kv_blocks.labels("tree").set(9)
+    assert rec.take() == []  # unchanged gauge: nothing to send
+    text = m.render().decode()
+    assert "tandem_generation_tokens_total 5.0" in text and 'tandem_kv_blocks_in_use{method="tree"} 9.0' in text
+    assert 'tandem_steps_total{method="tree",speculative="true"} 1.0' in text
+    assert 'tandem_request_tau_count{method="tree"} 1.0' in text

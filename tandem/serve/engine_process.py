@@ -56,12 +56,16 @@ class _Recorder:
     def __init__(self):
         self.calls: list[tuple[str, tuple, str, float]] = []
         self.gauges: dict[tuple[str, tuple], float] = {}
+        self.sent: dict[tuple[str, tuple], float] = {}  # gauges as the server process last had them
 
     def __getattr__(self, name: str) -> "_Metric":
         return _Metric(self, name, ())
 
     def take(self) -> list[tuple[str, tuple, str, float]]:
-        out = self.calls + [(n, lab, "set", v) for (n, lab), v in self.gauges.items()]
+        """The calls since the last take; gauges only where they changed (an idle loop sends nothing)."""
+        changed = {k: v for k, v in self.gauges.items() if self.sent.get(k) != v}
+        self.sent.update(changed)
+        out = self.calls + [(n, lab, "set", v) for (n, lab), v in changed.items()]
         self.calls, self.gauges = [], {}
         return out
 
@@ -250,7 +254,10 @@ class ProcessDriver:
                         if error is not None:
                             self.jobs.pop(rid, None)
                     if fut is not None and fut.set_running_or_notify_cancel():
-                        fut.set_exception(ConfigError(error)) if error is not None else fut.set_result(None)
+                        if error is not None:
+                            fut.set_exception(ConfigError(error))
+                        else:
+                            fut.set_result(None)
                 else:  # ended
                     self.error = msg[1]
                     if self.error is None and not self._stopping.is_set():
@@ -262,41 +269,36 @@ class ProcessDriver:
             self._fail_all()
 
     def _events(self, batch: list) -> None:
-        """Each event loop gets its requests' events of one turn in one call."""
-        out: dict = {}
+        """One turn's events, each to its request's job (a request that ended leaves the table)."""
         with self._lock:
-            for rid, event in batch:
-                job = self.jobs.get(rid)
-                if job is None:
-                    continue
+            pairs = [(self.jobs[rid], event) for rid, event in batch if rid in self.jobs]
+            for job, event in pairs:
                 if isinstance(event, (Finished, Failed)):
-                    del self.jobs[rid]
-                out.setdefault(job.loop, []).append((job.put, event))
-        for loop, items in out.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the handler's event loop is closed (shutting down)
-                pass
+                    del self.jobs[job.request_id]
+        _post(pairs)
 
     def _fail_all(self) -> None:
         """The engine process is gone: whatever is still in flight fails (and waits no more)."""
         with self._lock:
             jobs, self.jobs = self.jobs, {}
             futures, self.futures = self.futures, {}
+        self.metrics.engine_alive.set(0)  # (a killed process sent no last update)
         for fut in futures.values():
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(ConfigError("the engine is not running"))
         shutting = self._stopping.is_set() and self.error is None
         event = (Failed("the server is shutting down; retry on a running server", 503, "server_shutting_down")
                  if shutting else Failed("the engine stopped"))
-        self._events_for(jobs, event)
+        _post([(job, event) for job in jobs.values()])
 
-    def _events_for(self, jobs: dict[str, Job], event) -> None:
-        out: dict = {}
-        for job in jobs.values():
-            out.setdefault(job.loop, []).append((job.put, event))
-        for loop, items in out.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:
-                pass
+
+def _post(pairs: list[tuple[Job, object]]) -> None:
+    """Each event loop gets its jobs' events in one call_soon_threadsafe, in order."""
+    out: dict = {}
+    for job, event in pairs:
+        out.setdefault(job.loop, []).append((job.put, event))
+    for loop, items in out.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the handler's event loop is closed (shutting down)
+            pass
