@@ -147,3 +147,25 @@ def test_the_engine_processs_metric_calls_replay_on_the_servers_registry():
     assert "tandem_generation_tokens_total 5.0" in text and 'tandem_kv_blocks_in_use{method="tree"} 9.0' in text
     assert 'tandem_steps_total{method="tree",speculative="true"} 1.0' in text
     assert 'tandem_request_tau_count{method="tree"} 1.0' in text
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks_in_the_engine_process(live):
+    """The disconnect aborts the request in the engine process within a second: its pool report
+    (taken there between two steps) shows no request, no open sequence, every block free and no
+    problem from check()."""
+    with httpx.Client(base_url=live.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0,
+                                                      "stream": True, "ignore_eos": True, "method": "tree"}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            busy = live.state.driver.pools().result(10)
+            assert busy["tree"]["requests"] == 1 and busy["tree"]["free"] < busy["tree"]["blocks"]
+    deadline = time.monotonic() + 1.0
+    while True:
+        report = live.state.driver.pools().result(10)
+        if all(p["requests"] == 0 for p in report.values()):
+            break
+        assert time.monotonic() < deadline, report
+        time.sleep(0.02)
+    for p in report.values():
+        assert p["problems"] == [] and p["free"] == p["blocks"] and p["sequences"] == 0

@@ -93,6 +93,13 @@ class _Live:
     sent: int = 0  # output tokens already handed out
 
 
+def pool_report(engines: dict[str, LogprobEngine]) -> dict[str, dict]:
+    """Per served method: the pool's check() problems, free and total blocks, open sequences and
+    requests in the engine (a clean idle server: no problem, every block free, none open)."""
+    return {m: {"problems": e.pool.check(), "free": e.pool.num_free, "blocks": e.pool.num_blocks,
+                "sequences": len(e.pool.seqs), "requests": len(e.requests)} for m, e in engines.items()}
+
+
 def _deliver(items: list) -> None:
     """On an event loop's thread: each (put, event) of a step, in order."""
     for put, event in items:
@@ -133,6 +140,12 @@ class EngineDriver:
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
 
+    def pools(self) -> Future:
+        """Resolves to each engine's KV pool between two steps (`pool_report`), taken on the engine thread."""
+        fut: Future = Future()
+        self.commands.put(("pools", fut))
+        return fut
+
     # ---- the engine thread -----------------------------------------------------------------
     def _main(self) -> None:
         self.metrics.engine_alive.set(1)
@@ -169,6 +182,8 @@ class EngineDriver:
             if cmd is not None:
                 if cmd[0] == "add":
                     self._add(cmd[1], cmd[2])
+                elif cmd[0] == "pools":
+                    cmd[1].set_result(pool_report(self.engines))
                 else:
                     self._abort(cmd[1])
             try:

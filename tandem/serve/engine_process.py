@@ -11,6 +11,8 @@ joins the steps' tokens into one chunk (RequestHandle.next_merged) while the eng
     ProcessDriver.submit(job) ---- ("add", ...) ---->  EngineDriver.submit
                    <------------- ("added", rid, error)
     ProcessDriver.abort(rid) ----- ("abort", rid) -->  EngineDriver.abort
+    ProcessDriver.pools() -------- ("pools", n) ---->  EngineDriver.pools (between two steps)
+                   <------------- ("pools", n, report)
     reader thread  <------ ("events", [(rid, event)], metric calls)   after every loop turn
       -> each event loop gets its requests' events in one call_soon_threadsafe;
          the metric calls are replayed on the server's ServerMetrics
@@ -160,6 +162,8 @@ def _child(spec: EngineSpec, conn) -> None:
             driver.commands.put(("add", Job(rid, prompt_ids, params, method, top, loop=_KEY), fut))
         elif msg[0] == "abort":
             driver.abort(msg[1])
+        elif msg[0] == "pools":
+            driver.pools().add_done_callback(lambda f, n=msg[1]: send(("pools", n, f.result())))
         else:  # stop
             driver.stop()
             return
@@ -185,6 +189,8 @@ class ProcessDriver:
         self.metrics = metrics
         self.jobs: dict[str, Job] = {}
         self.futures: dict[str, Future] = {}
+        self.reports: dict[int, Future] = {}  # pools() asked, not answered yet
+        self._asked = 0
         self.error: str | None = None
         self._lock = threading.Lock()  # the pipe's sending end and the two dicts
         self._stopping = threading.Event()
@@ -225,6 +231,20 @@ class ProcessDriver:
                 except (OSError, ValueError):  # (the pipe is closed: the process is gone)
                     pass
 
+    def pools(self) -> Future:
+        """Resolves to the engine process's `pool_report` (tandem.serve.driver), taken between two steps."""
+        fut: Future = Future()
+        with self._lock:
+            self._asked += 1
+            n = self._asked
+            self.reports[n] = fut
+            try:
+                self.conn.send(("pools", n))
+            except (OSError, ValueError):
+                del self.reports[n]
+                fut.set_exception(ConfigError("the engine is not running"))
+        return fut
+
     def stop(self, timeout: float = 10.0) -> None:
         """In-flight requests get 503 server_shutting_down (from the engine process), then it exits."""
         self._stopping.set()
@@ -247,6 +267,11 @@ class ProcessDriver:
                 if msg[0] == "events":
                     self._events(msg[1])
                     replay(self.metrics, msg[2])
+                elif msg[0] == "pools":
+                    with self._lock:
+                        fut = self.reports.pop(msg[1], None)
+                    if fut is not None:
+                        fut.set_result(msg[2])
                 elif msg[0] == "added":
                     _, rid, error = msg
                     with self._lock:
@@ -282,7 +307,10 @@ class ProcessDriver:
         with self._lock:
             jobs, self.jobs = self.jobs, {}
             futures, self.futures = self.futures, {}
-        self.metrics.engine_alive.set(0)  # (a killed process sent no last update)
+            reports, self.reports = self.reports, {}
+        self.metrics.engine_alive.set(0)
+        for fut in reports.values():
+            fut.set_exception(ConfigError("the engine is not running"))  # (a killed process sent no last update)
         for fut in futures.values():
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(ConfigError("the engine is not running"))
