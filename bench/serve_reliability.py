@@ -37,38 +37,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the CI-sized figures (60 generated bodies, 8 disconnects)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--soak-seconds", type=float, default=None, help="check 3's duration (default 600; --quick: 10)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="every server's engines in a process of their own (tandem serve --engine-process)")
     args = ap.parse_args(argv)
     generated, disconnects, stream_prompts = (60, 8, 2) if args.quick else (1000, 200, len(rel.PROMPTS))
     soak = args.soak_seconds if args.soak_seconds is not None else (10.0 if args.quick else 600.0)
 
     from tandem.serve.app import Server
 
-    pair = load_pair(None, None, args.device, args.dtype)
-    server = Server(pair.target, pair.draft, pair.tokenizer,
-                    ServerConfig(api_key=KEY, methods=("tree", "ar"), max_pending=args.capacity),
-                    EngineConfig(num_blocks=512, max_num_seqs=8, debug_check=True),
-                    ChatTemplate.for_checkpoint(pair.target_dir))
-    live = rel.LoopbackServer(server, KEY)
+    pairs: dict[str, object] = {}
+
+    def server(cfg: ServerConfig, ecfg: EngineConfig, dtype: str = args.dtype) -> Server:
+        """The bundled pair served in this process, or by an engine process (--engine-process)."""
+        if args.engine_process:
+            from tandem.models.loader import load_tokenizer
+            from tandem.runtime.pair import BUNDLED_TARGET
+            from tandem.serve.engine_process import EngineSpec
+
+            spec = EngineSpec(None, None, args.device, dtype, cfg.methods, ecfg, cfg.inject_faults)
+            return Server(None, None, load_tokenizer(BUNDLED_TARGET), cfg, ecfg,
+                          ChatTemplate.for_checkpoint(BUNDLED_TARGET), engine_process=spec)
+        if dtype not in pairs:
+            pairs[dtype] = load_pair(None, None, args.device, dtype)
+        p = pairs[dtype]
+        return Server(p.target, p.draft, p.tokenizer, cfg, ecfg, ChatTemplate.for_checkpoint(p.target_dir))
+
+    live = rel.LoopbackServer(server(ServerConfig(api_key=KEY, methods=("tree", "ar"), max_pending=args.capacity),
+                                     EngineConfig(num_blocks=512, max_num_seqs=8, debug_check=True)), KEY)
     t = live.target
     # check 7's server: a KV pool that holds about two growing requests, so requests are preempted
-    small = Server(pair.target, pair.draft, pair.tokenizer,
-                   ServerConfig(api_key=KEY, methods=("tree",), max_pending=64),
-                   EngineConfig(num_blocks=10, max_num_seqs=8, debug_check=True),
-                   ChatTemplate.for_checkpoint(pair.target_dir))
-    tight = rel.LoopbackServer(small, KEY)
+    tight = rel.LoopbackServer(server(ServerConfig(api_key=KEY, methods=("tree",), max_pending=64),
+                                      EngineConfig(num_blocks=10, max_num_seqs=8, debug_check=True)), KEY)
     # check 10's server: faults injected on request, and killed at the end of the check
-    faulty = Server(pair.target, pair.draft, pair.tokenizer,
-                    ServerConfig(api_key=KEY, methods=("tree",), max_pending=64, inject_faults=True),
-                    EngineConfig(num_blocks=512, max_num_seqs=8, debug_check=True),
-                    ChatTemplate.for_checkpoint(pair.target_dir))
-    doomed = rel.LoopbackServer(faulty, KEY)
+    doomed = rel.LoopbackServer(server(ServerConfig(api_key=KEY, methods=("tree",), max_pending=64, inject_faults=True),
+                                       EngineConfig(num_blocks=512, max_num_seqs=8, debug_check=True)), KEY)
     # check 8's server: batch-invariant engines, in bf16 (where the fast kernels' near-ties show)
-    bf16 = load_pair(None, None, args.device, "bfloat16")
-    steady = Server(bf16.target, bf16.draft, bf16.tokenizer,
-                    ServerConfig(api_key=KEY, methods=("tree", "ar"), max_pending=64),
-                    EngineConfig(num_blocks=512, max_num_seqs=16, debug_check=True, deterministic=True),
-                    ChatTemplate.for_checkpoint(bf16.target_dir))
-    det = rel.LoopbackServer(steady, KEY)
+    det = rel.LoopbackServer(server(ServerConfig(api_key=KEY, methods=("tree", "ar"), max_pending=64),
+                                    EngineConfig(num_blocks=512, max_num_seqs=16, debug_check=True,
+                                                 deterministic=True), "bfloat16"), KEY)
     phases = [
         ("bad inputs", lambda: rel.check_bad_inputs(t, generated=generated, seed=args.seed)),
         ("status map", lambda: rel.check_status_map(t)),
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         ("deterministic", lambda: rel.check_deterministic(det.target, batches=(1, 4, 16) if args.quick
                                                            else (1, 2, 4, 8, 16))),
         ("faults", lambda: rel.check_faults(doomed.target, n=20 if args.quick else 100, every=20)),
-        ("sigterm", lambda: rel.check_sigterm()),
+        ("sigterm", lambda: rel.check_sigterm(engine_process=args.engine_process)),
     ]
     results: list[tuple[rel.CheckResult, float]] = []
     try:
@@ -107,12 +113,14 @@ def main(argv: list[str] | None = None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     report = {"device": args.device, "dtype": args.dtype, "capacity": args.capacity, "quick": args.quick,
+              "engine_process": args.engine_process,
               "python": platform.python_version(), "passed": all(r.passed for r, _ in results),
               "checks": [{**r.as_dict(), "seconds": round(s, 2)} for r, s in results]}
     with open(os.path.join(args.out, "serve_reliability.json"), "w") as f:
         json.dump(report, f, indent=2)
     lines = ["# tandem serve: reliability", "",
-             f"{args.device} / {args.dtype}, capacity {args.capacity}{' (quick)' if args.quick else ''}: "
+             f"{args.device} / {args.dtype}, capacity {args.capacity}{' (quick)' if args.quick else ''}"
+             f"{', engines in a process of their own' if args.engine_process else ''}: "
              f"{sum(r.passed for r, _ in results)} of {len(results)} checks passed.", "",
              "| check | figure reached | passed | seconds |", "|---|---|---|---|"]
     lines += [f"| {r.name} | {r.figure} | {'yes' if r.passed else '**no**'} | {s:.1f} |" for r, s in results]

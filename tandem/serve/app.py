@@ -166,7 +166,7 @@ class Server:
         """engine_process: run the engines in a process of their own, built from this spec
         (tandem.serve.engine_process; target and draft are then None: this process loads no model)."""
         config.validate()
-        self.config, self.tokenizer = config, tokenizer
+        self.config, self.engine_config, self.tokenizer = config, engine_config, tokenizer
         self.chat_template = chat_template or ChatTemplate(BUILTIN_TEMPLATE, builtin=True)
         self.metrics = ServerMetrics()
         self.engines: dict[str, LogprobEngine] = {}  # (empty with an engine process)

@@ -94,10 +94,12 @@ class _Live:
 
 
 def pool_report(engines: dict[str, LogprobEngine]) -> dict[str, dict]:
-    """Per served method: the pool's check() problems, free and total blocks, open sequences and
-    requests in the engine (a clean idle server: no problem, every block free, none open)."""
+    """Per served method: the pool's check() problems, free and total blocks, open sequences,
+    requests in the engine (a clean idle server: no problem, every block free, none open) and the
+    engine's preemptions so far."""
     return {m: {"problems": e.pool.check(), "free": e.pool.num_free, "blocks": e.pool.num_blocks,
-                "sequences": len(e.pool.seqs), "requests": len(e.requests)} for m, e in engines.items()}
+                "sequences": len(e.pool.seqs), "requests": len(e.requests), "preemptions": e.counters.preemptions}
+            for m, e in engines.items()}
 
 
 def _deliver(items: list) -> None:

@@ -102,10 +102,18 @@ def error_problems(r: httpx.Response) -> list[str]:
     return out
 
 
+def pools(server) -> dict[str, dict]:
+    """Each engine's pool (tandem.serve.driver.pool_report): read here when the engines are in
+    this process, asked of the engine process between two steps otherwise (--engine-process)."""
+    from tandem.serve.driver import pool_report
+
+    return pool_report(server.engines) if server.engines else server.driver.pools().result(30)
+
+
 def idle(server, timeout: float = 5.0) -> bool:
     """Wait until no request is in any engine and none is pending; False on timeout."""
     deadline = time.monotonic() + timeout
-    while any(e.requests or e.has_unfinished() for e in server.engines.values()) or server.pending:
+    while server.pending or any(p["requests"] for p in pools(server).values()):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
@@ -115,12 +123,12 @@ def idle(server, timeout: float = 5.0) -> bool:
 def pool_violations(server) -> list[str]:
     """The KV invariant of every engine's pool, checked while idle: check() clean, every block free."""
     out = []
-    for method, e in server.engines.items():
-        out += [f"{method}: {v}" for v in e.pool.check()]
-        if e.pool.num_free != e.pool.num_blocks:
-            out.append(f"{method}: {e.pool.num_blocks - e.pool.num_free} blocks still held")
-        if e.pool.seqs:
-            out.append(f"{method}: {len(e.pool.seqs)} sequences still in the pool")
+    for method, p in pools(server).items():
+        out += [f"{method}: {v}" for v in p["problems"]]
+        if p["free"] != p["blocks"]:
+            out.append(f"{method}: {p['blocks'] - p['free']} blocks still held")
+        if p["sequences"]:
+            out.append(f"{method}: {p['sequences']} sequences still in the pool")
     return out
 
 
@@ -455,13 +463,21 @@ def check_disconnects(t: Target, n: int = 200, seed: int = 0, max_tokens: int = 
 
 
 # ---- (3) a soak ----------------------------------------------------------------------------------------
-def _rss_bytes() -> int:
-    """This process's resident memory (the server runs in it): /proc on Linux, else the peak."""
-    try:
-        with open("/proc/self/statm") as f:
-            import os
+def _rss_bytes(server=None) -> int:
+    """The server's resident memory: this process's (the server runs in it), plus its engine
+    process's when it has one (--engine-process); /proc on Linux, else this process's peak."""
+    import os
 
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    pids = ["self"]
+    proc = getattr(getattr(server, "driver", None), "process", None)
+    if proc is not None and proc.pid is not None:
+        pids.append(str(proc.pid))
+    try:
+        total = 0
+        for pid in pids:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return total
     except OSError:
         import resource
 
@@ -509,10 +525,10 @@ def check_soak(t: Target, seconds: float = 600.0, concurrency: int = 8, max_toke
 
     run(warmup_s)  # caches, graphs and allocator pools warm before the baseline
     idle(t.server)
-    before, warm_done = _rss_bytes(), done[0]
+    before, warm_done = _rss_bytes(t.server), done[0]
     run(seconds)
     idle(t.server)
-    after = _rss_bytes()
+    after = _rss_bytes(t.server)
     growth = (after - before) / before
     n = done[0] - warm_done
     problems = errors[:10] + ([f"memory grew {100 * growth:.1f}% ({before >> 20} -> {after >> 20} MiB)"]
@@ -526,15 +542,14 @@ def check_preemptions(t: Target, n: int = 16, max_tokens: int = 48, method: str 
                       min_preemptions: int = 50) -> CheckResult:
     """(7) On a server whose KV pool holds a few requests, n concurrent greedy requests with
     speculation force preemptions (recompute); each output equals the same request sent alone."""
-    engine = t.server.engines[method]
     bodies = [{**long_body(i, max_tokens, stream=False), "prompt": f"# {i}\n" + PROMPTS[i % len(PROMPTS)],
                "method": method} for i in range(n)]
     with t.client() as c:
         solo = [c.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
-    before = engine.counters.preemptions
+    before = pools(t.server)[method]["preemptions"]
     outs = [completion_text(r) for r in post_at_once(t, bodies)]
     idle(t.server)
-    forced = engine.counters.preemptions - before
+    forced = pools(t.server)[method]["preemptions"] - before
     differ = [i for i in range(n) if outs[i] != solo[i]]
     problems = [f"request {i}: {outs[i][:40]!r} != solo {solo[i][:40]!r}" for i in differ[:5]]
     if forced < min_preemptions:
@@ -549,8 +564,8 @@ def check_deterministic(t: Target, batches: tuple[int, ...] = (1, 2, 4, 8, 16), 
                         prompt: str = PROMPTS[0]) -> CheckResult:
     """(8) On a server started with --deterministic (and tree + ar): one greedy prompt sent b times
     at once for each batch size b, with speculation (tree) and without (ar): one unique output."""
-    methods = [m for m in ("tree", "ar") if m in t.server.engines]
-    if not all(e.config.deterministic for e in t.server.engines.values()):
+    methods = [m for m in ("tree", "ar") if m in t.server.config.methods]
+    if not t.server.engine_config.deterministic:
         raise ValueError("check_deterministic needs a server started with --deterministic")
     body = {**long_body(0, max_tokens, stream=False), "prompt": prompt}
 
@@ -621,10 +636,12 @@ def check_faults(t: Target, n: int = 40, every: int = 20, max_tokens: int = 24, 
                        f"{1000 * health_s:.0f} ms", not problems, tuple(problems[:10]))
 
 
-def check_sigterm(max_tokens: int = 400, grace_s: float = 0.5, timeout_s: float = 60.0) -> CheckResult:
-    """(10c) A real `tandem serve` process (the bundled pair, ar) gets SIGTERM with two streams in
-    flight: each stream ends with [DONE] (finished, or the 503 shutdown event once the grace is
-    over), the process exits by the signal after a clean shutdown, and its log has no traceback."""
+def check_sigterm(max_tokens: int = 400, grace_s: float = 0.5, timeout_s: float = 60.0,
+                  engine_process: bool = False) -> CheckResult:
+    """(10c) A real `tandem serve` process (the bundled pair, ar; with `engine_process`, its engine
+    in a process of its own) gets SIGTERM with two streams in flight: each stream ends with
+    [DONE] (finished, or the 503 shutdown event once the grace is over), the process exits by the
+    signal after a clean shutdown, and its log has no traceback."""
     import os
     import signal
     import subprocess
@@ -638,7 +655,8 @@ def check_sigterm(max_tokens: int = 400, grace_s: float = 0.5, timeout_s: float 
         log_path = Path(d) / "serve.log"
         with open(log_path, "w") as f:
             proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "--port", "0", "--methods", "ar",
-                                     "--shutdown-grace", str(grace_s), "--log-level", "info"],
+                                     "--shutdown-grace", str(grace_s), "--log-level", "info"]
+                                    + (["--engine-process"] if engine_process else []),
                                     stdout=f, stderr=f, env=env)
         try:
             deadline, url = time.monotonic() + timeout_s, None
