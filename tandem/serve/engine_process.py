@@ -192,7 +192,7 @@ class ProcessDriver:
         self.reports: dict[int, Future] = {}  # pools() asked, not answered yet
         self._asked = 0
         self.error: str | None = None
-        self._lock = threading.Lock()  # the pipe's sending end and the two dicts
+        self._lock = threading.Lock()  # the pipe's sending end and the three tables
         self._stopping = threading.Event()
         self.process.start()
         child.close()
@@ -235,6 +235,9 @@ class ProcessDriver:
         """Resolves to the engine process's `pool_report` (tandem.serve.driver), taken between two steps."""
         fut: Future = Future()
         with self._lock:
+            if self.error is not None or not self.process.is_alive():  # (no loop left to answer)
+                fut.set_exception(ConfigError("the engine is not running"))
+                return fut
             self._asked += 1
             n = self._asked
             self.reports[n] = fut
