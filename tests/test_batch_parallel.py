@@ -532,3 +532,17 @@ def test_a_pool_too_small_for_the_gates_measurement_is_a_clear_error(models):
     cfg = EngineConfig(method="tree", spec=TREE, block_size=8, num_blocks=2, draft_gate=True)
     with pytest.raises(ConfigError, match="the draft gate cannot measure this engine's steps: request needs"):
         Engine(*models, config=cfg)
+
+
+def test_measured_costs_are_one_polyline_extended_past_the_last_point():
+    """RowCost's points and the gate's StepCosts read one polyline: linear between points, the
+    first value before them; past the last, RowCost extends the last segment as it is and
+    StepCosts never lets a cost fall (a noisy last point must not make more requests cheaper)."""
+    from tandem.engine.draft_gate import StepCosts
+
+    rc = RowCost(points=((1, 1.0), (64, 1.0), (128, 3.0)))
+    assert rc(0) == 1.0 and rc(96) == 2.0 and rc(192) == 5.0
+    assert RowCost(points=((1, 2.0), (3, 1.0)))(5) == 0.0  # (a falling last segment, extended as it is)
+    sc = StepCosts((1, 4, 8), plain=(1.0, 2.0, 1.5), drafting=(2.0, 4.0, 8.0))
+    assert sc.plain_s(2) == pytest.approx(4 / 3) and sc.plain_s(16) == 1.5  # flat, not falling
+    assert sc.drafting_s(16) == 16.0 and sc.drafting_s(0) == 2.0

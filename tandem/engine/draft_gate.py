@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tandem.engine.row_selection import polyline
+
 
 @dataclass(frozen=True)
 class StepCosts:
@@ -38,19 +40,10 @@ class StepCosts:
     drafting: tuple[float, ...]
 
     def plain_s(self, r: int) -> float:
-        return self._at(self.plain, r)
+        return polyline(list(zip(self.requests, self.plain)), r, rising_end=True)
 
     def drafting_s(self, r: int) -> float:
-        return self._at(self.drafting, r)
-
-    def _at(self, ys: tuple[float, ...], r: int) -> float:
-        xs = self.requests
-        if len(xs) == 1 or r <= xs[0]:
-            return ys[0]
-        for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]):
-            if r <= x1:
-                return y0 + (y1 - y0) * (r - x0) / (x1 - x0)
-        return ys[-1] + max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])) * (r - xs[-1])
+        return polyline(list(zip(self.requests, self.drafting)), r, rising_end=True)
 
 
 @dataclass

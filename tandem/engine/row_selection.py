@@ -22,8 +22,22 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from tandem.tree.draft_tree import DraftTree, children_of
+
+
+def polyline(points: Sequence[tuple[float, float]], x: float, rising_end: bool = False) -> float:
+    """y at x on the line through `points` (sorted by x): the first point's y before it, linear
+    between points, past the last one its last segment extended (never falling: `rising_end`)."""
+    if len(points) == 1 or x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    rise = max(0.0, y1 - y0) if rising_end else y1 - y0
+    return y1 + rise * (x - x1) / (x1 - x0)
 
 
 @dataclass(frozen=True)
@@ -40,14 +54,7 @@ class RowCost:
 
     def __call__(self, rows: int) -> float:
         if self.points:
-            pts = self.points
-            if len(pts) == 1 or rows <= pts[0][0]:
-                return pts[0][1]
-            for (r0, c0), (r1, c1) in zip(pts, pts[1:]):
-                if rows <= r1:
-                    return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
-            (r0, c0), (r1, c1) = pts[-2], pts[-1]
-            return c1 + (c1 - c0) * (rows - r1) / (r1 - r0)
+            return polyline(self.points, rows)
         return 1.0 if rows <= self.tile else 1.0 + self.slope * (rows - self.tile) / self.tile
 
     def flat_rows(self, tolerance: float = 0.1) -> int:
