@@ -1,9 +1,9 @@
 """EngineDriver: ONE thread owns the engines and steps them while requests exist.
 
-HTTP handlers never touch an engine. They `submit` a Job (its `sink` hands events to the
-handler's asyncio queue through `loop.call_soon_threadsafe`; a Job that names its `loop` and
-`put` instead has a whole step's events for that loop delivered by ONE such call: at 64 streams a
-wake-up per request per step was more host time than the step) and `abort` by id; both are
+HTTP handlers never touch an engine. They `submit` a Job (its `put` is called on its event
+`loop` with each event, a whole step's events for one loop delivered by ONE
+`loop.call_soon_threadsafe`: at 64 streams a wake-up per request per step was more host time
+than the step) and `abort` by id; both are
 commands on a thread-safe queue that the engine thread drains between steps, so every engine
 call happens on the one thread, in order (an abort always follows its add).
 
@@ -79,8 +79,7 @@ class Job:
     params: SamplingParams
     method: str
     top_logprobs: int | None  # None: no logprobs; k: the token's own plus k alternatives
-    sink: Callable[[Event], None] | None = field(default=None, repr=False)  # called on the engine thread
-    # or: `put` called on `loop`'s thread, the events of a step batched into one call_soon_threadsafe
+    # `put(event)` runs on `loop`'s thread; a step's events for one loop arrive in one call (post)
     loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     put: Callable[[Event], None] | None = field(default=None, repr=False)
 
@@ -108,12 +107,24 @@ def _deliver(items: list) -> None:
         put(event)
 
 
+def post(pairs: list[tuple[Job, Event]]) -> None:
+    """Each event loop gets its jobs' events in one call_soon_threadsafe, in order."""
+    out: dict = {}
+    for job, event in pairs:
+        out.setdefault(job.loop, []).append((job.put, event))
+    for loop, items in out.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the handler's event loop is closed (server shutting down)
+            pass
+
+
 class EngineDriver:
     def __init__(self, engines: dict[str, LogprobEngine], metrics: ServerMetrics, idle_wait_s: float = 0.05):
         self.engines, self.metrics, self.idle_wait_s = engines, metrics, idle_wait_s
         self.commands: queue.Queue = queue.Queue()
         self.live: dict[str, _Live] = {}  # engine thread only
-        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # loop -> [(put, event)], engine thread only
+        self._outbox: list[tuple[Job, Event]] = []  # this step's events, engine thread only
         self.error: str | None = None
         self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._main, name="tandem-engine", daemon=True)
@@ -287,23 +298,12 @@ class EngineDriver:
         self._send(lv, Failed(message, status, code))
 
     def _send(self, lv: _Live, event: Event) -> None:
-        job = lv.job
-        if job.loop is not None:
-            self._outbox.setdefault(job.loop, []).append((job.put, event))
-            return
-        try:
-            job.sink(event)
-        except RuntimeError:  # the handler's event loop is closed (server shutting down)
-            pass
+        self._outbox.append((lv.job, event))
 
     def _flush(self) -> None:
         """Hand each event loop its events of this step in one call (in the order they were sent)."""
-        box, self._outbox = self._outbox, {}
-        for loop, items in box.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the handler's event loop is closed (server shutting down)
-                pass
+        box, self._outbox = self._outbox, []
+        post(box)
 
     def _gauges(self) -> None:
         m = self.metrics

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from tandem.config import ConfigError
 from tandem.engine.config import EngineConfig
-from tandem.serve.driver import EngineDriver, Failed, Finished, Job, _deliver
+from tandem.serve.driver import EngineDriver, Failed, Finished, Job, post
 
 START_TIMEOUT_S = 900.0  # loading the models (the child's whole start)
 
@@ -159,7 +159,7 @@ def _child(spec: EngineSpec, conn) -> None:
             _, rid, prompt_ids, params, method, top = msg
             fut: Future = Future()
             fut.add_done_callback(lambda f, rid=rid: send(("added", rid, _error(f))))
-            driver.commands.put(("add", Job(rid, prompt_ids, params, method, top, loop=_KEY), fut))
+            driver.commands.put(("add", Job(rid, prompt_ids, params, method, top), fut))  # (_send: no loop here)
         elif msg[0] == "abort":
             driver.abort(msg[1])
         elif msg[0] == "pools":
@@ -167,9 +167,6 @@ def _child(spec: EngineSpec, conn) -> None:
         else:  # stop
             driver.stop()
             return
-
-
-_KEY = "engine-process"  # (the child's jobs all go through _ChildDriver._send)
 
 
 def _error(f: Future) -> str | None:
@@ -303,7 +300,7 @@ class ProcessDriver:
             for job, event in pairs:
                 if isinstance(event, (Finished, Failed)):
                     del self.jobs[job.request_id]
-        _post(pairs)
+        post(pairs)
 
     def _fail_all(self) -> None:
         """The engine process is gone: whatever is still in flight fails (and waits no more)."""
@@ -320,16 +317,4 @@ class ProcessDriver:
         shutting = self._stopping.is_set() and self.error is None
         event = (Failed("the server is shutting down; retry on a running server", 503, "server_shutting_down")
                  if shutting else Failed("the engine stopped"))
-        _post([(job, event) for job in jobs.values()])
-
-
-def _post(pairs: list[tuple[Job, object]]) -> None:
-    """Each event loop gets its jobs' events in one call_soon_threadsafe, in order."""
-    out: dict = {}
-    for job, event in pairs:
-        out.setdefault(job.loop, []).append((job.put, event))
-    for loop, items in out.items():
-        try:
-            loop.call_soon_threadsafe(_deliver, items)
-        except RuntimeError:  # the handler's event loop is closed (shutting down)
-            pass
+        post([(job, event) for job in jobs.values()])
