@@ -238,9 +238,8 @@ def build_local_server(args: argparse.Namespace, methods: list[str], max_concurr
     from tandem.engine.config import ENGINE_METHODS, EngineConfig
     from tandem.runtime.pair import load_pair
     from tandem.serve.app import Server
-    from tandem.serve.config import engine_config_for
     from tandem.serve.chat_template import ChatTemplate
-    from tandem.serve.config import ServerConfig
+    from tandem.serve.config import ServerConfig, engine_config_for
 
     for m in methods:
         if m not in ENGINE_METHODS:

@@ -8,7 +8,7 @@ import sys
 
 from tandem.config import ConfigError, SpecConfig
 from tandem.engine.config import EngineConfig
-from tandem.serve.config import LOOPBACK, ServerConfig
+from tandem.serve.config import LOOPBACK, ServerConfig, engine_config_for
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,7 +71,6 @@ def build(args) -> tuple[object, ServerConfig]:
         raise ConfigError(f"`tandem serve` needs {e.name}; install with pip install 'tandem[serve]'") from None
     from tandem.runtime.pair import load_pair
     from tandem.serve.app import Server, create_app
-    from tandem.serve.config import engine_config_for
     from tandem.serve.chat_template import ChatTemplate
 
     with_draft = args.draft is not None or args.target is None
