@@ -2,8 +2,7 @@
 
 HTTP handlers never touch an engine. They `submit` a Job (its `put` is called on its event
 `loop` with each event, a whole step's events for one loop delivered by ONE
-`loop.call_soon_threadsafe`: at 64 streams a wake-up per request per step was more host time
-than the step) and `abort` by id; both are
+`loop.call_soon_threadsafe`, not one wake-up per request) and `abort` by id; both are
 commands on a thread-safe queue that the engine thread drains between steps, so every engine
 call happens on the one thread, in order (an abort always follows its add).
 

@@ -2,8 +2,8 @@
 
 In one process the engine thread and the HTTP side (detokenizing, JSON, one SSE chunk per stream
 per step) share one interpreter lock: on the H200 (2026-12-02) the server delivered 0.15-0.5x of
-the offline engine's tokens from 8 streams up, the step's Python work being a fraction of the
-HTTP side's. Here the child process loads the models and runs the unchanged EngineDriver; the
+the offline engine's tokens from 8 streams up (its load generator then ran in the server's own
+process too). Here the child process loads the models and runs the unchanged EngineDriver; the
 server process keeps the tokenizer, the routes and the streams, and a stream that falls behind
 joins the steps' tokens into one chunk (RequestHandle.next_merged) while the engine runs on.
 
