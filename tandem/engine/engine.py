@@ -288,9 +288,10 @@ class Engine:
         drafting_s = None  # seconds spent drafting this step's trees (the gate's figure), None: no drafting
         if plan:
             # the requests the draft gate keeps from drafting this step decode plain (roots only)
-            drafts = [s for s in plan.decodes if self._drafts(s.request)]
-            trees = {s.request.request_id: self._skip_draft(s.request) for s in plan.decodes
-                     if not self._drafts(s.request)}
+            drafts, plain = [], []
+            for s in plan.decodes:
+                (drafts if self._drafts(s.request) else plain).append(s)
+            trees = {s.request.request_id: self._skip_draft(s.request) for s in plain}
             if drafts:
                 t0 = time.perf_counter()
                 if self.config.row_selection:
