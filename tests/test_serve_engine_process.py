@@ -169,3 +169,18 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks_in_the_engine_pro
         time.sleep(0.02)
     for p in report.values():
         assert p["problems"] == [] and p["free"] == p["blocks"] and p["sequences"] == 0
+
+
+def test_a_wrong_target_folder_gets_the_same_error_with_or_without_an_engine_process(tmp_path):
+    """--engine-process loads no model in the server process, yet a wrong --target is refused
+    there, before any process starts, with the message the in-process server gives."""
+    import argparse
+
+    from tandem.serve.cli import process_server
+
+    args = argparse.Namespace(target=str(tmp_path / "nowhere"), draft=None, device="cpu", dtype="float32")
+    with pytest.raises(ConfigError) as e:
+        process_server(args, ServerConfig(methods=("ar",)), EngineConfig())
+    with pytest.raises(ConfigError) as same:
+        load_pair(str(tmp_path / "nowhere"), None, "cpu", "float32", need_draft=False)
+    assert str(e.value) == str(same.value) and "does not exist" in str(e.value)

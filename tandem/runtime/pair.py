@@ -67,25 +67,39 @@ class Pair:
     draft_dir: Path | None
 
 
+def resolve_target(target: str | Path | None) -> Path:
+    """The target's folder: the given one, or the bundled target (ConfigError when it is missing)."""
+    if target is None:
+        if not bundled_available():
+            raise ConfigError("no --target given and the bundled pair is missing; pass --target DIR")
+        return BUNDLED_TARGET
+    return Path(target)
+
+
+def target_tokenizer(target: str | Path | None) -> tuple[Path, object]:
+    """The target's folder (resolve_target) and its tokenizer, after the checks that give a wrong
+    folder its clear error; all a process that loads no model needs (`tandem serve
+    --engine-process`). Raises ConfigError on bad input."""
+    target = resolve_target(target)
+    if not _is_hybrid(target):  # Qwen3.5 (tandem.models.qwen3_5) reads its own config
+        read_config(target)  # the clearest error for a wrong directory comes from its config
+    return target, load_tokenizer(target)
+
+
 def load_pair(target: str | Path | None = None, draft: str | Path | None = None, device: str | None = "cpu",
               dtype: str = "float32", need_draft: bool = True) -> Pair:
     """Load target (+ draft); without paths, the bundled pair. Raises ConfigError on bad input."""
     dev = resolve_device(device)
     resolve_dtype(dtype)
-    if target is None:
-        if not bundled_available():
-            raise ConfigError("no --target given and the bundled pair is missing; pass --target DIR")
-        target = BUNDLED_TARGET
-        if draft is None and need_draft:
-            draft = BUNDLED_DRAFT
+    if target is None and draft is None and need_draft:  # the bundled pair
+        draft = BUNDLED_DRAFT
+    target = resolve_target(target)
     if isinstance(draft, str) and draft in BUNDLED_DRAFTERS and not Path(draft).exists():
         draft = BUNDLED_DRAFTERS[draft]
         if not (draft / "config.json").is_file():
             raise ConfigError(f"the bundled drafter {str(draft)!r} is missing from this install")
-    target, draft = Path(target), (Path(draft) if draft is not None and need_draft else None)
-    if not _is_hybrid(target):  # Qwen3.5 (tandem.models.qwen3_5) reads its own config
-        read_config(target)  # the clearest error for a wrong directory comes from its config
-    tokenizer = load_tokenizer(target)
+    draft = Path(draft) if draft is not None and need_draft else None
+    target, tokenizer = target_tokenizer(target)
     kind = draft_kind(draft) if draft is not None else None
     if kind == "model":
         read_config(draft)

@@ -100,20 +100,15 @@ def build(args) -> tuple[object, ServerConfig]:
 
 def process_server(args, cfg: ServerConfig, ecfg: EngineConfig):
     """A Server whose engines run in a process of their own (tandem.serve.engine_process)."""
-    from pathlib import Path
-
-    from tandem.models.loader import load_tokenizer
-    from tandem.runtime.pair import BUNDLED_TARGET, bundled_available
+    from tandem.runtime.pair import target_tokenizer
     from tandem.serve.app import Server
     from tandem.serve.chat_template import ChatTemplate
     from tandem.serve.engine_process import EngineSpec
 
-    if args.target is None and not bundled_available():
-        raise ConfigError("no --target given and the bundled pair is missing; pass --target DIR")
-    target_dir = Path(args.target) if args.target is not None else BUNDLED_TARGET
+    target_dir, tokenizer = target_tokenizer(args.target)  # (the engine process loads the models)
     template = ChatTemplate.for_checkpoint(target_dir, getattr(args, "chat_template", None))
     spec = EngineSpec(args.target, args.draft, args.device, args.dtype, cfg.methods, ecfg, cfg.inject_faults)
-    return Server(None, None, load_tokenizer(target_dir), cfg, ecfg, template, engine_process=spec)
+    return Server(None, None, tokenizer, cfg, ecfg, template, engine_process=spec)
 
 
 def run(args) -> int:
