@@ -18,7 +18,7 @@ import torch
 from tandem.engine import batched_draft
 from tandem.engine.batched_draft import BatchedTreeDrafter, split_drafted
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
-from tandem.kernels.fused import add_rmsnorm
+from tandem.kernels.fused import add_rmsnorm, embed_norms
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
 
@@ -92,13 +92,16 @@ class BatchedHead(BatchedModel):
         (default: every row), out [M, H] every row's pre-norm output hidden)."""
         head = self.model
         m = head.midlayer
-        hidden = hidden.to(head.dtype)[None]  # [1, M, H]
-        hn = m.hidden_norm(hidden)
-        x = torch.cat([m.input_layernorm(head.embed(rows.tokens[:rows.num_rows])[None]), hn], dim=-1)  # [1, M, 2H]
-        r = (hn if head.econfig.norm_before_residual else hidden) + self._attention(m.self_attn, 0, x, rows)
-        out = (r + m.mlp(m.post_attention_layernorm(r)))[0]  # [M, H]
-        picked = out if logit_rows is None else out[logit_rows]
-        return head.lm_head(head.norm(picked)), out
+        hidden = hidden.to(head.dtype)  # [M, H]
+        ln, hln, pln = m.input_layernorm, m.hidden_norm, m.post_attention_layernorm
+        assert ln.eps == hln.eps
+        x, hn = embed_norms(rows.tokens[:rows.num_rows], head.embed_weight(), hidden, ln.weight, hln.weight, ln.eps)
+        a = self._attention(m.self_attn, 0, x[None], rows)  # [1, M, H]
+        # the residual and the next norm in one kernel each (a + b == b + a: the same sums)
+        r, h = add_rmsnorm(a, (hn if head.econfig.norm_before_residual else hidden)[None], pln.weight, pln.eps)
+        out, normed = add_rmsnorm(m.mlp(h), r, head.norm.weight, head.norm.eps)  # [1, M, H] each
+        out, normed = out[0], normed[0]
+        return head.lm_head(normed if logit_rows is None else normed[logit_rows]), out
 
 
 class BatchedEagleDrafter(BatchedTreeDrafter):
@@ -197,6 +200,9 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
 
     def _to_target(self, tok: torch.Tensor) -> torch.Tensor:
         return self.draft.to_target(tok)
+
+    def _d2t(self) -> torch.Tensor | None:
+        return self.draft.d2t
 
 
 class BatchedBlock(BatchedModel):

@@ -39,6 +39,14 @@ def add_rmsnorm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, 
     return s, rmsnorm_ref(s, weight, eps)
 
 
+def embed_norms_ref(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w_embed: torch.Tensor,
+                    w_hidden: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 layer's input: ids [M], embed [V, H], hidden [M, H] -> (cat(rmsnorm(embed[ids]),
+    rmsnorm(hidden)) [M, 2H], rmsnorm(hidden) [M, H])."""
+    hn = rmsnorm_ref(hidden, w_hidden, eps)
+    return torch.cat([rmsnorm_ref(embed[ids], w_embed, eps), hn], dim=-1), hn
+
+
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     # x: [B, T, H, D]; positions: [B, T]; inv_freq: [D/2] (Hugging Face non-interleaved halves)
     freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
@@ -73,6 +81,26 @@ if triton is not None:
         y = (x32 * tl.rsqrt(var + eps)).to(x.dtype)
         w = tl.load(w_ptr + cols, mask=m, other=0.0)
         tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=m)
+
+    @triton.jit
+    def _embed_norms_kernel(ids_ptr, e_ptr, h_ptr, we_ptr, wh_ptr, x_ptr, hn_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        # one program per row: the two RMSNorms of _add_rmsnorm_kernel (the same arithmetic), side by side
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        m = cols < n_cols
+        tok = tl.load(ids_ptr + row)
+        e = tl.load(e_ptr + tok * n_cols + cols, mask=m, other=0.0)
+        e32 = e.to(tl.float32)
+        y = (e32 * tl.rsqrt(tl.sum(e32 * e32, axis=0) / n_cols + eps)).to(e.dtype)
+        w = tl.load(we_ptr + cols, mask=m, other=0.0)
+        tl.store(x_ptr + row * 2 * n_cols + cols, (w.to(tl.float32) * y.to(tl.float32)).to(e.dtype), mask=m)
+        h = tl.load(h_ptr + row * n_cols + cols, mask=m, other=0.0)
+        h32 = h.to(tl.float32)
+        y = (h32 * tl.rsqrt(tl.sum(h32 * h32, axis=0) / n_cols + eps)).to(h.dtype)
+        w = tl.load(wh_ptr + cols, mask=m, other=0.0)
+        o = (w.to(tl.float32) * y.to(tl.float32)).to(h.dtype)
+        tl.store(x_ptr + row * 2 * n_cols + n_cols + cols, o, mask=m)
+        tl.store(hn_ptr + row * n_cols + cols, o, mask=m)
 
     @triton.jit
     def _rope_kernel(x_ptr, pos_ptr, inv_ptr, n_heads, tok_stride, HALF: tl.constexpr):
@@ -153,6 +181,20 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     _add_rmsnorm_kernel[(x2.shape[0],)](x2, d2, weight, out, n, eps, HAS_DELTA=delta is not None,
                                          BLOCK=triton.next_power_of_2(n))
     return x, out.view_as(x)
+
+
+def embed_norms(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w_embed: torch.Tensor,
+                w_hidden: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """embed_norms_ref as one kernel (an embedding gather, two RMSNorms and a cat: four otherwise,
+    in every pass of an EAGLE-3 head)."""
+    if not triton_enabled(hidden):
+        return embed_norms_ref(ids, embed, hidden, w_embed, w_hidden, eps)
+    M, n = hidden.shape
+    hidden = hidden.contiguous()
+    x = torch.empty(M, 2 * n, device=hidden.device, dtype=hidden.dtype)
+    hn = torch.empty(M, n, device=hidden.device, dtype=hidden.dtype)
+    _embed_norms_kernel[(M,)](ids, embed, hidden, w_embed, w_hidden, x, hn, n, eps, BLOCK=triton.next_power_of_2(n))
+    return x, hn
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, n_rot: int) -> None:

@@ -147,6 +147,10 @@ class Eagle3Head(nn.Module):
         e = self.embed_tokens if self.embed_tokens is not None else self.shared["embed"]
         return e(ids)
 
+    def embed_weight(self) -> torch.Tensor:
+        """The embedding table [V, H] `embed` reads."""
+        return (self.embed_tokens if self.embed_tokens is not None else self.shared["embed"]).weight
+
     def project(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features [..., 3 * H_target] -> the head's hidden input [..., H]."""
         return self.fc(feats.to(self.fc.weight.dtype))

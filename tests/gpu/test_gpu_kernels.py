@@ -51,6 +51,23 @@ def test_add_rmsnorm(shape, rows, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", SHAPES)
+def test_embed_norms(shape, rows, dtype):
+    """An EAGLE-3 layer's input in one kernel: the same bits as the two RMSNorm kernels it replaces."""
+    n = SHAPES[shape].hidden_size
+    embed, hidden = _randn(1000, n, dtype=dtype, seed=0), _randn(rows, n, dtype=dtype, seed=1)
+    we, wh = _randn(n, dtype=dtype, seed=2), _randn(n, dtype=dtype, seed=3)
+    ids = torch.randint(0, 1000, (rows,), device="cuda")
+    x, hn = fused.embed_norms(ids, embed, hidden, we, wh, 1e-5)
+    e_norm = fused.add_rmsnorm(embed[ids], None, we, 1e-5)[1]
+    h_norm = fused.add_rmsnorm(hidden, None, wh, 1e-5)[1]
+    assert torch.equal(x, torch.cat([e_norm, h_norm], dim=-1)) and torch.equal(hn, h_norm)
+    want_x, want_hn = fused.embed_norms_ref(ids, embed, hidden, we, wh, 1e-5)
+    assert rel_err(x, want_x) < TOL[dtype] and rel_err(hn, want_hn) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES)
 def test_silu_mul(shape, rows, dtype):
     gu = _randn(rows, 2 * SHAPES[shape].intermediate_size, dtype=dtype, seed=3)  # [rows, gate | up]
     assert fused.triton_enabled(gu)
