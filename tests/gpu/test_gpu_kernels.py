@@ -172,10 +172,13 @@ def _paged_segments(g: torch.Generator, free: list[int], block: int):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("which", ["every-kind", "one-ar-step", "one-tree", "one-level"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_paged_attention(shape, dtype):
+def test_paged_attention(shape, which, dtype):
     """tandem.kernels.paged_attention over a paged pool with scattered blocks, against the SDPA
-    reference over the padded per-request view (tandem.engine.batched_model.paged_attention_ref)."""
+    reference over the padded per-request view (tandem.engine.batched_model.paged_attention_ref):
+    a pass of every kind of row, and passes of one request (whose columns are split across
+    programs and merged)."""
     from tandem.engine.batched_model import BatchRows, paged_attention_ref
     from tandem.kernels import paged_attention as pk
 
@@ -185,7 +188,10 @@ def test_paged_attention(shape, dtype):
     g = torch.Generator().manual_seed(7)
     free = torch.randperm(num_blocks, generator=g).tolist()
     segs = _paged_segments(g, free, block)
+    segs = {"every-kind": segs, "one-ar-step": segs[4:5], "one-tree": segs[5:6], "one-level": segs[-1:]}[which]
     rows = BatchRows.build(segs, torch.device("cuda"), dtype, block, tile_rows=pk.tile_rows(H, Hkv))
+    if which != "every-kind":
+        assert pk.splits_for(rows.tiles.shape[0] * Hkv) > 1
     M = rows.num_rows
     k = _randn(num_blocks * block, Hkv, D, dtype=dtype, seed=2)
     v = _randn(num_blocks * block, Hkv, D, dtype=dtype, seed=3)
