@@ -1,0 +1,109 @@
+"""The batched engine's host work per step, on the CPU with a tiny model (so Python dominates):
+decode-only ms/step at a few concurrencies, phases, and optionally a cProfile.
+
+    PYTHONPATH=$PWD:$PWD/tests python -c "from conftest import save_tiny_checkpoint; \
+        save_tiny_checkpoint('/tmp/tiny2','llama',max_position_embeddings=1024)"
+    python bench/cpu_profile_engine.py --target /tmp/tiny2 --method ar --concurrency 1 8 64
+    python bench/cpu_profile_engine.py --target /tmp/tiny2 --draft /tmp/tiny2 --method tree --concurrency 1 8 --profile
+
+`--graphs emulate` (default) runs the GPU's host path: every pass packed into a row bucket's
+static buffers (as a CUDA graph replay reads them), the pass itself eager. `--graphs off`: the
+CPU's exact passes. Times are medians over `--steps` decode steps (prefill excluded), the best of
+`--repeats` runs.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import Engine
+from tandem.engine.request import SamplingParams
+from tandem.runtime.pair import load_pair
+
+
+def build(args, concurrency: int) -> Engine:
+    pair = load_pair(args.target, args.draft, "cpu", "float32", need_draft=args.method != "ar")
+    cfg = EngineConfig(method=args.method, max_num_seqs=concurrency)
+    eng = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
+    if args.graphs == "emulate":  # the bucketed static buffers of the CUDA path, run eagerly
+        eng.model.emulate = eng.model.use_graphs = True
+        eng.model.max_seqs = concurrency
+    return eng
+
+
+def decode_steps(eng: Engine, concurrency: int, steps: int, seed: int) -> tuple[list[float], list[float]]:
+    """Wall seconds of `steps` decode-only steps of `concurrency` requests, and of each step's
+    host work: the step less the target's layers (`BatchedModel._body`: on a GPU those are one
+    graph replay) and less drafting (the drafter's own work, StepRecord.drafting_s; not for `ar`)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = eng.target.config.vocab_size
+    params = SamplingParams(max_tokens=10 ** 6, ignore_eos=True)
+    reqs = [eng.add_request(torch.randint(0, vocab, (16,), generator=g).tolist(), params)
+            for _ in range(concurrency)]
+    while any(r.in_prefill or r.state.value == "waiting" for r in reqs):
+        eng.step()
+    times, host = [], []
+    body, spent = eng.model._body, [0.0]
+
+    def timed_body(*a, **k):
+        t0 = time.perf_counter()
+        out = body(*a, **k)
+        spent[0] += time.perf_counter() - t0
+        return out
+
+    eng.model._body = timed_body
+    for _ in range(steps):
+        spent[0] = 0.0
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+        drafting = eng.counters.records[-1].drafting_s if eng.config.method != "ar" else 0.0
+        host.append(times[-1] - spent[0] - drafting)
+    del eng.model._body
+    for r in reqs:
+        eng.abort(r.request_id)
+    return times, host
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="/tmp/tiny2")
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--method", default="ar")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--graphs", choices=("emulate", "off"), default="emulate")
+    ap.add_argument("--profile", action="store_true", help="cProfile the last run's steps")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    for c in args.concurrency:
+        eng = build(args, c)
+        # (steps are long enough to stay in one bucket and context size: 16 + steps * tau << window)
+        decode_steps(eng, c, 20, 99)  # warm-up
+        runs = [decode_steps(eng, c, args.steps, rep) for rep in range(args.repeats)]
+        meds = [statistics.median(t) * 1e3 for t, _ in runs]
+        hosts = [statistics.median(h) * 1e3 for _, h in runs]
+        print(f"{args.method} C={c}: step {min(meds):.3f} ms, engine host (less layers, drafting) {min(hosts):.3f} ms "
+              f"(best of {args.repeats} medians; all: {', '.join(f'{m:.3f}/{h:.3f}' for m, h in zip(meds, hosts))})",
+              flush=True)
+        if args.profile:
+            pr = cProfile.Profile()
+            pr.enable()
+            decode_steps(eng, c, args.steps, 7)
+            pr.disable()
+            st = pstats.Stats(pr)
+            st.sort_stats("tottime").print_stats(args.top)
+            st.sort_stats("cumtime").print_stats(args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
