@@ -28,7 +28,7 @@ import gc
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from functools import cached_property
 
@@ -82,6 +82,49 @@ class Segment:
             depth.append(0 if p < 0 else depth[p] + 1)
             bits.append((0 if p < 0 else bits[p]) | 1 << i)
         return Segment(tokens, [start + d for d in depth], blocks, start + len(tokens), logits, start, bits)
+
+
+@dataclass
+class PackColumns:
+    """A pass's segments as flat columns, what `BatchRows.pack` writes: R requests, M rows, in
+    request order. The engine builds these directly (one loop over its requests, no Segment
+    each); `of(segments)` flattens Segments into them."""
+
+    tokens: list[int]  # [M]
+    new_rows: list[int]  # [R] T_r
+    contexts: list[int]  # [R] S_r
+    prefix: list[int]  # [R] tree rows see columns < prefix plus their bits; -1: causal rows
+    logits: list[bool]  # [R] whether the pass returns these rows' logits
+    tables: list[list[int]]  # [R] block tables
+    bits: "list[int] | np.ndarray"  # [tree rows] masks, in row order: python ints (any width) or uint64
+    positions: "list[int] | None" = None  # [M]; None: a causal row's column, a tree row's prefix + depth
+    depth: "np.ndarray | None" = None  # [tree rows] (with positions None)
+    words: int = 1  # mask words a row needs
+    # [R] the pool's block-table versions (SeqBlocks.version): a static buffer rewrites only the
+    # tables that changed since its last pass; None: rewrite every table
+    versions: "list[int] | None" = None
+
+    @staticmethod
+    def of(segments: list[Segment]) -> "PackColumns":
+        tokens: list[int] = []
+        positions: list[int] = []
+        bits: list[int] = []
+        words = 1
+        for s in segments:
+            tokens += s.tokens
+            positions += s.positions
+            if s.prefix is not None:
+                bits += s.bits
+                words = max(words, -(-max(s.bits).bit_length() // WORD))  # (the largest has the highest bit)
+        return PackColumns(tokens, [len(s.tokens) for s in segments], [s.context for s in segments],
+                           [-1 if s.prefix is None else s.prefix for s in segments], [s.logits for s in segments],
+                           [s.blocks for s in segments], bits, positions, words=words)
+
+    def capacity(self, tile_rows: int) -> "Capacity":
+        T = self.new_rows
+        NT = len(T) if max(T, default=0) <= tile_rows else sum(-(-t // tile_rows) for t in T)
+        B = max(map(len, self.tables), default=1) or 1
+        return Capacity(len(self.tokens), len(T), max(NT, 1), B, self.words)
 
 
 @dataclass(frozen=True)
@@ -178,14 +221,9 @@ class BatchRows:
 
     # ---- building ----------------------------------------------------------------------------
     @staticmethod
-    def capacity(segments: list[Segment], tile_rows: int = 16) -> Capacity:
-        M = sum(len(s.tokens) for s in segments)
-        words = 1
-        for s in segments:
-            if s.bits:  # (the largest mask has the highest set bit)
-                words = max(words, -(-max(s.bits).bit_length() // WORD))
-        NT = sum(-(-len(s.tokens) // tile_rows) for s in segments)
-        return Capacity(M, len(segments), max(NT, 1), max((len(s.blocks) for s in segments), default=1) or 1, words)
+    def capacity(segments: "list[Segment] | PackColumns", tile_rows: int = 16) -> Capacity:
+        cols = segments if isinstance(segments, PackColumns) else PackColumns.of(segments)
+        return cols.capacity(tile_rows)
 
     @staticmethod
     def host_views(host: np.ndarray, cap: Capacity) -> dict[str, np.ndarray]:
@@ -194,70 +232,98 @@ class BatchRows:
         return {name: host[at:at + math.prod(shape)].reshape(shape) for name, (at, shape) in cap.layout.items()}
 
     @staticmethod
-    def pack(segments: list[Segment], host: np.ndarray, cap: Capacity, block_size: int, scratch: int,
-             tile_rows: int, views: dict[str, np.ndarray] | None = None) -> tuple[list[int], list[int], list[int], int]:
+    def pack(segments: "list[Segment] | PackColumns", host: np.ndarray, cap: Capacity, block_size: int,
+             scratch: int, tile_rows: int, views: dict[str, np.ndarray] | None = None,
+             tables: list | None = None) -> tuple[list[int], list[int], list[int], int]:
         """Write the segments into `host` (int64, cap.size) as `cap.layout` says (through `views`
-        of it when given); padding rows write `scratch`. Returns T_r, S_r, the row offsets and
-        the number of logit rows."""
+        of it when given); padding rows write `scratch`. `tables`: the block-table version each
+        row of `host`'s block tables holds (a static buffer's, kept between passes; updated here),
+        so only tables that changed are rewritten. Returns T_r, S_r, the row offsets and the
+        number of logit rows."""
+        cols = segments if isinstance(segments, PackColumns) else PackColumns.of(segments)
         view = (views or BatchRows.host_views(host, cap)).__getitem__
-
-        host[:] = 0
-        R = len(segments)
-        T = [len(s.tokens) for s in segments]
-        S = [s.context for s in segments]
+        R, M = len(cols.new_rows), len(cols.tokens)
+        bt_at, bt_shape = cap.layout["block_tables"]
+        bt_end = bt_at + math.prod(bt_shape)
+        bt = view("block_tables")
+        # (vectorised: at 64 requests a python loop per row or per request costs more than the pass)
+        if tables is not None and cols.versions is not None:  # rewrite only the tables that changed
+            host[:bt_at] = 0
+            host[bt_end:] = 0
+            for r, (v, blocks) in enumerate(zip(cols.versions, cols.tables)):
+                if tables[r] != v:
+                    n = len(blocks)
+                    bt[r, :n] = blocks
+                    bt[r, n:] = 0
+                    tables[r] = v
+        else:
+            host[:] = 0
+            if tables is not None:  # (unversioned tables: none of the rows is known any more)
+                tables[:] = [None] * len(tables)
+            nb = np.fromiter(map(len, cols.tables), dtype=np.int64, count=R)
+            b_seq = np.repeat(np.arange(R), nb)
+            bt[b_seq, np.arange(len(b_seq)) - np.repeat(np.cumsum(nb) - nb, nb)] = \
+                list(chain.from_iterable(cols.tables))
+        T, S = cols.new_rows, cols.contexts
         Ta, Sa = np.asarray(T, dtype=np.int64), np.asarray(S, dtype=np.int64)
         offsets = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(Ta, out=offsets[1:])
-        M = int(offsets[-1])
-        # (vectorised: at 64 requests a python loop per row or per request costs more than the pass)
-        view("tokens")[:M] = list(chain.from_iterable(s.tokens for s in segments))
-        view("positions")[:M] = list(chain.from_iterable(s.positions for s in segments))
-        nb = np.fromiter((len(s.blocks) for s in segments), dtype=np.int64, count=R)
-        bt = view("block_tables")
-        b_seq = np.repeat(np.arange(R), nb)
-        bt[b_seq, np.arange(len(b_seq)) - np.repeat(np.cumsum(nb) - nb, nb)] = \
-            list(chain.from_iterable(s.blocks for s in segments))
+        view("tokens")[:M] = cols.tokens
         view("seq_len")[:R] = Sa
         seq = np.repeat(np.arange(R), Ta)  # [M] request of each row
         view("row_seq")[:M] = seq
-        t_in = np.arange(M) - offsets[:-1][seq]  # row index inside its request
-        col = (Sa - Ta)[seq] + t_in  # the column each row's K/V lands at
+        col = (Sa - Ta - offsets[:-1])[seq] + np.arange(M)  # [M] the column each row's K/V lands at
         slots = view("slots")
         slots[:M] = bt[seq, col // block_size] * block_size + col % block_size
         slots[M:] = scratch
         prefix, base, bits = view("row_prefix"), view("row_base"), view("row_bits")
         # causal rows see up to their own column; tree rows every column < prefix plus their bits
-        has = np.fromiter((s.prefix is not None for s in segments), dtype=bool, count=R)
-        seg_prefix = np.fromiter((s.prefix or 0 for s in segments), dtype=np.int64, count=R)
-        prefix[:M] = np.where(has[seq], seg_prefix[seq], col + 1)
-        base[:M] = np.where(has[seq], seg_prefix[seq], Sa[seq])
-        tree_rows = np.flatnonzero(has[seq])
-        words = list(chain.from_iterable(s.bits for s in segments if s.prefix is not None))
+        pre = np.asarray(cols.prefix, dtype=np.int64)[seq]  # [M]
+        tree = pre >= 0
+        prefix[:M] = np.where(tree, pre, col + 1)
+        base[:M] = np.where(tree, pre, Sa[seq])
+        tree_rows = np.flatnonzero(tree)
+        if cols.positions is not None:
+            view("positions")[:M] = cols.positions
+        else:  # a causal row sits at its column, a tree node at prefix + its depth
+            pos = view("positions")[:M]
+            pos[:] = col
+            pos[tree_rows] = pre[tree_rows] + cols.depth
         if cap.W == 1:  # every mask fits one word: two's complement int64 (bit 63 is the sign)
-            bits[tree_rows, 0] = np.array(words, dtype=np.uint64).view(np.int64)
+            bits[tree_rows, 0] = np.asarray(cols.bits, dtype=np.uint64).view(np.int64)
         else:
-            for row, b in zip(tree_rows.tolist(), words):
+            for row, b in zip(tree_rows.tolist(), cols.bits):
                 w = 0
                 while b:
                     word = b & MASK64
                     bits[row, w] = word - (1 << 64) if word >> 63 else word
                     b >>= WORD
                     w += 1
-        wants = np.fromiter((s.logits for s in segments), dtype=bool, count=R)
-        logit_rows = np.flatnonzero(wants[seq])
-        view("logit_rows")[:len(logit_rows)] = logit_rows
+        wants = np.asarray(cols.logits, dtype=bool)
+        n_logits = M if wants.all() else None
+        if n_logits is None:
+            logit_rows = np.flatnonzero(wants[seq])
+            n_logits = len(logit_rows)
+            view("logit_rows")[:n_logits] = logit_rows
+        else:
+            view("logit_rows")[:M] = np.arange(M)
         # attention tiles: up to tile_rows rows of one request each
-        nt = -(-Ta // tile_rows)
-        t_seq = np.repeat(np.arange(R), nt)
-        t0 = (np.arange(len(t_seq)) - np.repeat(np.cumsum(nt) - nt, nt)) * tile_rows
         tiles = view("tiles")
-        tiles[:len(t_seq), 0] = t_seq
-        tiles[:len(t_seq), 1] = offsets[:-1][t_seq] + t0
-        tiles[:len(t_seq), 2] = np.minimum(tile_rows, Ta[t_seq] - t0)
-        return T, S, offsets.tolist(), len(logit_rows)
+        if R and Ta.max() <= tile_rows:  # (every request one tile: a decode step's usual case)
+            tiles[:R, 0] = np.arange(R)
+            tiles[:R, 1] = offsets[:-1]
+            tiles[:R, 2] = Ta
+        else:
+            nt = -(-Ta // tile_rows)
+            t_seq = np.repeat(np.arange(R), nt)
+            t0 = (np.arange(len(t_seq)) - np.repeat(np.cumsum(nt) - nt, nt)) * tile_rows
+            tiles[:len(t_seq), 0] = t_seq
+            tiles[:len(t_seq), 1] = offsets[:-1][t_seq] + t0
+            tiles[:len(t_seq), 2] = np.minimum(tile_rows, Ta[t_seq] - t0)
+        return list(T), list(S), offsets.tolist(), n_logits
 
     @staticmethod
-    def build(segments: list[Segment], device: torch.device, dtype: torch.dtype, block_size: int,
+    def build(segments: "list[Segment] | PackColumns", device: torch.device, dtype: torch.dtype, block_size: int,
               window: int | None = None, tile_rows: int = 16, scratch: int = 0,
               cap: Capacity | None = None) -> "BatchRows":
         """window: the target's sliding window, if some of its layers use one. scratch: the slot
@@ -354,6 +420,11 @@ class StaticRows:
     rows: "BatchRows"  # views of `packed`, every row padding
     views: dict  # numpy views of `host`, one per packed field
     staged: object = None  # event after the last host-to-device copy (the host buffer is free after it)
+    # [cap.R] the block-table version each row of the buffers' block tables holds (PackColumns.versions)
+    tables: list = field(default_factory=list)
+    # the packed fields' device views (BatchRows' _PackedField), made once: every pass over these
+    # buffers shares them (making ten views a pass cost ~30 us of host time on the H200's CPU)
+    device_views: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -419,18 +490,19 @@ class BatchedModel:
         self._input_graphs: dict[int, _InputGraph] = {}  # run_rows' captures, by row bucket
 
     # ---- packing -----------------------------------------------------------------------------
-    def rows(self, segments: list[Segment]) -> BatchRows:
+    def rows(self, segments: "list[Segment] | PackColumns") -> BatchRows:
         """The pass's rows: in a graph bucket's static buffers when one takes them, else exact."""
-        cap = BatchRows.capacity(segments, self.tile_rows)
+        cols = segments if isinstance(segments, PackColumns) else PackColumns.of(segments)
+        cap = cols.capacity(self.tile_rows)
         g = None
         if self.use_graphs and cap.W == 1 and cap.R <= self.max_seqs and cap.B <= self.max_seq_blocks:
             bucket = next((b for b in GRAPH_BUCKETS if b >= cap.M), None)
             # (None from _graph: the kernel does not take this model, and graphs are off)
             g = self._graph(bucket) if bucket is not None else None
         if g is None:
-            return BatchRows.build(segments, self.model.device, self.model.dtype, self.pool.block_size,
+            return BatchRows.build(cols, self.model.device, self.model.dtype, self.pool.block_size,
                                    self.window, self.tile_rows, self.pool.scratch_slot, cap)
-        return self.load_rows(g.st, segments, graph=g.st.cap.M)
+        return self.load_rows(g.st, cols, graph=g.st.cap.M)
 
     def exact_rows(self, segments: list[Segment]) -> BatchRows:
         """The pass's rows as they are (no padding, no graph)."""
@@ -494,9 +566,12 @@ class BatchedModel:
         packed = host.to(self.model.device)
         rows = BatchRows(packed, cap, cap.M, [], [], [0], cap.M, self.pool.block_size, self.tile_rows,
                          self.model.dtype)
-        return StaticRows(cap, host, packed, rows, BatchRows.host_views(host.numpy(), cap))
+        device_views = {name: getattr(rows, name) for name, f in vars(BatchRows).items() if isinstance(f, _PackedField)}
+        return StaticRows(cap, host, packed, rows, BatchRows.host_views(host.numpy(), cap), tables=[None] * cap.R,
+                          device_views=device_views)
 
-    def load_rows(self, st: "StaticRows", segments: list[Segment], graph: int | None = None) -> BatchRows:
+    def load_rows(self, st: "StaticRows", segments: "list[Segment] | PackColumns",
+                  graph: int | None = None) -> BatchRows:
         """Pack `segments` (at most st.cap) into st's buffers, once the previous pass's copy has
         left them -> rows over them with the segments' host figures (the reference path's view).
         `graph`: the bucket of this model's own graph (the rows are the segments' rows and logit
@@ -505,14 +580,17 @@ class BatchedModel:
         if st.staged is not None:
             st.staged.synchronize()
         T, S, offsets, n = BatchRows.pack(segments, st.host.numpy(), st.cap, self.pool.block_size,
-                                          self.pool.scratch_slot, self.tile_rows, st.views)
+                                          self.pool.scratch_slot, self.tile_rows, st.views, st.tables)
         st.packed.copy_(st.host, non_blocking=True)  # (a capture or replay follows on this stream)
         if not self.emulate:
-            st.staged = torch.cuda.Event()
+            if st.staged is None:  # (one event, recorded again each pass)
+                st.staged = torch.cuda.Event()
             st.staged.record()
         M, logits = (offsets[-1], n) if graph is not None else (st.cap.M, st.cap.M)
-        return BatchRows(st.packed, st.cap, M, T, S, offsets, logits, self.pool.block_size, self.tile_rows,
+        rows = BatchRows(st.packed, st.cap, M, T, S, offsets, logits, self.pool.block_size, self.tile_rows,
                          self.model.dtype, graph=graph)
+        rows.__dict__.update(st.device_views)  # (as _PackedField would make them, made once)
+        return rows
 
     @torch.no_grad()  # (as the passes run: the Triton kernels only take over without autograd)
     def capture(self, fn) -> object:

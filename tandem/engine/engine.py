@@ -39,6 +39,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from tandem.config import ConfigError, SamplingConfig, SpecConfig
@@ -48,7 +49,7 @@ from tandem.drafting.tree_drafter import TreeDrafter
 from tandem.engine.batch_manager import BatchManager
 from tandem.engine.batched_draft import BatchedChainDrafter, BatchedDrafter, BatchedTreeDrafter
 from tandem.engine.batched_features import BatchedBlockDrafter, BatchedEagleDrafter
-from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
+from tandem.engine.batched_model import BatchedModel, BatchRows, PackColumns
 from tandem.engine.config import EngineConfig
 from tandem.engine import draft_length
 from tandem.engine.draft_gate import DraftGate, StepCosts
@@ -62,7 +63,7 @@ from tandem.models.transformer import Transformer
 from tandem.runtime.emit import Emitter
 from tandem.runtime.plan import plan_request
 from tandem.runtime.runner import ModelRunner
-from tandem.tree.draft_tree import DraftTree
+from tandem.tree.draft_tree import DraftTree, tree_masks
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
 
@@ -505,7 +506,7 @@ class Engine:
         req = s.request
         root = req.last_token
         if drafted is None and (self.config.method == "ar" or s.rows == 1 and "drafter" not in req.runtime):
-            return DraftTree.chain([root])
+            return DraftTree.root(root)
         tree = drafted if drafted is not None else self._proposal(req)
         if self.config.adaptive_draft:  # the nodes this request's calibrated draft believes in
             tree = draft_length.confident(tree, self._calibration(req).rho, self.config.min_node_prob)
@@ -558,7 +559,7 @@ class Engine:
         else:
             req.runtime.pop("drafter", None)
             req.runtime.pop("features", None)  # (a restarted feature drafter reads zeros for them)
-        return DraftTree.chain([req.last_token])
+        return DraftTree.root(req.last_token)
 
     def _select(self, plan: StepPlan, drafts: list[ScheduledRows]) -> tuple[dict[str, DraftTree], int]:
         """Row selection: every drafting request's full tree, one shared node budget from the
@@ -624,7 +625,7 @@ class Engine:
                 offered: int, drafting_s: float, seconds: float) -> None:
         c = self.counters
         decodes = len(plan.decodes)
-        nodes = sum(len(t) - 1 for t in trees.values())
+        nodes = sum([len(t.tokens) for t in trees.values()]) - len(trees)
         rec = StepRecord(self.steps, plan.num_rows, decodes, verify_batch, drafted, overlapped, fallback, loads,
                          draft_s, overlap, nodes, offered, drafting_s, seconds)
         c.drafting_s += drafting_s
@@ -675,16 +676,37 @@ class Engine:
         return g
 
     def _rows(self, plan: StepPlan, trees: dict[str, DraftTree]) -> BatchRows:
-        segments = []
+        """The pass's rows, packed from columns built in one loop over the plan (no Segment per
+        request); every tree's masks and depths at once (tree_masks)."""
+        seqs = self.pool.seqs
+        tokens: list[int] = []  # [M]
+        T, S, prefix, logits, tables, versions = [], [], [], [], [], []  # [R] each
+        parents: list[int] = []  # [tree rows] each tree's parents (tree-local)
+        sizes: list[int] = []  # [trees]
         for s in plan.scheduled:
             req = s.request
-            blocks = self.pool.seqs[req.request_id].blocks
+            sb = seqs[req.request_id]
+            tables.append(sb.blocks)
+            versions.append(sb.version)
             if s.kind == "prefill":
-                segments.append(Segment.chunk(req.token_ids()[s.start:s.start + s.rows], s.start, blocks))
-            else:
+                tokens += req.token_ids()[s.start:s.start + s.rows]
+                T.append(s.rows)
+                S.append(s.start + s.rows)
+                prefix.append(-1)  # causal
+                logits.append(False)
+            else:  # a tree after `start` committed columns: node i at start + depth(i)
                 tree = trees[req.request_id]
-                segments.append(Segment.tree(tree.tokens, tree.parents, s.start, blocks))
-        return self.model.rows(segments)
+                n = len(tree.tokens)
+                tokens += tree.tokens
+                parents += tree.parents
+                sizes.append(n)
+                T.append(n)
+                S.append(s.start + n)
+                prefix.append(s.start)
+                logits.append(True)
+        bits, depth, words = tree_masks(parents, sizes)
+        return self.model.rows(PackColumns(tokens, T, S, prefix, logits, tables, bits, None, np.asarray(depth),
+                                           words, versions))
 
     def _apply(self, plan: StepPlan, trees: dict[str, DraftTree], logits: torch.Tensor) -> list[RequestOutput]:
         """Accept every decode, commit every request's rows in one pool call, then feed the
@@ -697,6 +719,7 @@ class Engine:
         commits: list[tuple[str, list[int], list[int]]] = []
         accepted: list[tuple[Request, DraftTree, VerifyResult, torch.Tensor | None]] = []
         failed: list[Request] = []
+        hook = self.fault_hook
         for s in plan.scheduled:
             req = s.request
             if s.kind == "prefill":
@@ -708,18 +731,21 @@ class Engine:
                 m += s.rows
                 continue
             tree = trees[req.request_id]
+            n = len(tree.tokens)
             lo, mlo = row, m  # this request's logits rows and feature rows
-            row += len(tree)
-            m += len(tree)
+            row += n
+            m += n
             try:
-                if self.fault_hook is not None:
-                    self.fault_hook(req)
-                result = self._accept(req, tree, logits[lo:lo + len(tree)], argmax[lo:lo + len(tree)])
+                if hook is not None:
+                    hook(req)
+                result = self._accept(req, tree, logits, lo, argmax)
             except Exception:
                 log.exception("request %s failed in its part of a step; the others go on", req.request_id)
                 failed.append(req)
                 continue
-            commits.append((req.request_id, result.path, [tree.tokens[i] for i in result.path]))
+            # (a root alone commits its own token: the tree's list, not a copy)
+            commits.append((req.request_id, result.path,
+                            tree.tokens if n == 1 else [tree.tokens[i] for i in result.path]))
             accepted.append((req, tree, result, mlo))
         self.pool.commit_many(commits)  # (before any request ends: ending frees its blocks)
         self._feed(accepted, feats)
@@ -779,14 +805,16 @@ class Engine:
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)
 
-    def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor, argmax: list[int]) -> VerifyResult:
-        """logits [n, vocab]: the request's rows of the pass; argmax [n]: theirs, read back by _apply."""
+    def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor, lo: int, argmax: list[int]) -> VerifyResult:
+        """The request's tree is rows lo.. of the pass: of logits [decode rows, vocab] and of
+        argmax [decode rows] (read back by _apply)."""
         sampling: SamplingConfig | None = req.runtime.get("sampling")
         if sampling is None:  # (built once per request: every step of every request asks)
             sampling = req.runtime["sampling"] = req.params.sampling()
+        n = len(tree.tokens)
         if sampling.greedy:
-            return greedy_accept(tree, argmax)
-        return rejection_accept(tree, probs_from_logits(logits, sampling), self._generator(req))
+            return greedy_accept(tree, argmax[lo:lo + n])
+        return rejection_accept(tree, probs_from_logits(logits[lo:lo + n], sampling), self._generator(req))
 
     def _emit(self, req: Request, tree: DraftTree, result: VerifyResult) -> bool:
         """Cut at EOS / stop / max_tokens (the single-request loop's Emitter); True when done."""

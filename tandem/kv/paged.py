@@ -38,6 +38,9 @@ class SeqBlocks:
     reserved: int = 0  # rows after them, written by the current step
     tokens: list[int] = field(default_factory=list)  # token of each committed row (for hashing)
     hashes: list[int] = field(default_factory=list)  # hash chain of the full committed blocks
+    # changes whenever `blocks` does, unique within the pool: a packed pass's static buffer
+    # rewrites only the block tables whose version it does not hold (BatchRows.pack)
+    version: int = 0
 
 
 @dataclass
@@ -67,6 +70,7 @@ class PagedKVPool:
         self.block_hash: dict[int, int] = {}  # block -> hash (for blocks in `cached`)
         self.seqs: dict[str, SeqBlocks] = {}
         self.stats = PrefixStats()
+        self._version = 0  # the last SeqBlocks.version handed out
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int, prefix_caching: bool = True) -> "PagedKVPool":
@@ -104,7 +108,7 @@ class PagedKVPool:
         `max_cached` rows) into its table. Returns the rows already computed (a multiple of the
         block size)."""
         assert seq_id not in self.seqs, f"sequence {seq_id} is open already"
-        s = self.seqs[seq_id] = SeqBlocks()
+        s = self.seqs[seq_id] = SeqBlocks(version=self._new_version())
         if not self.prefix_caching:
             return 0
         bs, h = self.block_size, None
@@ -123,6 +127,7 @@ class PagedKVPool:
             s.hashes.append(h)
             s.tokens += block_tokens
         s.length = len(s.tokens)
+        s.version = self._new_version()  # (the cached blocks it maps)
         return s.length
 
     def can_reserve(self, seq_id: str, rows: int) -> bool:
@@ -130,12 +135,14 @@ class PagedKVPool:
 
     def try_reserve(self, seq_id: str, rows: int) -> bool:
         """reserve() when the blocks are there (True), else nothing (False): one capacity check."""
-        need = self.extra_blocks(seq_id, rows)
-        if need > len(self.free_blocks):
-            return False
         s = self.seqs[seq_id]
-        for _ in range(need):
-            s.blocks.append(self._take())
+        need = -(-(s.length + s.reserved + rows) // self.block_size) - len(s.blocks)  # (extra_blocks)
+        if need > 0:
+            if need > len(self.free_blocks):
+                return False
+            for _ in range(need):
+                s.blocks.append(self._take())
+            s.version = self._new_version()
         s.reserved += rows
         return True
 
@@ -155,19 +162,23 @@ class PagedKVPool:
         two host-to-device copies and two kernels (at 32 requests, more than the verify pass)."""
         src: list[int] = []  # slots the kept rows are in
         dst: list[int] = []  # slots they move to (the first len(path) reserved rows)
+        seqs, bs = self.seqs, self.block_size
         for seq_id, path, tokens in commits:
-            s = self.seqs[seq_id]
-            assert len(path) == len(tokens) and all(0 <= p < s.reserved for p in path), (path, s.reserved)
-            if path and path[-1] != len(path) - 1:  # rows already in place (0, 1, .., n - 1) need no copy
+            s = seqs[seq_id]
+            n = len(path)
+            assert n == len(tokens) and (not n or 0 <= min(path) and max(path) < s.reserved), (path, s.reserved)
+            if n and path[-1] != n - 1:  # rows already in place (0, 1, .., n - 1) need no copy
                 reserved = self.slots(seq_id, s.length, s.length + s.reserved)
                 src += [reserved[p] for p in path]
-                dst += reserved[:len(path)]
-            s.length += len(path)
+                dst += reserved[:n]
+            s.length += n
             s.reserved = 0
             s.tokens += tokens
             # (blocks freed here are not handed out before the copy below runs: same stream)
-            self._trim(s)
-            self._register_full_blocks(s)
+            if len(s.blocks) * bs >= s.length + bs:  # (a block past the committed rows)
+                self._trim(s)
+            if len(s.hashes) < s.length // bs:  # (a block filled)
+                self._register_full_blocks(s)
         if src:
             idx = torch.tensor(src + dst, device=self.kv.device)  # one host-to-device copy
             flat = self.kv.flatten(2, 3)  # [2, layers, slots, kv_heads, D]
@@ -197,9 +208,15 @@ class PagedKVPool:
             self.free_blocks[b] = None
 
     def _trim(self, s: SeqBlocks) -> None:
-        keep = self.blocks_for(s.length)
-        while len(s.blocks) > keep:
-            self._release(s.blocks.pop())
+        keep = -(-s.length // self.block_size)
+        if len(s.blocks) > keep:
+            while len(s.blocks) > keep:
+                self._release(s.blocks.pop())
+            s.version = self._new_version()
+
+    def _new_version(self) -> int:
+        self._version += 1
+        return self._version
 
     def _register_full_blocks(self, s: SeqBlocks) -> None:
         bs = self.block_size

@@ -46,6 +46,11 @@ class DraftTree:
         )
 
     @staticmethod
+    def root(token: int) -> "DraftTree":
+        """The root alone: a plain decoding step (every request of an `ar` step)."""
+        return DraftTree([token], [-1], [0.0])
+
+    @staticmethod
     def chain(tokens: list[int], q: torch.Tensor | None = None) -> "DraftTree":
         return DraftTree(tokens=list(tokens), parents=list(range(-1, len(tokens) - 1)), logp=[0.0] * len(tokens), q=q)
 
@@ -74,3 +79,42 @@ def ancestor_mask(parents: list[int] | torch.Tensor, device=None) -> torch.Tenso
     out = torch.from_numpy(anc)
     return out if device is None else out.to(device)
 
+
+
+def tree_masks(parents: list[int], sizes: list[int]) -> tuple["np.ndarray | list[int]", "np.ndarray | list[int]", int]:
+    """Trees side by side -> each node's ancestor mask, its depth, and the 64-bit words the widest
+    mask needs. parents: every tree's parent indices (tree-local, -1 for its root), the trees one
+    after another; sizes: their node counts. Bit j of a node's mask: node j of its tree is the
+    node itself or one of its ancestors (what its verify row sees of the tree).
+
+    With at most 64 nodes a tree the masks are one uint64 each, computed for every tree at once by
+    pointer jumping (log2(depth) rounds of a few array ops, not a python step per node); wider
+    trees get python ints."""
+    n = len(parents)
+    if n == len(sizes):  # every tree its root alone (an `ar` step)
+        return np.ones(n, dtype=np.uint64), np.zeros(n, dtype=np.int64), 1
+    if max(sizes) > 64:
+        bits: list[int] = []
+        depth: list[int] = []
+        at = 0
+        for size in sizes:
+            for i, p in enumerate(parents[at:at + size]):
+                depth.append(0 if p < 0 else depth[at + p] + 1)
+                bits.append((0 if p < 0 else bits[at + p]) | 1 << i)
+            at += size
+        return bits, depth, -(-max(sizes) // 64)
+    sz = np.asarray(sizes, dtype=np.int64)
+    first = np.repeat(np.cumsum(sz) - sz, sz)  # [n] the row of each node's root
+    local = np.asarray(parents, dtype=np.int64)
+    up = np.where(local >= 0, local + first, -1)  # [n] parent row (-1: root)
+    masks = np.left_shift(np.uint64(1), (np.arange(n) - first).astype(np.uint64))  # [n] own bit
+    depths = (up >= 0).astype(np.int64)
+    # invariant: masks[i] holds the nodes from i up to, not including, up[i]; depths[i] counts them
+    while True:
+        live = np.flatnonzero(up >= 0)
+        if not len(live):
+            return masks, depths, 1
+        hop = up[live]
+        masks[live] |= masks[hop]  # (each right-hand side reads the values before this round)
+        depths[live] += depths[hop]
+        up[live] = up[hop]
