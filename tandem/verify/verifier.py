@@ -44,19 +44,21 @@ class VerifyResult:
 
 def greedy_accept(tree: DraftTree, target_argmax: list[int]) -> VerifyResult:
     """target_argmax[i]: the target's argmax next token after node i."""
-    if len(tree.tokens) == 1:  # a plain decoding step (the batched engine's ar: every request, every step)
+    n = len(tree.tokens)
+    if n == 1:  # a plain decoding step (the batched engine's ar: every request, every step)
         return VerifyResult(path=[0], tokens=[target_argmax[0]], num_draft=0)
-    children = tree.children()
-    path, node = [0], 0
-    while True:
-        want = target_argmax[node]
-        nxt = next((c for c in children[node] if tree.tokens[c] == want), None)
-        if nxt is None:
-            break
-        path.append(nxt)
-        node = nxt
-    tokens = [tree.tokens[i] for i in path[1:]] + [target_argmax[node]]
-    return VerifyResult(path=path, tokens=tokens, num_draft=len(tree) - 1)
+    # one scan in index order: a node's children come after it, in index order, so the first
+    # later node whose parent is the current node and whose token is the target's argmax there is
+    # the child the walk descends into (no per-node child lists: this runs for every request, every step)
+    tokens, parents = tree.tokens, tree.parents
+    path, node, want, out = [0], 0, target_argmax[0], []
+    for c in range(1, n):
+        if parents[c] == node and tokens[c] == want:
+            path.append(c)
+            out.append(want)
+            node, want = c, target_argmax[c]
+    out.append(want)  # the bonus: the target's argmax after the last accepted node
+    return VerifyResult(path=path, tokens=out, num_draft=n - 1)
 
 
 def rejection_accept(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> VerifyResult:
