@@ -6,8 +6,8 @@ new token j (the accepted draft tokens, then the bonus) was drawn against row `p
 logprobs come for ar, chain and tree alike, from the target's raw distribution (log-softmax of
 its logits, before temperature and top_p: vLLM's default "raw" logprobs), never the draft's.
 
-NOTE: the only engine hook used is overriding `Engine._accept` (same signature, result passed
-through unchanged); nothing in tandem/engine/ changes.
+NOTE: the only engine hook used is overriding `Engine._accept` (either of its signatures, the
+result passed through unchanged); nothing in tandem/engine/ changes.
 """
 from __future__ import annotations
 
@@ -42,10 +42,14 @@ class LogprobEngine(Engine):
         self.logprob_topk.pop(request_id, None)
         self.logprobs.pop(request_id, None)
 
-    def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor, argmax: list[int]) -> VerifyResult:
-        result = super()._accept(req, tree, logits, argmax)
+    def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor, *rest) -> VerifyResult:
+        """rest: (argmax) with logits [the tree's rows, vocab], or (lo, argmax) with logits of the
+        whole pass, the tree's rows from lo (Engine._accept's newer signature)."""
+        result = super()._accept(req, tree, logits, *rest)
         k = self.logprob_topk.get(req.request_id)
         if k is not None:
+            if len(rest) == 2:
+                logits = logits[rest[0]:rest[0] + len(tree.tokens)]  # [the tree's rows, vocab]
             lp = torch.log_softmax(logits[result.path].float(), dim=-1)  # [len(path), vocab]
             tokens = torch.tensor(result.tokens, device=lp.device)  # [len(path)]
             own = lp.gather(1, tokens[:, None])[:, 0].tolist()
