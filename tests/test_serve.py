@@ -212,6 +212,61 @@ def test_streaming_deltas_join_to_the_text_with_usage_and_stop_strings(client):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_continuous_usage_gives_every_chunk_the_token_counts_so_far(client):
+    """stream_options continuous_usage_stats (vLLM's extension, with include_usage): each chunk's
+    usage counts the tokens streamed so far; the chunks still join to the non-streamed text."""
+    ref = complete(client, prompt=PROMPTS[1], max_tokens=24, method="ar", ignore_eos=True)
+    for route, text_of in (("/v1/completions", lambda c: c["choices"][0]["text"]),
+                           ("/v1/chat/completions", lambda c: c["choices"][0]["delta"].get("content", ""))):
+        body = {"model": "tandem", "max_tokens": 24, "temperature": 0, "stream": True, "method": "ar",
+                "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        body.update({"prompt": PROMPTS[1]} if route == "/v1/completions" else
+                    {"messages": [{"role": "user", "content": "a loop"}]})
+        with client.stream("POST", route, json=body) as r:
+            events = sse_events(r)
+        chunks, final = events[:-1], events[-1]
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == final["usage"]["completion_tokens"] == 24
+        p = final["usage"]["prompt_tokens"]
+        assert all(c["usage"] == {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+                   for c, n in zip(chunks, counts))
+        if route == "/v1/completions":
+            assert "".join(text_of(c) for c in chunks) == ref["choices"][0]["text"]
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4, "stream": True,
+                                                        "stream_options": {"continuous_usage_stats": True}}) as r:
+        assert all("usage" not in c for c in sse_events(r))  # (only with include_usage, as vLLM)
+
+
+def test_a_chunk_template_gives_the_bytes_of_json_dumps():
+    from tandem.serve.sse import ChunkTemplate, Slot, frame
+
+    def record(text, n, total):
+        return {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m",
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": total}}
+
+    t = ChunkTemplate(record(Slot("text"), Slot("n"), Slot("total")))
+    for text, n in (("", 0), ("def f(x):\n\treturn \"x\"", 12), ("\u00e9\ufffd\U0001F600\x00\\", 4096)):
+        assert t.fill(text=text, n=n, total=n + 3) == frame(record(text, n, n + 3))
+        assert frame(record(text, n, n + 3)) == b"data: " + json.dumps(record(text, n, n + 3)).encode() + b"\n\n"
+
+
+def test_incremental_detokenization_equals_decoding_the_whole_output(pair):
+    """IncrementalDecode over a growing list equals the tokenizer's decode of the whole list at
+    every push (random ids: split multi-byte characters, special tokens, 1..5 tokens a push)."""
+    import random
+
+    from tandem.serve.detokenize import IncrementalDecode
+
+    tok, rng = pair.tokenizer, random.Random(0)
+    vocab = tok.get_vocab_size()
+    for _ in range(100):
+        ids, dec = [], IncrementalDecode(tok.decode)
+        for _ in range(rng.randint(1, 40)):
+            ids += [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+            assert dec(ids) == tok.decode(ids)
+
+
 def test_chat_streaming_equals_chat_text(client):
     body = {"messages": [{"role": "user", "content": "a loop"}], "temperature": 0, "max_tokens": 8}
     full = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]

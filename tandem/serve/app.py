@@ -33,6 +33,7 @@ from tandem.engine.request import SamplingParams
 from tandem.runtime.streaming import StopStreamer
 from tandem.serve.chat_template import BUILTIN_TEMPLATE, ChatTemplate, TemplateError
 from tandem.serve.config import ServerConfig, engine_config_for
+from tandem.serve.detokenize import IncrementalDecode
 from tandem.serve.driver import (FAULT_PREFIX, FAULT_USER, KILL_PREFIX, KILL_USER, Delta, EngineDriver, Event, Failed,
                                  Finished, Job, inject_faults)
 from tandem.serve.errors import APIError, error_body
@@ -40,6 +41,7 @@ from tandem.serve.engine_process import EngineSpec, ProcessDriver
 from tandem.serve.logprobs import LogprobEngine, TokenLogprob
 from tandem.serve.metrics import ServerMetrics
 from tandem.serve.schemas import ChatCompletionRequest, CompletionRequest
+from tandem.serve.sse import DONE, ChunkTemplate, Slot, frame
 
 log = logging.getLogger("tandem.serve")
 
@@ -431,7 +433,7 @@ def create_app(server: Server) -> FastAPI:
             return record([choice(fin.output.text, FINISH_REASONS.get(fin.output.finish_reason), lps)], usage(fin))
         return stream(handle, params, body, record,
                       lambda text, finish, lps, offset: choice(text, finish, fmt.completion(lps, offset)
-                                                               if lps is not None else None))
+                                                               if lps is not None else None), len(ids))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -480,36 +482,51 @@ def create_app(server: Server) -> FastAPI:
             return {"index": 0, "delta": delta, "logprobs": fmt.chat(lps) if lps is not None else None,
                     "finish_reason": finish}
 
-        return stream(handle, params, body, record, choice)
+        return stream(handle, params, body, record, choice, len(ids))
 
-    def stream(handle: RequestHandle, params: SamplingParams, body, record, choice) -> ClosingStream:
-        """Server-sent events: a chunk per step that released text (or logprobs), a last chunk with
-        the finish_reason, an optional usage chunk, then `data: [DONE]`."""
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    def stream(handle: RequestHandle, params: SamplingParams, body, record, choice, prompt_len: int) -> ClosingStream:
+        """Server-sent events: a chunk per step that released text (or logprobs; a stream behind the
+        engine joins its queued steps into one chunk), a last chunk with the finish_reason, an
+        optional usage chunk, then `data: [DONE]`. With stream_options `continuous_usage_stats`
+        (vLLM's extension, with include_usage) every chunk also carries the token counts so far."""
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
 
-        def sse(obj) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
+        def counts(n: int) -> dict | None:
+            return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n} \
+                if continuous else None
+
+        # the common chunk (text after the first, no logprobs) from a template: the same bytes as frame()
+        later = ChunkTemplate(record([choice(Slot("text"), None, None, 1)],
+                                     {"prompt_tokens": prompt_len, "completion_tokens": Slot("n"),
+                                      "total_tokens": Slot("total")} if continuous else None))
 
         async def events():
-            streamer = StopStreamer(tok.decode, params.stop)
-            printed = 0
+            streamer = StopStreamer(IncrementalDecode(tok.decode), params.stop)
+            printed = tokens = 0
             while True:
                 ev = await handle.next_merged()
                 if isinstance(ev, Delta):
+                    tokens += len(ev.token_ids)
                     text = streamer.push(ev.token_ids)
-                    if text or ev.logprobs:
-                        yield sse(record([choice(text, None, ev.logprobs, printed)]))
-                        printed += len(text)
+                    if ev.logprobs is None and printed > 0:
+                        if text:
+                            yield later.fill(text=text, n=tokens, total=prompt_len + tokens)
+                    elif text or ev.logprobs:
+                        yield frame(record([choice(text, None, ev.logprobs, printed)], counts(tokens)))
+                    printed += len(text)
                 elif isinstance(ev, Finished):
                     rest = streamer.finish(ev.output.text)
-                    yield sse(record([choice(rest, FINISH_REASONS.get(ev.output.finish_reason), None, printed)]))
+                    yield frame(record([choice(rest, FINISH_REASONS.get(ev.output.finish_reason), None, printed)],
+                                       counts(len(ev.output.token_ids))))
                     if include_usage:
-                        yield sse(record([], usage(ev)))
-                    yield "data: [DONE]\n\n"
+                        yield frame(record([], usage(ev)))
+                    yield DONE
                     return
                 else:
-                    yield sse(error_body(ev.status, ev.message, code=ev.code))
-                    yield "data: [DONE]\n\n"
+                    yield frame(error_body(ev.status, ev.message, code=ev.code))
+                    yield DONE
                     return
 
         return ClosingStream(events(), handle.close, media_type="text/event-stream",

@@ -16,6 +16,7 @@ Number = Union[StrictInt, StrictFloat]
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's extension: token counts in every chunk (with include_usage)
 
 
 class _Common(BaseModel):
