@@ -247,8 +247,9 @@ class EngineDriver:
         speculative = sum(lv.request.figures.draft_tokens for lv in mine) > drafted
         m.steps.labels(method, str(speculative).lower()).inc()
         m.speculating.labels(method).set(int(speculative))
-        for lv in mine:
-            self._publish(lv)
+        new = sum(self._publish(lv) for lv in mine)
+        if new:
+            m.generation_tokens.inc(new)  # (once a step: a metric call per request is a cost per token)
         for out in finished:
             lv = self.live.pop(out.request_id, None)
             if lv is None:
@@ -258,15 +259,16 @@ class EngineDriver:
             else:
                 self._finish(lv, out, method)
 
-    def _publish(self, lv: _Live) -> None:
+    def _publish(self, lv: _Live) -> int:
+        """A Delta for the tokens `lv` committed since the last one; returns how many."""
         out = lv.request.output_ids
-        if len(out) <= lv.sent:
-            return
-        new = out[lv.sent:]
+        n = len(out) - lv.sent
+        if n <= 0:
+            return 0
         lps = lv.engine.logprobs.get(lv.job.request_id)
-        self.metrics.generation_tokens.inc(len(new))
-        self._send(lv, Delta(list(new), lps[lv.sent:len(out)] if lps is not None else None))
+        self._send(lv, Delta(out[lv.sent:], lps[lv.sent:len(out)] if lps is not None else None))
         lv.sent = len(out)
+        return n
 
     def _finish(self, lv: _Live, out: RequestOutput, method: str) -> None:
         lps = lv.engine.logprobs.get(out.request_id)

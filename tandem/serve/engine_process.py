@@ -13,9 +13,11 @@ joins the steps' tokens into one chunk (RequestHandle.next_merged) while the eng
     ProcessDriver.abort(rid) ----- ("abort", rid) -->  EngineDriver.abort
     ProcessDriver.pools() -------- ("pools", n) ---->  EngineDriver.pools (between two steps)
                    <------------- ("pools", n, report)
-    reader thread  <------ ("events", [(rid, event)], metric calls)   after every loop turn
+    reader thread  <------ ("events", deltas, ends, metric calls)      after every loop turn
       -> each event loop gets its requests' events in one call_soon_threadsafe;
          the metric calls are replayed on the server's ServerMetrics
+         (deltas: (rid, token ids, logprobs) tuples, the per-request part of every step kept to
+         plain data; ends: (rid, Finished | Failed); counter increments summed per turn)
     ProcessDriver.stop() --------- ("stop",) ------->  EngineDriver.stop (in-flight: 503), exit
                    <------------- ("ended", error)     also when the loop dies (error: its text)
 
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 
 from tandem.config import ConfigError
 from tandem.engine.config import EngineConfig
-from tandem.serve.driver import EngineDriver, Failed, Finished, Job, post
+from tandem.serve.driver import Delta, EngineDriver, Event, Failed, Job, post
 
 START_TIMEOUT_S = 900.0  # loading the models (the child's whole start)
 
@@ -56,7 +58,8 @@ class _Recorder:
     value) for the server process to replay; gauges keep only their last value per turn."""
 
     def __init__(self):
-        self.calls: list[tuple[str, tuple, str, float]] = []
+        self.calls: list[tuple[str, tuple, str, float]] = []  # observations, in order
+        self.incs: dict[tuple[str, tuple], float] = {}  # counter increments, summed until the next take
         self.gauges: dict[tuple[str, tuple], float] = {}
         self.sent: dict[tuple[str, tuple], float] = {}  # gauges as the server process last had them
 
@@ -64,11 +67,13 @@ class _Recorder:
         return _Metric(self, name, ())
 
     def take(self) -> list[tuple[str, tuple, str, float]]:
-        """The calls since the last take; gauges only where they changed (an idle loop sends nothing)."""
+        """The calls since the last take (one inc per counter); gauges only where they changed (an
+        idle loop sends nothing)."""
         changed = {k: v for k, v in self.gauges.items() if self.sent.get(k) != v}
         self.sent.update(changed)
-        out = self.calls + [(n, lab, "set", v) for (n, lab), v in changed.items()]
-        self.calls, self.gauges = [], {}
+        out = (self.calls + [(n, lab, "inc", v) for (n, lab), v in self.incs.items()]
+               + [(n, lab, "set", v) for (n, lab), v in changed.items()])
+        self.calls, self.incs, self.gauges = [], {}, {}
         return out
 
 
@@ -80,7 +85,8 @@ class _Metric:
         return _Metric(self.rec, self.name, tuple(values))
 
     def inc(self, value: float = 1.0) -> None:
-        self.rec.calls.append((self.name, self.label_values, "inc", value))
+        key = (self.name, self.label_values)
+        self.rec.incs[key] = self.rec.incs.get(key, 0.0) + value
 
     def observe(self, value: float) -> None:
         self.rec.calls.append((self.name, self.label_values, "observe", value))
@@ -102,16 +108,21 @@ class _ChildDriver(EngineDriver):
 
     def __init__(self, engines, recorder: _Recorder, send):
         super().__init__(engines, recorder)
-        self.send, self.batch = send, []
+        self.send = send
+        self.deltas: list[tuple[str, list[int], list | None]] = []
+        self.ends: list[tuple[str, Event]] = []
 
     def _send(self, lv, event) -> None:
-        self.batch.append((lv.job.request_id, event))
+        if isinstance(event, Delta):
+            self.deltas.append((lv.job.request_id, event.token_ids, event.logprobs))
+        else:
+            self.ends.append((lv.job.request_id, event))
 
     def _flush(self) -> None:
         calls = self.metrics.take()
-        if self.batch or calls:
-            batch, self.batch = self.batch, []
-            self.send(("events", batch, calls))
+        if self.deltas or self.ends or calls:
+            deltas, ends, self.deltas, self.ends = self.deltas, self.ends, [], []
+            self.send(("events", deltas, ends, calls))
 
     def _main(self) -> None:
         try:
@@ -265,8 +276,8 @@ class ProcessDriver:
             while True:
                 msg = self.conn.recv()
                 if msg[0] == "events":
-                    self._events(msg[1])
-                    replay(self.metrics, msg[2])
+                    self._events(msg[1], msg[2])
+                    replay(self.metrics, msg[3])
                 elif msg[0] == "pools":
                     with self._lock:
                         fut = self.reports.pop(msg[1], None)
@@ -293,13 +304,16 @@ class ProcessDriver:
         finally:
             self._fail_all()
 
-    def _events(self, batch: list) -> None:
-        """One turn's events, each to its request's job (a request that ended leaves the table)."""
+    def _events(self, deltas: list, ends: list) -> None:
+        """One turn's events, each to its request's job (a request that ended leaves the table;
+        its last Delta comes first, as the engine process sent them)."""
         with self._lock:
-            pairs = [(self.jobs[rid], event) for rid, event in batch if rid in self.jobs]
-            for job, event in pairs:
-                if isinstance(event, (Finished, Failed)):
-                    del self.jobs[job.request_id]
+            jobs = self.jobs
+            pairs = [(jobs[rid], Delta(ids, lps)) for rid, ids, lps in deltas if rid in jobs]
+            for rid, event in ends:
+                job = jobs.pop(rid, None)
+                if job is not None:
+                    pairs.append((job, event))
         post(pairs)
 
     def _fail_all(self) -> None:
