@@ -51,6 +51,79 @@ def test_an_unreachable_server_is_counted_as_errors_not_raised():
     assert lv.completed == 0 and lv.sent == 3 and sum(lv.errors.values()) == 3 and lv.ttft_ms["p50"] is None
 
 
+def test_a_chunk_of_k_tokens_counts_k_inter_token_gaps():
+    """The tally reads each chunk's running usage: k tokens in a chunk share its gap (1/k each);
+    a chunk without text adds nothing until text comes; the first chunk's time is the TTFT."""
+    from tandem.bench.online import _Tally
+
+    def ev(text, n, finish=None):
+        return json.dumps({"choices": [{"index": 0, "text": text, "finish_reason": finish}],
+                           "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}}).encode()
+
+    t = _Tally(t0=10.0)
+    for data, now in ((ev("a", 1), 10.5), (ev("bcd", 4), 10.8), (ev("", 5), 10.9), (ev("ef", 6), 11.2),
+                      (ev("", 6, "length"), 11.3), (b'{"choices": [], "usage": {"completion_tokens": 6}}', 11.3),
+                      (b"[DONE]", 11.3)):
+        t.event(data, now)
+    s = t.sample(end=11.4)
+    assert t.done and s.tokens == 6 and s.chunks == 3 and s.error is None
+    assert s.ttft == pytest.approx(0.5) and s.e2e == pytest.approx(1.4)
+    assert s.itl == pytest.approx((0.1, 0.1, 0.1, 0.2, 0.2))  # 3 tokens over 0.3 s, then 2 over 0.4 s
+    bare = _Tally(t0=0.0)  # a server that sends usage only at the end: one token per text chunk
+    for data, now in ((b'{"choices": [{"text": "a"}]}', 1.0), (b'{"choices": [{"text": "bc"}]}', 1.5)):
+        bare.event(data, now)
+    assert bare.sample(end=2.0).itl == (0.5,)
+
+
+def test_the_client_parses_chunked_sse_split_anywhere_keeps_alive_and_counts_failures():
+    """A hand-written HTTP/1.1 server: a chunked SSE body sent a few bytes at a time (the framing
+    and the events split at arbitrary points), a second request on the same connection, a 503
+    with a length-delimited body, and a stream cut before [DONE]."""
+    from tandem.bench.online import Client
+
+    events = [{"choices": [{"text": "ab"}], "usage": {"completion_tokens": 1}},
+              {"choices": [{"text": "c"}], "usage": {"completion_tokens": 3}},
+              {"choices": [{"text": "", "finish_reason": "length"}], "usage": {"completion_tokens": 3}},
+              {"choices": [], "usage": {"completion_tokens": 3}}]
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 50]), body[i:i + 50]) for i in range(0, len(body), 50))
+    ok = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n" + chunked
+    replies = [ok + b"0\r\n\r\n", ok + b"0\r\n\r\n",
+               b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 9\r\nconnection: close\r\n\r\n{\"e\": 1}\n",
+               ok[:-len(chunked)] + chunked[:len(chunked) // 2]]
+    connections = []
+
+    async def serve(reader, writer):
+        connections.append(writer)
+        while replies:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
+            assert json.loads(await reader.readexactly(length))["stream"] is True
+            reply = replies.pop(0)
+            for i in range(0, len(reply), 7):  # a few bytes a write
+                writer.write(reply[i:i + 7])
+                await writer.drain()
+                await asyncio.sleep(0)
+            if b"503" in reply[:12] or not replies:
+                break
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = Client(f"http://127.0.0.1:{port}", "k", timeout=10)
+        out = [await client.stream({"prompt": "x", "stream": True}) for _ in range(4)]
+        client.close()
+        server.close()
+        return out
+
+    first, second, busy, cut = asyncio.run(go())
+    for s in (first, second):
+        assert s.error is None and s.tokens == 3 and s.chunks == 2 and len(s.itl) == 2
+    assert busy.error == "HTTP 503" and cut.error == "RemoteProtocolError"
+    assert len(connections) == 2  # the first two on one kept-alive connection, the rest on a second
+
+
 @pytest.mark.parametrize("args,message", [
     (["--concurrency", "1,zero"], "--concurrency takes integers"),
     (["--requests", "0"], "--requests must be >= 1"),

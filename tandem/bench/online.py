@@ -9,9 +9,15 @@
     report per (method, c): requests/s, output tokens/s, TTFT, inter-token and end-to-end p50/p99,
     errors by kind -> results.json, results.md, online_latency.png
 
-TTFT is from sending the request to the first SSE chunk carrying text; inter-token latency is the
-gap between consecutive text chunks (a chunk may carry several tokens: text alone cannot split
-them); end-to-end is from sending to `[DONE]`. Output tokens come from the stream's usage chunk.
+TTFT is from sending the request to the first SSE chunk carrying text; inter-token latency is per
+token: every chunk carries the token counts so far (stream_options `continuous_usage_stats`), and
+a chunk of k tokens after the first gives each of them 1/k of the gap since the previous text chunk
+(SGLang's bench_serving does the same; a server without the counts: one token per chunk);
+end-to-end is from sending to `[DONE]`. Output tokens come from the stream's usage. Also reported:
+tokens per chunk, and the cores busy over each level in the client process (near 1: the load
+generator is the limit), and with a server started here, in its process and its engine process.
+The client is a few-line HTTP/1.1 parser on asyncio's protocol callbacks, not httpx (which took
+most of a core at 64 streams on the CPU).
 Errors (an HTTP status, a transport error, an error event inside the stream) are counted, never
 raised. Exit status 0; 1 when any request failed. Only loopback URLs unless --allow-remote.
 """
@@ -58,8 +64,9 @@ class Sample:
     ttft: float | None = None
     e2e: float | None = None
     tokens: int = 0
-    itl: tuple[float, ...] = ()
+    itl: tuple[float, ...] = ()  # one gap per token after the first chunk's
     error: str | None = None
+    chunks: int = 0  # SSE chunks that carried text
 
 
 @dataclass
@@ -79,6 +86,9 @@ class Level:
     ttft_ms: dict = field(default_factory=dict)
     itl_ms: dict = field(default_factory=dict)
     e2e_ms: dict = field(default_factory=dict)
+    tokens_per_chunk: float | None = None  # > 1: the server joined steps (or released held text) into chunks
+    client_cpu: float | None = None  # the load generator's cores busy over the level (near 1: it is the limit)
+    cpu: dict = field(default_factory=dict)  # the same for the in-process server ("server", "engine")
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -111,71 +121,287 @@ def summarize(method: str, concurrency: int, rate: float | None, samples: list[S
                  requests_per_s=round(len(ok) / wall, 3),
                  output_tokens_per_s=round(sum(s.tokens for s in ok) / wall, 1),
                  ttft_ms=_ms([s.ttft for s in ok]), itl_ms=_ms([x for s in ok for x in s.itl], mean=True),
-                 e2e_ms=_ms([s.e2e for s in ok]))
+                 e2e_ms=_ms([s.e2e for s in ok]),
+                 tokens_per_chunk=round(sum(s.tokens for s in ok) / chunks, 2) if (chunks := sum(s.chunks for s in ok))
+                 else None)
 
 
 # ---------------------------------------------------------------------------------------------
 # The client
-async def one(client, prompt: str, load: Load, method: str | None) -> Sample:
-    """One streamed completion; never raises for a server or transport failure."""
-    import httpx
+class _Tally:
+    """One streamed completion's figures, fed each SSE event's data as it arrives.
 
+    The request asks for usage in every chunk (stream_options `continuous_usage_stats`, vLLM's
+    extension), so a chunk whose text carries k tokens counts k: after the first text chunk each of
+    its tokens gets an inter-token gap of (time since the previous text chunk) / k, as SGLang's
+    bench_serving spreads them; the first chunk's time is the TTFT. A server that sends usage only
+    at the end gets one token per text chunk (text alone cannot split them)."""
+
+    def __init__(self, t0: float):
+        self.t0, self.first, self.last = t0, None, None
+        self.itl: list[float] = []
+        self.tokens = self.counted = self.chunks = 0
+        self.error: str | None = None
+        self.done = False
+
+    def event(self, data: bytes, now: float) -> None:
+        if data == b"[DONE]":
+            self.done = True
+            return
+        ev = json.loads(data)
+        if "error" in ev:  # the server failed the request after the 200
+            self.error = f"stream {ev['error'].get('code') or 'error'}"
+            return
+        use = ev.get("usage")
+        n = use["completion_tokens"] if use else None
+        if n is not None:
+            self.tokens = n
+        choices = ev.get("choices")
+        if choices and choices[0].get("text"):
+            k = n - self.counted if n is not None else 1
+            self.counted = n if n is not None else self.counted + 1
+            if self.first is None:
+                self.first = now
+            elif k > 0:
+                self.itl.extend([(now - self.last) / k] * k)
+            self.last = now
+            self.chunks += 1
+
+    def sample(self, end: float) -> Sample:
+        return Sample(ttft=(self.first if self.first is not None else end) - self.t0, e2e=end - self.t0,
+                      tokens=self.tokens, itl=tuple(self.itl), chunks=self.chunks)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection reading a streamed response in the bytes' own callback.
+
+    The load generator must not be the limit it measures: httpx (httpcore, anyio, h11, a line
+    iterator) took most of a core at 64 streams on the CPU, profiled with py-spy. This parses the
+    status line, the headers, chunked (or length- or close-delimited) framing and SSE events with
+    a few bytes operations per chunk, and stamps each event with its arrival time."""
+
+    def __init__(self):
+        self.transport: asyncio.Transport | None = None
+        self.tally: _Tally | None = None
+        self.done: asyncio.Future | None = None
+        self.received = 0  # bytes of the current response
+        self.reusable = False
+
+    # ---- asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.done is None or self.done.done():
+            return
+        self.received += len(data)
+        self.buf += data
+        try:
+            self._parse(time.perf_counter())
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            self._end("bad SSE event")
+
+    def connection_lost(self, exc) -> None:
+        self.transport = None
+        if self.done is not None and not self.done.done():
+            if self.state == "body" and self.framing == "close":
+                self._flush_sse(time.perf_counter(), final=True)
+                self._end(None)
+            else:
+                self._end("RemoteProtocolError")
+
+    # ---- one request
+    def send(self, request: bytes, tally: _Tally) -> asyncio.Future:
+        """Resolves to None (a complete 200 stream) or an error kind once the response ends."""
+        self.tally, self.buf, self.sse, self.state = tally, bytearray(), bytearray(), "head"
+        self.received, self.reusable = 0, False
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        return self.done
+
+    def _end(self, error: str | None) -> None:
+        if not self.done.done():
+            self.done.set_result(error)
+
+    def _parse(self, now: float) -> None:
+        buf = self.buf
+        if self.state == "head":
+            i = buf.find(b"\r\n\r\n")
+            if i < 0:
+                return
+            lines = bytes(buf[:i]).decode("latin-1").split("\r\n")
+            del buf[:i + 4]
+            self.status = int(lines[0].split(" ", 2)[1])
+            headers = {}
+            for line in lines[1:]:
+                k, _, v = line.partition(":")
+                headers[k.strip().lower()] = v.strip().lower()
+            self.keep_alive = headers.get("connection") != "close"
+            if "chunked" in headers.get("transfer-encoding", ""):
+                self.framing = "chunked"
+            elif "content-length" in headers:
+                self.framing, self.left = "length", int(headers["content-length"])
+            else:
+                self.framing = "close"
+            self.state = "body"
+        if self.framing == "chunked":
+            while True:
+                i = buf.find(b"\r\n")
+                if i < 0:
+                    return
+                size = int(bytes(buf[:i]).split(b";")[0], 16)
+                if size == 0:  # the last chunk, then optional trailers and an empty line
+                    j = buf.find(b"\r\n\r\n", i) if buf[i + 2:i + 4] != b"\r\n" else i
+                    if j < 0:
+                        return
+                    del buf[:j + 4]
+                    self._flush_sse(now, final=True)
+                    self.reusable = self.keep_alive and not buf
+                    self._end(None)
+                    return
+                if len(buf) < i + 2 + size + 2:
+                    return
+                self.sse += buf[i + 2:i + 2 + size]
+                del buf[:i + 2 + size + 2]
+                self._flush_sse(now)
+                if self.done.done():
+                    return
+        else:
+            if self.framing == "length":
+                take = min(self.left, len(buf))
+                self.left -= take
+            else:
+                take = len(buf)
+            self.sse += buf[:take]
+            del buf[:take]
+            self._flush_sse(now)
+            if self.framing == "length" and self.left == 0 and not self.done.done():
+                self._flush_sse(now, final=True)
+                self.reusable = self.keep_alive
+                self._end(None)
+
+    def _flush_sse(self, now: float, final: bool = False) -> None:
+        """Hand each complete event's data to the tally (a non-200 body: only its end matters)."""
+        if self.status != 200:
+            if final:
+                self._end(f"HTTP {self.status}")
+            return
+        sse, tally = self.sse, self.tally
+        if b"\r" in sse:
+            sse[:] = sse.replace(b"\r\n", b"\n")
+        while True:
+            i = sse.find(b"\n\n")
+            if i < 0:
+                break
+            for line in bytes(sse[:i]).split(b"\n"):
+                if line.startswith(b"data:"):
+                    tally.event(line[5:].lstrip(b" "), now)
+                    if tally.error is not None:
+                        self._end(tally.error)
+                        return
+            del sse[:i + 2]
+        if final and not tally.done:
+            self._end("RemoteProtocolError")  # the body ended before [DONE]
+
+
+class Client:
+    """Streamed completions over a pool of keep-alive connections to one server (http or https)."""
+
+    def __init__(self, url: str, api_key: str | None, timeout: float):
+        u = urlparse(url)
+        self.host, self.tls = u.hostname or "127.0.0.1", u.scheme == "https"
+        self.port = u.port or (443 if self.tls else 80)
+        self.path = u.path.rstrip("/") + "/v1/completions"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.head = (f"POST {self.path} HTTP/1.1\r\nHost: {host}:{self.port}\r\n"
+                     "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+                     + (f"Authorization: Bearer {api_key}\r\n" if api_key else ""))
+        self.timeout = timeout
+        self.idle: list[_Connection] = []
+
+    async def _connect(self) -> _Connection:
+        import ssl
+
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(_Connection, self.host, self.port,
+                                               ssl=ssl.create_default_context() if self.tls else None)
+        return conn
+
+    async def stream(self, body: dict) -> Sample:
+        """One streamed completion; never raises for a server or transport failure."""
+        data = json.dumps(body).encode()
+        request = (self.head + f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+        t0 = time.perf_counter()
+        for attempt in (0, 1):
+            reused = False
+            while self.idle:  # a kept-alive connection, unless the server has closed it since
+                conn = self.idle.pop()
+                if conn.transport is not None and not conn.transport.is_closing():
+                    reused = True
+                    break
+            else:
+                try:
+                    conn = await asyncio.wait_for(self._connect(), self.timeout)
+                except asyncio.TimeoutError:
+                    return Sample(error="ConnectTimeout")
+                except OSError:
+                    return Sample(error="ConnectError")
+            tally = _Tally(t0)
+            try:
+                error = await asyncio.wait_for(conn.send(request, tally), self.timeout)
+            except asyncio.TimeoutError:
+                error = "ReadTimeout"
+            if error == "RemoteProtocolError" and reused and conn.received == 0 and attempt == 0:
+                continue  # the server closed the idle connection as this request went out: once more
+            end = time.perf_counter()
+            if conn.reusable and error is None:
+                self.idle.append(conn)
+            elif conn.transport is not None:
+                conn.transport.close()
+            return Sample(error=error) if error is not None else tally.sample(end)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        for conn in self.idle:
+            if conn.transport is not None:
+                conn.transport.close()
+        self.idle = []
+
+
+def request_body(prompt: str, load: Load, method: str | None) -> dict:
     body = {"prompt": prompt, "max_tokens": load.max_tokens, "temperature": load.temperature, "top_p": load.top_p,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": load.ignore_eos}
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "ignore_eos": load.ignore_eos}
     if load.seed is not None:
         body["seed"] = load.seed
     if method is not None:
         body["method"] = method
-    t0 = time.perf_counter()
-    first, marks, tokens = None, [], 0
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                return Sample(error=f"HTTP {r.status_code}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[len("data: "):])
-                if "error" in ev:  # the server failed the request after the 200
-                    return Sample(error=f"stream {ev['error'].get('code') or 'error'}")
-                if ev.get("usage"):
-                    tokens = ev["usage"]["completion_tokens"]
-                if ev.get("choices") and ev["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    first = now if first is None else first
-                    marks.append(now)
-    except httpx.HTTPError as e:
-        return Sample(error=type(e).__name__)
-    except json.JSONDecodeError:
-        return Sample(error="bad SSE event")
-    end = time.perf_counter()
-    return Sample(ttft=(first if first is not None else end) - t0, e2e=end - t0, tokens=tokens,
-                  itl=tuple(b - a for a, b in zip(marks, marks[1:])))
+    return body
 
 
 async def run_level(load: Load, prompts: list[str], method: str | None, concurrency: int) -> Level:
     """`load.requests` requests, at most `concurrency` in flight; a start past the deadline is skipped."""
-    import httpx
-
     sem = asyncio.Semaphore(concurrency)
-    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
+    client = Client(load.url, load.api_key, timeout=load.max_seconds + 60)
 
-    async def guarded(i: int, client, t0: float) -> Sample | None:
+    async def guarded(i: int, t0: float) -> Sample | None:
         if load.request_rate is not None:  # evenly spaced arrivals
             await asyncio.sleep(max(0.0, t0 + i / load.request_rate - time.perf_counter()))
         async with sem:
             # NOTE: the first request always starts (a level that sent nothing measures nothing)
             if i > 0 and time.perf_counter() > t0 + load.max_seconds:
                 return None
-            return await one(client, prompts[i % len(prompts)], load, method)
+            return await client.stream(request_body(prompts[i % len(prompts)], load, method))
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=load.url, headers=headers, timeout=load.max_seconds + 60,
-                                 limits=limits) as client:
-        t0 = time.perf_counter()  # the level's clock starts once the client exists, not before
-        samples = await asyncio.gather(*(guarded(i, client, t0) for i in range(load.requests)))
-    return summarize(method or "default", concurrency, load.request_rate, list(samples), time.perf_counter() - t0)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    try:
+        samples = await asyncio.gather(*(guarded(i, t0) for i in range(load.requests)))
+    finally:
+        client.close()
+    wall = time.perf_counter() - t0
+    level = summarize(method or "default", concurrency, load.request_rate, list(samples), wall)
+    level.client_cpu = round((time.process_time() - cpu0) / max(wall, 1e-9), 3)
+    return level
 
 
 def run_levels(prompts: list[str], plan: list[tuple[Load, str | None, int]]) -> list[Level]:
@@ -183,13 +409,39 @@ def run_levels(prompts: list[str], plan: list[tuple[Load, str | None, int]]) -> 
     return [asyncio.run(run_level(load, prompts, m, c)) for load, m, c in plan]
 
 
-def client_process(prompts: list[str], plan: list[tuple[Load, str | None, int]]) -> list[Level]:
-    """run_levels in a spawned process (no CUDA, no model: only the HTTP client)."""
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, every thread) a live process has used so far; None off Linux."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def client_process(prompts: list[str], plan: list[tuple[Load, str | None, int]],
+                   watch: dict[str, int] | None = None) -> list[Level]:
+    """run_levels in a spawned process (no CUDA, no model: only the HTTP client), one level at a
+    time; `watch` (name -> pid, e.g. this process as the server) gets each level's CPU use
+    (cores busy over the level's wall time, in Level.cpu)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    rows = []
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-        return ex.submit(run_levels, prompts, plan).result()
+        for step in plan:
+            before = {name: process_cpu_s(pid) for name, pid in (watch or {}).items()}
+            t0 = time.perf_counter()
+            level = ex.submit(run_levels, prompts, [step]).result()[0]
+            wall = time.perf_counter() - t0
+            for name, pid in (watch or {}).items():
+                after = process_cpu_s(pid)
+                if after is not None and before[name] is not None:
+                    level.cpu[name] = round((after - before[name]) / wall, 3)
+            rows.append(level)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,13 +595,16 @@ def markdown(results: dict) -> str:
              f"{c['requests']} requests per level, max_tokens {c['max_tokens']}, "
              f"request rate {c['request_rate'] or 'unbounded'}, {c['max_seconds']} s per level at most.", "",
              "| method | conc | ok | errors | skipped | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms "
-             "| e2e p50/p99 ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| e2e p50/p99 ms | tok/chunk | CPU client / server / engine |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["levels"]:
         errs = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "0"
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['completed']} | {errs} | {r['skipped']} | "
                      f"{r['requests_per_s']} | {r['output_tokens_per_s']} | "
                      f"{r['ttft_ms']['p50']}/{r['ttft_ms']['p99']} | {r['itl_ms']['p50']}/{r['itl_ms']['p99']} | "
-                     f"{r['e2e_ms']['p50']}/{r['e2e_ms']['p99']} |")
+                     f"{r['e2e_ms']['p50']}/{r['e2e_ms']['p99']} | {r.get('tokens_per_chunk')} | "
+                     f"{r.get('client_cpu')} / {r.get('cpu', {}).get('server', '-')} / "
+                     f"{r.get('cpu', {}).get('engine', '-')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -394,7 +649,17 @@ def run(args: argparse.Namespace) -> int:
         # an in-process server shares this interpreter's lock with its engine thread: a client in
         # the same process would take a share of it too (profiled on the CPU: the load generator
         # held it more than the server did), so the load comes from a process of its own
-        rows = (client_process(prompts, plan) if local is not None else run_levels(prompts, plan))[len(methods or [None]):]
+        if local is not None:
+            import os
+
+            watch = {"server": os.getpid()}
+            engine = getattr(local.state.driver, "process", None)  # (--engine-process)
+            if engine is not None:
+                watch["engine"] = engine.pid
+            rows = client_process(prompts, plan, watch)
+        else:
+            rows = run_levels(prompts, plan)
+        rows = rows[len(methods or [None]):]
     finally:
         if local is not None:
             local.stop()
