@@ -99,9 +99,11 @@ if triton is not None:
         avail = valid
         s_idx = tl.arange(0, WP)
         picked = tl.zeros([WP], dtype=tl.int64)
+        nan = lp != lp  # (a padding request's garbage: a stable sort of -lp puts NaN last)
         for s in range(W):  # the best remaining node, the earliest of equals (a stable sort's order)
-            m = tl.max(tl.where(avail, lp, float("-inf")), axis=0)
-            hit = avail & (lp == m)
+            m = tl.max(tl.where(avail & ~nan, lp, float("-inf")), axis=0)
+            hit = avail & ~nan & (lp == m)
+            hit = hit | (avail & nan & (tl.max(hit.to(tl.int32), axis=0) == 0))  # only NaN left: the earliest
             j = tl.min(tl.where(hit, i, NP), axis=0)
             avail = avail & (i != j)
             picked = tl.where(s_idx == s, j.to(tl.int64), picked)

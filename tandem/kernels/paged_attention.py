@@ -48,17 +48,6 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, bits_words: int) -> bool:
             and q.shape[-1] in (32, 64, 128, 256) and q.shape[1] % k_cache.shape[1] == 0)
 
 
-def splits_for(programs: int) -> int:
-    """Column splits per (tile, KV head) program: a pass with few programs (one request: 2 on the
-    bundled target, on a GPU of 132 SMs) streams each request's whole context through one SM;
-    split, each program takes a slice of the columns and a small kernel merges the slices' softmax
-    states (flash-decoding). Measured on the H200 before (2026-12-02): 13-15 us a call at one
-    request, 16 calls in an EAGLE-3 step, the step's largest kernel."""
-    if programs >= 64:
-        return 1
-    return 1 << (min(8, 128 // programs).bit_length() - 1)  # (a power of two: the merge's tl.arange)
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows) -> torch.Tensor:
     """q: [M, H, D] (rotated; any row and head strides); k_cache, v_cache: [num_slots, Hkv, D]
     with this pass's rows already stored; rows: a BatchRows (tiles, per-row visibility, block
@@ -69,39 +58,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     GP = triton.next_power_of_2(G)
     out = torch.empty(M, H, D, device=q.device, dtype=q.dtype)
     bt = rows.block_tables
-    NT = rows.tiles.shape[0]
-    splits = splits_for(NT * Hkv)
-    # split: each slice's unnormalised output [splits, M, H, D] and (max, sum) [splits, 2, M, H], merged below
-    part = torch.empty(splits, M, H, D, device=q.device, dtype=torch.float32) if splits > 1 else out
-    ml = torch.empty(splits, 2, M, H, device=q.device, dtype=torch.float32) if splits > 1 else out
-    _paged_attn_kernel[(NT, Hkv, splits)](
-        q, k_cache, v_cache, out, part, ml, rows.tiles, rows.seq_len, bt, rows.row_prefix, rows.row_base,
-        rows.row_bits, 1.0 / math.sqrt(D), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        bt.stride(0), out.stride(0), out.stride(1), M * H, HKV=Hkv, G=G, GP=GP, BT=rows.tile_rows, BLOCK_N=64,
-        BS=rows.block_size, D=D, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4)
-    if splits > 1:
-        _merge_kernel[(M * H,)](part, ml, out, M * H, H, out.stride(0), out.stride(1), SPLITS=splits, D=D)
+    grid = (rows.tiles.shape[0], Hkv)
+    _paged_attn_kernel[grid](q, k_cache, v_cache, out, rows.tiles, rows.seq_len, bt, rows.row_prefix, rows.row_base,
+                             rows.row_bits, 1.0 / math.sqrt(D), q.stride(0), q.stride(1), k_cache.stride(0),
+                             k_cache.stride(1), bt.stride(0), out.stride(0), out.stride(1), HKV=Hkv, G=G, GP=GP,
+                             BT=rows.tile_rows, BLOCK_N=64, BS=rows.block_size, D=D,
+                             IEEE=q.dtype == torch.float32, num_warps=4)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, ml_ptr, tiles_ptr, seq_len_ptr, bt_ptr, prefix_ptr,
-                           base_ptr, bits_ptr, scale, sq_m, sq_h, sk_s, sk_h, sbt_r, so_m, so_h, MH,
-                           HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                           IEEE: tl.constexpr):
+    def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tiles_ptr, seq_len_ptr, bt_ptr, prefix_ptr, base_ptr, bits_ptr,
+                           scale, sq_m, sq_h, sk_s, sk_h, sbt_r, so_m, so_h, HKV: tl.constexpr, G: tl.constexpr,
+                           GP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+                           D: tl.constexpr, IEEE: tl.constexpr):
         tile = tl.program_id(0)
         hk = tl.program_id(1)
         r = tl.load(tiles_ptr + tile * 3)
         row0 = tl.load(tiles_ptr + tile * 3 + 1)
         nrows = tl.load(tiles_ptr + tile * 3 + 2)
         S = tl.where(nrows > 0, tl.load(seq_len_ptr + r), 0)  # an empty (padding) tile scans nothing
-        # this program's slice of the columns: a share of the request's column blocks
-        per = tl.cdiv(tl.cdiv(S, BLOCK_N), SPLITS) * BLOCK_N
-        lo = tl.program_id(2) * per
-        hi = tl.minimum(S, lo + per)
         i = tl.arange(0, GP * BT)  # tile row i: query head hk * G + i // BT, packed row row0 + i % BT
         g = i // BT
         t = i % BT
@@ -116,9 +94,9 @@ if triton is not None:
         m_i = tl.full([GP * BT], float("-inf"), tl.float32)
         l_i = tl.zeros([GP * BT], tl.float32)
         acc = tl.zeros([GP * BT, D], tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
+        for n0 in range(0, S, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = n < hi
+            n_ok = n < S
             blk = tl.load(bt_ptr + r * sbt_r + n // BS, mask=n_ok, other=0)
             slot = blk * BS + n % BS  # [BLOCK_N] pool rows of these columns
             k = tl.load(k_ptr + slot[:, None] * sk_s + hk * sk_h + d[None, :], mask=n_ok[:, None], other=0.0)
@@ -130,27 +108,6 @@ if triton is not None:
             allow = allow & n_ok[None, :] & ok[:, None]
             v = tl.load(v_ptr + slot[:, None] * sk_s + hk * sk_h + d[None, :], mask=n_ok[:, None], other=0.0)
             m_i, l_i, acc = online_softmax_step(tl.where(allow, s, float("-inf")), v, m_i, l_i, acc, IEEE)
-        if SPLITS == 1:
-            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(o_ptr + row[:, None] * so_m + h[:, None] * so_h + d[None, :], out.to(o_ptr.dtype.element_ty),
-                     mask=ok[:, None])
-        else:  # the slice's state, merged by _merge_kernel
-            at = row * (HKV * G) + h  # [rows] in [M, H]
-            sp = tl.program_id(2)
-            tl.store(part_ptr + (sp * MH + at)[:, None] * D + d[None, :], acc, mask=ok[:, None])
-            tl.store(ml_ptr + sp * 2 * MH + at, m_i, mask=ok)
-            tl.store(ml_ptr + (sp * 2 + 1) * MH + at, l_i, mask=ok)
-
-    @triton.jit
-    def _merge_kernel(part_ptr, ml_ptr, o_ptr, MH, H, so_m, so_h, SPLITS: tl.constexpr, D: tl.constexpr):
-        x = tl.program_id(0)  # (row, head) = divmod(x, H)
-        j = tl.arange(0, SPLITS)
-        d = tl.arange(0, D)
-        m = tl.load(ml_ptr + j * 2 * MH + x)  # [SPLITS] each slice's max (-inf: it saw nothing)
-        l_j = tl.load(ml_ptr + (j * 2 + 1) * MH + x)
-        top = tl.max(m, 0)
-        w = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))  # (0 for an empty slice)
-        l_sum = tl.sum(w * l_j, 0)
-        acc = tl.sum(w[:, None] * tl.load(part_ptr + (j[:, None] * MH + x) * D + d[None, :]), 0)  # [D]
-        out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
-        tl.store(o_ptr + (x // H) * so_m + (x % H) * so_h + d, out.to(o_ptr.dtype.element_ty))
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + row[:, None] * so_m + h[:, None] * so_h + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=ok[:, None])

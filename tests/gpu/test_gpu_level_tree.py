@@ -18,7 +18,9 @@ def _nodes(R: int, n_all: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     lp = -torch.randint(0, 6, (R, n_all), generator=g).float() / 4  # few distinct values: many ties
     lp[torch.rand(R, n_all, generator=g) < 0.1] = float("-inf")
-    lp[0, :] = float("-inf")  # a request whose nodes are all -inf (padding-like)
+    lp[0, :] = float("-inf")  # a request whose nodes are all -inf
+    lp[1, :] = float("nan")  # one whose nodes are all NaN (a padding request's garbage)
+    lp[2, torch.rand(n_all, generator=g) < 0.3] = float("nan")  # NaN among numbers: ranked last, as a sort does
     tok = torch.randint(0, 1000, (R, n_all), generator=g)
     return tok.to(DEVICE), lp.to(DEVICE)
 
@@ -66,4 +68,4 @@ def test_level_feed_and_children_equal_the_reference(w):
         level_tree.level_children_ref(ref_tok, ref_par, ref_lp, r_fed, ctok + d2t[ctok], clp, lo)
         level_tree.level_children(tok, par, lp, fed, ctok, clp, lo, d2t)
         assert torch.equal(tok, ref_tok) and torch.equal(par, ref_par)
-        assert torch.equal(lp.nan_to_num(neginf=-1e30), ref_lp.nan_to_num(neginf=-1e30))
+        assert torch.equal(lp.nan_to_num(nan=7.0, neginf=-1e30), ref_lp.nan_to_num(nan=7.0, neginf=-1e30))
