@@ -188,3 +188,38 @@ def test_ancestor_mask_matches_the_definition_on_random_trees():
                 chain.add(j)
                 j = parents[j]
             assert mask[i].tolist() == [k in chain for k in range(n)]
+
+
+# an EAGLE-3 level tree of the bundled pair (depth 4, a power of two: pointer jumping's last round
+# is the one that reaches the root)
+EAGLE_TREE = [-1, 0, 0, 0, 0, 1, 1, 1, 1, 2, 3, 4, 4, 10, 6, 13, 14]
+
+
+@pytest.mark.parametrize("trees,size", [(3, 9), (40, 17), (30, 9), (12, 64), (5, 70), (30, None)])
+def test_tree_masks_of_many_trees_are_each_trees_ancestors_and_depths(trees, size):
+    """tree_masks over trees side by side (python ints for few nodes or a tree wider than 64,
+    uint64 pointer jumping for many) gives every node its ancestors-and-self bits and depth, as
+    walking each tree's parents does (size None: the EAGLE-3 tree, 30 times)."""
+    from tandem.tree.draft_tree import tree_masks
+
+    g = torch.Generator().manual_seed(trees * (size or 1))
+    parents, sizes, want_bits, want_depth = [], [], [], []
+    for t in range(trees):
+        n = 1 if t == 0 else size or len(EAGLE_TREE)  # (a root alone among them)
+        reach = 3 if t % 2 else n  # deep trees and bushy ones (parents anywhere before)
+        par = [-1] + [int(torch.randint(max(0, i - reach), i, (), generator=g)) for i in range(1, n)]
+        if size is None and n > 1:
+            par = EAGLE_TREE
+        parents += par
+        sizes.append(n)
+        for i in range(n):
+            bits, depth, j = 0, 0, i
+            while j >= 0:
+                bits |= 1 << j
+                depth += j != i
+                j = par[j]
+            want_bits.append(bits)
+            want_depth.append(depth)
+    bits, depth, words = tree_masks(parents, sizes)
+    assert [int(b) for b in bits] == want_bits and [int(d) for d in depth] == want_depth
+    assert words == -(-max(sizes) // 64)

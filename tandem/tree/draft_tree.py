@@ -87,34 +87,38 @@ def tree_masks(parents: list[int], sizes: list[int]) -> tuple["np.ndarray | list
     after another; sizes: their node counts. Bit j of a node's mask: node j of its tree is the
     node itself or one of its ancestors (what its verify row sees of the tree).
 
-    With at most 64 nodes a tree the masks are one uint64 each, computed for every tree at once by
-    pointer jumping (log2(depth) rounds of a few array ops, not a python step per node); wider
-    trees get python ints."""
+    Few nodes (or a tree wider than 64): a python step per node, python ints. Many (every tree at
+    most 64 nodes): uint64 words for all trees at once by pointer jumping, log2(depth) rounds of
+    a few array ops (numpy's fixed cost per op makes that the slower way below ~300 nodes)."""
     n = len(parents)
     if n == len(sizes):  # every tree its root alone (an `ar` step)
         return np.ones(n, dtype=np.uint64), np.zeros(n, dtype=np.int64), 1
-    if max(sizes) > 64:
+    if n < 300 or max(sizes) > 64:
         bits: list[int] = []
         depth: list[int] = []
         at = 0
         for size in sizes:
             for i, p in enumerate(parents[at:at + size]):
-                depth.append(0 if p < 0 else depth[at + p] + 1)
-                bits.append((0 if p < 0 else bits[at + p]) | 1 << i)
+                if p < 0:
+                    depth.append(0)
+                    bits.append(1)
+                else:
+                    depth.append(depth[at + p] + 1)
+                    bits.append(bits[at + p] | 1 << i)
             at += size
         return bits, depth, -(-max(sizes) // 64)
     sz = np.asarray(sizes, dtype=np.int64)
     first = np.repeat(np.cumsum(sz) - sz, sz)  # [n] the row of each node's root
     local = np.asarray(parents, dtype=np.int64)
-    up = np.where(local >= 0, local + first, -1)  # [n] parent row (-1: root)
+    up = np.where(local >= 0, local + first, first)  # [n] parent row (a root: itself)
     masks = np.left_shift(np.uint64(1), (np.arange(n) - first).astype(np.uint64))  # [n] own bit
-    depths = (up >= 0).astype(np.int64)
-    # invariant: masks[i] holds the nodes from i up to, not including, up[i]; depths[i] counts them
+    depths = (local >= 0).astype(np.int64)
+    # invariant: masks[i] holds the nodes from i up to, not including, up[i] and depths[i] counts
+    # them (a root points at itself and counts 0, so jumping past the root changes nothing)
     while True:
-        live = np.flatnonzero(up >= 0)
-        if not len(live):
+        nxt = up[up]
+        masks |= masks[up]  # (each right-hand side reads the values before this round)
+        if np.array_equal(nxt, up):  # every node points at its root, now in its mask too
             return masks, depths, 1
-        hop = up[live]
-        masks[live] |= masks[hop]  # (each right-hand side reads the values before this round)
-        depths[live] += depths[hop]
-        up[live] = up[hop]
+        depths += depths[up]
+        up = nxt
