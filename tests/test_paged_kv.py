@@ -274,3 +274,63 @@ def test_try_reserve_takes_the_blocks_or_changes_nothing():
     assert not p.try_reserve("a", 7)  # 13 rows need 4 blocks; 3 exist
     assert (p.seqs["a"].blocks, p.num_free, p.seqs["a"].reserved) == (before[0], before[1], 6)
     assert p.try_reserve("a", 6) and p.num_free == 0 and p.check() == []
+
+
+@pytest.mark.parametrize("kind", ["roots", "trees", "mixed", "wide"])
+def test_columns_pack_the_same_pass_as_segments_and_a_reused_buffer_rewrites_changed_tables(kind):
+    """The engine's columns (one loop, masks and depths from tree_masks, versioned block tables)
+    pack the very buffer the Segment path packs: plain decode roots (pack's short path), trees,
+    trees beside prefill chunks, trees wider than one mask word; over a bucket's buffer reused
+    from a pass of other tables, rewriting only the tables whose version changed."""
+    import numpy as np
+
+    from tandem.engine.batched_model import Capacity, PackColumns
+    from tandem.tree.draft_tree import tree_masks
+
+    g = torch.Generator().manual_seed({"roots": 1, "trees": 2, "mixed": 3, "wide": 4}[kind])
+
+    def rand(n: int) -> int:
+        return int(torch.randint(0, n, (), generator=g))
+
+    block, R = 4, 6
+    cap = Capacity(512, R, 512, 40, 2)
+    host = np.full(cap.size, 7, dtype=np.int64)  # (stale contents: the reused buffer's)
+    views, tables = BatchRows.host_views(host, cap), [None] * R
+    for step in range(4):
+        segments, cols_in = [], []
+        for r in range(R):
+            L = 1 + rand(30)
+            chunk = kind == "mixed" and r % 2 == 1
+            T = 1 if kind == "roots" else rand(6) + 1 if chunk else {"wide": 70}.get(kind, 1 + rand(12))
+            if r % 3 == 0:  # a new table, a new version, every pass
+                blocks, version = [(r * 40 + step + i) % 300 for i in range(-(-(L + T) // block))], step
+            else:  # the same table every pass (long enough for any of them)
+                blocks, version = [r * 40 + i for i in range(25)], -r
+            tokens = [rand(100) for _ in range(T)]
+            if chunk:
+                segments.append(Segment.chunk(tokens, L, blocks))
+                parents = None
+            else:
+                parents = [-1] + [rand(i) for i in range(1, T)]
+                segments.append(Segment.tree(tokens, parents, L, blocks))
+            cols_in.append((tokens, parents, L, blocks, version))
+        want = np.zeros(cap.size, dtype=np.int64)
+        expected = BatchRows.pack(segments, want, cap, block, 999, 16)
+        tokens, T, S, prefix, logits, tbl, versions, parents, sizes = [], [], [], [], [], [], [], [], []
+        for toks, par, L, blocks, version in cols_in:  # (as Engine._rows builds them)
+            tokens += toks
+            T.append(len(toks))
+            S.append(L + len(toks))
+            prefix.append(-1 if par is None else L)
+            logits.append(par is not None)
+            tbl.append(blocks)
+            versions.append(version)
+            if par is not None:
+                parents += par
+                sizes.append(len(par))
+        bits, depth, words = tree_masks(parents, sizes)
+        cols = PackColumns(tokens, T, S, prefix, logits, tbl, bits, None, np.asarray(depth), words, versions)
+        assert cols.capacity(16).W == BatchRows.capacity(segments).W
+        got = BatchRows.pack(cols, host, cap, block, 999, 16, views, tables)
+        assert got == expected
+        assert np.array_equal(host, want), step

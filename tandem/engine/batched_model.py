@@ -265,6 +265,8 @@ class BatchRows:
             bt[b_seq, np.arange(len(b_seq)) - np.repeat(np.cumsum(nb) - nb, nb)] = \
                 list(chain.from_iterable(cols.tables))
         T, S = cols.new_rows, cols.contexts
+        if M == R and R and min(cols.prefix) >= 0 and cols.positions is None and cols.words == 1:
+            return BatchRows._pack_roots(cols, cap, view, block_size, scratch)
         Ta, Sa = np.asarray(T, dtype=np.int64), np.asarray(S, dtype=np.int64)
         offsets = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(Ta, out=offsets[1:])
@@ -321,6 +323,32 @@ class BatchRows:
             tiles[:len(t_seq), 1] = offsets[:-1][t_seq] + t0
             tiles[:len(t_seq), 2] = np.minimum(tile_rows, Ta[t_seq] - t0)
         return list(T), list(S), offsets.tolist(), n_logits
+
+    @staticmethod
+    def _pack_roots(cols: PackColumns, cap: Capacity, view, block_size: int,
+                    scratch: int) -> tuple[list[int], list[int], list[int], int]:
+        """pack() of a plain decode step: every request one tree row, its root, at column S - 1
+        = prefix, seeing the columns before it and itself, its logits wanted. The general pack's
+        fields in half its array ops (at one request the op count is the cost)."""
+        R = len(cols.new_rows)
+        rows = np.arange(R)
+        pre = np.asarray(cols.prefix, dtype=np.int64)  # [R] = column = position of each root
+        view("tokens")[:R] = cols.tokens
+        view("positions")[:R] = pre
+        view("seq_len")[:R] = pre + 1
+        view("row_seq")[:R] = rows
+        slots = view("slots")
+        slots[:R] = view("block_tables")[rows, pre // block_size] * block_size + pre % block_size
+        slots[R:] = scratch
+        view("row_prefix")[:R] = pre
+        view("row_base")[:R] = pre
+        view("row_bits")[:R, 0] = 1
+        view("logit_rows")[:R] = rows
+        tiles = view("tiles")
+        tiles[:R, 0] = rows
+        tiles[:R, 1] = rows
+        tiles[:R, 2] = 1
+        return list(cols.new_rows), list(cols.contexts), list(range(R + 1)), R
 
     @staticmethod
     def build(segments: "list[Segment] | PackColumns", device: torch.device, dtype: torch.dtype, block_size: int,
@@ -567,6 +595,7 @@ class BatchedModel:
         rows = BatchRows(packed, cap, cap.M, [], [], [0], cap.M, self.pool.block_size, self.tile_rows,
                          self.model.dtype)
         device_views = {name: getattr(rows, name) for name, f in vars(BatchRows).items() if isinstance(f, _PackedField)}
+        device_views["logit_rows"] = rows._view("logit_rows")  # (every row of it: load_rows cuts it)
         return StaticRows(cap, host, packed, rows, BatchRows.host_views(host.numpy(), cap), tables=[None] * cap.R,
                           device_views=device_views)
 
@@ -589,7 +618,9 @@ class BatchedModel:
         M, logits = (offsets[-1], n) if graph is not None else (st.cap.M, st.cap.M)
         rows = BatchRows(st.packed, st.cap, M, T, S, offsets, logits, self.pool.block_size, self.tile_rows,
                          self.model.dtype, graph=graph)
-        rows.__dict__.update(st.device_views)  # (as _PackedField would make them, made once)
+        views = st.device_views
+        rows.__dict__.update(views)  # (as _PackedField would make them, made once)
+        rows.__dict__["logit_rows"] = views["logit_rows"][:logits]  # (the cached_property's value)
         return rows
 
     @torch.no_grad()  # (as the passes run: the Triton kernels only take over without autograd)

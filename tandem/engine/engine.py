@@ -303,8 +303,11 @@ class Engine:
                     # draws the same tokens from its generator whatever its row budget)
                     # (batch parallelism: the verified batch's trees were drafted last step: "pending")
                     full = self._batched_drafts([s.request for s in drafts if "pending" not in s.request.runtime])
-                    trees.update((s.request.request_id, self._draft(s, full.get(s.request.request_id)))
-                                 for s in drafts)
+                    if self.config.method == "ar":  # (every tree its root: _draft's answer, without the call)
+                        trees.update((s.request.request_id, DraftTree.root(s.request.last_token)) for s in drafts)
+                    else:
+                        trees.update((s.request.request_id, self._draft(s, full.get(s.request.request_id)))
+                                     for s in drafts)
                 drafting_s = time.perf_counter() - t0
             self._accepted = 0
             logits, drafted, draft_s, overlap = self._forward(plan, trees)  # logits: [decode rows, vocab]
@@ -738,7 +741,11 @@ class Engine:
             try:
                 if hook is not None:
                     hook(req)
-                result = self._accept(req, tree, logits, lo, argmax)
+                sampling = req.runtime.get("sampling")
+                if n == 1 and sampling is not None and sampling.greedy:  # a root alone: its argmax is the bonus
+                    result = VerifyResult([0], [argmax[lo]], 0)
+                else:
+                    result = self._accept(req, tree, logits, lo, argmax)
             except Exception:
                 log.exception("request %s failed in its part of a step; the others go on", req.request_id)
                 failed.append(req)
