@@ -723,6 +723,7 @@ class Engine:
         accepted: list[tuple[Request, DraftTree, VerifyResult, torch.Tensor | None]] = []
         failed: list[Request] = []
         hook = self.fault_hook
+        plain_accept = type(self)._accept is Engine._accept  # (the server's LogprobEngine reads every accept)
         for s in plan.scheduled:
             req = s.request
             if s.kind == "prefill":
@@ -742,7 +743,8 @@ class Engine:
                 if hook is not None:
                     hook(req)
                 sampling = req.runtime.get("sampling")
-                if n == 1 and sampling is not None and sampling.greedy:  # a root alone: its argmax is the bonus
+                # a greedy root alone: its argmax is the bonus (unless a subclass hooks _accept)
+                if n == 1 and plain_accept and sampling is not None and sampling.greedy:
                     result = VerifyResult([0], [argmax[lo]], 0)
                 else:
                     result = self._accept(req, tree, logits, lo, argmax)
