@@ -1,0 +1,62 @@
+"""What the draft gate measured and learned, on the bundled pair with a drafter: its StepCosts at
+engine start, then after a run of C requests its acceptance, scales, decisions and the engine's
+preemptions, beside the same run without the gate (wall time, steps).
+
+    python bench/gpu_gate_check.py --draft eagle3 --concurrency 1 64 [--prompt-tokens 200] [--max-tokens 128]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import Engine
+from tandem.engine.request import SamplingParams
+from tandem.runtime.pair import load_pair
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--draft", default="eagle3")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--prompt-tokens", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    pair = load_pair(None, None if a.draft == "draft" else a.draft, a.device,
+                     "bfloat16" if a.device == "cuda" else "float32")
+    for c in a.concurrency:
+        for gate in (False, True):
+            t0 = time.perf_counter()
+            eng = Engine(pair.target, pair.draft, pair.tokenizer,
+                         EngineConfig(method="tree", max_num_seqs=c, draft_gate=gate))
+            start_s = time.perf_counter() - t0
+            g = torch.Generator().manual_seed(0)
+            for rnd in range(2):  # a warm-up round, then the measured one
+                for _ in range(c):
+                    eng.add_request(torch.randint(10, 8000, (a.prompt_tokens,), generator=g).tolist(),
+                                    SamplingParams(max_tokens=a.max_tokens, ignore_eos=True))
+                s0, t = eng.steps, time.perf_counter()
+                eng.run()
+                if a.device == "cuda":
+                    torch.cuda.synchronize()
+                wall, steps = time.perf_counter() - t, eng.steps - s0
+            k = eng.counters
+            print(f"C={c} gate={gate}: {c * a.max_tokens / wall:.0f} tok/s, {steps} steps, {wall / steps * 1e3:.2f} ms/step, "
+                  f"preemptions {k.preemptions}, engine start {start_s:.1f} s")
+            gt = eng.gate
+            if gt is not None:
+                cs = gt.costs
+                print("  step costs (ms): " + ", ".join(f"R={r}: plain {p * 1e3:.2f} / drafting {d * 1e3:.2f}"
+                                                       for r, p, d in zip(cs.requests, cs.plain, cs.drafting)))
+                tp, td = gt.predicted(c)
+                print(f"  learned a={gt.accepted}, samples {gt.samples}, plain_scale {gt.plain_scale:.2f}, "
+                      f"drafting_scale {gt.drafting_scale:.2f}, predicted at R={c}: plain {tp * 1e3:.2f} ms, "
+                      f"drafting {td * 1e3:.2f} ms, off decisions {gt.decisions_off}, probes {gt.probes}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
