@@ -413,6 +413,11 @@ def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their
     assert g.plain_scale == 1.5
     g.observe(8, 8, 0.050, accepted=8, decode_only=True)
     assert g.drafting_scale == 1.0 and g.accepted == 1.0
+    # a drafting step whose drafter first caught up (not steady) teaches the acceptance, not the cost
+    g.observe(8, 8, 5.0, accepted=40, decode_only=True, steady=False)
+    assert g.drafting_scale == 1.0 and g.accepted == 3.0
+    g.observe(8, 8, 0.150, accepted=8, decode_only=True)
+    assert g.drafting_scale == pytest.approx(2.0)  # (1 + 3) / 2: alpha 0.5
     assert DraftGate(StepCosts((1,), (0.01,), (10.0,)), probe_max=1024).probe_interval(1) == 1024  # the ceiling
 
 

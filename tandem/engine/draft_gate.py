@@ -100,9 +100,15 @@ class DraftGate:
         n = math.ceil(loss / (self.probe_budget * t_plain)) if t_plain > 0 else self.probe_max
         return max(self.probe_every, min(self.probe_max, n))
 
-    def observe(self, requests: int, drafted: int, seconds: float, accepted: int, decode_only: bool) -> None:
+    def observe(self, requests: int, drafted: int, seconds: float, accepted: int, decode_only: bool,
+                steady: bool = True) -> None:
         """A step of R decoding requests, `drafted` of them drafting, took `seconds` and accepted
-        `accepted` draft tokens. Steps that also ran prefill rows (decode_only False) teach a only."""
+        `accepted` draft tokens. Steps that also ran prefill rows (decode_only False) teach a only,
+        and so do drafting steps that are not `steady` (a drafted request did not draft in the
+        step before: its drafter first caught up on every token since, a prompt or a stretch of
+        plain steps, and may have captured a graph for that pass). Such a step is the exception
+        once drafting is on; learned from, its cost made every later drafting step look dear and
+        kept drafting off (H200, 2026-12-02: a scale of 33-60 at 32-64 requests, 2.0 at one)."""
         if requests == 0:
             return
         if drafted:
@@ -115,7 +121,7 @@ class DraftGate:
             return
         if drafted == 0:
             self.plain_scale = self._ema(self.plain_scale, seconds / self.costs.plain_s(requests))
-        elif drafted == requests:
+        elif drafted == requests and steady:
             self.drafting_scale = self._ema(self.drafting_scale, seconds / self.costs.drafting_s(requests))
 
     def _probe(self, requests: int) -> int:

@@ -188,6 +188,7 @@ class Engine:
                 self._draft_stream = torch.cuda.Stream(device=target.device)
         self.gate: DraftGate | None = None
         self._forced: bool | None = None  # the measurements' steps: every request drafts (True) or none
+        self._drafted_before: set[str] = set()  # the requests that drafted in the gate's last observed step
         # row selection's c(rows): given, or measured on this engine's target pass
         self.row_cost = config.row_cost
         measure = config.measure_row_cost if config.measure_row_cost is not None else target.device.type == "cuda"
@@ -313,8 +314,11 @@ class Engine:
             logits, drafted, draft_s, overlap = self._forward(plan, trees)  # logits: [decode rows, vocab]
             finished = self._apply(plan, trees, logits)
             if self.gate is not None and self._forced is None:  # (the accepts read the logits: the pass is done)
+                drafted_now = {s.request.request_id for s in drafts}
                 self.gate.observe(len(plan.decodes), len(drafts), time.perf_counter() - t_step, self._accepted,
-                                  decode_only=len(plan.decodes) == len(plan.scheduled))
+                                  decode_only=len(plan.decodes) == len(plan.scheduled),
+                                  steady=drafted_now <= self._drafted_before)
+                self._drafted_before = drafted_now
         if self.batches is not None:
             self.batches.swap()
         self._record(plan, trees, verify_batch, overlapped, fallback, loads, drafted, draft_s, overlap, offered,
