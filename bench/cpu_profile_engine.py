@@ -34,10 +34,44 @@ def build(args, concurrency: int) -> Engine:
     if args.graphs == "emulate":  # the bucketed static buffers of the CUDA path, run eagerly
         eng.model.emulate = eng.model.use_graphs = True
         eng.model.max_seqs = concurrency
+        d = eng.batched
+        if d is not None and d.model.max_seq_blocks is not None:  # the drafter's captured passes and trees too
+            d.model.emulate = d.model.use_graphs = True
+            d.model.max_seqs = concurrency
+            if hasattr(d, "_init_trees"):
+                d._init_trees(getattr(d, "n_graph", None))
     return eng
 
 
-def decode_steps(eng: Engine, concurrency: int, steps: int, seed: int) -> tuple[list[float], list[float]]:
+def time_drafter_passes(eng: Engine, spent: list[float]) -> None:
+    """Count into spent[0] the drafter's passes (on a GPU graph replays: its context pass body,
+    its whole level tree) so that drafting less them is the drafter's host work."""
+    d = eng.batched
+    if d is None:
+        return
+    depth = [0]
+
+    def timed(fn):
+        def inner(*a, **k):
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[0] += time.perf_counter() - t0
+        return inner
+
+    d.model._body = timed(d.model._body)
+    if hasattr(d.model, "run"):
+        d.model.run = timed(d.model.run)
+    if hasattr(d, "_device_tree"):
+        d._device_tree = timed(d._device_tree)
+
+
+def decode_steps(eng: Engine, concurrency: int, steps: int, seed: int
+                 ) -> tuple[list[float], list[float], list[float]]:
     """Wall seconds of `steps` decode-only steps of `concurrency` requests, and of each step's
     host work: the step less the target's layers (`BatchedModel._body`: on a GPU those are one
     graph replay) and less drafting (the drafter's own work, StepRecord.drafting_s; not for `ar`)."""
@@ -48,8 +82,8 @@ def decode_steps(eng: Engine, concurrency: int, steps: int, seed: int) -> tuple[
             for _ in range(concurrency)]
     while any(r.in_prefill or r.state.value == "waiting" for r in reqs):
         eng.step()
-    times, host = [], []
-    body, spent = eng.model._body, [0.0]
+    times, host, dhost = [], [], []
+    body, spent, dspent = eng.model._body, [0.0], [0.0]
 
     def timed_body(*a, **k):
         t0 = time.perf_counter()
@@ -58,17 +92,22 @@ def decode_steps(eng: Engine, concurrency: int, steps: int, seed: int) -> tuple[
         return out
 
     eng.model._body = timed_body
+    if not hasattr(eng, "_drafter_timed"):
+        eng._drafter_timed = dspent
+        time_drafter_passes(eng, dspent)
+    dspent = eng._drafter_timed
     for _ in range(steps):
-        spent[0] = 0.0
+        spent[0] = dspent[0] = 0.0
         t0 = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t0)
         drafting = eng.counters.records[-1].drafting_s if eng.config.method != "ar" else 0.0
         host.append(times[-1] - spent[0] - drafting)
+        dhost.append(drafting - dspent[0])
     del eng.model._body
     for r in reqs:
         eng.abort(r.request_id)
-    return times, host
+    return times, host, dhost
 
 
 def main() -> int:
@@ -89,11 +128,12 @@ def main() -> int:
         # (steps are long enough to stay in one bucket and context size: 16 + steps * tau << window)
         decode_steps(eng, c, 20, 99)  # warm-up
         runs = [decode_steps(eng, c, args.steps, rep) for rep in range(args.repeats)]
-        meds = [statistics.median(t) * 1e3 for t, _ in runs]
-        hosts = [statistics.median(h) * 1e3 for _, h in runs]
-        print(f"{args.method} C={c}: step {min(meds):.3f} ms, engine host (less layers, drafting) {min(hosts):.3f} ms "
-              f"(best of {args.repeats} medians; all: {', '.join(f'{m:.3f}/{h:.3f}' for m, h in zip(meds, hosts))})",
-              flush=True)
+        meds = [statistics.median(t) * 1e3 for t, _, _ in runs]
+        hosts = [statistics.median(h) * 1e3 for _, h, _ in runs]
+        dhosts = [statistics.median(h) * 1e3 for _, _, h in runs]
+        print(f"{args.method} C={c}: step {min(meds):.3f} ms, engine host (less layers, drafting) {min(hosts):.3f} ms, "
+              f"drafter host (drafting less its passes) {min(dhosts):.3f} ms (best of {args.repeats} medians; "
+              f"all: {', '.join(f'{m:.3f}/{h:.3f}/{d:.3f}' for m, h, d in zip(meds, hosts, dhosts))})", flush=True)
         if args.profile:
             pr = cProfile.Profile()
             pr.enable()
