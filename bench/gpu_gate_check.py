@@ -2,7 +2,10 @@
 engine start, then after a run of C requests its acceptance, scales, decisions and the engine's
 preemptions, beside the same run without the gate (wall time, steps).
 
-    python bench/gpu_gate_check.py --draft eagle3 --concurrency 1 64 [--prompt-tokens 200] [--max-tokens 128]
+    python bench/gpu_gate_check.py --draft eagle3 --concurrency 1 64 [--workload mbpp --data-dir .data] [--max-tokens 128]
+
+Prompts: the workload's (MBPP by default, cycled), or with `--workload random` random token ids
+(--prompt-tokens of them: on random text the drafters accept little, so the gate should stay off).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import time
 
 import torch
 
+from tandem.bench.workloads import load_workload
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.engine.request import SamplingParams
@@ -21,6 +25,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--draft", default="eagle3")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--workload", default="mbpp")
+    ap.add_argument("--data-dir", default=None)
     ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
@@ -34,10 +40,12 @@ def main() -> int:
                          EngineConfig(method="tree", max_num_seqs=c, draft_gate=gate))
             start_s = time.perf_counter() - t0
             g = torch.Generator().manual_seed(0)
+            texts = None if a.workload == "random" else [p.text for p in load_workload(a.workload, 2 * c, a.data_dir)]
             for rnd in range(2):  # a warm-up round, then the measured one
-                for _ in range(c):
-                    eng.add_request(torch.randint(10, 8000, (a.prompt_tokens,), generator=g).tolist(),
-                                    SamplingParams(max_tokens=a.max_tokens, ignore_eos=True))
+                for i in range(c):
+                    ids = (torch.randint(10, 8000, (a.prompt_tokens,), generator=g).tolist() if texts is None
+                           else pair.tokenizer.encode(texts[(rnd * c + i) % len(texts)]).ids[-256:])
+                    eng.add_request(ids, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True))
                 s0, t = eng.steps, time.perf_counter()
                 eng.run()
                 if a.device == "cuda":
