@@ -70,7 +70,6 @@ def main() -> int:
         for _ in range(a.steps):
             eng.step()
         sync()
-    ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
     n_kernels = sum(e.count for e in prof.key_averages() if e.self_device_time_total > 0 and e.key not in ("",))
     dev_total = sum(e.self_device_time_total for e in prof.key_averages())
     print(f"device: {dev_total / a.steps:.0f} us of kernel time per step, ~{n_kernels / a.steps:.0f} device events per step")
