@@ -20,6 +20,7 @@ import statistics
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
@@ -43,7 +44,22 @@ def build(args, concurrency: int) -> Engine:
     return eng
 
 
-def time_drafter_passes(eng: Engine, spent: list[float]) -> None:
+class HostOps(TorchFunctionMode):
+    """Counts the torch calls of the host path (views and read-backs included), outside the
+    passes that a GPU replays as graphs (`paused` inside them): each is a launch or more there."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.paused = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def time_drafter_passes(eng: Engine, spent: list[float], ops: HostOps | None = None) -> None:
     """Count into spent[0] the drafter's passes (on a GPU graph replays: its context pass body,
     its whole level tree) so that drafting less them is the drafter's host work."""
     d = eng.batched
@@ -54,11 +70,15 @@ def time_drafter_passes(eng: Engine, spent: list[float]) -> None:
     def timed(fn):
         def inner(*a, **k):
             depth[0] += 1
+            if ops is not None:
+                ops.paused += 1
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
                 depth[0] -= 1
+                if ops is not None:
+                    ops.paused -= 1
                 if depth[0] == 0:
                     spent[0] += time.perf_counter() - t0
         return inner
@@ -70,11 +90,13 @@ def time_drafter_passes(eng: Engine, spent: list[float]) -> None:
         d._device_tree = timed(d._device_tree)
 
 
-def decode_steps(eng: Engine, concurrency: int, steps: int, seed: int
+def decode_steps(eng: Engine, concurrency: int, steps: int, seed: int, ops: HostOps | None = None
                  ) -> tuple[list[float], list[float], list[float]]:
     """Wall seconds of `steps` decode-only steps of `concurrency` requests, and of each step's
     host work: the step less the target's layers (`BatchedModel._body`: on a GPU those are one
-    graph replay) and less drafting (the drafter's own work, StepRecord.drafting_s; not for `ar`)."""
+    graph replay) and less drafting (the drafter's own work, StepRecord.drafting_s; not for `ar`),
+    and of the drafter's host work: drafting less its passes (`time_drafter_passes`). With `ops`,
+    the steps' host-path torch calls are counted into it (the steps run under its mode)."""
     g = torch.Generator().manual_seed(seed)
     vocab = eng.target.config.vocab_size
     params = SamplingParams(max_tokens=10 ** 6, ignore_eos=True)
@@ -86,20 +108,28 @@ def decode_steps(eng: Engine, concurrency: int, steps: int, seed: int
     body, spent, dspent = eng.model._body, [0.0], [0.0]
 
     def timed_body(*a, **k):
+        if ops is not None:
+            ops.paused += 1
         t0 = time.perf_counter()
         out = body(*a, **k)
         spent[0] += time.perf_counter() - t0
+        if ops is not None:
+            ops.paused -= 1
         return out
 
     eng.model._body = timed_body
     if not hasattr(eng, "_drafter_timed"):
         eng._drafter_timed = dspent
-        time_drafter_passes(eng, dspent)
+        time_drafter_passes(eng, dspent, ops)
     dspent = eng._drafter_timed
     for _ in range(steps):
         spent[0] = dspent[0] = 0.0
         t0 = time.perf_counter()
-        eng.step()
+        if ops is not None:
+            with ops:
+                eng.step()
+        else:
+            eng.step()
         times.append(time.perf_counter() - t0)
         drafting = eng.counters.records[-1].drafting_s if eng.config.method != "ar" else 0.0
         host.append(times[-1] - spent[0] - drafting)
@@ -121,6 +151,7 @@ def main() -> int:
     ap.add_argument("--graphs", choices=("emulate", "off"), default="emulate")
     ap.add_argument("--profile", action="store_true", help="cProfile the last run's steps")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--ops", action="store_true", help="count the host path's torch calls per step (one more run)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     for c in args.concurrency:
@@ -134,6 +165,13 @@ def main() -> int:
         print(f"{args.method} C={c}: step {min(meds):.3f} ms, engine host (less layers, drafting) {min(hosts):.3f} ms, "
               f"drafter host (drafting less its passes) {min(dhosts):.3f} ms (best of {args.repeats} medians; "
               f"all: {', '.join(f'{m:.3f}/{h:.3f}/{d:.3f}' for m, h, d in zip(meds, hosts, dhosts))})", flush=True)
+        if args.ops:
+            ops = HostOps()
+            eng2 = build(args, c)  # (a fresh engine: its drafter's passes paused for this counter)
+            decode_steps(eng2, c, 20, 99, ops)
+            ops.count = 0
+            decode_steps(eng2, c, args.steps, 5, ops)
+            print(f"{args.method} C={c}: {ops.count / args.steps:.1f} torch calls a step on the host path", flush=True)
         if args.profile:
             pr = cProfile.Profile()
             pr.enable()
