@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from tandem.config import SamplingConfig
@@ -129,8 +130,9 @@ class _TreeGraph:
     st: StaticRows  # level 1's rows [R * w]: each level rewrites their per-row fields
     roots: tuple[torch.Tensor, ...]  # inputs: the drafter's root state, [R, ...] each (logits first)
     graph: object = None  # torch.cuda.CUDAGraph (None: emulated, run eagerly over the same buffers)
-    idx: torch.Tensor | None = None  # output [3, R, n]: token, parent's tree position, rank by score (tree order)
-    lp: torch.Tensor | None = None  # output [R, n]: cumulative log-probs
+    # output [4, R, n] int64 (tree order): token, parent's tree position, rank by score, and the
+    # cumulative log-prob as float64 bits (one tensor: the step reads the tree back in one copy)
+    out: torch.Tensor | None = None
 
 
 class BatchedTreeDrafter(BatchedDrafter):
@@ -208,18 +210,19 @@ class BatchedTreeDrafter(BatchedDrafter):
         if g is not None:
             rows = self.model.load_rows(g.st, segs)
             for buf, t in zip(g.roots, roots):
-                buf[:R].copy_(t)
+                (buf if R == g.R else buf[:R]).copy_(t)  # (a full bucket: no view to make)
             if g.graph is not None:
                 g.graph.replay()
             else:  # emulated: the same padded buffers, eagerly (the reference path reads `rows`' host figures)
-                g.idx, g.lp = self._device_tree(rows, g.roots, g.R, self.n_graph)
+                g.out = self._device_tree(rows, g.roots, g.R, self.n_graph)
             # (its n_graph best in tree order: a smaller budget takes its best by rank, below)
-            n_max, idx, lp = self.n_graph, g.idx[:, :R], g.lp[:R]
+            n_max, tree = self.n_graph, g.out[:, :R]
         else:
             rows = self.model.rows(segs) if segs else None
-            idx, lp = self._device_tree(rows, roots, R, n_max)
-        toks_, pars, rank = idx.tolist()  # the step's one read-back
-        lps = lp.tolist()
+            tree = self._device_tree(rows, roots, R, n_max)
+        host = tree.cpu().numpy()  # [4, R, n] the step's one read-back
+        toks_, pars, rank = host[:3].tolist()
+        lps = host[3].view(np.float64).tolist()  # (float32 log-probs, exact in float64)
         for rid, _, _ in live:
             self.pool.commit(rid, [], [])  # drop the levels' rows: the target decides what stays
         for i, (rid, toks, n) in enumerate(live):
@@ -244,7 +247,7 @@ class BatchedTreeDrafter(BatchedDrafter):
         g = _TreeGraph(R, st, roots)
         if not self.model.emulate:
             def body():
-                g.idx, g.lp = self._device_tree(st.rows, roots, R, self.n_graph)
+                g.out = self._device_tree(st.rows, roots, R, self.n_graph)
             g.graph = self.model.capture(body)
             if g.graph is None:
                 self.tree_graphs = False
@@ -253,10 +256,11 @@ class BatchedTreeDrafter(BatchedDrafter):
         return g
 
     def _device_tree(self, rows: BatchRows | None, roots: tuple[torch.Tensor, ...], R: int, n_out: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     ) -> torch.Tensor:
         """The whole tree on the device, from the roots' state (logits [R, V] first) and level 1's
-        rows (None without levels) -> the N best nodes in tree order (by node index):
-        idx [3, R, n_out] (token, parent's tree position (0: the root), rank by score), lp [R, n_out]."""
+        rows (None without levels) -> the N best nodes in tree order (by node index), [4, R, n_out]
+        int64: token, parent's tree position (0: the root), rank by score, cumulative log-prob
+        (float64 bits)."""
         w = self.w
         lp, tok = topk_logprobs(roots[0], w)  # [R, w] each
         tok = self._to_target(tok)
@@ -277,7 +281,8 @@ class BatchedTreeDrafter(BatchedDrafter):
         pos.scatter_(1, sel, torch.arange(1, n_out + 1, device=sel.device).expand(R, n_out))  # node -> tree position
         par = node_par.gather(1, sel)  # [R, n_out] parent node (-1: the root)
         par_pos = torch.where(par >= 0, pos.gather(1, par.clamp_min(0)), 0)
-        return torch.stack([node_tok.gather(1, sel), par_pos, rank]), node_lp.gather(1, sel)
+        lp = node_lp.gather(1, sel).to(torch.float64).view(torch.int64)  # [R, n_out] (bits, exact)
+        return torch.stack([node_tok.gather(1, sel), par_pos, rank, lp])
 
     def _grow(self, rows: BatchRows, roots: tuple[torch.Tensor, ...], R: int, node_tok: torch.Tensor,
               node_par: torch.Tensor, node_lp: torch.Tensor) -> None:

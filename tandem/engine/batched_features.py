@@ -28,7 +28,7 @@ class PendingRows:
     input (features, or the head's projected hidden), kept as (tensor, first row, end row) spans
     of the steps' shared tensors, so that feeding a step's rows costs neither a kernel nor a view
     per request (fed with kernels of their own, a step that did not draft took 7.6 ms against
-    `ar`'s 1.45 ms at 64 requests on the H200, 2026-12-02); a pass takes its first n rows as views."""
+    `ar`'s 1.45 ms at 64 requests on the H200, 2026-12-02); a pass takes its first n rows' spans."""
 
     __slots__ = ("tokens", "spans")
 
@@ -41,26 +41,41 @@ class PendingRows:
         self.tokens += tokens
         self.spans.append((rows, lo, lo + len(tokens)))
 
-    def take(self, n: int) -> tuple[list[int], list[torch.Tensor]]:
-        """The first n tokens and views of their rows (a list of chunks), removed from here."""
+    def take(self, n: int) -> tuple[list[int], list[tuple[torch.Tensor, int, int]]]:
+        """The first n tokens and their rows' spans (tensor, first row, end row), removed from here."""
         toks, self.tokens = self.tokens[:n], self.tokens[n:]
         n = len(toks)
-        views: list[torch.Tensor] = []
+        spans: list[tuple[torch.Tensor, int, int]] = []
         while n > 0:
             t, lo, hi = self.spans[0]
             if hi - lo <= n:
-                views.append(t[lo:hi])
+                spans.append((t, lo, hi))
                 self.spans.pop(0)
                 n -= hi - lo
             else:
-                views.append(t[lo:lo + n])
+                spans.append((t, lo, lo + n))
                 self.spans[0] = (t, lo + n, hi)
                 n = 0
-        return toks, views
+        return toks, spans
 
     def rows(self) -> torch.Tensor:
         """Every pending row's input [len(tokens), F] (a copy; for inspection)."""
         return torch.cat([t[lo:hi] for t, lo, hi in self.spans])
+
+
+def span_views(spans: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
+    """Views of the spans' rows in order, adjacent spans of one tensor as one view: the requests'
+    rows fed by one observe_many are usually one stretch of its tensor, so a step's context pass
+    reads them with one copy and no view per request."""
+    out: list[tuple[torch.Tensor, int, int]] = []
+    for t, lo, hi in spans:
+        if lo == hi:
+            continue
+        if out and out[-1][0] is t and out[-1][2] == lo:
+            out[-1] = (t, out[-1][1], hi)
+        else:
+            out.append((t, lo, hi))
+    return [t[lo:hi] for t, lo, hi in out]
 
 
 def feed(pending: dict[str, PendingRows], items: list[tuple[str, list[int]]], rows: torch.Tensor) -> None:
@@ -78,12 +93,11 @@ class BatchedHead(BatchedModel):
 
     rows = BatchedModel.exact_rows  # (its passes are not the target's: no `_body` to capture per bucket)
 
-    def context(self, segments: list[Segment], hidden: torch.Tensor, last: list[int]
+    def context(self, segments: list[Segment], hidden: "torch.Tensor | list[torch.Tensor]", last: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A pass over the segments' rows with their hidden inputs [M, H] -> (logits [len(last),
-        draft_vocab] of rows `last`, out [M, H] every row's output hidden)."""
-        logits, out = self.run_rows(segments, hidden, self.run)
-        return logits[torch.tensor(last, device=logits.device)], out
+        """A pass over the segments' rows with their hidden inputs [M, H] (or its chunks in row
+        order) -> rows `last`'s logits [len(last), draft_vocab] and output hidden [len(last), H]."""
+        return self.run_rows(segments, hidden, self.run, picked=last)
 
     @torch.no_grad()
     def run(self, rows: BatchRows, hidden: torch.Tensor, logit_rows: torch.Tensor | None = None
@@ -121,7 +135,9 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         self.pool = PagedKVPool(1, c.num_key_value_heads, c.head_dim, num_blocks, block_size, head.dtype, head.device,
                                 prefix_caching=False)
         self.model = BatchedHead(head, self.pool, max_seqs=max_seqs, max_seq_blocks=max_seq_blocks, use_graphs=use_graphs)
-        self.root_logits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # rid -> its last root's logits, out
+        # rid -> its last root's logits and output hidden: row i of (logits [n, draft_vocab], out [n, H])
+        # of the context pass it ran in (no per-request tensors: the common step stacks nothing)
+        self.root_logits: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.pending: dict[str, PendingRows] = {}  # rid -> its tokens not run yet, their hidden inputs [n, H]
         self._level_out: torch.Tensor | None = None  # [R, w, H] the last level's output hidden
         self._init_trees(nodes)
@@ -151,32 +167,33 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
     def _roots(self, live: list[tuple[str, list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The context pass: every request's pending rows (in chunks of CATCH_UP_CHUNK), joined to
         its pool rows -> the roots' logits [R, draft_vocab] and output hidden [R, H]."""
-        # (a request drafted again before its verify, as batch parallelism may, has nothing new)
-        logits = {rid: self.root_logits[rid][0] for rid, _, _ in live if not self.pending[rid].tokens}
-        outs = {rid: self.root_logits[rid][1] for rid in logits}
-        todo = [rid for rid, _, _ in live if rid not in logits]
+        # (a request drafted again before its verify, as batch parallelism may, has nothing new:
+        # its root_logits entry stands)
+        todo = [rid for rid, _, _ in live if self.pending[rid].tokens]
         while todo:
-            segs, hid, last, fed = [], [], [], {}
+            segs, hid, last, fed = [], [], [], []
             rows = 0
             for rid in todo:
-                part, views = self.pending[rid].take(batched_draft.CATCH_UP_CHUNK)
+                part, spans = self.pending[rid].take(batched_draft.CATCH_UP_CHUNK)
                 start = self.pool.seqs[rid].length
                 self.pool.reserve(rid, len(part))
                 segs.append(Segment.chunk(part, start, self.pool.seqs[rid].blocks))
-                hid += views
-                fed[rid] = part
+                hid += spans
+                fed.append((rid, list(range(len(part))), part))
                 rows += len(part)
                 last.append(rows - 1)  # (each request's last row in the pass)
-            out_logits, out = self.model.context(segs, torch.cat(hid), last)
-            self.pool.commit_many([(rid, list(range(len(part))), part) for rid, part in fed.items()])
-            for i, rid in enumerate(fed):
+            out_logits, out = self.model.context(segs, span_views(hid), last)  # [len(todo), V'], [len(todo), H]
+            self.pool.commit_many(fed)
+            for i, rid in enumerate(todo):
                 if not self.pending[rid].tokens:  # its root ran: nothing pending until the next observe_many
-                    logits[rid], outs[rid] = out_logits[i], out[last[i]]
+                    self.root_logits[rid] = (out_logits, out, i)
             todo = [rid for rid in todo if self.pending[rid].tokens]
-        for rid, _, _ in live:
-            self.root_logits[rid] = (logits[rid], outs[rid])
-        return (torch.stack([logits[rid] for rid, _, _ in live]),  # [R, draft_vocab]
-                torch.stack([outs[rid] for rid, _, _ in live]))  # [R, H]
+        roots = [self.root_logits[rid] for rid, _, _ in live]
+        first = roots[0]
+        if all(r[0] is first[0] and r[2] == i for i, r in enumerate(roots)) and len(roots) == first[0].shape[0]:
+            return first[0], first[1]  # every root from one pass, in order (a step's usual case)
+        return (torch.stack([lg[i] for lg, _, i in roots]),  # [R, draft_vocab]
+                torch.stack([o[i] for _, o, i in roots]))  # [R, H]
 
     def _root_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         h = self.draft
@@ -213,12 +230,13 @@ class BatchedBlock(BatchedModel):
 
     rows = BatchedModel.exact_rows  # (no `_body` of a target to capture per bucket)
 
-    def context(self, segments: list[Segment], feats: torch.Tensor, picked: list[int]) -> torch.Tensor:
-        """A pass over the segments' rows with their features [M, F] -> the lattice rows
-        [len(picked), 3K + K*K] of rows `picked` (every row's is computed: the same values, a
-        row's lattice reads only its own and the previous row's)."""
-        (lattice,) = self.run_rows(segments, feats, self.every_lattice)
-        return lattice[torch.tensor(picked, dtype=torch.long, device=lattice.device)]
+    def context(self, segments: list[Segment], feats: "torch.Tensor | list[torch.Tensor]", picked: list[int]
+                ) -> torch.Tensor:
+        """A pass over the segments' rows with their features [M, F] (or its chunks in row order)
+        -> the lattice rows [len(picked), 3K + K*K] of rows `picked` (every row's is computed: the
+        same values, a row's lattice reads only its own and the previous row's)."""
+        (lattice,) = self.run_rows(segments, feats, self.every_lattice, picked=picked)
+        return lattice
 
     def every_lattice(self, rows: BatchRows, feats: torch.Tensor) -> tuple[torch.Tensor]:
         """run() over every row, as run_rows' body (its captured pass)."""
@@ -345,15 +363,15 @@ class BatchedBlockDrafter:
         segs, feats, picked, fed = [], [], [], []
         row = 0
         for rid, P, masks in plan:
-            toks, views = self.pending[rid].take(P)
+            toks, spans = self.pending[rid].take(P)
             start = self.pool.seqs[rid].length
             self.pool.reserve(rid, P + masks)
             segs.append(Segment.chunk(toks + [d.mask_id] * masks, start, self.pool.seqs[rid].blocks))
-            feats += views + [zeros[:masks]]  # (the mask rows read no features)
+            feats += spans + [(zeros, 0, masks)]  # (the mask rows read no features)
             if not self.pending[rid].tokens:  # the root is in this pass: its row and the mask rows make the lattice
                 picked += range(row + P - 1, row + P + masks)
             row += P + masks
             fed.append((rid, list(range(P)), toks))  # the mask rows go
-        lattice = self.model.context(segs, torch.cat(feats), picked)
+        lattice = self.model.context(segs, span_views(feats), picked)
         self.pool.commit_many(fed)
         return lattice

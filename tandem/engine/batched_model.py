@@ -453,6 +453,7 @@ class StaticRows:
     # the packed fields' device views (BatchRows' _PackedField), made once: every pass over these
     # buffers shares them (making ten views a pass cost ~30 us of host time on the H200's CPU)
     device_views: dict = field(default_factory=dict)
+    host_np: "np.ndarray | None" = None  # `host` as numpy (made once)
 
 
 @dataclass
@@ -537,24 +538,38 @@ class BatchedModel:
         return BatchRows.build(segments, self.model.device, self.model.dtype, self.pool.block_size, self.window,
                                self.tile_rows, self.pool.scratch_slot)
 
-    def run_rows(self, segments: list[Segment], inputs: torch.Tensor, body) -> tuple[torch.Tensor, ...]:
+    def run_rows(self, segments: list[Segment], inputs: "torch.Tensor | list[torch.Tensor]", body,
+                 picked: list[int] | None = None) -> tuple[torch.Tensor, ...]:
         """A drafter's pass whose rows also read a float input each (an EAGLE-3 head's hidden
         state, a block drafter's target features): body(rows, inputs [M', F]) -> per-row outputs
-        [M', ...] (every row). Returns them for the segments' M rows. With graphs, replayed from
-        the row bucket's capture (inputs copied into its static buffer); else one exact pass."""
+        [M', ...] (every row). inputs: [M, F], or chunks of it in row order. Returns the outputs
+        of rows `picked` ([len(picked), ...] each; default: the segments' M rows). With graphs,
+        replayed from the row bucket's capture (inputs written into its static buffer); else
+        one exact pass."""
         cap = BatchRows.capacity(segments, self.tile_rows)
         g = None
         if self.use_graphs and cap.W == 1 and cap.R <= self.max_seqs and cap.B <= self.max_seq_blocks:
             bucket = next((b for b in GRAPH_BUCKETS if b >= cap.M), None)
-            g = self._input_graph(bucket, inputs, body) if bucket is not None else None
+            g = self._input_graph(bucket, inputs[0] if isinstance(inputs, list) else inputs, body) \
+                if bucket is not None else None
         if g is None:
-            return body(self.exact_rows(segments), inputs)
-        rows = self.load_rows(g.st, segments)
-        g.inputs[:cap.M].copy_(inputs)
+            out = body(self.exact_rows(segments), torch.cat(inputs) if isinstance(inputs, list) else inputs)
+            if picked is None:
+                return out
+            idx = torch.tensor(picked, dtype=torch.long, device=out[0].device)
+            return tuple(o[idx] for o in out)
+        # (the picked rows travel with the packed rows: no index tensor of their own to copy)
+        rows = self.load_rows(g.st, segments, picked=picked)
+        if isinstance(inputs, list) and inputs[0].dtype == g.inputs.dtype:  # (the chunks share a dtype)
+            torch.cat(inputs, out=g.inputs[:cap.M])  # (straight into the static buffer: one kernel)
+        else:
+            g.inputs[:cap.M].copy_(torch.cat(inputs) if isinstance(inputs, list) else inputs)
         if g.graph is None:  # emulated: the same padded buffers, eagerly
             g.outputs = body(rows, g.inputs)
         else:
             g.graph.replay()
+        if picked is not None:  # (gathers: copies already, as the next replay overwrites g.outputs)
+            return tuple(o[rows.logit_rows] for o in g.outputs)
         return tuple(o[:cap.M].clone() for o in g.outputs)  # (copies: the next replay overwrites them)
 
     def warmup_inputs(self, max_rows: int, inputs: torch.Tensor, body) -> None:
@@ -597,25 +612,28 @@ class BatchedModel:
         device_views = {name: getattr(rows, name) for name, f in vars(BatchRows).items() if isinstance(f, _PackedField)}
         device_views["logit_rows"] = rows._view("logit_rows")  # (every row of it: load_rows cuts it)
         return StaticRows(cap, host, packed, rows, BatchRows.host_views(host.numpy(), cap), tables=[None] * cap.R,
-                          device_views=device_views)
+                          device_views=device_views, host_np=host.numpy())
 
     def load_rows(self, st: "StaticRows", segments: "list[Segment] | PackColumns",
-                  graph: int | None = None) -> BatchRows:
+                  graph: int | None = None, picked: list[int] | None = None) -> BatchRows:
         """Pack `segments` (at most st.cap) into st's buffers, once the previous pass's copy has
         left them -> rows over them with the segments' host figures (the reference path's view).
         `graph`: the bucket of this model's own graph (the rows are the segments' rows and logit
         rows); None: a caller's own capture, whose body reads every row (the rows keep st.cap.M
-        rows and logit rows, whatever the segments hold)."""
+        rows and logit rows, whatever the segments hold; with `picked`, its logit rows are those
+        rows instead: the rows whose outputs the caller gathers after the pass)."""
         if st.staged is not None:
             st.staged.synchronize()
-        T, S, offsets, n = BatchRows.pack(segments, st.host.numpy(), st.cap, self.pool.block_size,
+        T, S, offsets, n = BatchRows.pack(segments, st.host_np, st.cap, self.pool.block_size,
                                           self.pool.scratch_slot, self.tile_rows, st.views, st.tables)
+        if picked is not None and graph is None:  # (before the copy: they travel with the rows)
+            st.views["logit_rows"][:len(picked)] = picked
         st.packed.copy_(st.host, non_blocking=True)  # (a capture or replay follows on this stream)
         if not self.emulate:
             if st.staged is None:  # (one event, recorded again each pass)
                 st.staged = torch.cuda.Event()
             st.staged.record()
-        M, logits = (offsets[-1], n) if graph is not None else (st.cap.M, st.cap.M)
+        M, logits = (offsets[-1], n) if graph is not None else (st.cap.M, st.cap.M if picked is None else len(picked))
         rows = BatchRows(st.packed, st.cap, M, T, S, offsets, logits, self.pool.block_size, self.tile_rows,
                          self.model.dtype, graph=graph)
         views = st.device_views
@@ -713,7 +731,9 @@ class BatchedModel:
             g.logits, g.features = self._body(rows, every_row=True)  # (its padded views, eagerly)
         else:
             g.graph.replay()
-        self.last_features = g.features[:rows.num_rows].clone() if g.features is not None else None
+        # NOTE: a view of the graph's buffer, not a copy: its one reader (Engine._apply) copies the
+        # rows it keeps (prefill chunks, accepted paths) before the target's next replay
+        self.last_features = g.features[:rows.num_rows] if g.features is not None else None
         return g.logits[rows.logit_rows]  # [n, vocab] (a copy: the next replay overwrites g.logits)
 
     def _body(self, rows: BatchRows, every_row: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
