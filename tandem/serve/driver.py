@@ -234,7 +234,6 @@ class EngineDriver:
 
     def _step(self, method: str, engine: LogprobEngine) -> None:
         mine = [lv for lv in self.live.values() if lv.engine is engine]
-        drafted = sum(lv.request.figures.draft_tokens for lv in mine)
         t0 = time.perf_counter()
         try:
             finished = engine.step()
@@ -244,10 +243,12 @@ class EngineDriver:
             return
         m = self.metrics
         m.step_seconds.labels(method).observe(time.perf_counter() - t0)
-        speculative = sum(lv.request.figures.draft_tokens for lv in mine) > drafted
-        m.steps.labels(method, str(speculative).lower()).inc()
+        # (the step's own record: it verified draft nodes; not two sums over the requests' figures)
+        records = engine.counters.records
+        speculative = bool(records) and records[-1].nodes > 0
+        m.steps.labels(method, "true" if speculative else "false").inc()
         m.speculating.labels(method).set(int(speculative))
-        new = sum(self._publish(lv) for lv in mine)
+        new = self._publish_all(mine)
         if new:
             m.generation_tokens.inc(new)  # (once a step: a metric call per request is a cost per token)
         for out in finished:
@@ -258,6 +259,10 @@ class EngineDriver:
                 self._fail(lv, "the engine failed on this request; it was aborted")
             else:
                 self._finish(lv, out, method)
+
+    def _publish_all(self, mine: list[_Live]) -> int:
+        """A Delta for each of `mine` that committed tokens in this step; returns how many tokens."""
+        return sum(self._publish(lv) for lv in mine)
 
     def _publish(self, lv: _Live) -> int:
         """A Delta for the tokens `lv` committed since the last one; returns how many."""

@@ -13,11 +13,12 @@ joins the steps' tokens into one chunk (RequestHandle.next_merged) while the eng
     ProcessDriver.abort(rid) ----- ("abort", rid) -->  EngineDriver.abort
     ProcessDriver.pools() -------- ("pools", n) ---->  EngineDriver.pools (between two steps)
                    <------------- ("pools", n, report)
-    reader thread  <------ ("events", deltas, ends, metric calls)      after every loop turn
+    reader thread  <------ ("events", rids, counts, tokens, logprobs, ends, metric calls)  every turn
       -> each event loop gets its requests' events in one call_soon_threadsafe;
          the metric calls are replayed on the server's ServerMetrics
-         (deltas: (rid, token ids, logprobs) tuples, the per-request part of every step kept to
-         plain data; ends: (rid, Finished | Failed); counter increments summed per turn)
+         (deltas: flat lists of request ids, token counts and tokens (_Deltas), logprobs only for
+         the requests that asked; the per-request part of every step kept to a few plain lists;
+         ends: (rid, Finished | Failed); counter increments summed per turn)
     ProcessDriver.stop() --------- ("stop",) ------->  EngineDriver.stop (in-flight: 503), exit
                    <------------- ("ended", error)     also when the loop dies (error: its text)
 
@@ -64,7 +65,8 @@ class _Recorder:
         self.sent: dict[tuple[str, tuple], float] = {}  # gauges as the server process last had them
 
     def __getattr__(self, name: str) -> "_Metric":
-        return _Metric(self, name, ())
+        m = self.__dict__[name] = _Metric(self, name, ())  # (made once: later lookups are plain attributes)
+        return m
 
     def take(self) -> list[tuple[str, tuple, str, float]]:
         """The calls since the last take (one inc per counter); gauges only where they changed (an
@@ -80,9 +82,13 @@ class _Recorder:
 class _Metric:
     def __init__(self, rec: _Recorder, name: str, labels: tuple):
         self.rec, self.name, self.label_values = rec, name, labels
+        self.children: dict[tuple, _Metric] = {}
 
     def labels(self, *values) -> "_Metric":
-        return _Metric(self.rec, self.name, tuple(values))
+        m = self.children.get(values)
+        if m is None:
+            m = self.children[values] = _Metric(self.rec, self.name, values)
+        return m
 
     def inc(self, value: float = 1.0) -> None:
         key = (self.name, self.label_values)
@@ -103,26 +109,69 @@ def replay(metrics, calls: list[tuple[str, tuple, str, float]]) -> None:
 
 
 # ---- the engine process ---------------------------------------------------------------------------
+class _Deltas:
+    """One turn's new tokens, flat: request i of `rids` committed tokens[sum(counts[:i]):][:counts[i]]
+    (one list each, pickled in a few calls, not a tuple per request); `logprobs` only for the
+    requests that asked (request id -> one TokenLogprob per new token)."""
+
+    __slots__ = ("rids", "counts", "tokens", "logprobs")
+
+    def __init__(self):
+        self.rids: list[str] = []
+        self.counts: list[int] = []
+        self.tokens: list[int] = []
+        self.logprobs: dict[str, list] = {}
+
+
 class _ChildDriver(EngineDriver):
     """The EngineDriver, its events and metric calls sent to the server process after every turn."""
 
     def __init__(self, engines, recorder: _Recorder, send):
         super().__init__(engines, recorder)
         self.send = send
-        self.deltas: list[tuple[str, list[int], list | None]] = []
+        self.deltas = _Deltas()
         self.ends: list[tuple[str, Event]] = []
 
+    def _publish_all(self, mine) -> int:
+        """The step's new tokens of every request into the turn's flat lists (no Delta per
+        request here: the server process builds those, off the engine's interpreter)."""
+        d = self.deltas
+        rids, counts, tokens, lps = d.rids, d.counts, d.tokens, d.logprobs
+        new = 0
+        for lv in mine:
+            out = lv.request.output_ids
+            sent, end = lv.sent, len(out)
+            if end <= sent:
+                continue
+            rid = lv.job.request_id
+            rids.append(rid)
+            counts.append(end - sent)
+            tokens += out[sent:]
+            if lv.job.top_logprobs is not None:
+                have = lv.engine.logprobs.get(rid)
+                if have is not None:
+                    lps[rid] = have[sent:end]
+            lv.sent = end
+            new += end - sent
+        return new
+
     def _send(self, lv, event) -> None:
-        if isinstance(event, Delta):
-            self.deltas.append((lv.job.request_id, event.token_ids, event.logprobs))
+        if isinstance(event, Delta):  # (a request's last tokens, or the base class's path)
+            d = self.deltas
+            d.rids.append(lv.job.request_id)
+            d.counts.append(len(event.token_ids))
+            d.tokens += event.token_ids
+            if event.logprobs is not None:
+                d.logprobs[lv.job.request_id] = event.logprobs
         else:
             self.ends.append((lv.job.request_id, event))
 
     def _flush(self) -> None:
         calls = self.metrics.take()
-        if self.deltas or self.ends or calls:
-            deltas, ends, self.deltas, self.ends = self.deltas, self.ends, [], []
-            self.send(("events", deltas, ends, calls))
+        d = self.deltas
+        if d.rids or self.ends or calls:
+            ends, self.deltas, self.ends = self.ends, _Deltas(), []
+            self.send(("events", d.rids, d.counts, d.tokens, d.logprobs, ends, calls))
 
     def _main(self) -> None:
         try:
@@ -276,8 +325,9 @@ class ProcessDriver:
             while True:
                 msg = self.conn.recv()
                 if msg[0] == "events":
-                    self._events(msg[1], msg[2])
-                    replay(self.metrics, msg[3])
+                    _, rids, counts, tokens, lps, ends, calls = msg
+                    self._events(rids, counts, tokens, lps, ends)
+                    replay(self.metrics, calls)
                 elif msg[0] == "pools":
                     with self._lock:
                         fut = self.reports.pop(msg[1], None)
@@ -304,12 +354,18 @@ class ProcessDriver:
         finally:
             self._fail_all()
 
-    def _events(self, deltas: list, ends: list) -> None:
-        """One turn's events, each to its request's job (a request that ended leaves the table;
-        its last Delta comes first, as the engine process sent them)."""
+    def _events(self, rids: list[str], counts: list[int], tokens: list[int], lps: dict, ends: list) -> None:
+        """One turn's events (_Deltas' fields, then the ends), each to its request's job (a
+        request that ended leaves the table; its last Delta comes first, as the engine process
+        sent them)."""
         with self._lock:
             jobs = self.jobs
-            pairs = [(jobs[rid], Delta(ids, lps)) for rid, ids, lps in deltas if rid in jobs]
+            pairs, i = [], 0
+            for rid, n in zip(rids, counts):
+                job = jobs.get(rid)
+                if job is not None:
+                    pairs.append((job, Delta(tokens[i:i + n], lps.get(rid))))
+                i += n
             for rid, event in ends:
                 job = jobs.pop(rid, None)
                 if job is not None:
