@@ -6,8 +6,10 @@ commits all its rows; a verify pass commits its root and emits one token (as `ar
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
+from tandem.config import ConfigError
 from tandem.engine.config import EngineConfig
 from tandem.engine.request import Request, RequestState, SamplingParams
 from tandem.engine.scheduler import Scheduler, StepPlan
@@ -58,6 +60,27 @@ def test_chunked_prefill_mixes_with_decode_under_the_budget():
     commit_plan(s, p3)
     assert [i.kind for i in s.plan_step().scheduled] == ["decode"] * 3
     assert s.pool.check() == []
+
+
+def test_long_prefill_token_threshold_spreads_a_long_prompt_over_steps():
+    """vLLM's long_prefill_token_threshold: a prompt's chunk per step is at most that many
+    tokens, so a decoding request's steps stay short while a long prompt arrives."""
+    cfg = EngineConfig(method="ar", block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=16,
+                       long_prefill_token_threshold=5)
+    s = Scheduler(cfg, PagedKVPool(1, 1, 2, 64, 4, torch.float32, "cpu"), row_budget=lambda req: 1)
+    s.add(req(3, "a"))
+    commit_plan(s, s.plan_step())  # a's 2 prompt rows (within the threshold)
+    s.add(req(13, "b"))
+    chunks = []
+    while s.running[-1].in_prefill or len(s.running) < 2:
+        plan = s.plan_step()
+        assert plan.scheduled[0][:2] == (s.running[0], "decode")  # a decodes in every step
+        chunks += [i.rows for i in plan.prefills]
+        commit_plan(s, plan)
+    assert chunks == [5, 5, 2]  # b's 12 prompt rows before its first decode, 5 at most a step
+    assert s.pool.check() == []
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold must be >= 0"):
+        EngineConfig(long_prefill_token_threshold=-1).validate()
 
 
 def test_a_one_token_prompt_decodes_at_once_and_row_budgets_shrink_to_the_budget():

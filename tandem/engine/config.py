@@ -17,6 +17,10 @@ class EngineConfig:
     num_blocks: int | None = None  # None: max_num_seqs full context windows of the target
     max_num_seqs: int = 32  # running requests at most
     max_num_batched_tokens: int = 2048  # rows of one target pass (prefill chunks + every tree)
+    # a prompt's prefill chunk per step at most this many tokens (vLLM's name; 0: the budget's
+    # rest). A step that prefills a long prompt beside decoding requests delays all of their next
+    # tokens: the inter-token tail of a busy server (p99 against p50) comes from such steps
+    long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     debug_check: bool = False  # run the pool's check() after every step
     # batch-invariant arithmetic (tandem.engine.invariant): a request's greedy output does not
@@ -55,6 +59,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0: off; got {self.long_prefill_token_threshold})")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1 (got {self.num_blocks})")
         if (self.batch_parallel or self.row_selection) and self.method == "ar":

@@ -11,6 +11,10 @@ Per step, under a token budget (rows of one target pass):
    lookup, then a first chunk) while budget, sequence slots and blocks allow. A request that
    does not fit blocks the ones behind it (strict FIFO).
 
+A prompt's chunk per step is also at most `long_prefill_token_threshold` tokens when set (as in
+vLLM), so that a long prompt arriving at a busy engine spreads over several steps instead of
+stretching one step for every decoding request.
+
 Hooks: `row_budget` decides a decoding request's rows (row selection gives some zero draft
 tokens); `plan_step(verify=...)` schedules only the decoding requests it accepts, so batch
 parallelism reserves verify rows for the verified batch alone (the drafted batch keeps just its
@@ -140,7 +144,8 @@ class Scheduler:
     def _want(self, req: Request, budget: int) -> tuple[str, int]:
         todo = req.prefill_target - req.num_computed  # (in_prefill: todo > 0)
         if todo > 0:
-            return "prefill", min(todo, budget)
+            cap = self.config.long_prefill_token_threshold
+            return "prefill", min(todo, budget, cap) if cap > 0 else min(todo, budget)
         rows = self.row_budget(req)
         return "decode", rows if 1 <= rows <= budget else max(1, min(rows, budget))
 

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="requests decoded together at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
                    help="rows of one target pass")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=e.long_prefill_token_threshold,
+                   help="a prompt's prefill chunk per step at most this many tokens, so long prompts do not stretch "
+                        "the steps of decoding requests (the inter-token tail); 0: off")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: max-num-seqs "
                    "full context windows)")
     p.add_argument("--block-size", type=int, default=e.block_size)
@@ -82,6 +85,7 @@ def build(args) -> tuple[object, ServerConfig]:
     spec = SpecConfig(k=args.k, nodes=args.nodes, width=args.width, depth=args.depth)
     ecfg = EngineConfig(spec=spec, block_size=args.block_size, num_blocks=args.num_blocks,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        long_prefill_token_threshold=args.long_prefill_token_threshold,
                         batch_parallel=args.batch_parallel, row_selection=args.row_selection,
                         draft_gate=args.draft_gate, adaptive_draft=args.adaptive_draft,
                         deterministic=args.deterministic)
