@@ -131,6 +131,7 @@ def test_the_client_parses_chunked_sse_split_anywhere_keeps_alive_and_counts_fai
     (["--url", "http://10.1.2.3:8000"], "is not loopback; pass --allow-remote"),
     (["--api-key", "k"], "--api-key goes with --url"),
     (["--methods", "hf"], "--online serves ar, chain, tree"),
+    (["--methods", "ar", "--long-prefill-token-threshold", "-1"], "long_prefill_token_threshold must be >= 0"),
 ])
 def test_bad_online_flags_get_one_line_and_status_2(capsys, tmp_path, workload, args, message):
     from tandem.cli import main

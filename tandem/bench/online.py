@@ -497,7 +497,8 @@ def build_local_server(args: argparse.Namespace, methods: list[str], max_concurr
         if m not in ENGINE_METHODS:
             raise ConfigError(f"--online serves {', '.join(ENGINE_METHODS)}; {m!r} is not one of them")
     spec = SpecConfig(k=args.k, nodes=parse_nodes(args.nodes)[0], width=args.width, depth=args.depth)
-    ecfg = EngineConfig(spec=spec, max_num_seqs=max(EngineConfig().max_num_seqs, max_concurrency))
+    ecfg = EngineConfig(spec=spec, max_num_seqs=max(EngineConfig().max_num_seqs, max_concurrency),
+                        long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", 0))
     for m in methods:
         engine_config_for(ecfg, m).validate()
     cfg = ServerConfig(methods=tuple(methods), max_pending=max(ServerConfig().max_pending, max_concurrency))
@@ -527,6 +528,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-process", action="store_true",
                    help="with --online and no --url: the server's engines in a process of their own "
                         "(tandem serve --engine-process)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="with --online and no --url: the server's prefill chunk per step at most this many tokens "
+                        "(tandem serve's flag; 0: off)")
     p.add_argument("--max-seconds", type=float, default=120.0,
                    help="with --online: per level; requests not started by then are skipped")
 
