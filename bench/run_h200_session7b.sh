@@ -4,6 +4,8 @@
 # tree+gate), the plain step's cost by concurrency, and the online server with the engine in its own
 # process.
 #   bash bench/run_h200_session7b.sh $OUT     (device tool: carry .data/mbpp and .whl)
+#   REPS="a b" LPT="0 64" bash bench/run_h200_session7b.sh $OUT   (the table twice; the server with and without
+#                                                                  a 64-token prefill chunk cap)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 echo "== GPU lane: level tree, kernels (paged attention, embed norms), engine"
@@ -20,9 +22,12 @@ for rep in ${REPS:-a}; do
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD
-echo "== online (--engine-process): eagle3, ar and tree; the client in its own process"
-timeout 170 python3 -m tandem bench --online --engine-process --device cuda --dtype bfloat16 --draft eagle3 --methods ar,tree \
-  --concurrency 1,8,32,64 --requests 64 --max-new-tokens 128 --ignore-eos --workload mbpp --data-dir .data \
-  --num-prompts 64 --max-prompt-tokens 256 --no-plots --out "$OUT/online" > "$OUT/online.log" 2>&1
-grep -v -e "it/s" "$OUT/online.log" | grep -e "^|" -e "rror" | tail -12
-rm -f "$OUT/online/results.json"
+for lpt in ${LPT:-0}; do  # LPT="0 64": also with the prefill chunk capped (the inter-token tail)
+  echo "== online (--engine-process, --long-prefill-token-threshold $lpt): eagle3, ar and tree; the client in its own process"
+  timeout 170 python3 -m tandem bench --online --engine-process --device cuda --dtype bfloat16 --draft eagle3 --methods ar,tree \
+    --concurrency 1,8,32,64 --requests 64 --max-new-tokens 128 --ignore-eos --workload mbpp --data-dir .data \
+    --num-prompts 64 --max-prompt-tokens 256 --no-plots --long-prefill-token-threshold $lpt \
+    --out "$OUT/online_lpt$lpt" > "$OUT/online_lpt$lpt.log" 2>&1
+  grep -v -e "it/s" "$OUT/online_lpt$lpt.log" | grep -e "^|" -e "rror" | tail -12
+  rm -f "$OUT/online_lpt$lpt/results.json"
+done
