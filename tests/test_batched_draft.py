@@ -92,3 +92,53 @@ def test_every_request_with_a_budget_below_the_captured_trees(graphs):
     full = bd.propose([("a", toks, 12)])["a"]  # (nothing new to catch up: the same root)
     best = sorted(range(1, len(full)), key=lambda i: -full.logp[i])[:7]
     assert len(small) == 8 and sorted(_path(small, i) for i in range(1, 8)) == sorted(_path(full, i) for i in best)
+
+
+@pytest.mark.parametrize("w", [1, 3, 16])
+def test_the_level_pack_writes_the_general_packs_buffer(w):
+    """BatchedModel.load_level_rows (BatchRows.pack_level: only a step's columns and the changed
+    block tables written) leaves a tree bucket's host buffer exactly as load_rows of the level's
+    Segments (the general pack, versioned tables) leaves it, with the same host figures: over a
+    reused buffer, requests whose tables change or not, buckets with padding requests (R below
+    the bucket, R changing), and after the buffer held another pass (the fixed fields rewritten)."""
+    import numpy as np
+
+    from tandem.engine.batched_draft import level_segments
+    from tandem.engine.batched_model import Capacity, PackColumns, Segment
+
+    bd = BatchedTreeDrafter(tiny_model(seed=4), num_blocks=64, block_size=4, width=w, depth=2, max_seqs=8,
+                            max_seq_blocks=12, use_graphs="emulate")
+    m, bucket = bd.model, 8
+    cap = Capacity(bucket * w, bucket, bucket, m.max_seq_blocks, 1)  # (as _tree_graph makes it)
+    general, level = m.static_rows(cap), m.static_rows(cap)
+    g = torch.Generator().manual_seed(w)
+
+    def rand(n: int) -> int:
+        return int(torch.randint(0, n, (), generator=g))
+
+    for step, R in enumerate((8, 8, 3, 3, 5, 0, 8, 1, 1, 6)):
+        if R == 0:  # another pass packed into both buffers (a chunk: causal rows, every table rewritten)
+            other = [Segment.chunk([5, 6], 3, [40, 41])]
+            m.load_rows(general, other)
+            m.load_rows(level, other)
+            assert np.array_equal(general.host_np, level.host_np)
+            continue
+        lengths, tables, versions = [], [], []
+        for r in range(R):
+            L = 1 + rand(30)
+            if r % 3 == 0:  # a new table (and version) every step
+                blocks, version = [(r * 12 + step + i) % 60 for i in range(-(-(L + w) // 4))], 100 * step + r
+            else:  # the same table every step (long enough for any length)
+                blocks, version = [r * 12 + i for i in range(12)], -r
+            lengths.append(L)
+            tables.append(blocks)
+            versions.append(version)
+        cols = PackColumns.of(level_segments(lengths, tables, w))
+        cols.versions = versions
+        want = m.load_rows(general, cols)
+        got = m.load_level_rows(level, lengths, tables, versions, w)
+        assert np.array_equal(general.host_np, level.host_np), step
+        assert general.tables == level.tables
+        assert torch.equal(general.packed, level.packed)
+        for f in ("num_rows", "new_rows", "contexts", "offsets", "num_logits"):
+            assert getattr(got, f) == getattr(want, f), (step, f)

@@ -118,6 +118,14 @@ class BatchedDrafter:
         return torch.stack([self.root_logits[rid] for rid, _ in reqs])
 
 
+def level_segments(lengths: list[int], tables: list[list[int]], w: int) -> list[Segment]:
+    """A level tree's first level as Segments (what BatchRows.pack_level packs): request r's w
+    children of the root after its lengths[r] committed columns, each seeing those and itself."""
+    bits = [1 << s for s in range(w)]
+    return [Segment([0] * w, [L] * w, blocks, L + w, logits=True, prefix=L, bits=bits)
+            for L, blocks in zip(lengths, tables)]
+
+
 MAX_LEVEL_ROWS = 64  # a tree's level rows per request: one int64 mask word (tandem.kernels.paged_attention)
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # requests per captured tree (padded up)
 
@@ -197,18 +205,22 @@ class BatchedTreeDrafter(BatchedDrafter):
         w, R = self.w, len(live)
         roots = self._roots(live)  # ([R, V], drafter state ...)
         n_max = min(max(n for _, _, n in live), self.n_all)
-        segs = []
+        # level 1's rows: request r's w rows after its lengths[r] committed columns (the root last)
+        lengths, tables, versions = [], [], []
         if self.depth > 1:  # every level's rows now, so the block tables hold for the whole tree
+            seqs, rows_ahead = self.pool.seqs, (self.depth - 1) * w
             for rid, toks, _ in live:
-                L = len(toks)
-                self.pool.reserve(rid, (self.depth - 1) * w)
-                segs.append(Segment([0] * w, [L] * w, self.pool.seqs[rid].blocks, L + w, logits=True,
-                                    prefix=L, bits=[1 << s for s in range(w)]))
+                self.pool.reserve(rid, rows_ahead)
+                sb = seqs[rid]
+                lengths.append(len(toks))
+                tables.append(sb.blocks)
+                versions.append(sb.version)
         g = None
         if self.tree_graphs and n_max <= self.n_graph and R <= self.model.max_seqs:
             g = self._tree_graph(next(b for b in REQUEST_BUCKETS if b >= R))
         if g is not None:
-            rows = self.model.load_rows(g.st, segs)
+            # (the level pack: the general one's fields, only what changed written)
+            rows = self.model.load_level_rows(g.st, lengths, tables, versions, w)
             for buf, t in zip(g.roots, roots):
                 (buf if R == g.R else buf[:R]).copy_(t)  # (a full bucket: no view to make)
             if g.graph is not None:
@@ -218,7 +230,7 @@ class BatchedTreeDrafter(BatchedDrafter):
             # (its n_graph best in tree order: a smaller budget takes its best by rank, below)
             n_max, tree = self.n_graph, g.out[:, :R]
         else:
-            rows = self.model.rows(segs) if segs else None
+            rows = self.model.rows(level_segments(lengths, tables, w)) if lengths else None
             tree = self._device_tree(rows, roots, R, n_max)
         host = tree.cpu().numpy()  # [4, R, n] the step's one read-back
         toks_, pars, rank = host[:3].tolist()

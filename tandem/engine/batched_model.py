@@ -351,6 +351,42 @@ class BatchRows:
         return list(cols.new_rows), list(cols.contexts), list(range(R + 1)), R
 
     @staticmethod
+    def pack_level(host: np.ndarray, cap: Capacity, views: dict[str, np.ndarray], lengths: list[int],
+                   tables: list[list[int]], versions: list[int], held: list, w: int, block_size: int, scratch: int,
+                   tile_rows: int, fixed: "_LevelPack | None") -> "_LevelPack":
+        """pack() of a level tree's first level (BatchedTreeDrafter.propose): request r's w rows
+        after its lengths[r] committed columns, each the root's child s (token 0: the captured tree
+        writes it), at position lengths[r], seeing the committed columns and itself (bit s), its
+        logits wanted; i.e. pack() of Segment([0] * w, [L] * w, blocks, L + w, True, L, [1 << s ..])
+        per request with `versions` (writes exactly what that pack writes into the same buffer).
+        What depends only on R and w (row requests, bits, tiles, logit rows, padding) is written
+        when `fixed` (the buffer's last level pack, None: something else packed it since) was for
+        another R or w; a step writes its columns: positions, prefixes, slots, column counts and
+        the block tables whose version `held` (the buffer's, updated here) does not hold.
+        Returns the buffer's level pack (pass it back next step)."""
+        R = len(lengths)
+        if fixed is None or fixed.key != (R, w):
+            fixed = _LevelPack.write(host, cap, views, R, w, scratch, tile_rows)
+        bt = fixed.bt
+        for r, v in enumerate(versions):  # (rewrite only the tables that changed)
+            if held[r] != v:
+                blocks = tables[r]
+                n = len(blocks)
+                bt[r, :n] = blocks
+                bt[r, n:] = 0
+                held[r] = v
+        L = np.array(lengths, dtype=np.int64)  # [R] committed columns = every row's prefix and position
+        np.add(L, w, out=fixed.seq_len)
+        Lc = L[:, None]  # [R, 1]
+        fixed.positions[:] = Lc
+        fixed.prefix_base[:] = Lc  # (row_prefix and row_base: adjacent fields, one write)
+        blk, off = np.divmod(Lc + fixed.arange_w, block_size)  # [R, w] each row's column -> block, offset
+        slots = fixed.slots
+        np.multiply(bt[fixed.rows, blk], block_size, out=slots)
+        slots += off
+        return fixed
+
+    @staticmethod
     def build(segments: "list[Segment] | PackColumns", device: torch.device, dtype: torch.dtype, block_size: int,
               window: int | None = None, tile_rows: int = 16, scratch: int = 0,
               cap: Capacity | None = None) -> "BatchRows":
@@ -438,6 +474,42 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
+class _LevelPack:
+    """A static buffer's level-1 rows of R requests, w each (BatchRows.pack_level): the fields
+    that depend only on R and w, written once, and views of what a step writes."""
+
+    @staticmethod
+    def write(host: np.ndarray, cap: Capacity, views: dict[str, np.ndarray], R: int, w: int, scratch: int,
+              tile_rows: int) -> "_LevelPack":
+        assert w <= tile_rows and R <= cap.R and R * w <= cap.M and cap.W == 1, (R, w, cap)
+        M = R * w
+        bt_at, bt_shape = cap.layout["block_tables"]
+        host[:bt_at] = 0  # (as pack() with versions: everything but the block tables)
+        host[bt_at + math.prod(bt_shape):] = 0
+        views["row_seq"][:M] = np.repeat(np.arange(R), w)
+        views["row_bits"][:M, 0] = np.tile(np.left_shift(1, np.arange(w)), R)
+        views["slots"][M:] = scratch
+        views["logit_rows"][:M] = np.arange(M)
+        tiles = views["tiles"]
+        tiles[:R, 0] = np.arange(R)
+        tiles[:R, 1] = np.arange(0, M, w)
+        tiles[:R, 2] = w
+        f = _LevelPack()
+        f.key = (R, w)
+        f.bt = views["block_tables"]
+        f.seq_len = views["seq_len"][:R]
+        f.positions = views["positions"][:M].reshape(R, w)
+        pre_at = cap.layout["row_prefix"][0]
+        assert cap.layout["row_base"][0] == pre_at + cap.M
+        f.prefix_base = host[pre_at:pre_at + 2 * cap.M].reshape(2, cap.M)[:, :M].reshape(2, R, w)
+        f.slots = views["slots"][:M].reshape(R, w)
+        f.rows = np.arange(R)[:, None]  # [R, 1]
+        f.arange_w = np.arange(w)
+        for name in ("positions", "prefix_base", "slots"):  # (views of host, or the writes are lost)
+            assert np.shares_memory(getattr(f, name), host), name
+        return f
+
+
 @dataclass
 class StaticRows:
     """The static input buffers of a captured pass (BatchedModel.static_rows)."""
@@ -454,6 +526,7 @@ class StaticRows:
     # buffers shares them (making ten views a pass cost ~30 us of host time on the H200's CPU)
     device_views: dict = field(default_factory=dict)
     host_np: "np.ndarray | None" = None  # `host` as numpy (made once)
+    level: "_LevelPack | None" = None  # the last BatchRows.pack_level into `host` (None: another pack since)
 
 
 @dataclass
@@ -624,16 +697,35 @@ class BatchedModel:
         rows instead: the rows whose outputs the caller gathers after the pass)."""
         if st.staged is not None:
             st.staged.synchronize()
+        st.level = None  # (pack() rewrites what a level pack keeps)
         T, S, offsets, n = BatchRows.pack(segments, st.host_np, st.cap, self.pool.block_size,
                                           self.pool.scratch_slot, self.tile_rows, st.views, st.tables)
         if picked is not None and graph is None:  # (before the copy: they travel with the rows)
             st.views["logit_rows"][:len(picked)] = picked
+        M, logits = (offsets[-1], n) if graph is not None else (st.cap.M, st.cap.M if picked is None else len(picked))
+        return self._staged_rows(st, M, T, S, offsets, logits, graph)
+
+    def load_level_rows(self, st: "StaticRows", lengths: list[int], tables: list[list[int]], versions: list[int],
+                        w: int) -> BatchRows:
+        """load_rows() of a level tree's first level (BatchRows.pack_level: R = len(lengths)
+        requests, w rows each after lengths[r] committed columns; block tables and their versions),
+        for a caller's own capture."""
+        if st.staged is not None:
+            st.staged.synchronize()
+        st.level = BatchRows.pack_level(st.host_np, st.cap, st.views, lengths, tables, versions, st.tables, w,
+                                        self.pool.block_size, self.pool.scratch_slot, self.tile_rows, st.level)
+        R = len(lengths)
+        return self._staged_rows(st, st.cap.M, [w] * R, [n + w for n in lengths], list(range(0, R * w + 1, w)),
+                                 st.cap.M, None)
+
+    def _staged_rows(self, st: "StaticRows", M: int, T: list[int], S: list[int], offsets: list[int], logits: int,
+                     graph: int | None) -> BatchRows:
+        """st's host buffer (packed) copied to the device -> rows over it with these host figures."""
         st.packed.copy_(st.host, non_blocking=True)  # (a capture or replay follows on this stream)
         if not self.emulate:
             if st.staged is None:  # (one event, recorded again each pass)
                 st.staged = torch.cuda.Event()
             st.staged.record()
-        M, logits = (offsets[-1], n) if graph is not None else (st.cap.M, st.cap.M if picked is None else len(picked))
         rows = BatchRows(st.packed, st.cap, M, T, S, offsets, logits, self.pool.block_size, self.tile_rows,
                          self.model.dtype, graph=graph)
         views = st.device_views
