@@ -199,8 +199,9 @@ EAGLE_TREE = [-1, 0, 0, 0, 0, 1, 1, 1, 1, 2, 3, 4, 4, 10, 6, 13, 14]
 def test_tree_masks_of_many_trees_are_each_trees_ancestors_and_depths(trees, size):
     """tree_masks over trees side by side (python ints for few nodes or a tree wider than 64,
     uint64 pointer jumping for many) gives every node its ancestors-and-self bits and depth, as
-    walking each tree's parents does (size None: the EAGLE-3 tree, 30 times)."""
-    from tandem.tree.draft_tree import tree_masks
+    walking each tree's parents does (size None: the EAGLE-3 tree, 30 times); deepest_depths
+    gives each tree's deepest."""
+    from tandem.tree.draft_tree import deepest_depths, tree_masks
 
     g = torch.Generator().manual_seed(trees * (size or 1))
     parents, sizes, want_bits, want_depth = [], [], [], []
@@ -223,3 +224,47 @@ def test_tree_masks_of_many_trees_are_each_trees_ancestors_and_depths(trees, siz
     bits, depth, words = tree_masks(parents, sizes)
     assert [int(b) for b in bits] == want_bits and [int(d) for d in depth] == want_depth
     assert words == -(-max(sizes) // 64)
+    # each tree's deepest depth (what the engine's emits read), from either kind of depths
+    at, want_deepest = 0, []
+    for n in sizes:
+        want_deepest.append(max(want_depth[at:at + n]))
+        at += n
+    assert deepest_depths(depth, sizes) == want_deepest
+    assert deepest_depths(want_depth, sizes) == want_deepest
+    assert deepest_depths(*tree_masks([-1] * trees, [1] * trees)[1:2], [1] * trees) == [0] * trees  # roots alone
+
+
+def test_emit_records_the_depths_a_tree_offers_with_or_without_its_deepest_given():
+    """Emitter.emit's per-depth figures: each depth some draft node sits at counts as offered, and
+    as accepted when the pass accepted at least that many; the same whether emit walks the tree
+    or is handed its deepest depth (the engine's, from its packing), roots alone included."""
+    import time
+
+    from tandem.config import GenerationConfig
+    from tandem.runtime.emit import Emitter
+    from tandem.tree.draft_tree import DraftTree
+    from tandem.verify.verifier import VerifyResult
+
+    g = torch.Generator().manual_seed(5)
+    ems = [Emitter(10 ** 6, set(), GenerationConfig(), None, None, time.perf_counter()) for _ in range(2)]
+    want: dict[int, list[int]] = {}
+    for step in range(40):
+        n = 1 if step % 7 == 0 else int(torch.randint(2, 20, (), generator=g))
+        reach = 2 if step % 2 else n
+        parents = [-1] + [int(torch.randint(max(0, i - reach), i, (), generator=g)) for i in range(1, n)]
+        tree = DraftTree(list(range(n)), parents, [0.0] * n)
+        depth = tree.depth
+        path = [0]
+        while True:  # a random accepted path from the root
+            kids = [i for i in range(n) if parents[i] == path[-1]]
+            if not kids or int(torch.randint(0, 3, (), generator=g)) == 0:
+                break
+            path.append(kids[int(torch.randint(0, len(kids), (), generator=g))])
+        result = VerifyResult(path, [tree.tokens[i] for i in path[1:]] + [99], n - 1)
+        for k in {depth[i] for i in range(1, n)}:
+            want.setdefault(k, [0, 0])[0] += 1
+            want[k][1] += len(path) - 1 >= k
+        ems[0].emit(tree, result)
+        ems[1].emit(tree, result, max(depth))
+    assert ems[0].per_depth == ems[1].per_depth == want
+    assert ems[0].out == ems[1].out and ems[0].accept_lengths == ems[1].accept_lengths

@@ -63,7 +63,7 @@ from tandem.models.transformer import Transformer
 from tandem.runtime.emit import Emitter
 from tandem.runtime.plan import plan_request
 from tandem.runtime.runner import ModelRunner
-from tandem.tree.draft_tree import DraftTree, tree_masks
+from tandem.tree.draft_tree import DraftTree, deepest_depths, tree_masks
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
 
@@ -182,6 +182,7 @@ class Engine:
         # request alone (the reliability harness injects faults through it: tandem serve --inject-faults)
         self.fault_hook: Callable[[Request], None] | None = None
         self._accepted = 0  # accepted draft tokens in the current step (the gate's figure)
+        self._deepest: list[int] = []  # each decode's tree's deepest node's depth, in plan order (_rows: _apply)
         if config.batch_parallel:
             self.batches = BatchManager(self._load, config.rebalance_threshold)
             if target.device.type == "cuda":  # the drafter's kernels on their own stream
@@ -712,6 +713,7 @@ class Engine:
                 prefix.append(s.start)
                 logits.append(True)
         bits, depth, words = tree_masks(parents, sizes)
+        self._deepest = deepest_depths(depth, sizes)  # (what each decode's emit reads of its tree: no walk of its own)
         return self.model.rows(PackColumns(tokens, T, S, prefix, logits, tables, bits, None, np.asarray(depth),
                                            words, versions))
 
@@ -720,6 +722,7 @@ class Engine:
         drafters and emit. A request that raises in its part fails alone (its rows of the pass
         are already out)."""
         row, m = 0, 0  # the segment's first logits row / first row in the pass (features)
+        deepest, k = self._deepest, 0  # (the decodes' trees' deepest depths, packed by _rows)
         feats = self.model.last_features if self.feature_layers else None  # [M, F]
         # every row's argmax read back at once: one device sync per step, not one per request
         argmax = logits.argmax(-1).tolist() if logits.numel() else []
@@ -741,6 +744,8 @@ class Engine:
             tree = trees[req.request_id]
             n = len(tree.tokens)
             lo, mlo = row, m  # this request's logits rows and feature rows
+            depth = deepest[k]
+            k += 1
             row += n
             m += n
             try:
@@ -759,13 +764,13 @@ class Engine:
             # (a root alone commits its own token: the tree's list, not a copy)
             commits.append((req.request_id, result.path,
                             tree.tokens if n == 1 else [tree.tokens[i] for i in result.path]))
-            accepted.append((req, tree, result, mlo))
+            accepted.append((req, tree, result, mlo, depth))
         self.pool.commit_many(commits)  # (before any request ends: ending frees its blocks)
         self._feed(accepted, feats)
         finished = []
-        for req, tree, result, mlo in accepted:
+        for req, tree, result, mlo, depth in accepted:
             try:
-                done = self._commit(req, tree, result, feats, mlo)
+                done = self._commit(req, tree, result, feats, mlo, depth)
             except Exception:
                 log.exception("request %s failed in its part of a step; the others go on", req.request_id)
                 failed.append(req)
@@ -779,12 +784,13 @@ class Engine:
             finished.append(self.output(req))
         return finished
 
-    def _feed(self, accepted: list[tuple[Request, DraftTree, VerifyResult, int]], feats: torch.Tensor | None) -> None:
+    def _feed(self, accepted: list[tuple[Request, DraftTree, VerifyResult, int, int]], feats: torch.Tensor | None
+              ) -> None:
         """Hand the batched feature drafter every request's committed tokens with their rows'
         target features (feats [M, F]; a request's rows from its offset in `accepted`): one
         gather for all requests, not a few kernels each (drafting or not, every step does this)."""
         items, rows = [], []
-        for req, _, result, mlo in accepted:
+        for req, _, result, mlo, _ in accepted:
             if isinstance(req.runtime.get("drafter"), _BatchedFeatureHandle):
                 items.append((req.request_id, result.tokens))
                 rows += [mlo + p for p in result.path]  # the root's and the accepted nodes' rows
@@ -792,10 +798,10 @@ class Engine:
             self.batched.observe_many(items, feats[torch.tensor(rows, device=feats.device)])
 
     def _commit(self, req: Request, tree: DraftTree, result: VerifyResult, feats: torch.Tensor | None,
-                first: int) -> bool:
+                first: int, deepest: int) -> bool:
         """After the pool kept the accepted path: count it, feed a per-request drafter (feats [M, F]:
-        the pass's features, this request's rows from `first`; a batched one was fed by _feed), emit;
-        True when the request is done."""
+        the pass's features, this request's rows from `first`; a batched one was fed by _feed), emit
+        (deepest: the tree's deepest node's depth); True when the request is done."""
         self._accepted += result.accepted
         if self.config.adaptive_draft:
             self._calibration(req).observe(tree, result.accepted)
@@ -805,7 +811,7 @@ class Engine:
                 req.runtime["drafter"].observe(result, tree, feats[first:first + len(tree)][result.path])
             else:
                 req.runtime["drafter"].observe(result, tree)
-        return self._emit(req, tree, result)
+        return self._emit(req, tree, result, deepest)
 
     def _end(self, req: Request, state: RequestState, reason: str | None) -> None:
         """Release a request that finished (or failed) in a step: blocks, batch, drafter."""
@@ -829,15 +835,16 @@ class Engine:
             return greedy_accept(tree, argmax[lo:lo + n])
         return rejection_accept(tree, probs_from_logits(logits[lo:lo + n], sampling), self._generator(req))
 
-    def _emit(self, req: Request, tree: DraftTree, result: VerifyResult) -> bool:
-        """Cut at EOS / stop / max_tokens (the single-request loop's Emitter); True when done."""
+    def _emit(self, req: Request, tree: DraftTree, result: VerifyResult, deepest: int) -> bool:
+        """Cut at EOS / stop / max_tokens (the single-request loop's Emitter; deepest: the tree's
+        deepest node's depth, from the packing); True when done."""
         em = req.runtime.get("emitter")
         if em is None:
             eos = set() if req.params.ignore_eos else self.eos
             em = req.runtime["emitter"] = Emitter(req.max_new, eos, req.params.generation(), self.tokenizer,
                                                   None, req.arrival)
             em.out = req.output_ids  # survives preemption: the request owns the list
-        done = em.emit(tree, result)
+        done = em.emit(tree, result, deepest)
         f = req.figures
         f.target_passes += 1
         f.draft_tokens += result.num_draft

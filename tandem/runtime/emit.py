@@ -24,12 +24,13 @@ class Emitter:
         self.finish = "length"
         self.stop_text: str | None = None
 
-    def emit(self, tree: DraftTree, result: VerifyResult) -> bool:
-        """Record one pass; returns True when generation is over."""
-        if len(tree.tokens) == 1:  # no draft nodes: no depth offered
-            return self.emit_pass(result.tokens, result.accepted, ())
-        depth = tree.depth
-        return self.emit_pass(result.tokens, result.accepted, {depth[i] for i in range(1, len(tree))})
+    def emit(self, tree: DraftTree, result: VerifyResult, deepest: int | None = None) -> bool:
+        """Record one pass; returns True when generation is over. deepest: the depth of the
+        tree's deepest node, when the caller has it (the engine's packing computes every node's
+        depth); a tree is prefix-closed, so it offers every depth 1 .. deepest."""
+        if deepest is None:
+            deepest = max(tree.depth) if len(tree.tokens) > 1 else 0  # (the root alone: no depth offered)
+        return self.emit_pass(result.tokens, result.accepted, range(1, deepest + 1))
 
     def emit_pass(self, tokens: list[int], accepted: int, depths: set[int] | range) -> bool:
         """Record one pass that committed `tokens` (accepted drafts, then the bonus) from a tree

@@ -7,6 +7,7 @@ the best-first builder and the chain builder produce. A chain is a tree with one
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -79,6 +80,20 @@ def ancestor_mask(parents: list[int] | torch.Tensor, device=None) -> torch.Tenso
     out = torch.from_numpy(anc)
     return out if device is None else out.to(device)
 
+
+
+def deepest_depths(depth: "np.ndarray | list[int]", sizes: list[int]) -> list[int]:
+    """Each tree's deepest node's depth, from tree_masks' depths of trees side by side (sizes:
+    their node counts). A tree is prefix-closed, so it offers every depth 1 .. its deepest."""
+    if len(depth) == len(sizes):  # every tree its root alone
+        return [0] * len(sizes)
+    if isinstance(depth, np.ndarray):  # (many nodes: one array op)
+        return np.maximum.reduceat(depth, list(accumulate(sizes[:-1], initial=0))).tolist()
+    out, at = [], 0
+    for size in sizes:
+        out.append(max(depth[at:at + size]))
+        at += size
+    return out
 
 
 def tree_masks(parents: list[int], sizes: list[int]) -> tuple["np.ndarray | list[int]", "np.ndarray | list[int]", int]:
