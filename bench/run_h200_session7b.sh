@@ -6,6 +6,8 @@
 #   bash bench/run_h200_session7b.sh $OUT     (device tool: carry .data/mbpp and .whl)
 #   REPS="a b" LPT="0 64" bash bench/run_h200_session7b.sh $OUT   (the table twice; the server with and without
 #                                                                  a 64-token prefill chunk cap)
+#   PEERS=generate METHODS=ar,ar+det,tree,tree+gate ...   (transformers' padded generate beside the first table;
+#                                                          deterministic mode)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 echo "== GPU lane: level tree, kernels (paged attention, embed norms), engine"
@@ -14,9 +16,10 @@ timeout 150 python3 -m pytest -q -m cuda tests/gpu/test_gpu_level_tree.py tests/
 tail -2 "$OUT/lane.log"; grep -m2 -A25 "^___" "$OUT/lane.log" | head -50
 for rep in ${REPS:-a}; do
   echo "== engine table ($rep): eagle3, ar / tree / tree+gate"
-  timeout 170 python3 -m tandem bench --device cuda --dtype bfloat16 --concurrency 1,8,32,64 --methods ar,tree,tree+gate \
-    --ignore-eos --max-new-tokens 128 --workload mbpp --data-dir .data --num-prompts 64 --max-prompt-tokens 256 \
-    --no-plots --allow-mismatch --draft eagle3 --peers none --out "$OUT/engine_$rep" > "$OUT/engine_$rep.log" 2>&1
+  timeout 170 python3 -m tandem bench --device cuda --dtype bfloat16 --concurrency 1,8,32,64 \
+    --methods ${METHODS:-ar,tree,tree+gate} --ignore-eos --max-new-tokens 128 --workload mbpp --data-dir .data \
+    --num-prompts 64 --max-prompt-tokens 256 --no-plots --allow-mismatch --draft eagle3 \
+    --peers $([ "$rep" = a ] && echo "${PEERS:-none}" || echo none) --out "$OUT/engine_$rep" > "$OUT/engine_$rep.log" 2>&1
   grep -v -e "it/s" -e "req/s" "$OUT/engine_$rep.log" | grep -e "^|" -e "^- " -e "rror" | tail -24
   rm -f "$OUT/engine_$rep/results.json"
 done
