@@ -10,19 +10,22 @@
 #                                                          deterministic mode)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
-echo "== GPU lane: level tree, kernels (paged attention, embed norms), engine"
-timeout 150 python3 -m pytest -q -m cuda tests/gpu/test_gpu_level_tree.py tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_engine.py \
-  -k "level or embed_norms or paged or engine" -p no:cacheprovider > "$OUT/lane.log" 2>&1
-tail -2 "$OUT/lane.log"; grep -m2 -A25 "^___" "$OUT/lane.log" | head -50
-for rep in ${REPS:-a}; do
+if [ "${LANE:-1}" = 1 ]; then
+  echo "== GPU lane: level tree, kernels (paged attention, embed norms), engine"
+  timeout 150 python3 -m pytest -q -m cuda tests/gpu/test_gpu_level_tree.py tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_engine.py \
+    -k "level or embed_norms or paged or engine" -p no:cacheprovider > "$OUT/lane.log" 2>&1
+  tail -2 "$OUT/lane.log"; grep -m2 -A25 "^___" "$OUT/lane.log" | head -50
+fi
+for rep in ${REPS-a}; do
   echo "== engine table ($rep): eagle3, ar / tree / tree+gate"
-  timeout 170 python3 -m tandem bench --device cuda --dtype bfloat16 --concurrency 1,8,32,64 \
+  timeout ${TMO:-170} python3 -m tandem bench --device cuda --dtype bfloat16 --concurrency 1,8,32,64 \
     --methods ${METHODS:-ar,tree,tree+gate} --ignore-eos --max-new-tokens 128 --workload mbpp --data-dir .data \
     --num-prompts 64 --max-prompt-tokens 256 --no-plots --allow-mismatch --draft eagle3 \
     --peers $([ "$rep" = a ] && echo "${PEERS:-none}" || echo none) --out "$OUT/engine_$rep" > "$OUT/engine_$rep.log" 2>&1
   grep -v -e "it/s" -e "req/s" "$OUT/engine_$rep.log" | grep -e "^|" -e "^- " -e "rror" | tail -24
   rm -f "$OUT/engine_$rep/results.json"
 done
+[ "${ONLINE:-1}" = 1 ] || exit 0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD
 for lpt in ${LPT:-0}; do  # LPT="0 64": also with the prefill chunk capped (the inter-token tail)
