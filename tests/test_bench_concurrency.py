@@ -164,6 +164,29 @@ def test_engine_modes_run_as_method_variants_and_stay_exact(tiny, tmp_path, caps
     assert "| tree+bp+sel | 4 |" in captured.out
 
 
+def test_a_gated_run_measures_its_step_costs_once(tiny, tmp_path, capsys, monkeypatch):
+    """With a warm-up, the measured engine takes the warm-up engine's measured step costs
+    (EngineConfig.step_costs) instead of measuring again: seconds of device time per run."""
+    from tandem.engine.engine import Engine
+
+    calls = []
+    measure = Engine.measure_step_costs
+
+    def counted(self, *a, **k):
+        calls.append(self.config.max_num_seqs)
+        return measure(self, *a, **k)
+
+    monkeypatch.setattr(Engine, "measure_step_costs", counted)
+    out = tmp_path / "out"
+    rc = cli.main(["bench", "--target", str(tiny), "--draft", str(tiny), "--workload", str(_prompts_file(tmp_path)),
+                   "--num-prompts", "2", "--max-new-tokens", str(MAX_NEW), "--ignore-eos", "--methods", "tree+gate",
+                   "--nodes", "4", "--concurrency", "2", "--peers", "none", "--warmup", "1", "--no-plots",
+                   "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    assert calls == [2]  # the warm-up engine's; the measured one reused them
+    assert json.loads((out / "results.json").read_text())["check"]["mismatch_count"] == 0
+
+
 def test_engine_mode_errors_are_one_line(tiny, tmp_path, capsys):
     from tandem.bench.concurrency import engine_modes, parse_engine_methods
 

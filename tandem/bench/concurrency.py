@@ -96,6 +96,7 @@ class RunResult:
     drafted_steps: int | None = None  # engine: steps that drafted (the draft gate turns it off in others)
     drafted_step_ms: float | None = None  # engine: mean wall ms of those steps
     plain_step_ms: float | None = None  # engine: mean wall ms of the others (prefill-only steps included)
+    step_costs: object = None  # engine with a draft gate: its measured StepCosts (handed to the next engine)
 
     @property
     def new_tokens(self) -> int:
@@ -233,10 +234,11 @@ def solo_outputs(pair, spec: SpecConfig, prompts: list[list[int]], params, num_b
 
 
 def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], prompt_index: list[int],
-               params, num_batched: int) -> RunResult:
-    """C requests submitted together to a fresh engine, stepped to the end; each step is timed."""
+               params, num_batched: int, **overrides) -> RunResult:
+    """C requests submitted together to a fresh engine, stepped to the end; each step is timed.
+    overrides: EngineConfig fields (a warm-up run's measured `step_costs`)."""
     c = len(prompts)
-    engine = _engine(pair, method, spec, prompts, params, num_batched, c)
+    engine = _engine(pair, method, spec, prompts, params, num_batched, c, **overrides)
     harness._sync(pair.target.device)
     t0 = time.perf_counter()
     reqs = [engine.add_request(p, params) for p in prompts]
@@ -265,7 +267,8 @@ def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], pr
                      sum(r.figures.cached_tokens for r in reqs), sum(r.figures.preemptions for r in reqs),
                      step_ms=per_step(k.step_s), drafting_ms=per_step(k.drafting_s), drafted_steps=len(drafted),
                      drafted_step_ms=1e3 * sum(drafted) / len(drafted) if drafted else None,
-                     plain_step_ms=1e3 * sum(plain) / len(plain) if plain else None)
+                     plain_step_ms=1e3 * sum(plain) / len(plain) if plain else None,
+                     step_costs=engine.gate.costs if engine.gate is not None else None)
 
 
 class _StepTimes:
@@ -516,9 +519,12 @@ def run_concurrency(prompts, methods: list[str], peers: list[str], levels: list[
             mspec = replace(spec, method=engine_modes(method)[0])
             for c in levels:
                 ps, idx = batch(c)
+                given = {}
                 if args.warmup:  # a throwaway engine: kernels compiled, allocator warm, prefix cache cold
-                    engine_run(pair, method, mspec, ps, idx, params, num_batched)
-                r = engine_run(pair, method, mspec, ps, idx, params, num_batched)
+                    warm = engine_run(pair, method, mspec, ps, idx, params, num_batched)
+                    if warm.step_costs is not None:  # (the gate's costs, measured once per run)
+                        given["step_costs"] = warm.step_costs
+                r = engine_run(pair, method, mspec, ps, idx, params, num_batched, **given)
                 runs.append(r)
                 _progress(r)
     if peers:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.config import ConfigError, SpecConfig
+from tandem.engine.draft_gate import StepCosts
 from tandem.engine.row_selection import RowCost
 
 ENGINE_METHODS = ("ar", "chain", "tree")
@@ -40,6 +41,9 @@ class EngineConfig:
     # and without drafting, from running figures); outside batch-parallel mode. None: on with
     # row_selection, off without it; True / False: on / off for every speculative method
     draft_gate: bool | None = None
+    # the gate's step costs, given (an earlier engine's `gate.costs` for the same config and
+    # device: measuring takes seconds of steps) or None: measured when the engine starts
+    step_costs: StepCosts | None = None
     # greedy chains of a small draft model: one batched draft pass per chain position for every
     # decoding request (tandem.engine.batched_draft) instead of one small pass per request
     batched_drafting: bool = True

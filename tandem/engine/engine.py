@@ -199,7 +199,7 @@ class Engine:
         # from this engine's step costs, measured now on throwaway requests
         gated = config.row_selection if config.draft_gate is None else config.draft_gate
         if gated and config.method != "ar" and not config.batch_parallel:
-            self.gate = DraftGate(self.measure_step_costs())
+            self.gate = DraftGate(config.step_costs or self.measure_step_costs())
 
     def _batched_drafter(self, draft, num_blocks: int, graphs: bool | None):
         """The batched drafter of this draft and method, or None (each request then drafts on its
