@@ -315,40 +315,24 @@ class BatchedTreeDrafter(BatchedDrafter):
         positions = (Lt[None, :, None] + torch.arange(L, device=dev)[:, None, None]).clamp_min(0)
         positions = positions.expand(L, R, w).reshape(L, M)  # [L, M] level d sits at Lt - 1 + d
         seq_len = torch.where(real, Lt + w + base.view(L, 1), 0)  # [L, R]
+        # (each level's glue: two Triton programs a request on a GPU, tandem.kernels.level_tree)
         fed_bits = torch.zeros(R, w, dtype=torch.long, device=dev)  # the previous level's fed rows' masks
-        # on a GPU each level's glue is two Triton programs a request (tandem.kernels.level_tree:
-        # ~20 torch kernels a level otherwise); the torch lines below are their reference
-        fused = level_tree.applies(node_lp)
-        if fused:
-            fed, parent, bits_next = (torch.empty(R, w, dtype=torch.long, device=dev) for _ in range(3))
-        else:  # level d's row s's own bit
-            self_bits = torch.bitwise_left_shift(torch.ones_like(col[:, 0]), base[:, 0] + torch.arange(w, device=dev))  # [L, w]
+        bits_next, fed, parent = (torch.empty(R, w, dtype=torch.long, device=dev) for _ in range(3))
+        d2t = self._d2t()
         lo, hi = 0, w  # the newest level's nodes
         for d in range(1, self.depth):
             # fed [R, w]: the newest level's w best nodes; parent_row [R, w]: the previous level's
-            # fed row each hangs from (None at level 1: the root)
-            if fused:
-                level_tree.level_feed(node_tok, node_lp, lo, hi, w, fed_bits, bits_next, (d - 1) * w, d == 1, fed,
-                                      parent, rows.tokens, rows.positions, rows.slots, rows.row_bits, rows.seq_len,
-                                      positions[d - 1], slots[d - 1], seq_len[d - 1])
-                fed_bits, bits_next = bits_next, fed_bits
-                parent_row = None if d == 1 else parent
-            else:
-                fed, parent_row, fed_bits, toks = level_tree.level_feed_ref(node_tok, node_lp, lo, hi, w, fed_bits,
-                                                                            self_bits[d - 1], d == 1)
-                rows.tokens[:M] = toks.flatten()
-                rows.positions[:M] = positions[d - 1]
-                rows.slots[:M] = slots[d - 1]
-                rows.row_bits[:M, 0] = fed_bits.flatten()
-                rows.seq_len[:R] = seq_len[d - 1]
+            # fed row each hangs from (None at level 1: the root); the level's rows written
+            level_tree.level_feed(node_tok, node_lp, lo, hi, w, fed_bits, bits_next, (d - 1) * w, d == 1, fed,
+                                  parent, rows.tokens, rows.positions, rows.slots, rows.row_bits, rows.seq_len,
+                                  positions[d - 1], slots[d - 1], seq_len[d - 1])
+            fed_bits, bits_next = bits_next, fed_bits
+            parent_row = None if d == 1 else parent
             if ctx1:  # (a reference path's view is per pass)
                 rows = replace(rows, contexts=[c + (d - 1) * w for c in ctx1])
             clp, ctok = topk_logprobs(self._level(rows, parent_row, roots), w)  # [M, w] each
             lo, hi = hi, hi + w * w  # this level's children: fed row s's at lo + s * w + j
-            if fused:
-                level_tree.level_children(node_tok, node_par, node_lp, fed, ctok, clp, lo, self._d2t())
-            else:
-                level_tree.level_children_ref(node_tok, node_par, node_lp, fed, self._to_target(ctok), clp, lo)
+            level_tree.level_children(node_tok, node_par, node_lp, fed, ctok, clp, lo, d2t)
         rows.seq_len[:R] = torch.where(Lt >= 0, Lt + w, 0)  # (level 1's again: a replay starts from it)
 
     # ---- what differs between drafters --------------------------------------------------------
@@ -366,11 +350,12 @@ class BatchedTreeDrafter(BatchedDrafter):
         return self.model.forward(rows)
 
     def _to_target(self, tok: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids -> the target's (one vocabulary here)."""
-        return tok
+        """Draft-vocabulary ids -> the target's."""
+        d2t = self._d2t()
+        return tok if d2t is None else tok + d2t[tok]
 
     def _d2t(self) -> torch.Tensor | None:
-        """The table _to_target adds (target = draft + d2t[draft]); None: one vocabulary."""
+        """The draft-to-target table (target = draft + d2t[draft]); None: one vocabulary."""
         return None
 
 

@@ -215,9 +215,6 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         self._level_out = out.view(R, w, -1)
         return logits  # [R * w, draft_vocab]
 
-    def _to_target(self, tok: torch.Tensor) -> torch.Tensor:
-        return self.draft.to_target(tok)
-
     def _d2t(self) -> torch.Tensor | None:
         return self.draft.d2t
 

@@ -32,33 +32,47 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def level_feed_ref(node_tok: torch.Tensor, node_lp: torch.Tensor, lo: int, hi: int, w: int,
-                   fed_bits: torch.Tensor, self_bits: torch.Tensor, first: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """node_tok, node_lp: [R, n_all]; nodes lo:hi are the newest level; fed_bits [R, w]: the
-    previous level's fed rows' ancestor bits; self_bits [w]: this level's rows' own bits ->
-    (fed [R, w] node index, best first; parent_row [R, w] the previous level's fed row each hangs
-    from (None at the first level); the new fed_bits [R, w]; tokens [R, w])."""
-    fed = lo + torch.sort(-node_lp[:, lo:hi], dim=1, stable=True).indices[:, :w]  # [R, w]
-    parent_row = None if first else (fed - lo) // w
-    if parent_row is not None:
-        fed_bits = fed_bits.gather(1, parent_row)
-    return fed, parent_row, fed_bits | self_bits, node_tok.gather(1, fed)
+def level_feed_ref(node_tok: torch.Tensor, node_lp: torch.Tensor, lo: int, hi: int, w: int, fed_bits: torch.Tensor,
+                   bits_out: torch.Tensor, base_bit: int, first: bool, fed: torch.Tensor, parent_row: torch.Tensor,
+                   rows_tokens: torch.Tensor, rows_positions: torch.Tensor, rows_slots: torch.Tensor,
+                   rows_bits: torch.Tensor, rows_seq_len: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   seq_len: torch.Tensor) -> None:
+    """A level's fed nodes, written into its pass's rows. node_tok, node_lp: [R, n_all]; nodes
+    lo:hi are the newest level -> fed [R, w] its w best nodes by cumulative log-prob (ties to the
+    earlier node, NaN last: a stable sort's order); parent_row [R, w] the previous level's fed row
+    each hangs from (left alone at the first level); bits_out [R, w] each fed row's ancestor bits
+    (its parent's in fed_bits, another buffer, plus its own, base_bit + s); and the pass's rows:
+    tokens, positions (from positions [R * w]), slots (from slots [R * w]), mask word (rows_bits
+    [R * w, words], word 0) and the requests' column counts (rows_seq_len [R] from seq_len [R])."""
+    R = node_lp.shape[0]
+    M = R * w
+    picked = lo + torch.sort(-node_lp[:, lo:hi], dim=1, stable=True).indices[:, :w]  # [R, w]
+    fed.copy_(picked)
+    own = torch.bitwise_left_shift(torch.ones(w, dtype=torch.long, device=fed.device),
+                                   base_bit + torch.arange(w, device=fed.device))  # [w]
+    if first:
+        bits = own.expand(R, w)
+    else:
+        parent_row.copy_((picked - lo) // w)
+        bits = fed_bits.gather(1, parent_row) | own
+    bits_out.copy_(bits)
+    rows_tokens[:M] = node_tok.gather(1, picked).flatten()
+    rows_positions[:M] = positions
+    rows_slots[:M] = slots
+    rows_bits[:M, 0] = bits.flatten()
+    rows_seq_len[:R] = seq_len
 
 
 def level_children_ref(node_tok: torch.Tensor, node_par: torch.Tensor, node_lp: torch.Tensor, fed: torch.Tensor,
-                       ctok: torch.Tensor, clp: torch.Tensor, lo: int) -> None:
-    """ctok, clp: [R * w, w] the pass's top-w children (target-vocabulary tokens) of each fed
-    row -> nodes lo .. lo + w * w of every request (fed row s's child j at lo + s * w + j), in place."""
+                       ctok: torch.Tensor, clp: torch.Tensor, lo: int, d2t: torch.Tensor | None = None) -> None:
+    """ctok, clp: [R * w, w] the pass's top-w children of each fed row (drafter-vocabulary
+    tokens, mapped to the target's by d2t when given: target = draft + d2t[draft]) -> nodes lo ..
+    lo + w * w of every request (fed row s's child j at lo + s * w + j), in place."""
     R, w = fed.shape
     hi = lo + w * w
-    node_tok[:, lo:hi] = ctok.view(R, w * w)
+    node_tok[:, lo:hi] = (ctok if d2t is None else ctok + d2t[ctok]).view(R, w * w)
     node_par[:, lo:hi] = fed.repeat_interleave(w, dim=1)
     node_lp[:, lo:hi] = (node_lp.gather(1, fed)[:, :, None] + clp.view(R, w, w)).view(R, w * w)
-
-
-def applies(t: torch.Tensor) -> bool:
-    return triton_enabled(t)
 
 
 def level_feed(node_tok: torch.Tensor, node_lp: torch.Tensor, lo: int, hi: int, w: int, fed_bits: torch.Tensor,
@@ -66,21 +80,28 @@ def level_feed(node_tok: torch.Tensor, node_lp: torch.Tensor, lo: int, hi: int, 
                rows_tokens: torch.Tensor, rows_positions: torch.Tensor, rows_slots: torch.Tensor,
                rows_bits: torch.Tensor, rows_seq_len: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                seq_len: torch.Tensor) -> None:
-    """level_feed_ref's picks for every request, written straight into the pass's rows: fed,
-    parent_row [R, w] (outputs), fed_bits [R, w] -> bits_out [R, w] (another buffer: a row's
-    new bits read its parent's old ones), the rows' tokens, positions (from positions [R * w]),
-    slots (from slots [R * w]), mask word (rows_bits [R * w] strided) and the requests' column
-    counts (rows_seq_len [R] from seq_len [R]). Row s's own bit is base_bit + s."""
+    """level_feed_ref, on a GPU one program per request."""
+    fn = level_feed_triton if triton_enabled(node_lp) else level_feed_ref
+    fn(node_tok, node_lp, lo, hi, w, fed_bits, bits_out, base_bit, first, fed, parent_row, rows_tokens,
+       rows_positions, rows_slots, rows_bits, rows_seq_len, positions, slots, seq_len)
+
+
+def level_children(node_tok: torch.Tensor, node_par: torch.Tensor, node_lp: torch.Tensor, fed: torch.Tensor,
+                   ctok: torch.Tensor, clp: torch.Tensor, lo: int, d2t: torch.Tensor | None = None) -> None:
+    """level_children_ref, on a GPU one program per request."""
+    fn = level_children_triton if triton_enabled(node_lp) else level_children_ref
+    fn(node_tok, node_par, node_lp, fed, ctok, clp, lo, d2t)
+
+
+def level_feed_triton(node_tok, node_lp, lo, hi, w, fed_bits, bits_out, base_bit, first, fed, parent_row, rows_tokens,
+                      rows_positions, rows_slots, rows_bits, rows_seq_len, positions, slots, seq_len) -> None:
     R, n_all = node_lp.shape
     _feed_kernel[(R,)](node_tok, node_lp, fed_bits, bits_out, fed, parent_row, rows_tokens, rows_positions,
                        rows_slots, rows_bits, rows_bits.stride(0), rows_seq_len, positions, slots, seq_len,
                        n_all, lo, hi - lo, base_bit, W=w, WP=_pow2(w), NP=_pow2(hi - lo), FIRST=first, num_warps=4)
 
 
-def level_children(node_tok: torch.Tensor, node_par: torch.Tensor, node_lp: torch.Tensor, fed: torch.Tensor,
-                   ctok: torch.Tensor, clp: torch.Tensor, lo: int, d2t: torch.Tensor | None = None) -> None:
-    """level_children_ref, one program per request; ctok in the drafter's vocabulary, mapped to
-    the target's by d2t (target = draft + d2t[draft]) when given."""
+def level_children_triton(node_tok, node_par, node_lp, fed, ctok, clp, lo, d2t=None) -> None:
     R, w = fed.shape
     _children_kernel[(R,)](node_tok, node_par, node_lp, fed, ctok, clp, d2t if d2t is not None else ctok,
                            node_lp.shape[1], lo, W=w, WP=_pow2(w), HAS_D2T=d2t is not None, num_warps=4)

@@ -39,33 +39,41 @@ def test_level_feed_and_children_equal_the_reference(w):
     seq_len = torch.randint(0, 500, (L, R), device=DEVICE)
     d2t = torch.randint(0, 50, (1000,), device=DEVICE)
     ref_tok, ref_par, ref_lp = tok.clone(), par.clone(), lp.clone()
-    ref_bits = torch.zeros(R, w, dtype=torch.long, device=DEVICE)
-    bits, bits_next = ref_bits.clone(), torch.empty_like(ref_bits)
-    fed, parent = (torch.empty(R, w, dtype=torch.long, device=DEVICE) for _ in range(2))
-    W = 2  # mask words a row has (the kernel writes word 0)
-    rows = torch.full((M * (3 + W) + R,), -7, dtype=torch.long, device=DEVICE)  # tokens, positions, slots, bits, seq_len
-    rt, rp, rs = rows[:M], rows[M:2 * M], rows[2 * M:3 * M]
-    rb, rq = rows[3 * M:3 * M + M * W].view(M, W), rows[3 * M + M * W:]
+    W = 2  # mask words a row has (both write word 0)
+
+    def buffers():  # fed rows' bits (in, out), fed, parent; the pass's rows: tokens, positions, slots, bits, seq_len
+        bits = torch.zeros(R, w, dtype=torch.long, device=DEVICE)
+        fed, parent = (torch.full((R, w), -5, dtype=torch.long, device=DEVICE) for _ in range(2))
+        rows = torch.full((M * (3 + W) + R,), -7, dtype=torch.long, device=DEVICE)
+        return [bits, torch.empty_like(bits), fed, parent, rows]
+
+    got, want = buffers(), buffers()
+    if DEVICE == "cuda":
+        assert level_tree.triton_enabled(lp)  # (the dispatchers take the kernels)
     g = torch.Generator().manual_seed(1)
     lo, hi = 0, w
     for d in range(1, depth):
         first = d == 1
-        own = torch.bitwise_left_shift(torch.ones(w, dtype=torch.long, device=DEVICE), (d - 1) * w + torch.arange(w, device=DEVICE))
-        r_fed, r_parent, ref_bits, r_toks = level_tree.level_feed_ref(ref_tok, ref_lp, lo, hi, w, ref_bits, own, first)
-        level_tree.level_feed(tok, lp, lo, hi, w, bits, bits_next, (d - 1) * w, first, fed, parent, rt, rp, rs, rb, rq,
-                              positions[d - 1], slots[d - 1], seq_len[d - 1])
-        bits, bits_next = bits_next, bits
-        assert torch.equal(fed, r_fed), (d, fed, r_fed)
-        if not first:
-            assert torch.equal(parent, r_parent)
-        assert torch.equal(bits, ref_bits)
-        assert torch.equal(rt, r_toks.flatten()) and torch.equal(rp, positions[d - 1]) and torch.equal(rs, slots[d - 1])
-        assert torch.equal(rb[:, 0], ref_bits.flatten()) and torch.equal(rb[:, 1], torch.full_like(rb[:, 1], -7))
-        assert torch.equal(rq, seq_len[d - 1])
+        for fn, (t, l, b) in ((level_tree.level_feed_triton, (tok, lp, got)),
+                              (level_tree.level_feed_ref, (ref_tok, ref_lp, want))):
+            rows = b[4]
+            fn(t, l, lo, hi, w, b[0], b[1], (d - 1) * w, first, b[2], b[3], rows[:M], rows[M:2 * M],
+               rows[2 * M:3 * M], rows[3 * M:3 * M + M * W].view(M, W), rows[3 * M + M * W:],
+               positions[d - 1], slots[d - 1], seq_len[d - 1])
+            b[0], b[1] = b[1], b[0]
+        assert torch.equal(got[2], want[2]), (d, got[2], want[2])  # fed
+        assert torch.equal(got[3], want[3])  # parent rows (untouched at the first level)
+        assert torch.equal(got[0], want[0])  # the new bits
+        assert torch.equal(got[4], want[4])  # the pass's rows, word 1 of the masks untouched
+        rows = got[4]
+        assert torch.equal(rows[:M], tok.gather(1, got[2]).flatten())
+        assert torch.equal(rows[M:2 * M], positions[d - 1]) and torch.equal(rows[2 * M:3 * M], slots[d - 1])
+        assert torch.equal(rows[3 * M:3 * M + M * W].view(M, W)[:, 1], torch.full((M,), -7, device=DEVICE))
+        assert torch.equal(rows[3 * M + M * W:], seq_len[d - 1])
         clp = (-torch.rand(M, w, generator=g)).sort(dim=1, descending=True).values.to(DEVICE)
         ctok = torch.randint(0, 1000, (M, w), generator=g).to(DEVICE)
         lo, hi = hi, hi + w * w
-        level_tree.level_children_ref(ref_tok, ref_par, ref_lp, r_fed, ctok + d2t[ctok], clp, lo)
-        level_tree.level_children(tok, par, lp, fed, ctok, clp, lo, d2t)
+        level_tree.level_children_ref(ref_tok, ref_par, ref_lp, want[2], ctok, clp, lo, d2t)
+        level_tree.level_children_triton(tok, par, lp, got[2], ctok, clp, lo, d2t)
         assert torch.equal(tok, ref_tok) and torch.equal(par, ref_par)
         assert torch.equal(lp.nan_to_num(nan=7.0, neginf=-1e30), ref_lp.nan_to_num(nan=7.0, neginf=-1e30))
