@@ -45,6 +45,7 @@ from tandem.kernels.fused import add_rmsnorm, rope_, silu_mul
 from tandem.kv.paged import PagedKVPool
 from tandem.models.layers import MLP
 from tandem.models.transformer import Transformer
+from tandem.tree.draft_tree import node_masks
 
 log = logging.getLogger("tandem.engine")
 
@@ -77,10 +78,7 @@ class Segment:
     def tree(tokens: list[int], parents: list[int], start: int, blocks: list[int], logits: bool = True) -> "Segment":
         """A tree (parents[i] < i, the root's -1) after `start` committed columns; node i sits at
         position start + depth(i) and sees the committed columns and its own ancestors."""
-        depth, bits = [], []
-        for i, p in enumerate(parents):
-            depth.append(0 if p < 0 else depth[p] + 1)
-            bits.append((0 if p < 0 else bits[p]) | 1 << i)
+        bits, depth = node_masks(parents)
         return Segment(tokens, [start + d for d in depth], blocks, start + len(tokens), logits, start, bits)
 
 

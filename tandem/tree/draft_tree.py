@@ -96,6 +96,22 @@ def deepest_depths(depth: "np.ndarray | list[int]", sizes: list[int]) -> list[in
     return out
 
 
+def node_masks(parents: list[int]) -> tuple[list[int], list[int]]:
+    """One tree's nodes (parents in topological order, the root's -1) -> each node's ancestor
+    mask (bit j: node j is the node itself or one of its ancestors; python ints, any width) and
+    its depth."""
+    bits: list[int] = []
+    depth: list[int] = []
+    for i, p in enumerate(parents):
+        if p < 0:
+            depth.append(0)
+            bits.append(1 << i)
+        else:
+            depth.append(depth[p] + 1)
+            bits.append(bits[p] | 1 << i)
+    return bits, depth
+
+
 def tree_masks(parents: list[int], sizes: list[int]) -> tuple["np.ndarray | list[int]", "np.ndarray | list[int]", int]:
     """Trees side by side -> each node's ancestor mask, its depth, and the 64-bit words the widest
     mask needs. parents: every tree's parent indices (tree-local, -1 for its root), the trees one
@@ -113,13 +129,9 @@ def tree_masks(parents: list[int], sizes: list[int]) -> tuple["np.ndarray | list
         depth: list[int] = []
         at = 0
         for size in sizes:
-            for i, p in enumerate(parents[at:at + size]):
-                if p < 0:
-                    depth.append(0)
-                    bits.append(1)
-                else:
-                    depth.append(depth[at + p] + 1)
-                    bits.append(bits[at + p] | 1 << i)
+            b, d = node_masks(parents[at:at + size])
+            bits += b
+            depth += d
             at += size
         return bits, depth, -(-max(sizes) // 64)
     sz = np.asarray(sizes, dtype=np.int64)
