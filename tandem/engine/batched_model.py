@@ -248,12 +248,7 @@ class BatchRows:
         if tables is not None and cols.versions is not None:  # rewrite only the tables that changed
             host[:bt_at] = 0
             host[bt_end:] = 0
-            for r, (v, blocks) in enumerate(zip(cols.versions, cols.tables)):
-                if tables[r] != v:
-                    n = len(blocks)
-                    bt[r, :n] = blocks
-                    bt[r, n:] = 0
-                    tables[r] = v
+            BatchRows._changed_tables(bt, cols.tables, cols.versions, tables)
         else:
             host[:] = 0
             if tables is not None:  # (unversioned tables: none of the rows is known any more)
@@ -323,6 +318,17 @@ class BatchRows:
         return list(T), list(S), offsets.tolist(), n_logits
 
     @staticmethod
+    def _changed_tables(bt: np.ndarray, tables: list[list[int]], versions: list[int], held: list) -> None:
+        """Rewrite row r of the block tables bt [R', B] only where its version `held[r]` (the
+        buffer's, updated here) is not the request's `versions[r]`."""
+        for r, (v, blocks) in enumerate(zip(versions, tables)):
+            if held[r] != v:
+                n = len(blocks)
+                bt[r, :n] = blocks
+                bt[r, n:] = 0
+                held[r] = v
+
+    @staticmethod
     def _pack_roots(cols: PackColumns, cap: Capacity, view, block_size: int,
                     scratch: int) -> tuple[list[int], list[int], list[int], int]:
         """pack() of a plain decode step: every request one tree row, its root, at column S - 1
@@ -365,14 +371,7 @@ class BatchRows:
         R = len(lengths)
         if fixed is None or fixed.key != (R, w):
             fixed = _LevelPack.write(host, cap, views, R, w, scratch, tile_rows)
-        bt = fixed.bt
-        for r, v in enumerate(versions):  # (rewrite only the tables that changed)
-            if held[r] != v:
-                blocks = tables[r]
-                n = len(blocks)
-                bt[r, :n] = blocks
-                bt[r, n:] = 0
-                held[r] = v
+        BatchRows._changed_tables(fixed.bt, tables, versions, held)
         L = np.array(lengths, dtype=np.int64)  # [R] committed columns = every row's prefix and position
         np.add(L, w, out=fixed.seq_len)
         Lc = L[:, None]  # [R, 1]
