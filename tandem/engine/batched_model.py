@@ -379,7 +379,7 @@ class BatchRows:
         fixed.prefix_base[:] = Lc  # (row_prefix and row_base: adjacent fields, one write)
         blk, off = np.divmod(Lc + fixed.arange_w, block_size)  # [R, w] each row's column -> block, offset
         slots = fixed.slots
-        np.multiply(bt[fixed.rows, blk], block_size, out=slots)
+        np.multiply(fixed.bt[fixed.rows, blk], block_size, out=slots)
         slots += off
         return fixed
 
