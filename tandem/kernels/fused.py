@@ -66,6 +66,15 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def _rmsnorm_row(x, w_ptr, cols, m, n_cols, eps):
+        # x [BLOCK] one row (masked columns 0) -> weight * rmsnorm(x) in x's dtype, the arithmetic
+        # of rmsnorm_ref: normalise in fp32, round, then the weight
+        x32 = x.to(tl.float32)
+        y = (x32 * tl.rsqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)).to(x.dtype)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0)
+        return (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype)
+
+    @triton.jit
     def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.constexpr,
                             BLOCK: tl.constexpr):
         row = tl.program_id(0)
@@ -76,29 +85,18 @@ if triton is not None:
             d = tl.load(d_ptr + row * n_cols + cols, mask=m, other=0.0)
             x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)  # round like `x + delta`
             tl.store(x_ptr + row * n_cols + cols, x, mask=m)  # residual updated in place
-        x32 = x.to(tl.float32)
-        var = tl.sum(x32 * x32, axis=0) / n_cols
-        y = (x32 * tl.rsqrt(var + eps)).to(x.dtype)
-        w = tl.load(w_ptr + cols, mask=m, other=0.0)
-        tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=m)
+        tl.store(out_ptr + row * n_cols + cols, _rmsnorm_row(x, w_ptr, cols, m, n_cols, eps), mask=m)
 
     @triton.jit
     def _embed_norms_kernel(ids_ptr, e_ptr, h_ptr, we_ptr, wh_ptr, x_ptr, hn_ptr, n_cols, eps, BLOCK: tl.constexpr):
-        # one program per row: the two RMSNorms of _add_rmsnorm_kernel (the same arithmetic), side by side
+        # one program per row: the embedding row and the hidden row, each through _rmsnorm_row
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < n_cols
-        tok = tl.load(ids_ptr + row)
-        e = tl.load(e_ptr + tok * n_cols + cols, mask=m, other=0.0)
-        e32 = e.to(tl.float32)
-        y = (e32 * tl.rsqrt(tl.sum(e32 * e32, axis=0) / n_cols + eps)).to(e.dtype)
-        w = tl.load(we_ptr + cols, mask=m, other=0.0)
-        tl.store(x_ptr + row * 2 * n_cols + cols, (w.to(tl.float32) * y.to(tl.float32)).to(e.dtype), mask=m)
+        e = tl.load(e_ptr + tl.load(ids_ptr + row) * n_cols + cols, mask=m, other=0.0)
+        tl.store(x_ptr + row * 2 * n_cols + cols, _rmsnorm_row(e, we_ptr, cols, m, n_cols, eps), mask=m)
         h = tl.load(h_ptr + row * n_cols + cols, mask=m, other=0.0)
-        h32 = h.to(tl.float32)
-        y = (h32 * tl.rsqrt(tl.sum(h32 * h32, axis=0) / n_cols + eps)).to(h.dtype)
-        w = tl.load(wh_ptr + cols, mask=m, other=0.0)
-        o = (w.to(tl.float32) * y.to(tl.float32)).to(h.dtype)
+        o = _rmsnorm_row(h, wh_ptr, cols, m, n_cols, eps)
         tl.store(x_ptr + row * 2 * n_cols + n_cols + cols, o, mask=m)
         tl.store(hn_ptr + row * n_cols + cols, o, mask=m)
 
