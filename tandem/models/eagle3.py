@@ -143,13 +143,16 @@ class Eagle3Head(nn.Module):
         self.hidden_out = torch.zeros(self.hidden_out.shape, device=device, dtype=dtype)
 
     # ---- inputs ------------------------------------------------------------------------------
+    def _embedding(self) -> nn.Embedding:
+        """Its own embeddings when the checkpoint has them, else the target's."""
+        return self.embed_tokens if self.embed_tokens is not None else self.shared["embed"]
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        e = self.embed_tokens if self.embed_tokens is not None else self.shared["embed"]
-        return e(ids)
+        return self._embedding()(ids)
 
     def embed_weight(self) -> torch.Tensor:
         """The embedding table [V, H] `embed` reads."""
-        return (self.embed_tokens if self.embed_tokens is not None else self.shared["embed"]).weight
+        return self._embedding().weight
 
     def project(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features [..., 3 * H_target] -> the head's hidden input [..., H]."""
