@@ -135,8 +135,6 @@ class _ChildDriver(EngineDriver):
     def _publish_all(self, mine) -> int:
         """The step's new tokens of every request into the turn's flat lists (no Delta per
         request here: the server process builds those, off the engine's interpreter)."""
-        d = self.deltas
-        rids, counts, tokens, lps = d.rids, d.counts, d.tokens, d.logprobs
         new = 0
         for lv in mine:
             out = lv.request.output_ids
@@ -144,27 +142,26 @@ class _ChildDriver(EngineDriver):
             if end <= sent:
                 continue
             rid = lv.job.request_id
-            rids.append(rid)
-            counts.append(end - sent)
-            tokens += out[sent:]
-            if lv.job.top_logprobs is not None:
-                have = lv.engine.logprobs.get(rid)
-                if have is not None:
-                    lps[rid] = have[sent:end]
+            have = lv.engine.logprobs.get(rid) if lv.job.top_logprobs is not None else None
+            self._add_tokens(rid, out[sent:], have[sent:end] if have is not None else None)
             lv.sent = end
             new += end - sent
         return new
 
     def _send(self, lv, event) -> None:
         if isinstance(event, Delta):  # (a request's last tokens, or the base class's path)
-            d = self.deltas
-            d.rids.append(lv.job.request_id)
-            d.counts.append(len(event.token_ids))
-            d.tokens += event.token_ids
-            if event.logprobs is not None:
-                d.logprobs[lv.job.request_id] = event.logprobs
+            self._add_tokens(lv.job.request_id, event.token_ids, event.logprobs)
         else:
             self.ends.append((lv.job.request_id, event))
+
+    def _add_tokens(self, rid: str, token_ids: list[int], logprobs: list | None) -> None:
+        """One request's new tokens (and their logprobs, if it asked) into the turn's flat lists."""
+        d = self.deltas
+        d.rids.append(rid)
+        d.counts.append(len(token_ids))
+        d.tokens += token_ids
+        if logprobs is not None:
+            d.logprobs[rid] = logprobs
 
     def _flush(self) -> None:
         calls = self.metrics.take()
