@@ -28,6 +28,7 @@ def _nodes(R: int, n_all: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @NEEDS_CUDA if DEVICE == "cuda" else (lambda f: f)
 @pytest.mark.cuda
 @pytest.mark.parametrize("w", [1, 3, 4, 8])
+@torch.no_grad()  # (the engine runs without grad; with it, triton_enabled sends the dispatchers to torch)
 def test_level_feed_and_children_equal_the_reference(w):
     R, depth = 5, 4
     n_all = w + (depth - 1) * w * w
