@@ -5,6 +5,8 @@ decode-only ms/step at a few concurrencies, phases, and optionally a cProfile.
         save_tiny_checkpoint('/tmp/tiny2','llama',max_position_embeddings=1024)"
     python bench/cpu_profile_engine.py --target /tmp/tiny2 --method ar --concurrency 1 8 64
     python bench/cpu_profile_engine.py --target /tmp/tiny2 --draft /tmp/tiny2 --method tree --concurrency 1 8 --profile
+    python bench/cpu_profile_engine.py --device cuda --dtype bfloat16 --target tandem/assets/pair/target \
+        --draft tandem/assets/pair/eagle3 --method tree --concurrency 8 64 --profile   (on the H200)
 
 `--graphs emulate` (default) runs the GPU's host path: every pass packed into a row bucket's
 static buffers (as a CUDA graph replay reads them), the pass itself eager. `--graphs off`: the
@@ -29,10 +31,10 @@ from tandem.runtime.pair import load_pair
 
 
 def build(args, concurrency: int) -> Engine:
-    pair = load_pair(args.target, args.draft, "cpu", "float32", need_draft=args.method != "ar")
+    pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar")
     cfg = EngineConfig(method=args.method, max_num_seqs=concurrency)
     eng = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
-    if args.graphs == "emulate":  # the bucketed static buffers of the CUDA path, run eagerly
+    if args.graphs == "emulate" and args.device == "cpu":  # (on CUDA the engine's own graphs)  # the bucketed static buffers of the CUDA path, run eagerly
         eng.model.emulate = eng.model.use_graphs = True
         eng.model.max_seqs = concurrency
         d = eng.batched
@@ -149,6 +151,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--graphs", choices=("emulate", "off"), default="emulate")
+    ap.add_argument("--device", default="cpu", help="cuda: the real graphs; the cProfile then shows the host "
+                    "path with the GPU's waits in the read-backs")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--profile", action="store_true", help="cProfile the last run's steps")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--ops", action="store_true", help="count the host path's torch calls per step (one more run)")

@@ -421,6 +421,25 @@ def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their
     assert DraftGate(StepCosts((1,), (0.01,), (10.0,)), probe_max=1024).probe_interval(1) == 1024  # the ceiling
 
 
+def test_the_draft_gate_spaces_its_probes_by_what_probes_did_cost():
+    """A probe's drafters first catch up on every token since they last drafted, which the
+    steady drafting costs leave out: once a probe (a sample step after plain ones, not steady) is
+    seen, its cost over a plain step spaces the next probes."""
+    from tandem.engine.draft_gate import DraftGate, StepCosts
+
+    costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.040, 0.050))
+    g = DraftGate(costs, sample=4, alpha=0.5, min_samples=1, probe_every=16, probe_max=1024, probe_budget=0.03)
+    g.observe(8, 4, 0.030, accepted=4, decode_only=True)  # learning (steady: the same sample): a = 1
+    assert g.probe_extra is None and g.probe_interval(8) == 84  # (the steady costs: 25 ms lost a probe)
+    g.observe(8, 4, 0.110, accepted=4, decode_only=True, steady=False)  # a probe: 100 ms over a plain step
+    assert g.probe_extra == pytest.approx(0.100)
+    assert g.probe_interval(8) == 317  # ceil((100 - 4 x 1 x 10 / 8) / 0.3)
+    g.observe(8, 4, 0.030, accepted=4, decode_only=True, steady=False)  # a cheaper one: the average follows
+    assert g.probe_extra == pytest.approx(0.060)
+    g.observe(8, 8, 5.0, accepted=40, decode_only=True, steady=False)  # every request drafting: not a probe
+    assert g.probe_extra == pytest.approx(0.060)
+
+
 @pytest.mark.parametrize("selection", [True, False], ids=["with-row-selection", "gate-alone"])
 def test_the_draft_gate_turns_drafting_off_where_it_does_not_pay_and_outputs_stay_exact(models, solo, selection,
                                                                                        monkeypatch):

@@ -555,6 +555,38 @@ def test_a_step_the_gate_keeps_from_drafting_reserves_one_row_a_request(models, 
     assert_clean(engine)
 
 
+def test_the_gates_sample_stays_while_its_requests_decode(models, solo):
+    """The gate's learning and probe steps draft a sample of the requests; the sample stays the
+    same while its requests decode (a request new to it first catches up on every token since it
+    last drafted), a finished one replaced by the next decoding request; outputs equal solo ar."""
+    prompts, refs = solo
+    engine = Engine(*models, config=EngineConfig(method="tree", spec=SpecConfig(nodes=8, width=2), block_size=8,
+                                                 draft_gate=True, debug_check=True))
+
+    class Two:  # a sample of two every step
+        decisions_off = 0
+
+        def plan(self, requests):
+            return min(requests, 2)
+
+        def observe(self, *a, **k):
+            pass
+
+    engine.gate = Two()
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts[:4], (6, MAX_NEW, MAX_NEW, MAX_NEW))]
+    samples = []
+    while engine.has_unfinished():
+        engine.step()
+        if engine._drafting:
+            samples.append((sorted(engine._drafting), {r.request_id for r in reqs if not r.done}))
+    assert [r.output_ids for r in reqs[1:]] == [refs[i] for i in (1, 2, 3)] and reqs[0].output_ids == refs[0][:6]
+    for (before, _), (now, live) in zip(samples, samples[1:]):
+        kept = [rid for rid in before if rid in live]
+        assert set(kept) <= set(now) and len(now) == 2, (before, now)
+    assert samples[0][0] == sorted(r.request_id for r in reqs[:2]) and samples[-1][0] != samples[0][0]
+
+
 def test_an_engine_without_a_feature_drafter_keeps_no_target_features(models, solo):
     """The target is shared: once an engine with a feature drafter enabled its features, an `ar`
     engine on it must not keep computing them (they cost it a third of its step on the H200)."""

@@ -61,6 +61,7 @@ class DraftGate:
     samples: int = 0  # drafting steps observed
     plain_scale: float = 1.0  # observed / measured wall seconds, plain steps (moving average)
     drafting_scale: float = 1.0  # the same for steps where every request drafts
+    probe_extra: float | None = None  # seconds a probe step cost over a plain one (moving average)
     off_streak: int = 0
     decisions_off: int = 0  # steps it kept drafting off
     probes: int = 0  # steps it drafted for a sample only (learning included)
@@ -96,6 +97,10 @@ class DraftGate:
         k = min(requests, self.sample)
         t_plain = self.plain_scale * self.costs.plain_s(requests)
         cost = self.drafting_scale * self.costs.drafting_s(k) - self.plain_scale * self.costs.plain_s(k)
+        # (what probes did cost, once seen: a probe's drafters first catch up on every token since
+        # the last one, which the steady costs above leave out; 34 ms against a 1 ms plain step at
+        # 64 requests on the H200, 2026-12-02, and 11 such probes took a run to 0.27x `ar`)
+        cost = max(cost, self.probe_extra or 0.0)
         loss = max(0.0, cost - k * (self.accepted or 0.0) * t_plain / requests)
         n = math.ceil(loss / (self.probe_budget * t_plain)) if t_plain > 0 else self.probe_max
         return max(self.probe_every, min(self.probe_max, n))
@@ -108,7 +113,9 @@ class DraftGate:
         step before: its drafter first caught up on every token since, a prompt or a stretch of
         plain steps, and may have captured a graph for that pass). Such a step is the exception
         once drafting is on; learned from, its cost made every later drafting step look dear and
-        kept drafting off (H200, 2026-12-02: a scale of 33-60 at 32-64 requests, 2.0 at one)."""
+        kept drafting off (H200, 2026-12-02: a scale of 33-60 at 32-64 requests, 2.0 at one).
+        What a non-steady sample step costs over a plain one is what a probe costs
+        (`probe_extra`), which spaces the probes."""
         if requests == 0:
             return
         if drafted:
@@ -123,6 +130,9 @@ class DraftGate:
             self.plain_scale = self._ema(self.plain_scale, seconds / self.costs.plain_s(requests))
         elif drafted == requests and steady:
             self.drafting_scale = self._ema(self.drafting_scale, seconds / self.costs.drafting_s(requests))
+        elif drafted < requests and not steady:  # a probe (or a learning step): its cost over a plain step
+            extra = max(0.0, seconds - self.plain_scale * self.costs.plain_s(requests))
+            self.probe_extra = extra if self.probe_extra is None else self._ema(self.probe_extra, extra)
 
     def _probe(self, requests: int) -> int:
         k = min(requests, self.sample)
