@@ -34,6 +34,8 @@ def build(args, concurrency: int) -> Engine:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar")
     cfg = EngineConfig(method=args.method, max_num_seqs=concurrency)
     eng = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
+    if args.gate_off:  # every step as the draft gate runs it while it keeps drafting off
+        eng.gate = _Off()
     if args.graphs == "emulate" and args.device == "cpu":  # (on CUDA the engine's own graphs)  # the bucketed static buffers of the CUDA path, run eagerly
         eng.model.emulate = eng.model.use_graphs = True
         eng.model.max_seqs = concurrency
@@ -44,6 +46,17 @@ def build(args, concurrency: int) -> Engine:
             if hasattr(d, "_init_trees"):
                 d._init_trees(getattr(d, "n_graph", None))
     return eng
+
+
+class _Off:
+    """A draft gate that keeps drafting off (the engine still feeds its feature drafter)."""
+    decisions_off = 0
+
+    def plan(self, requests: int) -> int:
+        return 0
+
+    def observe(self, *a, **k) -> None:
+        pass
 
 
 class HostOps(TorchFunctionMode):
@@ -154,6 +167,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help="cuda: the real graphs; the cProfile then shows the host "
                     "path with the GPU's waits in the read-backs")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--gate-off", action="store_true", help="a speculative method's steps with the draft gate "
+                    "keeping drafting off (what they cost beside `ar`'s)")
     ap.add_argument("--profile", action="store_true", help="cProfile the last run's steps")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--ops", action="store_true", help="count the host path's torch calls per step (one more run)")

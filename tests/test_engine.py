@@ -587,6 +587,46 @@ def test_the_gates_sample_stays_while_its_requests_decode(models, solo):
     assert samples[0][0] == sorted(r.request_id for r in reqs[:2]) and samples[-1][0] != samples[0][0]
 
 
+def test_while_the_gate_keeps_drafting_off_only_its_samples_feature_drafters_are_fed():
+    """Feeding every request's feature drafter through plain steps costs a plain step more than
+    `ar`'s; while the gate keeps drafting off only its sample's drafters are fed (the next probe
+    drafts those), the others are released and restart from the whole context when drafting
+    resumes. Outputs equal solo ar throughout (a restarted drafter proposes worse, never wrongly)."""
+    from tandem.runtime.pair import BUNDLED_TARGET, load_pair
+
+    if not (BUNDLED_TARGET / "config.json").is_file():
+        pytest.skip("no bundled target")
+    pair = load_pair(None, "eagle3", device="cpu", dtype=torch.float32)
+    prompts = [pair.tokenizer.encode(t).ids for t in _SNIPPETS[:6]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine = Engine(pair.target, pair.draft, config=EngineConfig(
+        method="tree", spec=SpecConfig(nodes=8, width=2), block_size=16, draft_gate=True, debug_check=True))
+    fed_while_off = []
+
+    class OnOffOn:  # all draft for two decode steps, none for four, then all again
+        decisions_off, calls, sample = 0, 0, 2
+
+        def plan(self, requests):
+            if requests == 0:
+                return 0
+            self.calls += 1
+            if 4 <= self.calls <= 6:  # (the step before decided off: its plain requests were fed or dropped)
+                fed_while_off.append({rid for rid, r in engine.requests.items() if "drafter" in r.runtime})
+            return 0 if 3 <= self.calls <= 6 else requests
+
+        def observe(self, *a, **k):
+            pass
+
+    engine.gate = OnOffOn()
+    outs = run_all(engine, prompts, params)
+    solo = Engine(pair.target, None, config=EngineConfig(method="ar"))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in run_all(solo, prompts, params)]
+    sample = set(engine._sample)
+    assert len(sample) == 2 and fed_while_off and all(fed == sample for fed in fed_while_off)
+    drafted_again = [r for r in engine.counters.records if r.nodes > 0]
+    assert len(drafted_again) > 2  # (drafting resumed for every request after the off stretch)
+
+
 def test_an_engine_without_a_feature_drafter_keeps_no_target_features(models, solo):
     """The target is shared: once an engine with a feature drafter enabled its features, an `ar`
     engine on it must not keep computing them (they cost it a third of its step on the H200)."""
