@@ -142,3 +142,30 @@ def test_the_level_pack_writes_the_general_packs_buffer(w):
         assert torch.equal(general.packed, level.packed)
         for f in ("num_rows", "new_rows", "contexts", "offsets", "num_logits"):
             assert getattr(got, f) == getattr(want, f), (step, f)
+
+
+def test_tree_depth_bits_equal_the_host_masks():
+    """tree_depth_bits (the target's tree rows built on the device, pointer jumping in a fixed
+    number of rounds) gives every node's depth and ancestor mask as draft_tree.node_masks does:
+    random trees of 1-63 nodes and depth 1-12, bit 63 included."""
+    import random
+
+    from tandem.engine.batched_draft import tree_depth_bits
+    from tandem.tree.draft_tree import node_masks
+
+    rng = random.Random(0)
+    for _ in range(100):
+        R, n, D = rng.randint(1, 4), rng.randint(1, 63), rng.randint(1, 12)
+        pars = []
+        for _ in range(R):
+            depth, par = [0], []
+            for q in range(1, n + 1):
+                p = rng.choice([j for j in range(q) if depth[j] < D])
+                par.append(p)
+                depth.append(depth[p] + 1)
+            pars.append(par)
+        d, b = tree_depth_bits(torch.tensor(pars), D)
+        for r in range(R):
+            bits, depth = node_masks([-1] + pars[r])
+            assert d[r].tolist() == depth
+            assert [x & (2 ** 64 - 1) for x in b[r].tolist()] == bits

@@ -627,6 +627,51 @@ def test_while_the_gate_keeps_drafting_off_only_its_samples_feature_drafters_are
     assert len(drafted_again) > 2  # (drafting resumed for every request after the off stretch)
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "draft"])
+@pytest.mark.parametrize("graphs", [None, "emulate"])
+def test_trees_verified_on_the_device_equal_the_host_path(kind, graphs, monkeypatch):
+    """Greedy `tree` steps verify on the device (the trees never read back: the target's rows
+    built from them, the accepted paths found by kernels, one read-back a step): every request
+    accepts exactly the tokens the host path accepts (which reads each tree back, packs it and
+    accepts on the host), step for step; the outputs equal solo ar. "emulate": both models'
+    passes and the drafter's whole tree over their captures' padded static buffers, as on a GPU."""
+    from tandem.engine import batched_draft, engine as engine_mod
+    from tandem.runtime.pair import BUNDLED_TARGET, load_pair
+
+    if not (BUNDLED_TARGET / "config.json").is_file():
+        pytest.skip("no bundled target")
+    if graphs:
+        class Emulated(engine_mod.BatchedModel):
+            def __init__(self, *a, **k):
+                k["use_graphs"] = "emulate"
+                super().__init__(*a, **k)
+
+        monkeypatch.setattr(engine_mod, "BatchedModel", Emulated)
+        monkeypatch.setattr(batched_draft, "BatchedModel", Emulated)
+        made = engine_mod.Engine._batched_drafter
+        monkeypatch.setattr(engine_mod.Engine, "_batched_drafter",
+                            lambda self, draft, blocks, g: made(self, draft, blocks, "emulate"))
+    pair = load_pair(None, kind, device="cpu", dtype=torch.float32)
+    prompts = [pair.tokenizer.encode(f"# case {i}\n" + _SNIPPETS[i % 8]).ids for i in range(6)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    got = {}
+    for on_device in (True, False):
+        engine = Engine(pair.target, pair.draft, config=EngineConfig(
+            method="tree", spec=SpecConfig(nodes=16, width=4), block_size=16, device_verify=on_device,
+            max_num_seqs=4, debug_check=True))
+        steps = []
+        monkeypatch.setattr(engine, "_verify_on_device",
+                            lambda *a, _f=engine._verify_on_device, **k: steps.append(1) or _f(*a, **k))
+        outs = run_all(engine, prompts, params)
+        got[on_device] = ([o.token_ids for o in outs], [o.figures.accepted_tokens for o in outs],
+                          [r.nodes for r in engine.counters.records])
+        assert (len(steps) > 5) == on_device and len(steps) < engine.steps  # (prefill steps: the host path)
+        assert_clean(engine)
+    assert got[True] == got[False] and sum(got[True][1]) > len(prompts)
+    solo = Engine(pair.target, None, config=EngineConfig(method="ar"))
+    assert got[True][0] == [o.token_ids for o in run_all(solo, prompts, params)]
+
+
 def test_an_engine_without_a_feature_drafter_keeps_no_target_features(models, solo):
     """The target is shared: once an engine with a feature drafter enabled its features, an `ar`
     engine on it must not keep computing them (they cost it a third of its step on the H200)."""

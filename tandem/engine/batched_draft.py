@@ -130,6 +130,25 @@ MAX_LEVEL_ROWS = 64  # a tree's level rows per request: one int64 mask word (tan
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # requests per captured tree (padded up)
 
 
+def tree_depth_bits(par_pos: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trees of n nodes below a root (par_pos [R, n]: node q's parent's tree position, 0 the
+    root, nodes at positions 1..n) -> each position's depth and ancestor mask [R, n + 1] int64
+    (bit j: position j is the node itself or an ancestor; the root's is 1), for trees of at
+    most 63 nodes and `max_depth` levels. Pointer jumping, a fixed number of rounds (what a
+    CUDA graph captures), as draft_tree.tree_masks does on the host."""
+    R, n = par_pos.shape
+    dev = par_pos.device
+    up = torch.cat([torch.zeros(R, 1, dtype=torch.long, device=dev), par_pos], 1)  # [R, n + 1] (the root: itself)
+    bits = (1 << torch.arange(n + 1, device=dev)).expand(R, n + 1)  # own bit (bit 63 wraps: two's complement)
+    depth = (torch.arange(n + 1, device=dev) > 0).long().expand(R, n + 1)
+    # invariant: bits[q] holds the nodes from q up to, not including, up[q]; depth[q] counts them
+    for _ in range(max(1, max_depth).bit_length() + 1):
+        bits = bits | bits.gather(1, up)
+        depth = depth + depth.gather(1, up)
+        up = up.gather(1, up)
+    return depth, bits
+
+
 @dataclass
 class _TreeGraph:
     """One captured tree of level passes for R requests (padding requests write the scratch slot)."""
@@ -138,8 +157,9 @@ class _TreeGraph:
     st: StaticRows  # level 1's rows [R * w]: each level rewrites their per-row fields
     roots: tuple[torch.Tensor, ...]  # inputs: the drafter's root state, [R, ...] each (logits first)
     graph: object = None  # torch.cuda.CUDAGraph (None: emulated, run eagerly over the same buffers)
-    # output [4, R, n] int64 (tree order): token, parent's tree position, rank by score, and the
-    # cumulative log-prob as float64 bits (one tensor: the step reads the tree back in one copy)
+    # output [6, R, n] int64 (tree order): token, parent's tree position, rank by score, the
+    # cumulative log-prob as float64 bits, depth, ancestor bits (one tensor: the step reads the
+    # tree back in one copy; the last two are what the target's rows need, built on the device)
     out: torch.Tensor | None = None
 
 
@@ -202,6 +222,41 @@ class BatchedTreeDrafter(BatchedDrafter):
         out, live = split_drafted(trees)
         if not live:
             return out
+        tree, n_max = self._propose_on_device(live)
+        host = tree[:4].cpu().numpy()  # [4, R, n] the step's one read-back
+        toks_, pars, rank = host[:3].tolist()
+        lps = host[3].view(np.float64).tolist()  # (float32 log-probs, exact in float64)
+        for i, (rid, toks, n) in enumerate(live):
+            if n >= n_max:  # every picked node, in tree order already
+                out[rid] = DraftTree(tokens=[toks[-1]] + toks_[i], parents=[-1] + pars[i], logp=[0.0] + lps[i])
+                continue
+            keep = [j for j in range(n_max) if rank[i][j] < n]  # its n best (prefix-closed), in tree order
+            index = {j + 1: k + 1 for k, j in enumerate(keep)}
+            out[rid] = DraftTree(tokens=[toks[-1]] + [toks_[i][j] for j in keep],
+                                 parents=[-1] + [index.get(pars[i][j], 0) for j in keep],
+                                 logp=[0.0] + [lps[i][j] for j in keep])
+        return out
+
+    def device_nodes(self, requests: int, budget: int) -> int | None:
+        """The nodes each tree of `propose_device` has for this many requests that each ask
+        `budget` nodes (the captured tree's when it takes them, else the budget's), None when a
+        tree cannot stay on the device (a budget past what the level tree grows)."""
+        if budget > self.n_all or budget < 1:
+            return None
+        if self.tree_graphs and budget <= self.n_graph and requests <= self.model.max_seqs:
+            return self.n_graph
+        return budget
+
+    @torch.no_grad()
+    def propose_device(self, trees: list[tuple[str, list[int], int]]) -> torch.Tensor:
+        """As `propose` for requests that each ask the same budget, every one of them drafting
+        (none drafted already), but left on the device: [6, R, n] int64 as `_TreeGraph.out`, n
+        = `device_nodes` (the engine builds the target's rows and accepts on the device from it,
+        and reads back only what was accepted: no read-back between drafting and verifying)."""
+        return self._propose_on_device(trees)[0]
+
+    def _propose_on_device(self, live: list[tuple[str, list[int], int]]) -> tuple[torch.Tensor, int]:
+        """The trees of requests that draft now -> ([6, R, n_max] on the device, n_max)."""
         w, R = self.w, len(live)
         roots = self._roots(live)  # ([R, V], drafter state ...)
         n_max = min(max(n for _, _, n in live), self.n_all)
@@ -232,21 +287,9 @@ class BatchedTreeDrafter(BatchedDrafter):
         else:
             rows = self.model.rows(level_segments(lengths, tables, w)) if lengths else None
             tree = self._device_tree(rows, roots, R, n_max)
-        host = tree.cpu().numpy()  # [4, R, n] the step's one read-back
-        toks_, pars, rank = host[:3].tolist()
-        lps = host[3].view(np.float64).tolist()  # (float32 log-probs, exact in float64)
         for rid, _, _ in live:
             self.pool.commit(rid, [], [])  # drop the levels' rows: the target decides what stays
-        for i, (rid, toks, n) in enumerate(live):
-            if n >= n_max:  # every picked node, in tree order already
-                out[rid] = DraftTree(tokens=[toks[-1]] + toks_[i], parents=[-1] + pars[i], logp=[0.0] + lps[i])
-                continue
-            keep = [j for j in range(n_max) if rank[i][j] < n]  # its n best (prefix-closed), in tree order
-            index = {j + 1: k + 1 for k, j in enumerate(keep)}
-            out[rid] = DraftTree(tokens=[toks[-1]] + [toks_[i][j] for j in keep],
-                                 parents=[-1] + [index.get(pars[i][j], 0) for j in keep],
-                                 logp=[0.0] + [lps[i][j] for j in keep])
-        return out
+        return tree, n_max
 
     def _tree_graph(self, R: int) -> _TreeGraph | None:
         """The captured tree for a bucket of R requests (None: the capture failed; eager then)."""
@@ -294,7 +337,8 @@ class BatchedTreeDrafter(BatchedDrafter):
         par = node_par.gather(1, sel)  # [R, n_out] parent node (-1: the root)
         par_pos = torch.where(par >= 0, pos.gather(1, par.clamp_min(0)), 0)
         lp = node_lp.gather(1, sel).to(torch.float64).view(torch.int64)  # [R, n_out] (bits, exact)
-        return torch.stack([node_tok.gather(1, sel), par_pos, rank, lp])
+        depth, bits = tree_depth_bits(par_pos, self.depth)  # [R, n_out + 1] each (the root first)
+        return torch.stack([node_tok.gather(1, sel), par_pos, rank, lp, depth[:, 1:], bits[:, 1:]])
 
     def _grow(self, rows: BatchRows, roots: tuple[torch.Tensor, ...], R: int, node_tok: torch.Tensor,
               node_par: torch.Tensor, node_lp: torch.Tensor) -> None:

@@ -52,6 +52,11 @@ class EngineConfig:
     # calibrated acceptance is at least min_node_prob, with it those probabilities are ranked
     adaptive_draft: bool = False
     min_node_prob: float = 0.05
+    # greedy `tree` steps with a batched tree drafter verify on the device: the drafted trees stay
+    # there, the target's rows are built from them and the accepted paths found by kernels, and
+    # one read-back per step brings the paths (False: the host path, which reads the trees back
+    # first and packs and accepts on the host; for comparison)
+    device_verify: bool = True
     # CUDA graphs for the batched passes, one per row bucket, captured when the engine starts
     # (vLLM's name; True: every pass eager, e.g. to profile single kernels)
     enforce_eager: bool = False

@@ -63,7 +63,7 @@ from tandem.models.transformer import Transformer
 from tandem.runtime.emit import Emitter
 from tandem.runtime.plan import plan_request
 from tandem.runtime.runner import ModelRunner
-from tandem.tree.draft_tree import DraftTree, deepest_depths, tree_masks
+from tandem.tree.draft_tree import DraftTree, deepest_depths, node_masks, tree_masks
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
 
@@ -183,6 +183,7 @@ class Engine:
         self.fault_hook: Callable[[Request], None] | None = None
         self._accepted = 0  # accepted draft tokens in the current step (the gate's figure)
         self._deepest: list[int] = []  # each decode's tree's deepest node's depth, in plan order (_rows: _apply)
+        self._flat_trees: dict[int, tuple] = {}  # n -> a flat tree's masks, depths, tokens (_verify_on_device)
         if config.batch_parallel:
             self.batches = BatchManager(self._load, config.rebalance_threshold)
             if target.device.type == "cuda":  # the drafter's kernels on their own stream
@@ -295,31 +296,29 @@ class Engine:
         offered = drafted = 0
         draft_s = overlap = 0.0
         drafting_s = None  # seconds spent drafting this step's trees (the gate's figure), None: no drafting
+        nodes = 0  # draft nodes verified
         if plan:
             # the requests the draft gate keeps from drafting this step decode plain (roots only)
             drafts, plain = [], []
             for s in plan.decodes:
                 (drafts if self._drafts(s.request) else plain).append(s)
             trees = {s.request.request_id: self._skip_draft(s.request) for s in plain}
-            if drafts:
-                t0 = time.perf_counter()
-                if self.config.row_selection:
-                    picked, offered = self._select(plan, drafts)
-                    trees.update(picked)
-                else:
-                    # full drafts, cut to each request's rows as _draft cuts them (a sampled chain
-                    # draws the same tokens from its generator whatever its row budget)
-                    # (batch parallelism: the verified batch's trees were drafted last step: "pending")
-                    full = self._batched_drafts([s.request for s in drafts if "pending" not in s.request.runtime])
-                    if self.config.method == "ar":  # (every tree its root: _draft's answer, without the call)
-                        trees.update((s.request.request_id, DraftTree.root(s.request.last_token)) for s in drafts)
-                    else:
-                        trees.update((s.request.request_id, self._draft(s, full.get(s.request.request_id)))
-                                     for s in drafts)
-                drafting_s = time.perf_counter() - t0
+            n_dev = self._device_nodes(plan, drafts, plain)
             self._accepted = 0
-            logits, drafted, draft_s, overlap = self._forward(plan, trees)  # logits: [decode rows, vocab]
-            finished = self._apply(plan, trees, logits)
+            if n_dev:  # trees drafted, verified and accepted on the device: one read-back
+                t0 = time.perf_counter()
+                tree = self._device_drafts([s.request for s in drafts], n_dev)
+                drafting_s = time.perf_counter() - t0  # (queued: the device drafts while the host packs)
+                finished = self._verify_on_device(plan, tree, n_dev)
+                nodes = len(drafts) * n_dev
+            else:
+                if drafts:
+                    t0 = time.perf_counter()
+                    offered = self._host_drafts(plan, drafts, trees)
+                    drafting_s = time.perf_counter() - t0
+                logits, drafted, draft_s, overlap = self._forward(plan, trees)  # logits: [decode rows, vocab]
+                finished = self._apply(plan, trees, logits)
+                nodes = sum([len(t.tokens) for t in trees.values()]) - len(trees)
             if self.gate is not None and self._forced is None:  # (the accepts read the logits: the pass is done)
                 drafted_now = {s.request.request_id for s in drafts}
                 self.gate.observe(len(plan.decodes), len(drafts), time.perf_counter() - t_step, self._accepted,
@@ -328,8 +327,8 @@ class Engine:
                 self._drafted_before = drafted_now
         if self.batches is not None:
             self.batches.swap()
-        self._record(plan, trees, verify_batch, overlapped, fallback, loads, drafted, draft_s, overlap, offered,
-                     drafting_s or 0.0, time.perf_counter() - t_step)
+        self._record(plan, nodes, verify_batch, overlapped, fallback, loads, drafted, draft_s, overlap,
+                     offered, drafting_s or 0.0, time.perf_counter() - t_step)
         self.steps += 1
         if self.config.debug_check:
             problems = self.pool.check() + (self.batched.pool.check() if self.batched is not None else [])
@@ -593,6 +592,107 @@ class Engine:
             req.runtime.pop("features", None)  # (a restarted feature drafter reads zeros for them)
         return DraftTree.root(req.last_token)
 
+    def _host_drafts(self, plan: StepPlan, drafts: list[ScheduledRows], trees: dict[str, DraftTree]) -> int:
+        """The drafting requests' trees, read back to the host (into `trees`); returns the nodes
+        row selection offered (0 without it)."""
+        if self.config.row_selection:
+            picked, offered = self._select(plan, drafts)
+            trees.update(picked)
+            return offered
+        # full drafts, cut to each request's rows as _draft cuts them (a sampled chain draws the
+        # same tokens from its generator whatever its row budget)
+        # (batch parallelism: the verified batch's trees were drafted last step: "pending")
+        full = self._batched_drafts([s.request for s in drafts if "pending" not in s.request.runtime])
+        if self.config.method == "ar":  # (every tree its root: _draft's answer, without the call)
+            trees.update((s.request.request_id, DraftTree.root(s.request.last_token)) for s in drafts)
+        else:
+            trees.update((s.request.request_id, self._draft(s, full.get(s.request.request_id))) for s in drafts)
+        return 0
+
+    # ---- verifying on the device ------------------------------------------------------------
+    def _device_nodes(self, plan: StepPlan, drafts: list[ScheduledRows], plain: list[ScheduledRows]) -> int | None:
+        """The nodes of each tree when this step drafts, verifies and accepts on the device (every
+        scheduled request a greedy decode that drafts the full tree with the batched tree drafter;
+        none of the modes that read trees on the host), else None."""
+        cfg = self.config
+        if (not cfg.device_verify or cfg.method != "tree" or plain or not drafts or len(drafts) != len(plan.scheduled)
+                or cfg.row_selection or cfg.adaptive_draft or self.batches is not None or self.fault_hook is not None
+                or type(self)._accept is not Engine._accept or not isinstance(self.batched, BatchedTreeDrafter)):
+            return None
+        n = self.batched.device_nodes(len(drafts), self.spec.nodes)
+        if n is None or n + 1 > 64:  # (a row's tree mask in one 64-bit word)
+            return None
+        for s in drafts:
+            req = s.request
+            sampling = req.runtime.get("sampling")
+            if sampling is None:
+                sampling = req.runtime["sampling"] = req.params.sampling()
+            if s.rows < n + 1 or not sampling.greedy:
+                return None
+        return n
+
+    def _device_drafts(self, reqs: list[Request], n: int) -> torch.Tensor:
+        """Every request's tree from the batched tree drafter, left on the device: [6, R, n]
+        (BatchedTreeDrafter.propose_device)."""
+        if isinstance(self.batched, BatchedEagleDrafter):
+            for r in reqs:
+                self._feature_handle(r)
+        return self.batched.propose_device([(r.request_id, r.token_ids(), self.spec.nodes) for r in reqs])
+
+    def _verify_on_device(self, plan: StepPlan, tree: torch.Tensor, n: int) -> list[RequestOutput]:
+        """The target pass over every request's drafted tree (tree [6, R, n] on the device, in
+        the plan's order) without reading the trees back: the host packs each request's n + 1
+        rows as a flat tree (every node a child of the root: the same rows, slots and mask word
+        as any tree of n nodes), the device writes the real tokens, positions and masks over
+        them, takes the argmax of every row and the accepted path of every tree; one read-back
+        brings each path (as its deepest node's ancestor mask), its bonus and the tree's tokens."""
+        decodes = plan.scheduled
+        R, W = len(decodes), n + 1
+        seqs = self.pool.seqs
+        flat = self._flat_trees.get(n)
+        if flat is None:
+            b, d = node_masks([-1] + [0] * n)
+            flat = self._flat_trees[n] = (np.asarray(b, dtype=np.uint64), np.asarray(d, dtype=np.int64), [0] * n)
+        tokens: list[int] = []
+        S, prefix, tables, versions = [], [], [], []
+        for s in decodes:
+            req = s.request
+            sb = seqs[req.request_id]
+            tables.append(sb.blocks)
+            versions.append(sb.version)
+            tokens.append(req.last_token)
+            tokens += flat[2]
+            S.append(s.start + W)
+            prefix.append(s.start)
+        rows = self.model.rows(PackColumns(tokens, [W] * R, S, prefix, [True] * R, tables, np.tile(flat[0], R), None,
+                                           np.tile(flat[1], R), 1, versions))
+        M = R * W
+        tok, par, depth, bits = tree[0], tree[1], tree[4], tree[5]  # [R, n] each
+        rows.tokens[:M].view(R, W)[:, 1:] = tok
+        pos = rows.positions[:M].view(R, W)
+        pos[:, 1:] = pos[:, :1] + depth  # (the root's row holds its prefix: a node sits at prefix + depth)
+        rows.row_bits[:M].view(R, W, -1)[:, 1:, 0] = bits
+        logits = self.model.forward(rows)  # [M, V]
+        am = logits.argmax(-1).view(R, W)  # [R, n + 1] the target's next token after each node
+        ok = (tok == am.gather(1, par)).long()  # [R, n] node q's token is the argmax after its parent
+        one = torch.ones(R, 1, dtype=torch.long, device=tok.device)
+        ok_bits = (ok << torch.arange(1, W, device=tok.device)).sum(1, keepdim=True) | 1  # [R, 1] (distinct bits)
+        all_bits = torch.cat([one, bits], 1)  # [R, n + 1] each node's ancestors, itself included
+        accepted = (all_bits & ~ok_bits) == 0  # every node of its path accepted
+        # the deepest accepted node (siblings differ, so at most one a depth): argmax's first maximum
+        best = (torch.cat([one - 1, depth], 1) * accepted).argmax(1, keepdim=True)  # [R, 1]
+        back = torch.cat([all_bits.gather(1, best), am.gather(1, best), depth.max(1, keepdim=True).values, tok], 1)
+        host = back.cpu().tolist()  # [R, 3 + n] the step's one read-back
+        self._deepest = [h[2] for h in host]
+        given = []
+        for h in host:
+            path_bits = h[0] & 0xFFFFFFFFFFFFFFFF
+            path = [j for j in range(W) if path_bits >> j & 1]  # (by depth: a parent precedes its children)
+            toks = h[3:]
+            accepted_toks = [toks[j - 1] for j in path[1:]]
+            given.append((VerifyResult(path, accepted_toks + [h[1]], n), accepted_toks))
+        return self._apply(plan, None, logits, given)
+
     def _select(self, plan: StepPlan, drafts: list[ScheduledRows]) -> tuple[dict[str, DraftTree], int]:
         """Row selection: every drafting request's full tree, one shared node budget from the
         cost model, then each grows by its chosen nodes. Returns their trees and the nodes offered."""
@@ -652,12 +752,12 @@ class Engine:
         hidden = max(0.0, min(t_end, d_end) - max(0.0, d_start))
         return logits, len(to_draft), draft_ms / 1e3, min(1.0, hidden / draft_ms)
 
-    def _record(self, plan: StepPlan, trees: dict[str, DraftTree], verify_batch: int | None, overlapped: bool,
+    def _record(self, plan: StepPlan, nodes: int, verify_batch: int | None, overlapped: bool,
                 fallback: bool, loads: tuple[int, int] | None, drafted: int, draft_s: float, overlap: float,
                 offered: int, drafting_s: float, seconds: float) -> None:
+        """nodes: the draft nodes the step verified (roots not counted)."""
         c = self.counters
         decodes = len(plan.decodes)
-        nodes = sum([len(t.tokens) for t in trees.values()]) - len(trees)
         rec = StepRecord(self.steps, plan.num_rows, decodes, verify_batch, drafted, overlapped, fallback, loads,
                          draft_s, overlap, nodes, offered, drafting_s, seconds)
         c.drafting_s += drafting_s
@@ -741,15 +841,17 @@ class Engine:
         return self.model.rows(PackColumns(tokens, T, S, prefix, logits, tables, bits, None, np.asarray(depth),
                                            words, versions))
 
-    def _apply(self, plan: StepPlan, trees: dict[str, DraftTree], logits: torch.Tensor) -> list[RequestOutput]:
+    def _apply(self, plan: StepPlan, trees: dict[str, DraftTree] | None, logits: torch.Tensor,
+               given: list[tuple[VerifyResult, list[int]]] | None = None) -> list[RequestOutput]:
         """Accept every decode, commit every request's rows in one pool call, then feed the
         drafters and emit. A request that raises in its part fails alone (its rows of the pass
-        are already out)."""
+        are already out). `given`: every decode's result and its accepted draft tokens, found on
+        the device (_verify_on_device; trees None then)."""
         row, m = 0, 0  # the segment's first logits row / first row in the pass (features)
         deepest, k = self._deepest, 0  # (the decodes' trees' deepest depths, packed by _rows)
         feats = self.model.last_features if self.feature_layers else None  # [M, F]
         # every row's argmax read back at once: one device sync per step, not one per request
-        argmax = logits.argmax(-1).tolist() if logits.numel() else []
+        argmax = logits.argmax(-1).tolist() if logits.numel() and given is None else []
         commits: list[tuple[str, list[int], list[int]]] = []
         accepted: list[tuple[Request, DraftTree, VerifyResult, torch.Tensor | None]] = []
         failed: list[Request] = []
@@ -764,6 +866,14 @@ class Engine:
                 if feats is not None:  # kept until the request's drafter starts
                     req.runtime.setdefault("features", []).append(feats[m:m + s.rows].clone())
                 m += s.rows
+                continue
+            if given is not None:  # (accepted on the device: the root's token, then the accepted nodes')
+                result, toks = given[k]
+                n = result.num_draft + 1
+                commits.append((req.request_id, result.path, [req.last_token] + toks))
+                accepted.append((req, None, result, m, deepest[k]))
+                k += 1
+                m += n
                 continue
             tree = trees[req.request_id]
             n = len(tree.tokens)
