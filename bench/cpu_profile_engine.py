@@ -32,7 +32,7 @@ from tandem.runtime.pair import load_pair
 
 def build(args, concurrency: int) -> Engine:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar")
-    cfg = EngineConfig(method=args.method, max_num_seqs=concurrency)
+    cfg = EngineConfig(method=args.method, max_num_seqs=concurrency, device_verify=not args.host_verify)
     eng = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
     if args.gate_off:  # every step as the draft gate runs it while it keeps drafting off
         eng.gate = _Off()
@@ -167,6 +167,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help="cuda: the real graphs; the cProfile then shows the host "
                     "path with the GPU's waits in the read-backs")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--host-verify", action="store_true", help="trees read back and verified on the host "
+                    "(EngineConfig.device_verify False)")
     ap.add_argument("--gate-off", action="store_true", help="a speculative method's steps with the draft gate "
                     "keeping drafting off (what they cost beside `ar`'s)")
     ap.add_argument("--profile", action="store_true", help="cProfile the last run's steps")

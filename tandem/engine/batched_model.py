@@ -467,8 +467,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return packed
 
 
-# Row buckets of the captured passes (a pass of M rows replays the smallest bucket >= M).
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+# Row buckets of the captured passes (a pass of M rows replays the smallest bucket >= M; a
+# larger one runs eagerly). Past 2048: 64 requests' 33-row trees are 2,112 rows, and that pass
+# run eagerly launched ~100 kernels from the host every step (H200, 2026-12-02); an engine
+# captures only the buckets up to its max_num_batched_tokens.
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 2560, 3072,
+                 4096)
 
 
 class _LevelPack:
