@@ -32,7 +32,8 @@ from tandem.runtime.pair import load_pair
 
 def build(args, concurrency: int) -> Engine:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar")
-    cfg = EngineConfig(method=args.method, max_num_seqs=concurrency, device_verify=not args.host_verify)
+    cfg = EngineConfig(method=args.method, max_num_seqs=concurrency, device_verify=not args.host_verify,
+                       max_num_batched_tokens=max(2048, concurrency * 33))  # (every request's 33-row tree at once)
     eng = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
     if args.gate_off:  # every step as the draft gate runs it while it keeps drafting off
         eng.gate = _Off()
