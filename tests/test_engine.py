@@ -627,6 +627,47 @@ def test_while_the_gate_keeps_drafting_off_only_its_samples_feature_drafters_are
     assert len(drafted_again) > 2  # (drafting resumed for every request after the off stretch)
 
 
+def test_drafters_go_dormant_only_after_the_gates_off_streak_reaches_dormant_after():
+    """Near break-even the gate turns drafting on and off often, and a restarted drafter catches
+    up on its whole context: every drafter stays fed until the gate has kept drafting off for
+    `dormant_after` plain steps in a row; then only its sample's, until drafting resumes for all."""
+    from tandem.runtime.pair import BUNDLED_TARGET, load_pair
+
+    if not (BUNDLED_TARGET / "config.json").is_file():
+        pytest.skip("no bundled target")
+    pair = load_pair(None, "eagle3", device="cpu", dtype=torch.float32)
+    prompts = [pair.tokenizer.encode(t).ids for t in _SNIPPETS[:5]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine = Engine(pair.target, pair.draft, config=EngineConfig(
+        method="tree", spec=SpecConfig(nodes=8, width=2), block_size=16, draft_gate=True, debug_check=True))
+    fed = []
+
+    class Streak:  # all draft for two decode steps, then none (counting its off streak), then all again
+        decisions_off, calls, sample, off_streak, dormant_after = 0, 0, 2, 0, 3
+
+        def plan(self, requests):
+            if requests == 0:
+                return 0
+            self.calls += 1
+            if 3 <= self.calls <= 9:
+                fed.append(sum("drafter" in r.runtime for r in engine.requests.values()))
+            if 3 <= self.calls <= 8:
+                self.off_streak += 1
+                return 0
+            self.off_streak = 0
+            return requests
+
+        def observe(self, *a, **k):
+            pass
+
+    engine.gate = Streak()
+    outs = run_all(engine, prompts, params)
+    solo = Engine(pair.target, None, config=EngineConfig(method="ar"))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in run_all(solo, prompts, params)]
+    # (fed: counted before the step's decision, so after the streak's previous value)
+    assert fed == [5, 5, 5, 2, 2, 2, 2], fed  # (the third off decision makes them dormant)
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "draft"])
 @pytest.mark.parametrize("graphs", [None, "emulate"])
 def test_trees_verified_on_the_device_equal_the_host_path(kind, graphs, monkeypatch):

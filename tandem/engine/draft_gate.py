@@ -57,6 +57,12 @@ class DraftGate:
     probe_every: int = 16  # fewest plain steps between two probes
     probe_max: int = 1024  # most plain steps between two probes
     probe_budget: float = 0.03  # the share of the time probes may lose
+    # plain steps in a row after which the engine lets the drafters outside the sample go dormant
+    # (not fed; restarted from their whole context when drafting resumes). Near break-even the
+    # gate turns drafting on and off often, and restarting 60 drafters cost a step 130 ms at 64
+    # requests (H200, 2026-12-02); deep in the off regime feeding them all cost every plain step
+    # 0.6 ms over `ar`'s 1 ms
+    dormant_after: int = 16
     accepted: float | None = None  # a: accepted draft tokens per drafted request-step
     samples: int = 0  # drafting steps observed
     plain_scale: float = 1.0  # observed / measured wall seconds, plain steps (moving average)

@@ -197,6 +197,7 @@ class Engine:
         # 1.61 ms against `ar`'s 0.97 at 64 requests (H200, 2026-12-02), and only the sample's
         # drafters are needed for the next probe; the others restart when drafting resumes
         self._keep_fed: set[str] | None = None
+        self._dormant = False  # the gate has kept drafting off long enough: only its sample stays fed
         # row selection's c(rows): given, or measured on this engine's target pass
         self.row_cost = config.row_cost
         measure = config.measure_row_cost if config.measure_row_cost is not None else target.device.type == "cuda"
@@ -468,12 +469,14 @@ class Engine:
             k = len(decoding) if self._forced else 0
             return None if k else set()
         k = self.gate.plan(len(decoding))
-        if k == 0:  # (a request admitted this step that decodes at once does not draft either)
-            self._keep_fed = set(self._pick_sample(decoding, getattr(self.gate, "sample", 4)))
-            return set()
-        if k >= len(decoding):
+        if k >= len(decoding) and k:
+            self._dormant = False
             return None
-        return set(self._pick_sample(decoding, k))
+        self._dormant = self._dormant or getattr(self.gate, "off_streak", 0) >= getattr(self.gate, "dormant_after", 0)
+        sample = self._pick_sample(decoding, k or getattr(self.gate, "sample", 4))
+        if self._dormant:
+            self._keep_fed = set(sample)
+        return set(sample) if k else set()  # (a request admitted this step that decodes at once does not draft either)
 
     def _pick_sample(self, decoding: list[Request], k: int) -> list[str]:
         """The gate's sample of k decoding requests. It stays while its requests decode: a request
@@ -578,7 +581,8 @@ class Engine:
         """An `ar` step for a request while the gate keeps drafting off. A batched feature drafter
         keeps being handed the committed rows and their target features (the pass computes them
         anyway), so drafting resumes where it stopped, on real features; while the gate keeps
-        drafting off, only its sample's are (`_keep_fed`): the others' drafters go, and restart
+        drafting off (after `DraftGate.dormant_after` plain steps in a row), only its sample's are
+        (`_keep_fed`): the others' drafters go, and restart
         from the whole context when drafting resumes (zeros for the features they missed: weaker
         first proposals, never wrong ones). A per-request drafter is
         dropped: it did not propose this step, so it restarts from the whole context."""
