@@ -40,10 +40,31 @@ def test_commit_gathers_the_path_and_frees_the_rest():
     p.commit("a", [0, 2, 5], [7, 8, 9])  # root, then nodes 2 and 5
     assert row_values(p, "a", 0, 6) == [10, 11, 12, 100, 102, 105]
     assert p.seqs["a"].length == 6 and p.seqs["a"].tokens == [1, 2, 3, 7, 8, 9]
-    assert len(p.seqs["a"].blocks) == 2 and p.num_free == 6  # the third block held only dropped rows
+    # the third block held only dropped rows: it stays as slack (the next step reserves as many)
+    assert len(p.seqs["a"].blocks) == 3 and p.num_free == 5 and p.seqs["a"].slack == 6  # (9 reserved, 3 kept)
     assert p.check() == []
     p.free("a")
     assert p.num_free == 8 and p.check() == []
+
+
+def test_a_tree_steps_blocks_stay_for_the_next_step_and_go_when_another_sequence_is_short():
+    """A commit keeps the blocks its reservation took (slack): the next step's reservation of
+    about as many rows takes no block and leaves the table's version, so a packed pass does not
+    rewrite it. A sequence short of free blocks takes other sequences' slack back first."""
+    p = pool(num_blocks=8, block_size=4)  # 8 blocks of 4 rows
+    p.allocate("a", [], 0)
+    p.reserve("a", 9)
+    p.commit("a", [0, 1], [1, 2])  # 2 rows kept, 3 blocks held
+    version = p.seqs["a"].version
+    assert p.try_reserve("a", 9) and len(p.seqs["a"].blocks) == 3 and p.seqs["a"].version == version
+    p.commit("a", [0], [3])
+    assert p.check() == [] and p.num_free == 5
+    p.allocate("b", [], 0)
+    assert p.can_reserve("b", 24) and p.try_reserve("b", 24)  # 6 blocks: a's two unused ones come back
+    assert len(p.seqs["a"].blocks) == 1 and p.seqs["a"].slack == 0 and p.num_free == 1
+    assert p.check() == []
+    assert not p.try_reserve("b", 8)  # 2 more blocks: 1 free, and nobody has slack
+    assert p.check() == []
 
 
 def test_commit_many_moves_every_sequences_path_at_once():

@@ -41,6 +41,11 @@ class SeqBlocks:
     # changes whenever `blocks` does, unique within the pool: a packed pass's static buffer
     # rewrites only the block tables whose version it does not hold (BatchRows.pack)
     version: int = 0
+    # rows past the committed ones that blocks of earlier reservations may still cover: a commit
+    # keeps its reservation's blocks (the next step reserves about as many again), so a tree
+    # step neither takes nor returns blocks nor changes its table; committed rows use the slack
+    # up, and the pool takes it back when it runs short
+    slack: int = 0
 
 
 @dataclass
@@ -131,14 +136,16 @@ class PagedKVPool:
         return s.length
 
     def can_reserve(self, seq_id: str, rows: int) -> bool:
-        return self.extra_blocks(seq_id, rows) <= self.num_free
+        """Whether reserve() would succeed (other sequences' slack taken back if need be)."""
+        need = self.extra_blocks(seq_id, rows)
+        return need <= self.num_free or self._reclaim(need, self.seqs[seq_id])
 
     def try_reserve(self, seq_id: str, rows: int) -> bool:
         """reserve() when the blocks are there (True), else nothing (False): one capacity check."""
         s = self.seqs[seq_id]
         need = -(-(s.length + s.reserved + rows) // self.block_size) - len(s.blocks)  # (extra_blocks)
         if need > 0:
-            if need > len(self.free_blocks):
+            if need > len(self.free_blocks) and not self._reclaim(need, s):
                 return False
             for _ in range(need):
                 s.blocks.append(self._take())
@@ -172,11 +179,10 @@ class PagedKVPool:
                 src += [reserved[p] for p in path]
                 dst += reserved[:n]
             s.length += n
-            s.reserved = 0
+            # (its blocks stay: the next step reserves about as many; they cover at most
+            # max(slack, reserved) rows past the old length, so that less n past the new one)
+            s.slack, s.reserved = max(s.slack, s.reserved) - n, 0
             s.tokens += tokens
-            # (blocks freed here are not handed out before the copy below runs: same stream)
-            if len(s.blocks) * bs >= s.length + bs:  # (a block past the committed rows)
-                self._trim(s)
             if len(s.hashes) < s.length // bs:  # (a block filled)
                 self._register_full_blocks(s)
         if src:
@@ -207,12 +213,28 @@ class PagedKVPool:
         if self.refcount[b] == 0:
             self.free_blocks[b] = None
 
-    def _trim(self, s: SeqBlocks) -> None:
-        keep = -(-s.length // self.block_size)
-        if len(s.blocks) > keep:
+    def _trim(self, s: SeqBlocks) -> int:
+        """Release the sequence's blocks past its committed and reserved rows (its slack);
+        returns how many."""
+        keep = -(-(s.length + s.reserved) // self.block_size)
+        s.slack = 0
+        freed = len(s.blocks) - keep
+        if freed > 0:
             while len(s.blocks) > keep:
                 self._release(s.blocks.pop())
             s.version = self._new_version()
+        return max(0, freed)
+
+    def _reclaim(self, need: int, keep: SeqBlocks) -> bool:
+        """Take other sequences' slack back until `need` more blocks are free (True), or all of
+        it (False: the pool is short even so). (Blocks freed here may still be read by a copy
+        queued on the stream; anything written to them comes later on the same stream.)"""
+        for s in self.seqs.values():
+            if s is not keep and s.slack and len(s.blocks) * self.block_size >= s.length + s.reserved + self.block_size:
+                self._trim(s)
+                if self.num_free >= need:
+                    return True
+        return self.num_free >= need
 
     def _new_version(self) -> int:
         self._version += 1
@@ -240,8 +262,10 @@ class PagedKVPool:
         for sid, s in self.seqs.items():
             if len(set(s.blocks)) != len(s.blocks):
                 problems.append(f"{sid}: a block appears twice in its table")
-            if len(s.blocks) != self.blocks_for(s.length + s.reserved):
-                problems.append(f"{sid}: {len(s.blocks)} blocks for {s.length} + {s.reserved} rows")
+            if not self.blocks_for(s.length + s.reserved) <= len(s.blocks) <= \
+                    self.blocks_for(s.length + max(s.reserved, s.slack)):
+                problems.append(f"{sid}: {len(s.blocks)} blocks for {s.length} + {s.reserved} rows "
+                                f"(slack {s.slack})")
             if len(s.tokens) != s.length:
                 problems.append(f"{sid}: {len(s.tokens)} tokens for {s.length} committed rows")
             for b in s.blocks:
