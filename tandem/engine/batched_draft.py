@@ -287,8 +287,7 @@ class BatchedTreeDrafter(BatchedDrafter):
         else:
             rows = self.model.rows(level_segments(lengths, tables, w)) if lengths else None
             tree = self._device_tree(rows, roots, R, n_max)
-        for rid, _, _ in live:
-            self.pool.commit(rid, [], [])  # drop the levels' rows: the target decides what stays
+        self.pool.commit_many([(rid, [], []) for rid, _, _ in live])  # drop the levels' rows: the target decides what stays
         return tree, n_max
 
     def _tree_graph(self, R: int) -> _TreeGraph | None:

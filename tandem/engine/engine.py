@@ -690,8 +690,11 @@ class Engine:
         self._deepest = [h[2] for h in host]
         given = []
         for h in host:
-            path_bits = h[0] & 0xFFFFFFFFFFFFFFFF
-            path = [j for j in range(W) if path_bits >> j & 1]  # (by depth: a parent precedes its children)
+            b, path = h[0] & 0xFFFFFFFFFFFFFFFF, []
+            while b:  # the set bits, lowest first (by depth: a parent precedes its children)
+                low = b & -b
+                path.append(low.bit_length() - 1)
+                b ^= low
             toks = h[3:]
             accepted_toks = [toks[j - 1] for j in path[1:]]
             given.append((VerifyResult(path, accepted_toks + [h[1]], n), accepted_toks))

@@ -175,9 +175,9 @@ class PagedKVPool:
             n = len(path)
             assert n == len(tokens) and (not n or 0 <= min(path) and max(path) < s.reserved), (path, s.reserved)
             if n and path[-1] != n - 1:  # rows already in place (0, 1, .., n - 1) need no copy
-                reserved = self.slots(seq_id, s.length, s.length + s.reserved)
-                src += [reserved[p] for p in path]
-                dst += reserved[:n]
+                blocks, at = s.blocks, s.length  # (the slots of those rows alone, not of every reserved row)
+                src += [blocks[r // bs] * bs + r % bs for r in [at + p for p in path]]
+                dst += [blocks[r // bs] * bs + r % bs for r in range(at, at + n)]
             s.length += n
             # (its blocks stay: the next step reserves about as many; they cover at most
             # max(slack, reserved) rows past the old length, so that less n past the new one)
