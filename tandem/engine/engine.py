@@ -56,6 +56,7 @@ from tandem.engine.draft_gate import DraftGate, StepCosts
 from tandem.engine.request import Request, RequestOutput, RequestState, SamplingParams
 from tandem.engine.row_selection import RowCost, select_step
 from tandem.engine.scheduler import Scheduler, ScheduledRows, StepPlan
+from tandem.kernels import tree_verify
 from tandem.kv.paged import PagedKVPool
 from tandem.models.block_drafter import BlockDrafter
 from tandem.models.eagle3 import Eagle3Head
@@ -670,22 +671,9 @@ class Engine:
             prefix.append(s.start)
         rows = self.model.rows(PackColumns(tokens, [W] * R, S, prefix, [True] * R, tables, np.tile(flat[0], R), None,
                                            np.tile(flat[1], R), 1, versions))
-        M = R * W
-        tok, par, depth, bits = tree[0], tree[1], tree[4], tree[5]  # [R, n] each
-        rows.tokens[:M].view(R, W)[:, 1:] = tok
-        pos = rows.positions[:M].view(R, W)
-        pos[:, 1:] = pos[:, :1] + depth  # (the root's row holds its prefix: a node sits at prefix + depth)
-        rows.row_bits[:M].view(R, W, -1)[:, 1:, 0] = bits
+        tree_verify.fill_tree_rows(tree, rows.tokens, rows.positions, rows.row_bits)  # the real trees over the flat ones
         logits = self.model.forward(rows)  # [M, V]
-        am = logits.argmax(-1).view(R, W)  # [R, n + 1] the target's next token after each node
-        ok = (tok == am.gather(1, par)).long()  # [R, n] node q's token is the argmax after its parent
-        one = torch.ones(R, 1, dtype=torch.long, device=tok.device)
-        ok_bits = (ok << torch.arange(1, W, device=tok.device)).sum(1, keepdim=True) | 1  # [R, 1] (distinct bits)
-        all_bits = torch.cat([one, bits], 1)  # [R, n + 1] each node's ancestors, itself included
-        accepted = (all_bits & ~ok_bits) == 0  # every node of its path accepted
-        # the deepest accepted node (siblings differ, so at most one a depth): argmax's first maximum
-        best = (torch.cat([one - 1, depth], 1) * accepted).argmax(1, keepdim=True)  # [R, 1]
-        back = torch.cat([all_bits.gather(1, best), am.gather(1, best), depth.max(1, keepdim=True).values, tok], 1)
+        back = tree_verify.accept_paths(logits.argmax(-1), tree)  # [R, 3 + n]
         host = back.cpu().tolist()  # [R, 3 + n] the step's one read-back
         self._deepest = [h[2] for h in host]
         given = []
