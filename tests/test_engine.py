@@ -587,20 +587,27 @@ def test_the_gates_sample_stays_while_its_requests_decode(models, solo):
     assert samples[0][0] == sorted(r.request_id for r in reqs[:2]) and samples[-1][0] != samples[0][0]
 
 
-def test_while_the_gate_keeps_drafting_off_only_its_samples_feature_drafters_are_fed():
-    """Feeding every request's feature drafter through plain steps costs a plain step more than
-    `ar`'s; while the gate keeps drafting off only its sample's drafters are fed (the next probe
-    drafts those), the others are released and restart from the whole context when drafting
-    resumes. Outputs equal solo ar throughout (a restarted drafter proposes worse, never wrongly)."""
+def _gated_eagle3_engine(n_prompts: int, max_tokens: int):
+    """The bundled target and EAGLE-3 head in a gated `tree` engine (the test replaces its gate),
+    with n of the snippets as prompts -> (pair, prompts, params, engine)."""
     from tandem.runtime.pair import BUNDLED_TARGET, load_pair
 
     if not (BUNDLED_TARGET / "config.json").is_file():
         pytest.skip("no bundled target")
     pair = load_pair(None, "eagle3", device="cpu", dtype=torch.float32)
-    prompts = [pair.tokenizer.encode(t).ids for t in _SNIPPETS[:6]]
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = [pair.tokenizer.encode(t).ids for t in _SNIPPETS[:n_prompts]]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     engine = Engine(pair.target, pair.draft, config=EngineConfig(
         method="tree", spec=SpecConfig(nodes=8, width=2), block_size=16, draft_gate=True, debug_check=True))
+    return pair, prompts, params, engine
+
+
+def test_while_the_gate_keeps_drafting_off_only_its_samples_feature_drafters_are_fed():
+    """Feeding every request's feature drafter through plain steps costs a plain step more than
+    `ar`'s; while the gate keeps drafting off only its sample's drafters are fed (the next probe
+    drafts those), the others are released and restart from the whole context when drafting
+    resumes. Outputs equal solo ar throughout (a restarted drafter proposes worse, never wrongly)."""
+    pair, prompts, params, engine = _gated_eagle3_engine(6, 20)
     fed_while_off = []
 
     class OnOffOn:  # all draft for two decode steps, none for four, then all again
@@ -631,15 +638,7 @@ def test_drafters_go_dormant_only_after_the_gates_off_streak_reaches_dormant_aft
     """Near break-even the gate turns drafting on and off often, and a restarted drafter catches
     up on its whole context: every drafter stays fed until the gate has kept drafting off for
     `dormant_after` plain steps in a row; then only its sample's, until drafting resumes for all."""
-    from tandem.runtime.pair import BUNDLED_TARGET, load_pair
-
-    if not (BUNDLED_TARGET / "config.json").is_file():
-        pytest.skip("no bundled target")
-    pair = load_pair(None, "eagle3", device="cpu", dtype=torch.float32)
-    prompts = [pair.tokenizer.encode(t).ids for t in _SNIPPETS[:5]]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    engine = Engine(pair.target, pair.draft, config=EngineConfig(
-        method="tree", spec=SpecConfig(nodes=8, width=2), block_size=16, draft_gate=True, debug_check=True))
+    pair, prompts, params, engine = _gated_eagle3_engine(5, 16)
     fed = []
 
     class Streak:  # all draft for two decode steps, then none (counting its off streak), then all again
