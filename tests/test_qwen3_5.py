@@ -376,7 +376,8 @@ def test_eos_and_bad_method(pair):
 
 def test_generator_dispatches_a_hybrid_target(pair):
     """`Generator` (what `tandem generate` and bench drive) runs a hybrid target through the hybrid
-    loop: tree and auto equal ar, and sampling runs (seeded)."""
+    loop: tree and auto equal ar (auto's trial measured ar, chain and tree on the hybrid target),
+    sampling runs (seeded), and a method the hybrid loop lacks is a one-line error."""
     from tandem.config import SamplingConfig
     from tandem.runtime.generate import Generator
 
@@ -387,6 +388,11 @@ def test_generator_dispatches_a_hybrid_target(pair):
     want = Generator(ours).generate(prompt, "ar", gen=gen).token_ids
     assert eng.generate(prompt, "tree", SpecConfig(nodes=8, width=2), gen=gen).token_ids == want
     assert eng.generate(prompt, "auto", SpecConfig(nodes=8, width=2), gen=gen).token_ids == want
+    assert sorted(eng.auto.choice.rates) == ["ar", "chain", "tree"] and min(eng.auto.choice.rates.values()) > 0
+    alone = Generator(ours)
+    assert alone.generate(prompt, "auto", gen=gen).token_ids == want and alone.auto.choice.method == "ar"
+    with pytest.raises(ConfigError, match="hybrid targets \\(Qwen3.5\\) run auto, ar, chain, tree and async, not 'tlv'"):
+        eng.generate(prompt, "tlv", SpecConfig(nodes=8, width=2), gen=gen)
     a = eng.generate(prompt, "tree", sampling=SamplingConfig(temperature=0.7, seed=3), gen=gen)
     b = eng.generate(prompt, "tree", sampling=SamplingConfig(temperature=0.7, seed=3), gen=gen)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 20  # sampled, and the seed reproduces it

@@ -189,15 +189,17 @@ class Generator:
             with certified_lm_head(self.target_model):  # this request only; the full head comes back after
                 return self.generate(prompt_ids, method, spec, sampling, gen, on_tokens, transport, forced_accepts,
                                      tensor_parallel_size, draft_tensor_parallel_size, split_search)
-        hybrid_async = method == "async" and getattr(self.target_model, "is_hybrid", False)
-        if getattr(self.target_model, "is_hybrid", False) and not hybrid_async:  # Qwen3.5 (runtime/hybrid.py)
-            if method not in ("auto", "ar", "chain", "tree"):
-                raise ConfigError(f"hybrid targets (Qwen3.5) run ar, chain, tree and async, not {method!r}")
+        # Qwen3.5 (runtime/hybrid.py): ar, chain and tree in the hybrid loop, async inline, and
+        # auto's measured trial below over those (a tree's GDN paths cost more rows than
+        # attention's, so whether it pays is measured, not assumed)
+        hybrid = getattr(self.target_model, "is_hybrid", False) and method not in ("async", "auto")
+        if hybrid:
+            if method not in ("ar", "chain", "tree"):
+                raise ConfigError(f"hybrid targets (Qwen3.5) run auto, ar, chain, tree and async, not {method!r}")
             from tandem.runtime.hybrid import generate_hybrid
 
-            return generate_hybrid(self.target_model, prompt_ids, ("tree" if self.draft_model is not None else "ar") if method == "auto" else method,
-                                   self.draft_model, spec, gen, self.tokenizer, on_tokens, use_graphs=self.use_graphs,
-                                   sampling=sampling)
+            return generate_hybrid(self.target_model, prompt_ids, method, self.draft_model, spec, gen, self.tokenizer,
+                                   on_tokens, use_graphs=self.use_graphs, sampling=sampling)
         if method == "auto":  # the measured fastest method (tandem.runtime.auto); --method overrides
             if (tensor_parallel_size, draft_tensor_parallel_size) != (1, 1) or split_search is not None:
                 raise ConfigError("--tensor-parallel-size / --split-search need --method async, not auto")
