@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -293,6 +294,35 @@ def test_profile_draft_block_cli(tmp_path, capsys):
     best = max(rep["methods"], key=lambda m: m["predicted_tokens_per_s"])
     assert (rep["best"]["drafter"], rep["best"]["method"]) == (best["drafter"], best["method"])
     assert "| drafter | method | rows |" in cap.out and "**best**" in cap.out
+
+
+def test_profile_draft_over_a_hybrid_target(tmp_path, capsys):
+    """`tandem profile --target QWEN3.5 --draft DIR`: the hybrid target's verify passes are timed as
+    the hybrid loop runs them (GDN paths from the committed state), ar included; a feature drafter
+    over a hybrid target is a one-line error."""
+    import sys
+
+    from conftest import save_tiny_checkpoint
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_qwen3_5 import VOCAB, build_hf
+
+    target, draft = tmp_path / "q35", tmp_path / "draft"
+    save_tiny_checkpoint(draft, "llama", vocab_size=VOCAB)
+    build_hf("default").save_pretrained(target)
+    (target / "tokenizer.json").write_text((draft / "tokenizer.json").read_text())
+    out = tmp_path / "p"
+    rc = cli.main(["profile", "--target", str(target), "--draft", str(draft), "--device", "cpu", "--dtype", "float32",
+                   "--context", "24", "--iters", "1", "--nodes", "4", "--k", "2", "--no-plots", "--out", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    rep = json.loads((out / "profile.json").read_text())
+    assert rep["config"]["hybrid_target"] is True and rep["ar_ms"] > 0
+    ar, chain, tree = rep["methods"]
+    assert (chain["rows"], tree["rows"]) == (3, 5) and chain["verify_ms"] > 0 and tree["verify_ms"] > 0
+    rc = cli.main(["profile", "--target", str(target), "--draft", "block", "--device", "cpu", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
 
 
 def test_profile_draft_errors(tmp_path, capsys):

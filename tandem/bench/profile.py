@@ -48,6 +48,10 @@ device, each figure a median through the real runners and drafters (CUDA graphs 
     tok/s         tau / (t_draft + t_verify);  speedup over ar = tok/s * t_ar
     break-even    tau* = (t_draft + t_verify) / t_ar: the method pays when its tau exceeds it
 
+A hybrid (Qwen3.5) target is timed as the hybrid loop verifies with it (runtime.hybrid: every
+GDN layer walks the pass's path from the committed state; the commit's replay is not timed),
+with draft models only.
+
 Pending rows per pass (committed tokens fed to the drafter) are round(tau) of the method, 2
 without a tau, or --pending-rows. tau per method comes from `--tau-json` (repeatable): a
 `tandem bench` results.json (summary[name].tau, shapes from config.method_specs; chain, tree
@@ -626,6 +630,29 @@ def _target_runner(target, layers, feature_drafter: bool, prompt: list[int], max
     return runner, feats
 
 
+def _hybrid_target(target, prompt: list[int], max_rows: int):
+    """A hybrid (Qwen3.5) target as the hybrid loop verifies with it (runtime.hybrid.HybridTarget:
+    its KV cache and committed GDN state), prefilled with prompt[:-1]."""
+    from tandem.runtime.hybrid import HybridTarget
+
+    h = HybridTarget(target, len(prompt) + max_rows + 1)
+    h.prefill(prompt[:-1])
+    return h
+
+
+def time_hybrid_steps(h, rows: list[int], iters: int, measure) -> dict[int, float]:
+    """Median seconds of one hybrid verification pass of N rows (a chain: every GDN layer walks
+    one path of N nodes from the committed state) + the argmax read-back; the rows are dropped
+    after each pass (the commit's path replay into the GDN state is not timed)."""
+
+    def step(n: int) -> None:
+        logits, _ = h.model.tree_forward(list(range(1, n + 1)), list(range(-1, n - 1)), h.state, h.cache)
+        logits.argmax(-1).tolist()
+        h.cache.commit([])  # drop the pass's rows
+
+    return {n: measure(lambda n=n: step(n), iters) for n in rows}
+
+
 def _accepted_path(tree, accept: int) -> list[int]:
     """Node indices of a greedy accepted path: from the root, the most probable child, `accept` times."""
     kids: dict[int, list[int]] = {}
@@ -729,6 +756,10 @@ def run_drafters(args: argparse.Namespace) -> int:
     pair = load_pair(args.target, str(drafters[0].path), args.device, args.dtype, need_draft=True)
     target = pair.target
     device = target.device
+    hybrid = getattr(target, "is_hybrid", False)
+    if hybrid and any(d.kind in ("block", "eagle3") for d in drafters):
+        raise ConfigError("tandem profile times a hybrid (Qwen3.5) target with draft models only; give --draft DIR of a "
+                          "small draft model, not block / eagle3")
     iters = args.iters or (30 if device.type == "cuda" else 5)
     if iters < 1:
         raise ConfigError(f"--iters must be >= 1 (got {iters})")
@@ -764,12 +795,15 @@ def run_drafters(args: argparse.Namespace) -> int:
             # NOTE: the model's switch decides whether a step (or a graph captured now) keeps
             # features: on for a feature drafter's runner, off for ar's and a draft model's
             target.feature_layers = key
-            t_verify[(key, rows)] = time_target_steps(runner, context, [rows], iters, measure)[rows]
+            steps = time_hybrid_steps(runner, [rows], iters, measure) if hybrid else \
+                time_target_steps(runner, context, [rows], iters, measure)
+            t_verify[(key, rows)] = steps[rows]
         return t_verify[(key, rows)]
 
     costs: list[MethodCost] = []
     with torch.inference_mode():
-        plain, _ = _target_runner(target, None, False, prompt, max_rows, buckets)
+        plain = _hybrid_target(target, prompt, max_rows) if hybrid else \
+            _target_runner(target, None, False, prompt, max_rows, buckets)[0]
         t_ar = verify_s(plain, None, 1)
         for i, d in enumerate(drafters):
             model = pair.draft if i == 0 else _load_drafter(d, target, pair.tokenizer, device, args.dtype)
@@ -808,7 +842,7 @@ def run_drafters(args: argparse.Namespace) -> int:
         "environment": environment(device),
         "config": {"mode": "drafters", "target": str(pair.target_dir), "device": str(device), "dtype": args.dtype,
                    "context": context, "iters": iters, "k": args.k, "nodes": nodes, "width": args.width,
-                   "pending_rows": args.pending_rows, "buckets": list(buckets)},
+                   "pending_rows": args.pending_rows, "buckets": list(buckets), "hybrid_target": hybrid},
         "drafters": [{"label": d.label, "path": str(d.path), "kind": d.kind,
                       "tau_source": taus[d.label].source if d.label in taus else None} for d in drafters],
         "ar_ms": 1e3 * t_ar,
