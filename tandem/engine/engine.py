@@ -14,6 +14,11 @@ its own small `ModelRunner`, created when its prefill is done and dropped on pre
 drafters read the target's features: the batched pass keeps every row's, the prefill chunks'
 are kept until the drafter starts, and each verify hands the drafter its accepted path's.
 
+A greedy step where every request drafts its full tree with a batched tree drafter verifies on
+the device (tandem.engine.device_verify: the trees never come back to the host; the target's
+rows are built and the paths accepted there; one read-back a step); the other steps read the
+trees back and accept on the host (`device_verify=False` makes every step do so).
+
 Two modes change which rows a step holds, never an output:
 
 - `batch_parallel` (tandem.engine.batch_manager): the decoding requests form two batches; the
@@ -51,12 +56,11 @@ from tandem.engine.batched_draft import BatchedChainDrafter, BatchedDrafter, Bat
 from tandem.engine.batched_features import BatchedBlockDrafter, BatchedEagleDrafter
 from tandem.engine.batched_model import BatchedModel, BatchRows, PackColumns
 from tandem.engine.config import EngineConfig
-from tandem.engine import draft_length
+from tandem.engine import device_verify, draft_length
 from tandem.engine.draft_gate import DraftGate, StepCosts
 from tandem.engine.request import Request, RequestOutput, RequestState, SamplingParams
 from tandem.engine.row_selection import RowCost, select_step
 from tandem.engine.scheduler import Scheduler, ScheduledRows, StepPlan
-from tandem.kernels import tree_verify
 from tandem.kv.paged import PagedKVPool
 from tandem.models.block_drafter import BlockDrafter
 from tandem.models.eagle3 import Eagle3Head
@@ -64,7 +68,7 @@ from tandem.models.transformer import Transformer
 from tandem.runtime.emit import Emitter
 from tandem.runtime.plan import plan_request
 from tandem.runtime.runner import ModelRunner
-from tandem.tree.draft_tree import DraftTree, deepest_depths, node_masks, tree_masks
+from tandem.tree.draft_tree import DraftTree, deepest_depths, tree_masks
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
 
@@ -184,7 +188,6 @@ class Engine:
         self.fault_hook: Callable[[Request], None] | None = None
         self._accepted = 0  # accepted draft tokens in the current step (the gate's figure)
         self._deepest: list[int] = []  # each decode's tree's deepest node's depth, in plan order (_rows: _apply)
-        self._flat_trees: dict[int, tuple] = {}  # n -> a flat tree's masks, depths, tokens (_verify_on_device)
         if config.batch_parallel:
             self.batches = BatchManager(self._load, config.rebalance_threshold)
             if target.device.type == "cuda":  # the drafter's kernels on their own stream
@@ -581,12 +584,12 @@ class Engine:
     def _skip_draft(self, req: Request) -> DraftTree:
         """An `ar` step for a request while the gate keeps drafting off. A batched feature drafter
         keeps being handed the committed rows and their target features (the pass computes them
-        anyway), so drafting resumes where it stopped, on real features; while the gate keeps
-        drafting off (after `DraftGate.dormant_after` plain steps in a row), only its sample's are
-        (`_keep_fed`): the others' drafters go, and restart
-        from the whole context when drafting resumes (zeros for the features they missed: weaker
-        first proposals, never wrong ones). A per-request drafter is
-        dropped: it did not propose this step, so it restarts from the whole context."""
+        anyway), so drafting resumes where it stopped, on real features; once the gate has kept
+        drafting off for `DraftGate.dormant_after` plain steps in a row, only its sample's are
+        (`_keep_fed`): the others' drafters go, and restart from the whole context when drafting
+        resumes (zeros for the features they missed: weaker first proposals, never wrong ones).
+        A per-request drafter is dropped: it did not propose this step, so it restarts from the
+        whole context."""
         if isinstance(self.batched, (BatchedEagleDrafter, BatchedBlockDrafter)):
             if self._keep_fed is None or req.request_id in self._keep_fed:
                 self._feature_handle(req)
@@ -645,47 +648,10 @@ class Engine:
         return self.batched.propose_device([(r.request_id, r.token_ids(), self.spec.nodes) for r in reqs])
 
     def _verify_on_device(self, plan: StepPlan, tree: torch.Tensor, n: int) -> list[RequestOutput]:
-        """The target pass over every request's drafted tree (tree [6, R, n] on the device, in
-        the plan's order) without reading the trees back: the host packs each request's n + 1
-        rows as a flat tree (every node a child of the root: the same rows, slots and mask word
-        as any tree of n nodes), the device writes the real tokens, positions and masks over
-        them, takes the argmax of every row and the accepted path of every tree; one read-back
-        brings each path (as its deepest node's ancestor mask), its bonus and the tree's tokens."""
-        decodes = plan.scheduled
-        R, W = len(decodes), n + 1
-        seqs = self.pool.seqs
-        flat = self._flat_trees.get(n)
-        if flat is None:
-            b, d = node_masks([-1] + [0] * n)
-            flat = self._flat_trees[n] = (np.asarray(b, dtype=np.uint64), np.asarray(d, dtype=np.int64), [0] * n)
-        tokens: list[int] = []
-        S, prefix, tables, versions = [], [], [], []
-        for s in decodes:
-            req = s.request
-            sb = seqs[req.request_id]
-            tables.append(sb.blocks)
-            versions.append(sb.version)
-            tokens.append(req.last_token)
-            tokens += flat[2]
-            S.append(s.start + W)
-            prefix.append(s.start)
-        rows = self.model.rows(PackColumns(tokens, [W] * R, S, prefix, [True] * R, tables, np.tile(flat[0], R), None,
-                                           np.tile(flat[1], R), 1, versions))
-        tree_verify.fill_tree_rows(tree, rows.tokens, rows.positions, rows.row_bits)  # the real trees over the flat ones
-        logits = self.model.forward(rows)  # [M, V]
-        back = tree_verify.accept_paths(logits.argmax(-1), tree)  # [R, 3 + n]
-        host = back.cpu().tolist()  # [R, 3 + n] the step's one read-back
-        self._deepest = [h[2] for h in host]
-        given = []
-        for h in host:
-            b, path = h[0] & 0xFFFFFFFFFFFFFFFF, []
-            while b:  # the set bits, lowest first (by depth: a parent precedes its children)
-                low = b & -b
-                path.append(low.bit_length() - 1)
-                b ^= low
-            toks = h[3:]
-            accepted_toks = [toks[j - 1] for j in path[1:]]
-            given.append((VerifyResult(path, accepted_toks + [h[1]], n), accepted_toks))
+        """The target pass over every decode's drafted tree (tree [6, R, n] on the device, in the
+        plan's order) and the accepted paths, found on the device (engine.device_verify); then
+        the commits, the drafters' feed and the emits as any step."""
+        given, self._deepest, logits = device_verify.verify(self.model, self.pool, plan.scheduled, tree, n)
         return self._apply(plan, None, logits, given)
 
     def _select(self, plan: StepPlan, drafts: list[ScheduledRows]) -> tuple[dict[str, DraftTree], int]:
