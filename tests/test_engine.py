@@ -712,6 +712,36 @@ def test_trees_verified_on_the_device_equal_the_host_path(kind, graphs, monkeypa
     assert got[True][0] == [o.token_ids for o in run_all(solo, prompts, params)]
 
 
+def test_the_servers_logprob_engine_verifies_on_the_device_when_no_request_wants_logprobs(monkeypatch):
+    """The server's LogprobEngine reads every accept of a request that asked for logprobs (on
+    the host); a step where none of its requests did verifies on the device as a plain engine's
+    does. Outputs equal solo ar either way, and the logprobs asked for are the target's."""
+    from tandem.runtime.pair import BUNDLED_TARGET, load_pair
+    from tandem.serve.logprobs import LogprobEngine
+
+    if not (BUNDLED_TARGET / "config.json").is_file():
+        pytest.skip("no bundled target")
+    pair = load_pair(None, "eagle3", device="cpu", dtype=torch.float32)
+    prompts = [pair.tokenizer.encode(t).ids for t in _SNIPPETS[:3]]
+    engine = LogprobEngine(pair.target, pair.draft, config=EngineConfig(
+        method="tree", spec=SpecConfig(nodes=16, width=4), block_size=16, debug_check=True))
+    on_device = []
+    monkeypatch.setattr(engine, "_verify_on_device", lambda plan, *a, _f=engine._verify_on_device:
+                        on_device.append({s.request.request_id for s in plan.scheduled}) or _f(plan, *a))
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, (8, 30, 30))]
+    engine.want_logprobs(reqs[0].request_id, 2)  # (the first finishes early: the others then go on the device)
+    while engine.has_unfinished():
+        engine.step()
+    solo = Engine(pair.target, None, config=EngineConfig(method="ar"))
+    want = [o.token_ids for o in run_all(solo, prompts, SamplingParams(max_tokens=30, ignore_eos=True))]
+    assert [r.output_ids for r in reqs] == [want[0][:8], want[1], want[2]]
+    assert on_device and all(reqs[0].request_id not in ids for ids in on_device)
+    lps = engine.logprobs[reqs[0].request_id][:8]
+    assert [t.token for t in lps] == reqs[0].output_ids
+    assert all(t.top[0][0] == t.token and abs(t.top[0][1] - t.logprob) < 1e-5 for t in lps)
+
+
 def test_an_engine_without_a_feature_drafter_keeps_no_target_features(models, solo):
     """The target is shared: once an engine with a feature drafter enabled its features, an `ar`
     engine on it must not keep computing them (they cost it a third of its step on the H200)."""

@@ -625,7 +625,7 @@ class Engine:
         cfg = self.config
         if (not cfg.device_verify or cfg.method != "tree" or plain or not drafts or len(drafts) != len(plan.scheduled)
                 or cfg.row_selection or cfg.adaptive_draft or self.batches is not None or self.fault_hook is not None
-                or type(self)._accept is not Engine._accept or not isinstance(self.batched, BatchedTreeDrafter)):
+                or self._reads_accepts(drafts) or not isinstance(self.batched, BatchedTreeDrafter)):
             return None
         n = self.batched.device_nodes(len(drafts), self.spec.nodes)
         if n is None or n + 1 > 64:  # (a row's tree mask in one 64-bit word)
@@ -638,6 +638,12 @@ class Engine:
             if s.rows < n + 1 or not sampling.greedy:
                 return None
         return n
+
+    def _reads_accepts(self, drafts: list[ScheduledRows]) -> bool:
+        """Whether this step's accepts must run on the host (`_accept` per request, with its
+        logits): a subclass that overrides `_accept` does, unless it says otherwise here (the
+        server's LogprobEngine: only for requests that asked for logprobs)."""
+        return type(self)._accept is not Engine._accept
 
     def _device_drafts(self, reqs: list[Request], n: int) -> torch.Tensor:
         """Every request's tree from the batched tree drafter, left on the device: [6, R, n]

@@ -6,8 +6,10 @@ new token j (the accepted draft tokens, then the bonus) was drawn against row `p
 logprobs come for ar, chain and tree alike, from the target's raw distribution (log-softmax of
 its logits, before temperature and top_p: vLLM's default "raw" logprobs), never the draft's.
 
-NOTE: the only engine hook used is overriding `Engine._accept` (either of its signatures, the
-result passed through unchanged); nothing in tandem/engine/ changes.
+NOTE: the engine hooks used are overriding `Engine._accept` (either of its signatures, the
+result passed through unchanged) and `Engine._reads_accepts`: a step where no request asked for
+logprobs verifies its greedy trees on the device as a plain engine's does (tandem.engine.
+device_verify), without the per-request `_accept`; nothing in tandem/engine/ changes.
 """
 from __future__ import annotations
 
@@ -41,6 +43,10 @@ class LogprobEngine(Engine):
     def forget(self, request_id: str) -> None:
         self.logprob_topk.pop(request_id, None)
         self.logprobs.pop(request_id, None)
+
+    def _reads_accepts(self, drafts) -> bool:
+        wanted = self.logprob_topk
+        return bool(wanted) and any(s.request.request_id in wanted for s in drafts)
 
     def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor, *rest) -> VerifyResult:
         """rest: (argmax) with logits [the tree's rows, vocab], or (lo, argmax) with logits of the
