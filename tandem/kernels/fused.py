@@ -19,6 +19,11 @@ except ImportError:  # pragma: no cover - CPU builds
     triton = None
 
 
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): a Triton block's size for n elements."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def triton_enabled(t: torch.Tensor) -> bool:
     # NOTE: the kernels have no backward; training (grad enabled) takes the torch path.
     return (triton is not None and t.is_cuda and not torch.is_grad_enabled()

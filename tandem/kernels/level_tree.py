@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.fused import triton_enabled
+from tandem.kernels.fused import pow2, triton_enabled
 
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU builds
     triton = None
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def level_feed_ref(node_tok: torch.Tensor, node_lp: torch.Tensor, lo: int, hi: int, w: int, fed_bits: torch.Tensor,
@@ -98,13 +94,13 @@ def level_feed_triton(node_tok, node_lp, lo, hi, w, fed_bits, bits_out, base_bit
     R, n_all = node_lp.shape
     _feed_kernel[(R,)](node_tok, node_lp, fed_bits, bits_out, fed, parent_row, rows_tokens, rows_positions,
                        rows_slots, rows_bits, rows_bits.stride(0), rows_seq_len, positions, slots, seq_len,
-                       n_all, lo, hi - lo, base_bit, W=w, WP=_pow2(w), NP=_pow2(hi - lo), FIRST=first, num_warps=4)
+                       n_all, lo, hi - lo, base_bit, W=w, WP=pow2(w), NP=pow2(hi - lo), FIRST=first, num_warps=4)
 
 
 def level_children_triton(node_tok, node_par, node_lp, fed, ctok, clp, lo, d2t=None) -> None:
     R, w = fed.shape
     _children_kernel[(R,)](node_tok, node_par, node_lp, fed, ctok, clp, d2t if d2t is not None else ctok,
-                           node_lp.shape[1], lo, W=w, WP=_pow2(w), HAS_D2T=d2t is not None, num_warps=4)
+                           node_lp.shape[1], lo, W=w, WP=pow2(w), HAS_D2T=d2t is not None, num_warps=4)
 
 
 if triton is not None:

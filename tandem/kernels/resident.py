@@ -23,17 +23,13 @@ import os
 
 import torch
 
-from tandem.kernels.fused import triton_enabled
+from tandem.kernels.fused import pow2, triton_enabled
 
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU builds
     triton = None
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 # ---- the best-first tree's pieces (tandem.drafting.device_tree composes them) -----------------
@@ -149,7 +145,7 @@ def lattice(logits: torch.Tensor, root: torch.Tensor, u: torch.Tensor | None, v:
     lp = torch.empty(B, k, device=dev)
     rest = torch.empty(B, device=dev)
     cond = torch.empty(B, k, k, device=dev)
-    _topk_kernel[(B,)](logits, logits.stride(0), tok, lp, rest, V, K=k, BLOCK_V=_pow2(V), num_warps=8)
+    _topk_kernel[(B,)](logits, logits.stride(0), tok, lp, rest, V, K=k, BLOCK_V=pow2(V), num_warps=8)
     markov = u is not None
     R = u.shape[1] if markov else 1
     _cond_kernel[(B,)](tok, lp, rest, root, u if markov else lp, v if markov else lp, cond, R=R, K=k,
@@ -164,7 +160,7 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     (~50 us at an 8k vocabulary, once per EAGLE level); rows wider than 16k stay on torch (one
     program would not hold them in registers)."""
     V = logits.shape[-1]
-    if not triton_enabled(logits) or _pow2(V) > 16384 or logits.stride(-1) != 1:
+    if not triton_enabled(logits) or pow2(V) > 16384 or logits.stride(-1) != 1:
         lf = logits.float()
         top, tok = lf.topk(k, dim=-1)
         return top - torch.logsumexp(lf, dim=-1, keepdim=True), tok
@@ -173,7 +169,7 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     tok = torch.empty(R, k, dtype=torch.long, device=logits.device)
     lp = torch.empty(R, k, device=logits.device)
     rest = torch.empty(R, device=logits.device)
-    _topk_kernel[(R,)](rows, rows.stride(0), tok, lp, rest, V, K=k, BLOCK_V=_pow2(V), num_warps=8)
+    _topk_kernel[(R,)](rows, rows.stride(0), tok, lp, rest, V, K=k, BLOCK_V=pow2(V), num_warps=8)
     return lp.view(*logits.shape[:-1], k), tok.view(*logits.shape[:-1], k)
 
 
@@ -192,11 +188,11 @@ def select_tree_fused(tok, root, scores, cands, pslots, nodes: int, out: tuple[t
         return
     B, W = scores.shape
     dev = scores.device
-    scratch = torch.empty(_pow2(B * W), dtype=torch.long, device=dev)
+    scratch = torch.empty(pow2(B * W), dtype=torch.long, device=dev)
     ids = torch.empty(B * W, dtype=torch.long, device=dev)
     t, p, d, anc = out
     _select_kernel[(1,)](scores, cands, pslots, tok, root, t, p, d, anc, scratch, ids, B * W, W=W,
-                         K=tok.shape[1], N=nodes, NP=_pow2(nodes), MP=_pow2(nodes + 1), BWP=_pow2(B * W), MAXD=B)
+                         K=tok.shape[1], N=nodes, NP=pow2(nodes), MP=pow2(nodes + 1), BWP=pow2(B * W), MAXD=B)
 
 
 # ---- the EAGLE-2 levels (tandem.drafting.eagle_drafter.HeadLevels) ----------------------------
@@ -246,7 +242,7 @@ def level_step(ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, prefix, d: int,
     R = anc.shape[0]
     mask = torch.empty(W, width, dtype=torch.bool, device=lp.device) if prep else anc
     _level_kernel[(1,)](ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, mask, prefix, d, width, P=P, W=W,
-                        NP=_pow2(P * W), R=R, RP=_pow2(R), PREP=prep, BLOCK_C=256)
+                        NP=pow2(P * W), R=R, RP=pow2(R), PREP=prep, BLOCK_C=256)
     return mask if prep else None
 
 
@@ -290,8 +286,8 @@ def accept_fused(am, tree_tok, tree_par, tree_depth, anc, prefix, pmax: int, sta
         return
     M = tree_tok.shape[0]
     _accept_kernel[(1,)](am, tree_tok, tree_par, tree_depth, anc, prefix, state["kv_src"], state["kv_dst"],
-                         state["node"], state["ctx"], state["P"], state["rec"], M=M, MP=_pow2(M), PM=pmax,
-                         PMP=_pow2(pmax))
+                         state["node"], state["ctx"], state["P"], state["rec"], M=M, MP=pow2(M), PM=pmax,
+                         PMP=pow2(pmax))
 
 
 # ---- the sampled walk ------------------------------------------------------------------------
@@ -338,7 +334,7 @@ def sample_walk(probs: torch.Tensor, tree_tok: torch.Tensor, tree_par: torch.Ten
         out.copy_(sample_walk_ref(probs, tree_tok, tree_par, generator))
         return
     M, V = probs.shape
-    _walk_kernel[(1,)](probs, V, tree_tok, tree_par, seed, out, M=M, MP=_pow2(M), BLOCK_V=_pow2(V), num_warps=8)
+    _walk_kernel[(1,)](probs, V, tree_tok, tree_par, seed, out, M=M, MP=pow2(M), BLOCK_V=pow2(V), num_warps=8)
 
 
 if triton is not None:

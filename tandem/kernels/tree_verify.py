@@ -26,17 +26,13 @@ import os
 
 import torch
 
-from tandem.kernels.fused import triton_enabled
+from tandem.kernels.fused import pow2, triton_enabled
 
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU builds
     triton = None
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 # ---- references ------------------------------------------------------------------------------
@@ -86,7 +82,7 @@ def accept_paths(am: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
 def fill_tree_rows_triton(tree, tokens, positions, row_bits) -> None:
     _, R, n = tree.shape
     assert tree.stride()[1:] == (n, 1) and tokens.stride(0) == positions.stride(0) == 1  # (a bucket's [6, R', n] cut to R)
-    _fill_kernel[(R,)](tree, tokens, positions, row_bits, row_bits.stride(0), tree.stride(0), n, NP=_pow2(n),
+    _fill_kernel[(R,)](tree, tokens, positions, row_bits, row_bits.stride(0), tree.stride(0), n, NP=pow2(n),
                        num_warps=1)
 
 
@@ -94,7 +90,7 @@ def accept_paths_triton(am: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
     _, R, n = tree.shape
     assert tree.stride()[1:] == (n, 1) and am.is_contiguous()
     out = torch.empty(R, 3 + n, dtype=torch.long, device=tree.device)
-    _accept_kernel[(R,)](am, tree, out, tree.stride(0), n, NP=_pow2(n), num_warps=1)
+    _accept_kernel[(R,)](am, tree, out, tree.stride(0), n, NP=pow2(n), num_warps=1)
     return out
 
 
