@@ -91,8 +91,12 @@ class PagedKVPool:
 
     def slots(self, seq_id: str, start: int, end: int) -> list[int]:
         """Slots of the sequence's rows [start, end) (committed or reserved)."""
-        s, bs = self.seqs[seq_id], self.block_size
-        return [s.blocks[r // bs] * bs + r % bs for r in range(start, end)]
+        return self._slots(self.seqs[seq_id], range(start, end))
+
+    def _slots(self, s: SeqBlocks, rows) -> list[int]:
+        """Slots of the sequence's rows `rows` (an iterable of row indices)."""
+        bs = self.block_size
+        return [s.blocks[r // bs] * bs + r % bs for r in rows]
 
     # ---- capacity ------------------------------------------------------------------------
     @property
@@ -175,9 +179,9 @@ class PagedKVPool:
             n = len(path)
             assert n == len(tokens) and (not n or 0 <= min(path) and max(path) < s.reserved), (path, s.reserved)
             if n and path[-1] != n - 1:  # rows already in place (0, 1, .., n - 1) need no copy
-                blocks, at = s.blocks, s.length  # (the slots of those rows alone, not of every reserved row)
-                src += [blocks[r // bs] * bs + r % bs for r in [at + p for p in path]]
-                dst += [blocks[r // bs] * bs + r % bs for r in range(at, at + n)]
+                at = s.length  # (the slots of those rows alone, not of every reserved row)
+                src += self._slots(s, [at + p for p in path])
+                dst += self._slots(s, range(at, at + n))
             s.length += n
             # (its blocks stay: the next step reserves about as many; they cover at most
             # max(slack, reserved) rows past the old length, so that less n past the new one)
