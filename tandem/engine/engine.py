@@ -554,9 +554,7 @@ class Engine:
         chain = self.config.method == "chain"
         cap = self.spec.k if chain else self.spec.nodes
         todo = [(r.request_id, r.token_ids(), cap) for r in reqs]
-        if isinstance(self.batched, (BatchedEagleDrafter, BatchedBlockDrafter)):  # point masses, greedy or sampled
-            for r in reqs:
-                self._feature_handle(r)
+        if self._feature_handles(reqs):  # point masses, greedy or sampled
             return self.batched.propose(todo)
         if not chain:  # a tree is a set of point masses, greedy or sampled: rejection stays lossless
             return self.batched.propose(todo)
@@ -571,6 +569,15 @@ class Engine:
         trees = self._batched_drafts(reqs)
         for r in reqs:
             r.runtime["pending"] = trees[r.request_id] if r.request_id in trees else self._proposal(r)
+
+    def _feature_handles(self, reqs: list[Request]) -> bool:
+        """Every request's handle on the batched feature drafter (started where missing); False
+        without one."""
+        if not isinstance(self.batched, (BatchedEagleDrafter, BatchedBlockDrafter)):
+            return False
+        for r in reqs:
+            self._feature_handle(r)
+        return True
 
     def _feature_handle(self, req: Request) -> "_BatchedFeatureHandle":
         """The request's handle on the batched feature drafter, started on its whole context
@@ -631,26 +638,20 @@ class Engine:
         if n is None or n + 1 > 64:  # (a row's tree mask in one 64-bit word)
             return None
         for s in drafts:
-            req = s.request
-            sampling = req.runtime.get("sampling")
-            if sampling is None:
-                sampling = req.runtime["sampling"] = req.params.sampling()
-            if s.rows < n + 1 or not sampling.greedy:
+            if s.rows < n + 1 or not self._sampling(s.request).greedy:
                 return None
         return n
 
-    def _reads_accepts(self, drafts: list[ScheduledRows]) -> bool:
-        """Whether this step's accepts must run on the host (`_accept` per request, with its
-        logits): a subclass that overrides `_accept` does, unless it says otherwise here (the
-        server's LogprobEngine: only for requests that asked for logprobs)."""
+    def _reads_accepts(self, scheduled: list[ScheduledRows]) -> bool:
+        """Whether this step's accepts must each run `_accept` on the host, with its logits (no
+        device verification, no greedy-root shortcut): a subclass that overrides `_accept` does,
+        unless it says otherwise here (the server's LogprobEngine: when a request asked for logprobs)."""
         return type(self)._accept is not Engine._accept
 
     def _device_drafts(self, reqs: list[Request], n: int) -> torch.Tensor:
         """Every request's tree from the batched tree drafter, left on the device: [6, R, n]
         (BatchedTreeDrafter.propose_device)."""
-        if isinstance(self.batched, BatchedEagleDrafter):
-            for r in reqs:
-                self._feature_handle(r)
+        self._feature_handles(reqs)
         return self.batched.propose_device([(r.request_id, r.token_ids(), self.spec.nodes) for r in reqs])
 
     def _verify_on_device(self, plan: StepPlan, tree: torch.Tensor, n: int) -> list[RequestOutput]:
@@ -823,7 +824,7 @@ class Engine:
         accepted: list[tuple[Request, DraftTree, VerifyResult, torch.Tensor | None]] = []
         failed: list[Request] = []
         hook = self.fault_hook
-        plain_accept = type(self)._accept is Engine._accept  # (the server's LogprobEngine reads every accept)
+        plain_accept = not self._reads_accepts(plan.scheduled)  # (the server's LogprobEngine reads some accepts)
         for s in plan.scheduled:
             req = s.request
             if s.kind == "prefill":
@@ -928,13 +929,19 @@ class Engine:
     def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor, lo: int, argmax: list[int]) -> VerifyResult:
         """The request's tree is rows lo.. of the pass: of logits [decode rows, vocab] and of
         argmax [decode rows] (read back by _apply)."""
-        sampling: SamplingConfig | None = req.runtime.get("sampling")
-        if sampling is None:  # (built once per request: every step of every request asks)
-            sampling = req.runtime["sampling"] = req.params.sampling()
+        sampling = self._sampling(req)
         n = len(tree.tokens)
         if sampling.greedy:
             return greedy_accept(tree, argmax[lo:lo + n])
         return rejection_accept(tree, probs_from_logits(logits[lo:lo + n], sampling), self._generator(req))
+
+    @staticmethod
+    def _sampling(req: Request) -> SamplingConfig:
+        """The request's sampling settings, built once per request (every step of every request asks)."""
+        sampling = req.runtime.get("sampling")
+        if sampling is None:
+            sampling = req.runtime["sampling"] = req.params.sampling()
+        return sampling
 
     def _emit(self, req: Request, tree: DraftTree, result: VerifyResult, deepest: int) -> bool:
         """Cut at EOS / stop / max_tokens (the single-request loop's Emitter; deepest: the tree's
