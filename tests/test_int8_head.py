@@ -17,11 +17,18 @@ PROMPTS = ["def fib(n):", "import os\n\n\ndef list_python_files(root):\n", "clas
 
 def _check(head: Int8Head, h: torch.Tensor) -> float:
     """Certified argmax == full head's argmax on every row; survivors' logits are the full head's
-    bit for bit. Returns the mean fraction of the vocabulary rescored."""
+    up to the GEMM's own rounding (two orders of one fp32 sum, each then rounded to the dtype: the
+    BLAS picks its order by the matrix's shape, so a subset of rows is not bitwise the full head
+    on every CPU). Returns the mean fraction of the vocabulary rescored."""
     full = F.linear(h, head.weight)  # [B, V]
     got = head.argmax(h)
     assert torch.equal(got.token, full.argmax(dim=-1))
-    assert torch.equal(got.logits[got.survivors], full[got.survivors])
+    n = head.weight.shape[1]
+    gamma = n * 2.0 ** -24 / (1 - n * 2.0 ** -24)
+    dot = h.double().norm(dim=-1, keepdim=True) * head.weight.double().norm(dim=-1)  # [B, V] |h| |w_v|
+    tol = 2 * (gamma * dot + head.u_dt * full.double().abs() * 1.01)  # [B, V]
+    diff = (got.logits.double() - full.double()).abs()
+    assert bool((diff[got.survivors] <= tol[got.survivors]).all())
     assert bool(got.survivors.gather(1, got.token[:, None]).all())
     return got.rescored_fraction
 
