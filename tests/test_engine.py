@@ -755,3 +755,36 @@ def test_an_engine_without_a_feature_drafter_keeps_no_target_features(models, so
         assert engine.model.last_features is None
     finally:
         target.feature_layers = None
+
+
+class _CountingEngine(Engine):
+    """An engine noting the steps its constructor runs (the warm-up request's): verify passes and
+    draft nodes per step."""
+
+    def _record(self, plan, nodes, *a, **k):
+        self.warm_steps = getattr(self, "warm_steps", []) + [(len(plan.decodes), nodes)]
+        return super()._record(plan, nodes, *a, **k)
+
+
+@pytest.mark.parametrize("method,spec,gate", [("ar", SpecConfig(), None), ("tree", SpecConfig(nodes=8, width=2), None),
+                                              ("tree", SpecConfig(nodes=8, width=2), True)])
+def test_the_warmup_request_drafts_then_leaves_no_trace(models, solo, method, spec, gate):
+    """warmup_request: a throwaway request through prefill and 3 decode steps that draft as the
+    engine drafts (the gate's too), then the engine is as new: no request, no step, a clean pool,
+    and the same outputs as an engine without it."""
+    target, draft = models
+    prompts, want = solo
+    cfg = dict(method=method, spec=spec, max_num_seqs=8, draft_gate=gate, debug_check=True)
+    engine = _CountingEngine(target, draft, config=EngineConfig(warmup_request=True, **cfg))
+    decodes = [(d, n) for d, n in engine.warm_steps if d]
+    assert len(decodes) >= 3
+    if method != "ar":
+        assert all(n > 0 for _, n in decodes[-3:])  # (the gate's own measurements ran before: the warm-up's last)
+    assert engine.steps == 0 and len(engine.counters.records) == 0 and engine.requests == {}
+    assert engine.pool.check() == [] and engine.pool.seqs == {}
+    if engine.batched is not None:
+        assert engine.batched.pool.check() == [] and engine.batched.pool.seqs == {}
+    outs = run_all(engine, prompts[:8])
+    assert [o.token_ids for o in outs] == want[:8]
+    cold = Engine(target, draft, config=EngineConfig(warmup_request=False, **cfg))
+    assert [o.token_ids for o in run_all(cold, prompts[:8])] == want[:8]

@@ -60,6 +60,11 @@ class EngineConfig:
     # CUDA graphs for the batched passes, one per row bucket, captured when the engine starts
     # (vLLM's name; True: every pass eager, e.g. to profile single kernels)
     enforce_eager: bool = False
+    # one throwaway request through prefill and a few decode steps when the engine starts, so
+    # that what compiles or loads on first use (Triton programs, lazily loaded CUDA modules) does
+    # not land on the first real request (on the H200 a fresh process's first `tree` step took
+    # 517 ms, its second 2.8; `ar`'s first 19.5 ms). None: on a GPU
+    warmup_request: bool | None = None
 
     def validate(self) -> None:
         if self.method not in ENGINE_METHODS:

@@ -56,7 +56,7 @@ from tandem.engine.batched_draft import BatchedChainDrafter, BatchedDrafter, Bat
 from tandem.engine.batched_features import BatchedBlockDrafter, BatchedEagleDrafter
 from tandem.engine.batched_model import BatchedModel, BatchRows, PackColumns
 from tandem.engine.config import EngineConfig
-from tandem.engine import device_verify, draft_length
+from tandem.engine import batched_draft, device_verify, draft_length
 from tandem.engine.draft_gate import DraftGate, StepCosts
 from tandem.engine.request import Request, RequestOutput, RequestState, SamplingParams
 from tandem.engine.row_selection import RowCost, select_step
@@ -212,6 +212,9 @@ class Engine:
         gated = config.row_selection if config.draft_gate is None else config.draft_gate
         if gated and config.method != "ar" and not config.batch_parallel:
             self.gate = DraftGate(config.step_costs or self.measure_step_costs())
+        warm = config.warmup_request if config.warmup_request is not None else target.device.type == "cuda"
+        if warm:
+            self.warmup_request()
 
     def _batched_drafter(self, draft, num_blocks: int, graphs: bool | None):
         """The batched drafter of this draft and method, or None (each request then drafts on its
@@ -339,6 +342,35 @@ class Engine:
             problems = self.pool.check() + (self.batched.pool.check() if self.batched is not None else [])
             assert not problems, problems
         return finished
+
+    @torch.no_grad()
+    def warmup_request(self, decode_steps: int = 3) -> None:
+        """One throwaway greedy request (a random prompt one catch-up chunk long and a bit more)
+        through its prefill and `decode_steps` decode steps, drafting as this engine drafts, then
+        aborted; the step count and counters start afresh. First-use costs (Triton compiles,
+        lazily loaded CUDA modules, the drafter's first catch-up pass) are paid here."""
+        g = torch.Generator().manual_seed(2)
+        n = min(batched_draft.CATCH_UP_CHUNK + 8, self.context_window - self.config.draft_rows() - decode_steps - 2)
+        if n < 2:
+            return
+        try:
+            req = self.add_request(torch.randint(0, self.target.config.vocab_size, (n,), generator=g).tolist(),
+                                   SamplingParams(max_tokens=decode_steps * self.config.draft_rows(), ignore_eos=True))
+        except ConfigError as e:  # (a pool sized below one such request: nothing to warm with)
+            log.info("no warm-up request: %s", e)
+            return
+        saved, self._forced = self._forced, (self.config.method != "ar") or None  # (the gate lets it draft)
+        try:
+            for _ in range(n + 4 * decode_steps):  # (prefill chunks, then the decode steps; bounded)
+                if req.done or req.figures.target_passes >= decode_steps:
+                    break
+                self.step()
+        finally:
+            self._forced = saved
+            self.abort(req.request_id)
+        self.steps, self.counters = 0, EngineCounters()
+        if self.gate is not None:
+            self._drafted_before, self._sample = set(), []
 
     @torch.no_grad()
     def measure_row_cost(self, reps: int = 3) -> RowCost:
