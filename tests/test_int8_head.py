@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.quant.int8_head import Int8Head
+from tandem.quant.int8_head import Int8Head, _gamma
 from tandem.runtime.pair import load_pair
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -23,8 +23,7 @@ def _check(head: Int8Head, h: torch.Tensor) -> float:
     full = F.linear(h, head.weight)  # [B, V]
     got = head.argmax(h)
     assert torch.equal(got.token, full.argmax(dim=-1))
-    n = head.weight.shape[1]
-    gamma = n * 2.0 ** -24 / (1 - n * 2.0 ** -24)
+    gamma = _gamma(head.weight.shape[1])
     dot = h.double().norm(dim=-1, keepdim=True) * head.weight.double().norm(dim=-1)  # [B, V] |h| |w_v|
     tol = 2 * (gamma * dot + head.u_dt * full.double().abs() * 1.01)  # [B, V]
     diff = (got.logits.double() - full.double()).abs()

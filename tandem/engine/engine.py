@@ -369,8 +369,6 @@ class Engine:
             self._forced = saved
             self.abort(req.request_id)
         self.steps, self.counters = 0, EngineCounters()
-        if self.gate is not None:
-            self._drafted_before, self._sample = set(), []
 
     @torch.no_grad()
     def measure_row_cost(self, reps: int = 3) -> RowCost:
