@@ -31,7 +31,7 @@ from tandem.runtime.pair import load_pair
 # (object path from the engine, method names): the phases labelled
 PHASES = [
     ("", ["_boundary", "_gate_drafts", "_device_nodes", "_device_drafts", "_verify_on_device", "_apply", "_feed",
-          "_commit", "_emit", "_record", "_forward", "_host_drafts", "_feature_handles"]),
+          "_commit", "_emit", "_record", "_forward", "_host_drafts", "_feature_handles", "_draft_ahead"]),
     ("scheduler", ["plan_step"]),
     ("model", ["rows", "forward", "load_rows"]),
     ("batched", ["propose_device", "_roots", "_device_tree", "propose", "observe_many", "context"]),
@@ -108,6 +108,7 @@ def label_phases(eng: Engine, clock: HostClock | None = None) -> None:
 def build(args, concurrency: int) -> Engine:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar")
     cfg = EngineConfig(method=args.method, max_num_seqs=concurrency, device_verify=not args.host_verify,
+                       draft_ahead=not args.no_draft_ahead,
                        max_num_batched_tokens=max(2048, concurrency * 33))
     return Engine(pair.target, pair.draft, pair.tokenizer, cfg)
 
@@ -224,6 +225,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the tool (no device timeline)")
     ap.add_argument("--host-verify", action="store_true")
+    ap.add_argument("--no-draft-ahead", action="store_true", help="each step drafts its trees at its start")
     ap.add_argument("--host-only", action="store_true", help="exclusive host time per phase by perf_counter "
                     "(no profiler; where the device waits, the phase that waits holds the time)")
     ap.add_argument("--keep-traces", action="store_true")

@@ -695,21 +695,24 @@ def test_trees_verified_on_the_device_equal_the_host_path(kind, graphs, monkeypa
     prompts = [pair.tokenizer.encode(f"# case {i}\n" + _SNIPPETS[i % 8]).ids for i in range(6)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     got = {}
-    for on_device in (True, False):
+    for on_device, ahead in ((True, True), (True, False), (False, False)):
         engine = Engine(pair.target, pair.draft, config=EngineConfig(
             method="tree", spec=SpecConfig(nodes=16, width=4), block_size=16, device_verify=on_device,
-            max_num_seqs=4, debug_check=True))
+            draft_ahead=ahead, max_num_seqs=4, debug_check=True))
         steps = []
         monkeypatch.setattr(engine, "_verify_on_device",
                             lambda *a, _f=engine._verify_on_device, **k: steps.append(1) or _f(*a, **k))
         outs = run_all(engine, prompts, params)
-        got[on_device] = ([o.token_ids for o in outs], [o.figures.accepted_tokens for o in outs],
-                          [r.nodes for r in engine.counters.records])
+        got[on_device, ahead] = ([o.token_ids for o in outs], [o.figures.accepted_tokens for o in outs],
+                                 [r.nodes for r in engine.counters.records])
         assert (len(steps) > 5) == on_device and len(steps) < engine.steps  # (prefill steps: the host path)
+        # drafted during the step before: every device step but those after a host step (a prefill's)
+        c = engine.counters
+        assert (c.drafted_ahead > len(steps) // 2) == ahead and c.drafted_ahead + c.ahead_dropped <= len(steps)
         assert_clean(engine)
-    assert got[True] == got[False] and sum(got[True][1]) > len(prompts)
+    assert got[True, True] == got[True, False] == got[False, False] and sum(got[True, True][1]) > len(prompts)
     solo = Engine(pair.target, None, config=EngineConfig(method="ar"))
-    assert got[True][0] == [o.token_ids for o in run_all(solo, prompts, params)]
+    assert got[True, True][0] == [o.token_ids for o in run_all(solo, prompts, params)]
 
 
 def test_the_servers_logprob_engine_verifies_on_the_device_when_no_request_wants_logprobs(monkeypatch):

@@ -142,8 +142,9 @@ def parse_concurrency(text: str) -> list[int]:
 # METHOD+seq (chain / tree: each request drafted on its own, the A/B of batched drafting)
 MODES = {"bp": "batch_parallel", "sel": "row_selection", "det": "deterministic"}
 # modes that turn an on-by-default switch off (`+host`: trees read back and verified on the host,
-# the A/B of verifying on the device)
-OFF_MODES = {"seq": "batched_drafting", "host": "device_verify"}
+# the A/B of verifying on the device; `+sync`: each step drafts its trees at its start, the A/B
+# of drafting the next step's trees while the host keeps books)
+OFF_MODES = {"seq": "batched_drafting", "host": "device_verify", "sync": "draft_ahead"}
 ON_MODES = {"gate": "draft_gate", "adapt": "adaptive_draft"}  # switches turned on (else left at their default)
 
 
@@ -161,7 +162,7 @@ def parse_engine_methods(text: str, batch_parallel: bool = False, row_selection:
         bad = [m for m in mods if m not in MODES and m not in OFF_MODES and m not in ON_MODES]
         if bad or len(set(mods)) != len(mods):
             raise ConfigError(f"unknown engine mode in {n!r}; modes are +bp (batch parallel), +sel (row selection), "
-                              "+det (deterministic), +seq (per-request drafting), +host (trees verified on the host), +gate (the "
+                              "+det (deterministic), +seq (per-request drafting), +host (trees verified on the host), +sync (no drafting ahead), +gate (the "
                               "draft gate) and +adapt (per-request draft length)")
         if set(mods) - {"det"} and base == "ar":
             raise ConfigError(f"{n!r}: batch parallelism, row selection, per-request drafting, the draft gate and "

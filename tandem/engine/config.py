@@ -57,6 +57,13 @@ class EngineConfig:
     # one read-back per step brings the paths (False: the host path, which reads the trees back
     # first and packs and accepts on the host; for comparison)
     device_verify: bool = True
+    # with device verification: the next step's trees are drafted as soon as a step's accepted
+    # paths are read back and fed to the drafter, before the host commits, emits and plans, so
+    # the device drafts while the host does that bookkeeping (vLLM's async scheduling, SGLang's
+    # overlap scheduler, for the drafter). The drafted trees are used when the next step's plan
+    # verifies the same requests in the same order, else dropped (the drafter's state stays
+    # right either way: only the tree levels are speculative). False: draft at the step's start
+    draft_ahead: bool = True
     # CUDA graphs for the batched passes, one per row bucket, captured when the engine starts
     # (vLLM's name; True: every pass eager, e.g. to profile single kernels)
     enforce_eager: bool = False

@@ -115,6 +115,8 @@ class EngineCounters:
     draft_hidden_s: float = 0.0  # of it, under the target pass (CUDA events; 0 on the CPU)
     drafting_s: float = 0.0  # wall seconds drafting the verified trees (StepRecord.drafting_s, summed)
     step_s: float = 0.0  # wall seconds of every step (the host reads each step's tokens: no extra sync)
+    drafted_ahead: int = 0  # device-verified steps whose trees were drafted during the previous step (draft_ahead)
+    ahead_dropped: int = 0  # trees drafted ahead that the next step's plan did not verify (dropped)
     records: deque = field(default_factory=lambda: deque(maxlen=4096), repr=False)
 
     @property
@@ -183,6 +185,9 @@ class Engine:
         self.counters = EngineCounters()
         self.batches: BatchManager | None = None
         self._draft_stream = None
+        # the next step's trees, drafted at the end of a device-verified step (config.draft_ahead):
+        # (the request ids in plan order, their trees [6, R, n] on the device, n)
+        self._ahead: tuple[list[str], torch.Tensor, int] | None = None
         # called with each decoding request before its accept; whatever it raises fails that
         # request alone (the reliability harness injects faults through it: tandem serve --inject-faults)
         self.fault_hook: Callable[[Request], None] | None = None
@@ -292,6 +297,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one target pass; returns the requests that finished in it."""
         t_step = time.perf_counter()
+        ahead, self._ahead = self._ahead, None  # (trees drafted during the last step: this step's, or dropped)
         verify, verify_batch, overlapped, fallback, loads = self._boundary()
         admit = self.row_cost.flat_rows() if self.config.row_selection and self.config.prompt_admission else None
         # the gate decides before planning, so a step without drafting reserves one row a request
@@ -315,7 +321,8 @@ class Engine:
             self._accepted = 0
             if n_dev:  # trees drafted, verified and accepted on the device: one read-back
                 t0 = time.perf_counter()
-                tree = self._device_drafts([s.request for s in drafts], n_dev)
+                tree = self._device_drafts([s.request for s in drafts], n_dev, ahead)
+                ahead = None
                 drafting_s = time.perf_counter() - t0  # (queued: the device drafts while the host packs)
                 finished = self._verify_on_device(plan, tree, n_dev)
                 nodes = len(drafts) * n_dev
@@ -333,6 +340,8 @@ class Engine:
                                   decode_only=len(plan.decodes) == len(plan.scheduled),
                                   steady=drafted_now <= self._drafted_before)
                 self._drafted_before = drafted_now
+        if ahead is not None:
+            self.counters.ahead_dropped += 1
         if self.batches is not None:
             self.batches.swap()
         self._record(plan, nodes, verify_batch, overlapped, fallback, loads, drafted, draft_s, overlap,
@@ -527,6 +536,7 @@ class Engine:
         """Preempted: its draft K/V and pending tree are rebuilt when it returns."""
         if self.batched is not None:
             self.batched.release(req.request_id)
+        self._drop_ahead(req)
         req.runtime.pop("drafter", None)
         req.runtime.pop("pending", None)
         req.runtime.pop("features", None)  # recomputed with the prefill when it returns
@@ -678,11 +688,53 @@ class Engine:
         unless it says otherwise here (the server's LogprobEngine: when a request asked for logprobs)."""
         return type(self)._accept is not Engine._accept
 
-    def _device_drafts(self, reqs: list[Request], n: int) -> torch.Tensor:
+    def _device_drafts(self, reqs: list[Request], n: int,
+                       ahead: tuple[list[str], torch.Tensor, int] | None = None) -> torch.Tensor:
         """Every request's tree from the batched tree drafter, left on the device: [6, R, n]
-        (BatchedTreeDrafter.propose_device)."""
+        (BatchedTreeDrafter.propose_device); `ahead`'s when it drafted these requests, in this
+        order, with n nodes each (drafted during the last step: _draft_ahead)."""
+        if ahead is not None:
+            ids, tree, n_ahead = ahead
+            if n_ahead == n and len(ids) == len(reqs) and all(i == r.request_id for i, r in zip(ids, reqs)):
+                self.counters.drafted_ahead += 1
+                return tree
+            self.counters.ahead_dropped += 1
         self._feature_handles(reqs)
         return self.batched.propose_device([(r.request_id, r.token_ids(), self.spec.nodes) for r in reqs])
+
+    def _drop_ahead(self, req: Request) -> None:
+        """The request left the running set (finished, aborted, preempted): trees drafted ahead
+        for it go (its id may come back with another request)."""
+        if self._ahead is not None and req.request_id in self._ahead[0]:
+            self._ahead = None
+            self.counters.ahead_dropped += 1
+
+    def _draft_ahead(self, accepted: list[tuple[Request, DraftTree | None, VerifyResult, int, int]]) -> None:
+        """After a device-verified step's accepts were read back and fed to the drafter, and
+        before the host commits, emits and plans: draft the next step's trees now, for the
+        requests this step verified that it will not finish (by max_tokens or EOS), so the device
+        drafts while the host keeps books (config.draft_ahead). The drafter sees then exactly what
+        it would see at the next step's start (its inputs are the accepted rows and their
+        features, fed already), so the trees are the same; the next step uses them when its plan
+        verifies the same requests in the same order (_device_drafts) and drops them otherwise.
+        Only the trees' levels are speculative: the drafter's context pass over the accepted rows
+        stays committed, as any step's would."""
+        if not self.config.draft_ahead or self._forced is False:
+            return
+        live: list[tuple[str, list[int], int]] = []
+        for req, _, result, _, _ in accepted:
+            toks = result.tokens
+            if len(req.output_ids) + len(toks) >= req.max_new:
+                continue  # (it finishes this step)
+            if not req.params.ignore_eos and not self.eos.isdisjoint(toks):
+                continue
+            live.append((req.request_id, req.token_ids() + toks, self.spec.nodes))
+        if not live or (len(live) < len(accepted) and self.scheduler.waiting):
+            return  # (a finished request's slot goes to a waiting prompt: the next step prefills, on the host path)
+        n = self.batched.device_nodes(len(live), self.spec.nodes)
+        if n is None or n + 1 > 64:
+            return
+        self._ahead = ([rid for rid, _, _ in live], self.batched.propose_device(live), n)
 
     def _verify_on_device(self, plan: StepPlan, tree: torch.Tensor, n: int) -> list[RequestOutput]:
         """The target pass over every decode's drafted tree (tree [6, R, n] on the device, in the
@@ -897,8 +949,10 @@ class Engine:
             commits.append((req.request_id, result.path,
                             tree.tokens if n == 1 else [tree.tokens[i] for i in result.path]))
             accepted.append((req, tree, result, mlo, depth))
-        self.pool.commit_many(commits)  # (before any request ends: ending frees its blocks)
         self._feed(accepted, feats)
+        if given is not None:  # (the device drafts the next step's trees while the host commits and emits)
+            self._draft_ahead(accepted)
+        self.pool.commit_many(commits)  # (before any request ends: ending frees its blocks)
         finished = []
         for req, tree, result, mlo, depth in accepted:
             try:
@@ -949,6 +1003,7 @@ class Engine:
         """Release a request that finished (or failed) in a step: blocks, batch, drafter."""
         if self.batched is not None:
             self.batched.release(req.request_id)
+        self._drop_ahead(req)
         self.scheduler.finish(req, state)
         if self.batches is not None:
             self.batches.recycle(req)
