@@ -479,12 +479,14 @@ def test_batched_feature_drafters_grow_the_per_request_drafters_trees(kind, spec
     assert tokens[True] == tokens[False]
 
 
-@pytest.mark.parametrize("kind", ["block", "eagle3"])
-def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind):
+@pytest.mark.parametrize("kind,ahead", [("block", True), ("eagle3", True), ("eagle3", False)])
+def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind, ahead):
     """While the draft gate keeps drafting off, the batched feature drafter is still handed every
     committed row with the target's features: when drafting resumes, its pending rows are exactly
     the tokens committed since it last drafted, each with the target's features of the position
-    before it (as an uncached forward of the target gives them), and the output equals solo ar."""
+    before it (as an uncached forward of the target gives them), and the output equals solo ar.
+    (An EAGLE-3 head's trees verified on the device are drafted ahead, at the end of the step
+    before (EngineConfig.draft_ahead): it last drafted then, at the end of the second step.)"""
     from tandem.runtime.pair import BUNDLED_TARGET, load_pair
 
     if not (BUNDLED_TARGET / "config.json").is_file():
@@ -493,9 +495,11 @@ def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind):
     target, draft = pair.target, pair.draft
     prompt = pair.tokenizer.encode(_SNIPPETS[1]).ids
     engine = Engine(target, draft, config=EngineConfig(method="tree", spec=SpecConfig(nodes=16, width=4),
-                                                       block_size=16, draft_gate=True, debug_check=True))
+                                                       block_size=16, draft_gate=True, debug_check=True,
+                                                       draft_ahead=ahead))
     req = engine.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
     seen = {}
+    last_drafted = 3 if ahead and kind == "eagle3" else 2  # (the step whose start holds what it ran)
 
     class Pattern:  # drafts on its first two decode steps, not on the next three, then again
         decisions_off, calls = 0, 0
@@ -504,8 +508,8 @@ def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind):
             if requests == 0:
                 return 0
             self.calls += 1
-            if self.calls == 2:
-                seen["from"] = len(req.token_ids())  # this step's drafting runs every pending row
+            if self.calls == last_drafted:
+                seen["from"] = len(req.token_ids())  # the last drafting ran every pending row before this
             if self.calls == 6:  # drafting resumes: what the drafter has not run yet
                 p = engine.batched.pending[req.request_id]
                 seen["pending"] = (list(p.tokens), p.rows())
@@ -520,7 +524,9 @@ def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind):
     solo = Engine(target, None, config=EngineConfig(method="ar"))
     assert out.token_ids == run_all(solo, [prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
     toks, rows = seen["pending"]
-    assert toks == seen["tokens"][seen["from"]:] and len(toks) >= 4  # step 2's accepted path, then 3 roots
+    # (step 2's accepted path, unless drafted ahead at its end, then 3 roots)
+    assert toks == seen["tokens"][seen["from"]:] and len(toks) >= 3 + (last_drafted == 2)
+    assert engine.counters.drafted_ahead > 0 if last_drafted == 3 else engine.counters.drafted_ahead == 0
     with torch.no_grad():
         target(torch.tensor([seen["tokens"]]))
         want = target.last_features[0, seen["from"] - 1:len(seen["tokens"]) - 1]  # [n, F] position p - 1

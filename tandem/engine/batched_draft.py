@@ -43,6 +43,7 @@ from tandem.kernels.resident import topk_logprobs
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
 from tandem.verify.sampling import probs_from_logits
+from tandem.runtime.upload import upload
 
 CATCH_UP_CHUNK = 128  # rows per request in one catch-up pass
 
@@ -96,8 +97,8 @@ class BatchedDrafter:
             self.pool.commit(rid, list(range(len(seg.tokens))), seg.tokens)
         if not logits:
             return None
-        ends = torch.tensor([len(seg.tokens) for seg in segs]).cumsum(0) - 1
-        return out[ends.to(out.device)]
+        ends = np.cumsum([len(seg.tokens) for seg in segs]) - 1
+        return out[upload(ends, out.device)]
 
     def _catch_up(self, reqs: list[tuple[str, list[int]]]) -> torch.Tensor:
         """Each request's tokens the draft has not seen (the root last) as one pass, committed;

@@ -46,6 +46,7 @@ from tandem.kv.paged import PagedKVPool
 from tandem.models.layers import MLP
 from tandem.models.transformer import Transformer
 from tandem.tree.draft_tree import node_masks
+from tandem.runtime.upload import upload
 
 log = logging.getLogger("tandem.engine")
 
@@ -393,7 +394,7 @@ class BatchRows:
         cap = cap or BatchRows.capacity(segments, tile_rows)
         host = np.empty(cap.size, dtype=np.int64)
         T, S, offsets, n = BatchRows.pack(segments, host, cap, block_size, scratch, tile_rows)
-        return BatchRows(torch.from_numpy(host).to(device), cap, offsets[-1], T, S, offsets, n, block_size,
+        return BatchRows(upload(host, device), cap, offsets[-1], T, S, offsets, n, block_size,
                          tile_rows, dtype, window)
 
     # ---- the padded per-request view (the reference path) --------------------------------------
@@ -630,7 +631,7 @@ class BatchedModel:
             out = body(self.exact_rows(segments), torch.cat(inputs) if isinstance(inputs, list) else inputs)
             if picked is None:
                 return out
-            idx = torch.tensor(picked, dtype=torch.long, device=out[0].device)
+            idx = upload(picked, out[0].device)
             return tuple(o[idx] for o in out)
         # (the picked rows travel with the packed rows: no index tensor of their own to copy)
         rows = self.load_rows(g.st, segments, picked=picked)

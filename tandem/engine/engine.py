@@ -71,6 +71,7 @@ from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree, deepest_depths, tree_masks
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
+from tandem.runtime.upload import upload
 
 log = logging.getLogger("tandem.engine")
 
@@ -981,7 +982,7 @@ class Engine:
                 items.append((req.request_id, result.tokens))
                 rows += [mlo + p for p in result.path]  # the root's and the accepted nodes' rows
         if items:
-            self.batched.observe_many(items, feats[torch.tensor(rows, device=feats.device)])
+            self.batched.observe_many(items, feats[upload(rows, feats.device)])
 
     def _commit(self, req: Request, tree: DraftTree, result: VerifyResult, feats: torch.Tensor | None,
                 first: int, deepest: int) -> bool:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.runtime.upload import upload
+
 
 class PoolExhausted(RuntimeError):
     """Not enough free blocks for a reservation (the scheduler preempts and retries)."""
@@ -190,7 +192,7 @@ class PagedKVPool:
             if len(s.hashes) < s.length // bs:  # (a block filled)
                 self._register_full_blocks(s)
         if src:
-            idx = torch.tensor(src + dst, device=self.kv.device)  # one host-to-device copy
+            idx = upload(src + dst, self.kv.device)  # one host-to-device copy, not waiting for the device
             flat = self.kv.flatten(2, 3)  # [2, layers, slots, kv_heads, D]
             # NOTE: index_select copies first, then we write, so overlapping src/dst is safe
             flat[:, :, idx[len(src):]] = flat.index_select(2, idx[:len(src)])
