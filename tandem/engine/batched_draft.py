@@ -43,7 +43,7 @@ from tandem.kernels.resident import topk_logprobs
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
 from tandem.verify.sampling import probs_from_logits
-from tandem.runtime.upload import upload
+from tandem.kernels.upload import upload
 
 CATCH_UP_CHUNK = 128  # rows per request in one catch-up pass
 

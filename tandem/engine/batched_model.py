@@ -46,7 +46,7 @@ from tandem.kv.paged import PagedKVPool
 from tandem.models.layers import MLP
 from tandem.models.transformer import Transformer
 from tandem.tree.draft_tree import node_masks
-from tandem.runtime.upload import upload
+from tandem.kernels.upload import upload
 
 log = logging.getLogger("tandem.engine")
 

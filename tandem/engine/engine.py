@@ -71,7 +71,7 @@ from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree, deepest_depths, tree_masks
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
-from tandem.runtime.upload import upload
+from tandem.kernels.upload import upload
 
 log = logging.getLogger("tandem.engine")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.runtime.upload import upload
+from tandem.kernels.upload import upload
 
 
 class PoolExhausted(RuntimeError):
