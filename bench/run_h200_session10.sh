@@ -21,6 +21,12 @@ if [ "${LANE:-0}" = 1 ]; then
   timeout 150 python3 -m pytest -q -m cuda tests/gpu/test_gpu_tree_verify.py tests/gpu/test_gpu_engine.py \
     -p no:cacheprovider > "$OUT/lane.log" 2>&1; tail -1 "$OUT/lane.log"; grep -m2 -A30 "^___" "$OUT/lane.log" | head -60
 fi
+if [ "${SYNC:-1}" = 1 ]; then
+  echo "== synchronizing calls of steady tree steps, by call site (drafted ahead, then not)"
+  timeout 100 python3 bench/gpu_sync_points.py --method tree --concurrency 1 8 > "$OUT/sync_points.log" 2>&1
+  timeout 100 python3 bench/gpu_sync_points.py --method tree --concurrency 8 --no-draft-ahead > "$OUT/sync_points_noahead.log" 2>&1
+  grep -v Warning "$OUT/sync_points.log" | head -40; grep waits_per_step "$OUT/sync_points_noahead.log"
+fi
 for rep in ${REPS-a b}; do table engine_$rep ${METHODS:-ar,tree,tree+sync,tree+gate}; done
 if [ "${TIMELINE:-1}" = 1 ]; then
   echo "== step timeline: tree, drafted ahead and not (device busy / idle per step, us)"
