@@ -197,7 +197,8 @@ def run(args, c: int) -> dict:
         wall = (time.perf_counter() - t0) / args.steps * 1e6
         host = {k: round(v / args.steps * 1e6, 1) for k, v in sorted(clock.spent.items(), key=lambda kv: -kv[1])}
         return {"method": args.method, "concurrency": c, "step_ms_unprofiled": round(plain_ms, 3),
-                "wall_us": round(wall, 1), "host_by_phase_us": host}
+                "wall_us": round(wall, 1), "host_by_phase_us": host, "drafted_ahead": eng.counters.drafted_ahead,
+                "ahead_dropped": eng.counters.ahead_dropped, "steps": eng.steps}
     label_phases(eng)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
