@@ -27,6 +27,10 @@ if [ "${SYNC:-1}" = 1 ]; then
   timeout 100 python3 bench/gpu_sync_points.py --method tree --concurrency 8 --no-draft-ahead > "$OUT/sync_points_noahead.log" 2>&1
   grep -v Warning "$OUT/sync_points.log" | head -40; grep waits_per_step "$OUT/sync_points_noahead.log"
 fi
+if [ "${REPLAY:-0}" = 1 ]; then
+  echo "== a graph replay's host time, by owner (steps as they run; then the device drained before each)"
+  timeout 100 python3 bench/gpu_replay_cost.py --method tree --concurrency 1 64 2>&1 | grep -e '^{' -e rror | tee "$OUT/replay_cost.jsonl"
+fi
 for rep in ${REPS-a b}; do table engine_$rep ${METHODS:-ar,tree,tree+sync,tree+gate}; done
 if [ "${TIMELINE:-1}" = 1 ]; then
   echo "== step timeline: tree, drafted ahead and not (device busy / idle per step, us)"
