@@ -31,10 +31,12 @@ from tandem.runtime.pair import load_pair
 # (object path from the engine, method names): the phases labelled
 PHASES = [
     ("", ["_boundary", "_gate_drafts", "_device_nodes", "_device_drafts", "_verify_on_device", "_apply", "_feed",
-          "_commit", "_emit", "_record", "_forward", "_host_drafts", "_feature_handles", "_draft_ahead"]),
+          "_commit", "_emit", "_record", "_forward", "_host_drafts", "_feature_handles", "_draft_ahead",
+          "_run_accepts"]),
     ("scheduler", ["plan_step"]),
     ("model", ["rows", "forward", "load_rows"]),
-    ("batched", ["propose_device", "_roots", "_device_tree", "propose", "observe_many", "context"]),
+    ("batched", ["propose_device", "_roots", "_device_tree", "propose", "observe_many", "context", "run_accepts",
+                 "tree_after_accepts", "commit_accepts"]),
     ("batched.model", ["rows", "run", "run_rows"]),
     ("pool", ["commit_many", "try_reserve", "trim", "reserve"]),
 ]
@@ -42,7 +44,7 @@ PHASES = [
 
 # (module, function names): module-level functions the engine calls through their module
 FUNCTIONS = [
-    ("tandem.engine.device_verify", ["verify"]),
+    ("tandem.engine.device_verify", ["launch", "read"]),
     ("tandem.kernels.tree_verify", ["fill_tree_rows", "accept_paths"]),
 ]
 
@@ -108,7 +110,7 @@ def label_phases(eng: Engine, clock: HostClock | None = None) -> None:
 def build(args, concurrency: int) -> Engine:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar")
     cfg = EngineConfig(method=args.method, max_num_seqs=concurrency, device_verify=not args.host_verify,
-                       draft_ahead=not args.no_draft_ahead,
+                       draft_ahead=not args.no_draft_ahead, device_context=not args.no_device_context,
                        max_num_batched_tokens=max(2048, concurrency * 33))
     return Engine(pair.target, pair.draft, pair.tokenizer, cfg)
 
@@ -198,6 +200,7 @@ def run(args, c: int) -> dict:
         host = {k: round(v / args.steps * 1e6, 1) for k, v in sorted(clock.spent.items(), key=lambda kv: -kv[1])}
         return {"method": args.method, "concurrency": c, "step_ms_unprofiled": round(plain_ms, 3),
                 "wall_us": round(wall, 1), "host_by_phase_us": host, "drafted_ahead": eng.counters.drafted_ahead,
+                "accepts_on_device": eng.counters.accepts_on_device, "trees_before_read": eng.counters.trees_before_read,
                 "ahead_dropped": eng.counters.ahead_dropped, "steps": eng.steps}
     label_phases(eng)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -227,6 +230,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the tool (no device timeline)")
     ap.add_argument("--host-verify", action="store_true")
     ap.add_argument("--no-draft-ahead", action="store_true", help="each step drafts its trees at its start")
+    ap.add_argument("--no-device-context", action="store_true", help="the head is fed the accepts after the read")
     ap.add_argument("--host-only", action="store_true", help="exclusive host time per phase by perf_counter "
                     "(no profiler; where the device waits, the phase that waits holds the time)")
     ap.add_argument("--keep-traces", action="store_true")

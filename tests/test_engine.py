@@ -701,24 +701,32 @@ def test_trees_verified_on_the_device_equal_the_host_path(kind, graphs, monkeypa
     prompts = [pair.tokenizer.encode(f"# case {i}\n" + _SNIPPETS[i % 8]).ids for i in range(6)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     got = {}
-    for on_device, ahead in ((True, True), (True, False), (False, False)):
+    for on_device, ahead, context in ((True, True, True), (True, False, True), (True, True, False),
+                                      (True, False, False), (False, False, False)):
         engine = Engine(pair.target, pair.draft, config=EngineConfig(
             method="tree", spec=SpecConfig(nodes=16, width=4), block_size=16, device_verify=on_device,
-            draft_ahead=ahead, max_num_seqs=4, debug_check=True))
+            draft_ahead=ahead, device_context=context, max_num_seqs=4, debug_check=True))
         steps = []
         monkeypatch.setattr(engine, "_verify_on_device",
                             lambda *a, _f=engine._verify_on_device, **k: steps.append(1) or _f(*a, **k))
         outs = run_all(engine, prompts, params)
-        got[on_device, ahead] = ([o.token_ids for o in outs], [o.figures.accepted_tokens for o in outs],
-                                 [r.nodes for r in engine.counters.records])
+        got[on_device, ahead, context] = ([o.token_ids for o in outs], [o.figures.accepted_tokens for o in outs],
+                                          [r.nodes for r in engine.counters.records])
         assert (len(steps) > 5) == on_device and len(steps) < engine.steps  # (prefill steps: the host path)
         # drafted during the step before: every device step but those after a host step (a prefill's)
         c = engine.counters
         assert (c.drafted_ahead > len(steps) // 2) == ahead and c.drafted_ahead + c.ahead_dropped <= len(steps)
+        # the head ran the accepts before the read in every device step (an EAGLE-3 head's);
+        # the next trees too where a captured tree takes them (graphs), drafting ahead is on, no
+        # prompt waits and no request can reach max_tokens in the step
+        runs = context and kind == "eagle3"
+        assert c.accepts_on_device == (len(steps) if runs else 0), (c.accepts_on_device, len(steps))
+        assert (c.trees_before_read > 3) == (runs and ahead and graphs is not None), c.trees_before_read
         assert_clean(engine)
-    assert got[True, True] == got[True, False] == got[False, False] and sum(got[True, True][1]) > len(prompts)
+    first = got[True, True, True]
+    assert all(g == first for g in got.values()) and sum(first[1]) > len(prompts)
     solo = Engine(pair.target, None, config=EngineConfig(method="ar"))
-    assert got[True, True][0] == [o.token_ids for o in run_all(solo, prompts, params)]
+    assert first[0] == [o.token_ids for o in run_all(solo, prompts, params)]
 
 
 def test_the_servers_logprob_engine_verifies_on_the_device_when_no_request_wants_logprobs(monkeypatch):

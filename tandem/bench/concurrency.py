@@ -143,8 +143,9 @@ def parse_concurrency(text: str) -> list[int]:
 MODES = {"bp": "batch_parallel", "sel": "row_selection", "det": "deterministic"}
 # modes that turn an on-by-default switch off (`+host`: trees read back and verified on the host,
 # the A/B of verifying on the device; `+sync`: each step drafts its trees at its start, the A/B
-# of drafting the next step's trees while the host keeps books)
-OFF_MODES = {"seq": "batched_drafting", "host": "device_verify", "sync": "draft_ahead"}
+# of drafting the next step's trees while the host keeps books; `+feed`: the EAGLE-3 head is fed
+# the accepts after the host reads them, the A/B of running them on the device before the read)
+OFF_MODES = {"seq": "batched_drafting", "host": "device_verify", "sync": "draft_ahead", "feed": "device_context"}
 ON_MODES = {"gate": "draft_gate", "adapt": "adaptive_draft"}  # switches turned on (else left at their default)
 
 
@@ -162,7 +163,7 @@ def parse_engine_methods(text: str, batch_parallel: bool = False, row_selection:
         bad = [m for m in mods if m not in MODES and m not in OFF_MODES and m not in ON_MODES]
         if bad or len(set(mods)) != len(mods):
             raise ConfigError(f"unknown engine mode in {n!r}; modes are +bp (batch parallel), +sel (row selection), "
-                              "+det (deterministic), +seq (per-request drafting), +host (trees verified on the host), +sync (no drafting ahead), +gate (the "
+                              "+det (deterministic), +seq (per-request drafting), +host (trees verified on the host), +sync (no drafting ahead), +feed (the head fed after the read), +gate (the "
                               "draft gate) and +adapt (per-request draft length)")
         if set(mods) - {"det"} and base == "ar":
             raise ConfigError(f"{n!r}: batch parallelism, row selection, per-request drafting, the draft gate and "

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from tandem.engine import batched_draft
-from tandem.engine.batched_draft import BatchedTreeDrafter, split_drafted
+from tandem.engine.batched_draft import REQUEST_BUCKETS, BatchedTreeDrafter, split_drafted
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
+from tandem.kernels import tree_verify
 from tandem.kernels.fused import add_rmsnorm, embed_norms
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
@@ -194,6 +195,80 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
             return first[0], first[1]  # every root from one pass, in order (a step's usual case)
         return (torch.stack([lg[i] for lg, _, i in roots]),  # [R, draft_vocab]
                 torch.stack([o[i] for _, o, i in roots]))  # [R, H]
+
+    # ---- the next step's drafting queued before the accepts are read (device-resident) ----------
+    def can_run_accepts(self, rids: list[str]) -> bool:
+        """Whether run_accepts takes these requests: each has run every row it was given (its
+        last context pass ran its root), so a verify pass's accepts are all it has to run."""
+        return all(rid in self.pool.seqs and rid in self.pending and not self.pending[rid].tokens for rid in rids)
+
+    def run_accepts(self, rids: list[str], acc: torch.Tensor, features: torch.Tensor, extra_rows: int = 0
+                    ) -> tuple[list[int], torch.Tensor]:
+        """The context pass over a verify pass's accepts without reading them (the engine reads
+        them while this runs): per request depth + 1 rows after its committed ones, the first
+        `count` of them its accepted tokens and the bonus (device_verify.accepted_rows; the rest
+        run too, at columns no later pass sees, and are dropped by `commit_accepts`), each reading
+        the projected features of the tree position before it. acc [R, 3 + n] (device_verify.launch),
+        features [R (n + 1), F] the pass's (acc: device_verify.launch's). The rows are reserved (and `extra_rows` more, for a tree
+        queued before the commit: tree_after_accepts) until commit_accepts keeps the accepted ones.
+        Returns each request's committed columns before the pass (host) and after it [R] (device)."""
+        R, K, W = len(rids), self.depth + 1, acc.shape[1] - 2
+        toks, pos, count = tree_verify.accepted_rows(acc, K)  # [R, K], [R, K], [R]
+        segs, before = [], []
+        for rid in rids:
+            sb = self.pool.seqs[rid]
+            before.append(sb.length)
+            self.pool.reserve(rid, K + extra_rows)
+            segs.append(Segment.chunk([0] * K, sb.length, sb.blocks))
+        dev = acc.device
+        rows = (pos + (torch.arange(R, device=dev) * W)[:, None]).view(-1)  # [R K] feature rows
+        roots = torch.arange(R, device=dev) * K + count - 1  # [R] each request's bonus row
+        logits, out = self.model.run_rows(segs, self.draft.project(features[rows]), self.model.run,
+                                          tokens=toks.view(-1), pick=roots)  # [R, V'], [R, H]
+        for i, rid in enumerate(rids):
+            self.root_logits[rid] = (logits, out, i)
+        return before, torch.as_tensor(before, device=dev) + count
+
+    def commit_accepts(self, items: list[tuple[str, list[int]]]) -> None:
+        """run_accepts' requests with their accepts read: each keeps its first len(tokens) rows
+        (in place: no move) and drops the rest of what it reserved."""
+        self.pool.commit_many([(rid, list(range(len(toks))), toks) for rid, toks in items])
+
+    @torch.no_grad()
+    def tree_after_accepts(self, rids: list[str], before: list[int], lengths: torch.Tensor) -> torch.Tensor | None:
+        """The next step's trees queued behind run_accepts (their rows reserved with it), from the
+        roots it ran: level 1 after each request's `lengths` [R] committed columns, known on the
+        device only (the packed level rows written there over a pack at the longest they can be,
+        `before` + depth + 1) -> [6, R, n_graph] as propose_device's; None: no captured tree
+        takes them (the engine then drafts after the read, as before)."""
+        R, w, K = len(rids), self.w, self.depth + 1
+        if not (self.tree_graphs and R <= self.model.max_seqs):
+            return None
+        g = self._tree_graph(next(b for b in REQUEST_BUCKETS if b >= R))
+        if g is None:
+            return None
+        seqs = self.pool.seqs
+        rows = self.model.load_level_rows(g.st, [b + K for b in before], [seqs[r].blocks for r in rids],
+                                          [seqs[r].version for r in rids], w)
+        # level 1's fields that depend on the lengths (BatchRows.pack_level's), on the device
+        L = lengths.repeat_interleave(w)  # [R w]
+        rows.positions[:R * w] = L
+        rows.row_prefix[:R * w] = L
+        rows.row_base[:R * w] = L
+        col = L + torch.arange(w, device=L.device).repeat(R)  # [R w] each row's column
+        bs = self.pool.block_size
+        blk = rows.block_tables[:R].repeat_interleave(w, 0).gather(1, (col // bs)[:, None])[:, 0]
+        rows.slots[:R * w] = blk * bs + col % bs
+        rows.seq_len[:R] = lengths + w
+        roots = [self.root_logits[rid] for rid in rids]
+        lg, out = roots[0][0], roots[0][1]  # (run_accepts' outputs, in order)
+        for buf, t in zip(g.roots, (lg, out)):
+            (buf if R == g.R else buf[:R]).copy_(t)
+        if g.graph is not None:
+            g.graph.replay()
+        else:  # emulated: the same padded buffers, eagerly
+            g.out = self._device_tree(rows, g.roots, g.R, self.n_graph)
+        return g.out[:, :R]
 
     def _root_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         h = self.draft

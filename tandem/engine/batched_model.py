@@ -614,13 +614,15 @@ class BatchedModel:
                                self.tile_rows, self.pool.scratch_slot)
 
     def run_rows(self, segments: list[Segment], inputs: "torch.Tensor | list[torch.Tensor]", body,
-                 picked: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+                 picked: list[int] | None = None, tokens: torch.Tensor | None = None,
+                 pick: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """A drafter's pass whose rows also read a float input each (an EAGLE-3 head's hidden
         state, a block drafter's target features): body(rows, inputs [M', F]) -> per-row outputs
         [M', ...] (every row). inputs: [M, F], or chunks of it in row order. Returns the outputs
-        of rows `picked` ([len(picked), ...] each; default: the segments' M rows). With graphs,
-        replayed from the row bucket's capture (inputs written into its static buffer); else
-        one exact pass."""
+        of rows `picked` ([len(picked), ...] each; default: the segments' M rows), or of rows
+        `pick` (a device index: rows the host does not know yet). tokens: the rows' tokens [M]
+        on the device, written over the segments' (placeholders then). With graphs, replayed
+        from the row bucket's capture (inputs written into its static buffer); else one exact pass."""
         cap = BatchRows.capacity(segments, self.tile_rows)
         g = None
         if self.use_graphs and cap.W == 1 and cap.R <= self.max_seqs and cap.B <= self.max_seq_blocks:
@@ -628,13 +630,18 @@ class BatchedModel:
             g = self._input_graph(bucket, inputs[0] if isinstance(inputs, list) else inputs, body) \
                 if bucket is not None else None
         if g is None:
-            out = body(self.exact_rows(segments), torch.cat(inputs) if isinstance(inputs, list) else inputs)
-            if picked is None:
+            rows = self.exact_rows(segments)
+            if tokens is not None:
+                rows.tokens[:cap.M].copy_(tokens)
+            out = body(rows, torch.cat(inputs) if isinstance(inputs, list) else inputs)
+            if picked is None and pick is None:
                 return out
-            idx = upload(picked, out[0].device)
+            idx = pick if pick is not None else upload(picked, out[0].device)
             return tuple(o[idx] for o in out)
         # (the picked rows travel with the packed rows: no index tensor of their own to copy)
         rows = self.load_rows(g.st, segments, picked=picked)
+        if tokens is not None:  # (after the packed rows' copy, on the same stream)
+            rows.tokens[:cap.M].copy_(tokens)
         if isinstance(inputs, list) and inputs[0].dtype == g.inputs.dtype:  # (the chunks share a dtype)
             torch.cat(inputs, out=g.inputs[:cap.M])  # (straight into the static buffer: one kernel)
         else:
@@ -643,7 +650,9 @@ class BatchedModel:
             g.outputs = body(rows, g.inputs)
         else:
             g.graph.replay()
-        if picked is not None:  # (gathers: copies already, as the next replay overwrites g.outputs)
+        if pick is not None:  # (gathers: copies already, as the next replay overwrites g.outputs)
+            return tuple(o[pick] for o in g.outputs)
+        if picked is not None:
             return tuple(o[rows.logit_rows] for o in g.outputs)
         return tuple(o[:cap.M].clone() for o in g.outputs)  # (copies: the next replay overwrites them)
 

@@ -20,6 +20,8 @@ The same tokens as the host path's greedy_accept, step for step (tests/test_engi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -45,6 +47,24 @@ def verify(model: BatchedModel, pool: PagedKVPool, decodes: list[ScheduledRows],
     """decodes: the step's requests (every one a greedy decode with n + 1 rows reserved), in
     the order of tree [6, R, n] -> each one's (result, accepted draft tokens), each tree's
     deepest depth, and the pass's logits [R (n + 1), V]."""
+    return read(launch(model, pool, decodes, tree, n))
+
+
+@dataclass
+class Launched:
+    """A verify pass queued on the device, its accepts on their way to the host."""
+
+    acc: torch.Tensor  # [R, 3 + n] on the device: path bits, bonus, deepest depth, the tree's tokens
+    host: torch.Tensor  # [R, 3 + n] its copy on the host (pinned on a GPU: filled once `done` is)
+    done: "torch.cuda.Event | None"
+    logits: torch.Tensor  # [R (n + 1), V]
+    n: int
+
+
+def launch(model: BatchedModel, pool: PagedKVPool, decodes: list[ScheduledRows], tree: torch.Tensor, n: int
+           ) -> Launched:
+    """verify()'s pass and accepts, queued; the accepts' copy to the host queued behind them, so
+    that more work (the drafter's next context pass: accepted_rows) can queue before `read` waits."""
     R, W = len(decodes), n + 1
     bits, depth, zeros = _flat(n)
     seqs = pool.seqs
@@ -63,9 +83,23 @@ def verify(model: BatchedModel, pool: PagedKVPool, decodes: list[ScheduledRows],
                                   np.tile(depth, R), 1, versions))
     tree_verify.fill_tree_rows(tree, rows.tokens, rows.positions, rows.row_bits)  # the real trees over the flat ones
     logits = model.forward(rows)  # [R (n + 1), V]
-    host = tree_verify.accept_paths(logits.argmax(-1), tree).cpu().tolist()  # [R, 3 + n] the step's one read-back
-    given = []
-    for h in host:
+    acc = tree_verify.accept_paths(logits.argmax(-1), tree)  # [R, 3 + n]
+    if acc.device.type != "cuda":
+        return Launched(acc, acc, None, logits, n)
+    host = torch.empty(acc.shape, dtype=acc.dtype, pin_memory=True)
+    host.copy_(acc, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return Launched(acc, host, done, logits, n)
+
+
+def read(launched: Launched) -> tuple[list[tuple[VerifyResult, list[int]]], list[int], torch.Tensor]:
+    """Wait for the accepts (the step's one read-back) -> verify()'s answer."""
+    if launched.done is not None:
+        launched.done.synchronize()
+    n = launched.n
+    given, deepest = [], []
+    for h in launched.host.tolist():
         b, path = h[0] & 0xFFFFFFFFFFFFFFFF, []
         while b:  # the set bits, lowest first (by depth: a parent precedes its children)
             low = b & -b
@@ -74,4 +108,5 @@ def verify(model: BatchedModel, pool: PagedKVPool, decodes: list[ScheduledRows],
         toks = h[3:]
         accepted = [toks[j - 1] for j in path[1:]]
         given.append((VerifyResult(path, accepted + [h[1]], n), accepted))
-    return given, [h[2] for h in host], logits
+        deepest.append(h[2])
+    return given, deepest, launched.logits

@@ -118,6 +118,8 @@ class EngineCounters:
     step_s: float = 0.0  # wall seconds of every step (the host reads each step's tokens: no extra sync)
     drafted_ahead: int = 0  # device-verified steps whose trees were drafted during the previous step (draft_ahead)
     ahead_dropped: int = 0  # trees drafted ahead that the next step's plan did not verify (dropped)
+    accepts_on_device: int = 0  # device-verified steps whose accepts the head ran before the read (device_context)
+    trees_before_read: int = 0  # of them, steps that queued the next step's trees before the read too
     records: deque = field(default_factory=lambda: deque(maxlen=4096), repr=False)
 
     @property
@@ -249,7 +251,7 @@ class Engine:
         if isinstance(draft, Eagle3Head):  # its level trees (a chain: its greedy path)
             if not BatchedEagleDrafter.fits(width, depth):
                 return None
-            rows = self.context_window + (depth - 1) * width + 1
+            rows = self.context_window + depth + (depth - 1) * width + 1  # (run_accepts reserves depth + 1 more)
             return BatchedEagleDrafter(draft, pool_blocks(rows), cfg.block_size, width, depth,
                                        max_seqs=cfg.max_num_seqs, max_seq_blocks=seq_blocks(rows),
                                        use_graphs=graphs, nodes=spec.k if chain else spec.nodes)
@@ -741,8 +743,38 @@ class Engine:
         """The target pass over every decode's drafted tree (tree [6, R, n] on the device, in the
         plan's order) and the accepted paths, found on the device (engine.device_verify); then
         the commits, the drafters' feed and the emits as any step."""
-        given, self._deepest, logits = device_verify.verify(self.model, self.pool, plan.scheduled, tree, n)
-        return self._apply(plan, None, logits, given)
+        launched = device_verify.launch(self.model, self.pool, plan.scheduled, tree, n)
+        ran = self._run_accepts(plan, launched)  # (queued behind the pass, before the read)
+        given, self._deepest, logits = device_verify.read(launched)
+        return self._apply(plan, None, logits, given, ran)
+
+    def _run_accepts(self, plan: StepPlan, launched: device_verify.Launched) -> str | None:
+        """config.device_context: queue the EAGLE-3 head's context pass over this step's accepts
+        (still on the device) and, when every request surely decodes next step, the next step's
+        trees; returns None (not taken: the head is fed after the read), "context" or "trees"."""
+        cfg, head = self.config, self.batched
+        if not (cfg.device_context and isinstance(head, BatchedEagleDrafter) and self.feature_layers):
+            return None
+        reqs = [s.request for s in plan.scheduled]
+        rids = [r.request_id for r in reqs]
+        if not head.can_run_accepts(rids):
+            return None
+        # the trees too when none can reach max_tokens this step (EOS may still end one: the
+        # next step then drops them), no prompt waits for a slot, and drafting stays on
+        k = head.depth + 1
+        trees = (cfg.draft_ahead and self._forced is not False and not self.scheduler.waiting
+                 and all(len(r.output_ids) + k < r.max_new for r in reqs))
+        n = head.device_nodes(len(rids), self.spec.nodes) if trees else None
+        trees = n is not None and n + 1 <= 64
+        before, lengths = head.run_accepts(rids, launched.acc, self.model.last_features,
+                                           (head.depth - 1) * head.w if trees else 0)
+        tree = head.tree_after_accepts(rids, before, lengths) if trees else None
+        self.counters.accepts_on_device += 1
+        if tree is None:
+            return "context"
+        self._ahead = (rids, tree, n)
+        self.counters.trees_before_read += 1
+        return "trees"
 
     def _select(self, plan: StepPlan, drafts: list[ScheduledRows]) -> tuple[dict[str, DraftTree], int]:
         """Row selection: every drafting request's full tree, one shared node budget from the
@@ -893,11 +925,12 @@ class Engine:
                                            words, versions))
 
     def _apply(self, plan: StepPlan, trees: dict[str, DraftTree] | None, logits: torch.Tensor,
-               given: list[tuple[VerifyResult, list[int]]] | None = None) -> list[RequestOutput]:
+               given: list[tuple[VerifyResult, list[int]]] | None = None, ran: str | None = None
+               ) -> list[RequestOutput]:
         """Accept every decode, commit every request's rows in one pool call, then feed the
         drafters and emit. A request that raises in its part fails alone (its rows of the pass
         are already out). `given`: every decode's result and its accepted draft tokens, found on
-        the device (_verify_on_device; trees None then)."""
+        the device (_verify_on_device; trees None then); `ran`: what _run_accepts queued."""
         row, m = 0, 0  # the segment's first logits row / first row in the pass (features)
         deepest, k = self._deepest, 0  # (the decodes' trees' deepest depths, packed by _rows)
         feats = self.model.last_features if self.feature_layers else None  # [M, F]
@@ -950,8 +983,11 @@ class Engine:
             commits.append((req.request_id, result.path,
                             tree.tokens if n == 1 else [tree.tokens[i] for i in result.path]))
             accepted.append((req, tree, result, mlo, depth))
-        self._feed(accepted, feats)
-        if given is not None:  # (the device drafts the next step's trees while the host commits and emits)
+        if ran is not None:  # (the head ran the accepts already: it keeps the rows they fill)
+            self.batched.commit_accepts([(req.request_id, result.tokens) for req, _, result, _, _ in accepted])
+        else:
+            self._feed(accepted, feats)
+        if given is not None and ran != "trees":  # (the device drafts the next step's trees while the host commits and emits)
             self._draft_ahead(accepted)
         self.pool.commit_many(commits)  # (before any request ends: ending frees its blocks)
         finished = []

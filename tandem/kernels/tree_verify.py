@@ -65,6 +65,29 @@ def accept_paths_ref(am: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
     return torch.cat([all_bits.gather(1, best), am.gather(1, best), depth.max(1, keepdim=True).values, tok], 1)
 
 
+def accepted_rows(acc: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The accepts, still on the device, as what a feature drafter runs next: request r's rows
+    k = 0 .. count[r] - 1 hold the accepted nodes' tokens and then the bonus, each reading the
+    target's features of the tree position before it (the root's for k = 0). acc [R, 3 + n]
+    (accept_paths); K >= the longest path (the tree's depth + 1) -> tokens [R, K], the tree positions
+    whose features each row reads [R, K] (rows past count: the root's, their tokens 0), count [R]."""
+    R, n = acc.shape[0], acc.shape[1] - 3
+    dev = acc.device
+    on = ((acc[:, :1] >> torch.arange(n + 1, device=dev)) & 1).bool()  # [R, n + 1] the path's tree positions
+    count = on.sum(1)  # [R] path length = accepted + 1
+    # the path's k-th position at column k (columns past count: position 0, the root)
+    at = torch.where(on, on.cumsum(1) - 1, K)  # [R, n + 1] column of each path position (K: none)
+    pos = torch.zeros(R, K + 1, dtype=torch.long, device=dev)
+    pos.scatter_(1, at, torch.arange(n + 1, device=dev).expand(R, n + 1))
+    pos = pos[:, :K]  # [R, K]
+    # row k's token: the path's node k + 1, or the bonus at k = count - 1
+    nxt = torch.cat([pos[:, 1:], pos.new_zeros(R, 1)], 1)  # [R, K]
+    toks = acc[:, 3:].gather(1, (nxt - 1).clamp_min(0))  # [R, K]
+    k = torch.arange(K, device=dev)
+    toks = torch.where(k == (count - 1)[:, None], acc[:, 1:2], torch.where(k < (count - 1)[:, None], toks, 0))
+    return toks, pos, count
+
+
 # ---- dispatch --------------------------------------------------------------------------------
 def _kernels(t: torch.Tensor) -> bool:
     return triton_enabled(t) and os.environ.get("TANDEM_TRITON_VERIFY", "1") != "0"
