@@ -20,6 +20,7 @@ from tandem.engine.batched_draft import REQUEST_BUCKETS, BatchedTreeDrafter, spl
 from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.kernels import tree_verify
 from tandem.kernels.fused import add_rmsnorm, embed_norms
+from tandem.kernels.upload import upload
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
 
@@ -227,7 +228,7 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
                                           tokens=toks.view(-1), pick=roots)  # [R, V'], [R, H]
         for i, rid in enumerate(rids):
             self.root_logits[rid] = (logits, out, i)
-        return before, torch.as_tensor(before, device=dev) + count
+        return before, upload(before, dev) + count  # (not as_tensor: a pageable copy waits for the pass)
 
     def commit_accepts(self, items: list[tuple[str, list[int]]]) -> None:
         """run_accepts' requests with their accepts read: each keeps its first len(tokens) rows
@@ -251,14 +252,15 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         rows = self.model.load_level_rows(g.st, [b + K for b in before], [seqs[r].blocks for r in rids],
                                           [seqs[r].version for r in rids], w)
         # level 1's fields that depend on the lengths (BatchRows.pack_level's), on the device
-        L = lengths.repeat_interleave(w)  # [R w]
-        rows.positions[:R * w] = L
-        rows.row_prefix[:R * w] = L
-        rows.row_base[:R * w] = L
-        col = L + torch.arange(w, device=L.device).repeat(R)  # [R w] each row's column
+        # (no op here may wait for the device: not repeat_interleave, no pageable copy)
+        L = lengths[:, None].expand(R, w)  # [R, w]
+        col = L + torch.arange(w, device=L.device)  # [R, w] each row's column
         bs = self.pool.block_size
-        blk = rows.block_tables[:R].repeat_interleave(w, 0).gather(1, (col // bs)[:, None])[:, 0]
-        rows.slots[:R * w] = blk * bs + col % bs
+        blk = rows.block_tables[:R].gather(1, col // bs)  # [R, w]
+        rows.positions[:R * w] = L.reshape(-1)
+        rows.row_prefix[:R * w] = L.reshape(-1)
+        rows.row_base[:R * w] = L.reshape(-1)
+        rows.slots[:R * w] = (blk * bs + col % bs).reshape(-1)
         rows.seq_len[:R] = lengths + w
         roots = [self.root_logits[rid] for rid in rids]
         lg, out = roots[0][0], roots[0][1]  # (run_accepts' outputs, in order)
