@@ -13,6 +13,11 @@ if [ "${LANE:-1}" = 1 ]; then
   timeout ${LANE_TMO:-200} python3 -m pytest -q -m cuda tests/gpu/test_gpu_tree_verify.py tests/gpu/test_gpu_engine.py \
     -p no:cacheprovider > "$OUT/lane.log" 2>&1; tail -1 "$OUT/lane.log"; grep -m2 -A30 "^___" "$OUT/lane.log" | head -60
 fi
+if [ "${SYNC:-1}" = 1 ]; then
+  echo "== synchronizing calls of steady tree steps, by call site"
+  timeout 100 python3 bench/gpu_sync_points.py --method tree --concurrency 1 8 > "$OUT/sync_points.log" 2>&1
+  grep -v Warning "$OUT/sync_points.log" | head -30
+fi
 if [ "${TIMELINE:-1}" = 1 ]; then
   echo "== host-only step timeline: tree, the head run before the read (default), then fed after it"
   for flag in "" --no-device-context; do
