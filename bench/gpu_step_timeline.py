@@ -36,7 +36,7 @@ PHASES = [
     ("scheduler", ["plan_step"]),
     ("model", ["rows", "forward", "load_rows"]),
     ("batched", ["propose_device", "_roots", "_device_tree", "propose", "observe_many", "context", "run_accepts",
-                 "tree_after_accepts", "commit_accepts"]),
+                 "_accepts_body", "commit_accepts"]),
     ("batched.model", ["rows", "run", "run_rows"]),
     ("pool", ["commit_many", "try_reserve", "trim", "reserve"]),
 ]

@@ -144,6 +144,54 @@ def test_the_level_pack_writes_the_general_packs_buffer(w):
             assert getattr(got, f) == getattr(want, f), (step, f)
 
 
+@pytest.mark.parametrize("K", [1, 4, 9])
+def test_the_chunk_pack_writes_the_general_packs_buffer(K):
+    """BatchedModel.load_chunk_rows (BatchRows.pack_chunks: each request's K causal rows after
+    its committed columns, only a step's columns and changed tables written; the EAGLE-3 head's
+    captured pass over a step's accepts) leaves a bucket's host buffer exactly as load_rows of
+    the same Segment.chunk rows leaves it, with the same host figures: a reused buffer, tables
+    that change or not, padding requests, and after the buffer held another pass."""
+    import numpy as np
+
+    from tandem.engine.batched_model import Capacity, PackColumns, Segment
+
+    bd = BatchedTreeDrafter(tiny_model(seed=4), num_blocks=64, block_size=4, width=2, depth=2, max_seqs=8,
+                            max_seq_blocks=12, use_graphs="emulate")
+    m, bucket = bd.model, 8
+    cap = Capacity(bucket * K, bucket, bucket, m.max_seq_blocks, 1)
+    general, chunks = m.static_rows(cap), m.static_rows(cap)
+    g = torch.Generator().manual_seed(K)
+
+    def rand(n: int) -> int:
+        return int(torch.randint(0, n, (), generator=g))
+
+    for step, R in enumerate((8, 8, 3, 3, 0, 5, 1, 1, 6)):
+        if R == 0:  # another pass packed into both buffers
+            other = [Segment.chunk([5, 6], 3, [40, 41]), Segment.tree([1, 2, 3], [-1, 0, 0], 2, [7])]
+            m.load_rows(general, other)
+            m.load_rows(chunks, other)
+            assert np.array_equal(general.host_np, chunks.host_np)
+            continue
+        starts, tables, versions = [], [], []
+        for r in range(R):
+            L = rand(30)
+            if r % 3 == 0:
+                blocks, version = [(r * 12 + step + i) % 60 for i in range(-(-(L + K) // 4))], 100 * step + r
+            else:
+                blocks, version = [r * 12 + i for i in range(12)], -r
+            starts.append(L)
+            tables.append(blocks)
+            versions.append(version)
+        cols = PackColumns.of([Segment.chunk([0] * K, L, t, logits=True) for L, t in zip(starts, tables)])
+        cols.versions = versions
+        want = m.load_rows(general, cols)
+        got = m.load_chunk_rows(chunks, starts, tables, versions, K)
+        assert np.array_equal(general.host_np, chunks.host_np), step
+        assert general.tables == chunks.tables
+        for f in ("num_rows", "new_rows", "contexts", "offsets", "num_logits"):
+            assert getattr(got, f) == getattr(want, f), (step, f)
+
+
 def test_tree_depth_bits_equal_the_host_masks():
     """tree_depth_bits (the target's tree rows built on the device, pointer jumping in a fixed
     number of rounds) gives every node's depth and ancestor mask as draft_tree.node_masks does:

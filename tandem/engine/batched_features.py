@@ -13,14 +13,15 @@ pass for every request at once, drafting or not), and runs them in its next pass
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tandem.engine import batched_draft
 from tandem.engine.batched_draft import REQUEST_BUCKETS, BatchedTreeDrafter, split_drafted
-from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
+from tandem.engine.batched_model import BatchedModel, BatchRows, Capacity, Segment, StaticRows
 from tandem.kernels import tree_verify
 from tandem.kernels.fused import add_rmsnorm, embed_norms
-from tandem.kernels.upload import upload
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
 
@@ -120,6 +121,20 @@ class BatchedHead(BatchedModel):
         return head.lm_head(normed if logit_rows is None else normed[logit_rows]), out
 
 
+@dataclass
+class _AcceptGraph:
+    """BatchedEagleDrafter.run_accepts captured for R requests: a verify pass's accepts and
+    features in, the head's context pass over them and the next step's trees out."""
+
+    ctx: StaticRows  # [R (depth + 1)] causal rows, packed by load_chunk_rows (tokens written inside)
+    tree: "batched_draft._TreeGraph"  # the bucket's tree: its level buffers (packed by load_level_rows) and roots
+    acc: torch.Tensor  # [R, 3 + n] input: tree_verify.accept_paths' answer
+    features: torch.Tensor  # [R (n + 1), F] input: the verify pass's target features
+    roots: tuple[torch.Tensor, ...]  # the roots the pass ran (the tree's root buffers): logits, hidden
+    graph: object = None  # torch.cuda.CUDAGraph (None: emulated)
+    out: torch.Tensor | None = None  # [6, R, n_graph] the trees
+
+
 class BatchedEagleDrafter(BatchedTreeDrafter):
     """EAGLE-2's level tree from an EAGLE-3 head for every request at once (the per-request
     EagleDrafter's tree, batched). Per request the head keeps the committed tokens it has not
@@ -143,6 +158,7 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         self.pending: dict[str, PendingRows] = {}  # rid -> its tokens not run yet, their hidden inputs [n, H]
         self._level_out: torch.Tensor | None = None  # [R, w, H] the last level's output hidden
         self._init_trees(nodes)
+        self._accepts: dict[tuple[int, int], _AcceptGraph | None] = {}  # (request bucket, verified nodes) -> run_accepts' capture
 
     def release(self, request_id: str) -> None:
         super().release(request_id)
@@ -203,74 +219,110 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         last context pass ran its root), so a verify pass's accepts are all it has to run."""
         return all(rid in self.pool.seqs and rid in self.pending and not self.pending[rid].tokens for rid in rids)
 
-    def run_accepts(self, rids: list[str], acc: torch.Tensor, features: torch.Tensor, extra_rows: int = 0
-                    ) -> tuple[list[int], torch.Tensor]:
+    @torch.no_grad()
+    def run_accepts(self, rids: list[str], acc: torch.Tensor, features: torch.Tensor, trees: bool
+                    ) -> torch.Tensor | None:
         """The context pass over a verify pass's accepts without reading them (the engine reads
         them while this runs): per request depth + 1 rows after its committed ones, the first
-        `count` of them its accepted tokens and the bonus (device_verify.accepted_rows; the rest
+        `count` of them its accepted tokens and the bonus (tree_verify.accepted_rows; the rest
         run too, at columns no later pass sees, and are dropped by `commit_accepts`), each reading
         the projected features of the tree position before it. acc [R, 3 + n] (device_verify.launch),
-        features [R (n + 1), F] the pass's (acc: device_verify.launch's). The rows are reserved (and `extra_rows` more, for a tree
-        queued before the commit: tree_after_accepts) until commit_accepts keeps the accepted ones.
-        Returns each request's committed columns before the pass (host) and after it [R] (device)."""
-        R, K, W = len(rids), self.depth + 1, acc.shape[1] - 2
-        toks, pos, count = tree_verify.accepted_rows(acc, K)  # [R, K], [R, K], [R]
-        segs, before = [], []
+        features [R (n + 1), F] the pass's. With captured trees this and the next step's trees
+        from the roots it ran are one CUDA graph per request bucket (_AcceptGraph): the host packs
+        two buffers and replays once. Returns those trees ([6, R, n_graph], as propose_device's)
+        when `trees`, else None. The rows (and the trees') stay reserved until commit_accepts."""
+        R, K, n = len(rids), self.depth + 1, acc.shape[1] - 3
+        m, seqs = self.model, self.pool.seqs
+        g = None
+        if self.tree_graphs and K <= m.tile_rows and R <= m.max_seqs:
+            g = self._accept_graph(next(b for b in REQUEST_BUCKETS if b >= R), n)
+        extra = (self.depth - 1) * self.w if g is not None else 0  # (the graph grows the trees too)
+        starts, tables, versions = [], [], []
         for rid in rids:
-            sb = self.pool.seqs[rid]
-            before.append(sb.length)
-            self.pool.reserve(rid, K + extra_rows)
-            segs.append(Segment.chunk([0] * K, sb.length, sb.blocks))
-        dev = acc.device
-        rows = (pos + (torch.arange(R, device=dev) * W)[:, None]).view(-1)  # [R K] feature rows
-        roots = torch.arange(R, device=dev) * K + count - 1  # [R] each request's bonus row
-        logits, out = self.model.run_rows(segs, self.draft.project(features[rows]), self.model.run,
-                                          tokens=toks.view(-1), pick=roots)  # [R, V'], [R, H]
-        for i, rid in enumerate(rids):
-            self.root_logits[rid] = (logits, out, i)
-        return before, upload(before, dev) + count  # (not as_tensor: a pageable copy waits for the pass)
+            sb = seqs[rid]
+            starts.append(sb.length)
+            self.pool.reserve(rid, K + extra)
+            tables.append(sb.blocks)
+            versions.append(sb.version)
+        if g is None:  # one exact pass, its ops launched from here
+            toks, pos, count = tree_verify.accepted_rows(acc, K)  # [R, K], [R, K], [R]
+            segs = [Segment.chunk([0] * K, L, t) for L, t in zip(starts, tables)]
+            dev = acc.device
+            rows = (pos + (torch.arange(R, device=dev) * (n + 1))[:, None]).view(-1)  # [R K] feature rows
+            roots = torch.arange(R, device=dev) * K + count - 1  # [R] each request's bonus row
+            logits, out = m.run_rows(segs, self.draft.project(features[rows]), m.run, tokens=toks.view(-1),
+                                     pick=roots)  # [R, V'], [R, H]
+            for i, rid in enumerate(rids):
+                self.root_logits[rid] = (logits, out, i)
+            return None
+        ctx = m.load_chunk_rows(g.ctx, starts, tables, versions, K)
+        level = m.load_level_rows(g.tree.st, [L + K for L in starts], tables, versions, self.w)
+        g.acc[:R].copy_(acc)
+        g.features[:R * (n + 1)].copy_(features[:R * (n + 1)])
+        if g.graph is not None:
+            g.graph.replay()
+        else:  # emulated: the same buffers, eagerly (the reference attention reads the rows' host figures)
+            g.out = self._accepts_body(g, ctx, level)
+        for i, rid in enumerate(rids):  # (static buffers: only the next replay, of these requests, rewrites them)
+            self.root_logits[rid] = (g.roots[0], g.roots[1], i)
+        return g.out[:, :R] if trees else None
+
+    def _accept_graph(self, R: int, n: int) -> "_AcceptGraph | None":
+        """run_accepts' capture for a bucket of R requests whose verified trees had n nodes
+        (None: the capture failed; the exact pass then)."""
+        key = (R, n)
+        if key in self._accepts:
+            return self._accepts[key]
+        tree = self._tree_graph(R)  # (its level buffers and roots: the trees read what this writes)
+        if tree is None:
+            self._accepts[key] = None
+            return None
+        K, h, dev = self.depth + 1, self.draft, self.draft.device
+        m = self.model
+        g = _AcceptGraph(ctx=m.static_rows(Capacity(R * K, R, R, m.max_seq_blocks, 1)), tree=tree,
+                         acc=torch.zeros(R, 3 + n, dtype=torch.long, device=dev),
+                         features=torch.zeros(R * (n + 1), h.fc.in_features, dtype=h.fc.weight.dtype, device=dev),
+                         roots=tree.roots)
+        if not m.emulate:
+            def body():
+                g.out = self._accepts_body(g, g.ctx.rows, tree.st.rows)
+            g.graph = m.capture(body)
+            if g.graph is None:
+                g = None
+        self._accepts[key] = g
+        return g
+
+    def _accepts_body(self, g: "_AcceptGraph", ctx: BatchRows, level: BatchRows) -> torch.Tensor:
+        """What _AcceptGraph captures: the accepts' rows written over the packed placeholders, the
+        head's pass over them, each request's bonus row as the root, level 1's columns moved to
+        after the accepted rows (the host packed them at the longest the path can be), the trees."""
+        R, K, w, n = g.acc.shape[0], self.depth + 1, self.w, g.acc.shape[1] - 3
+        dev = g.acc.device
+        toks, pos, count = tree_verify.accepted_rows(g.acc, K)  # [R, K], [R, K], [R]
+        ctx.tokens[:R * K] = toks.view(-1)
+        r = torch.arange(R, device=dev)
+        hidden = self.draft.project(g.features[(pos + (r * (n + 1))[:, None]).view(-1)])  # [R K, H]
+        logits, out = self.model.run(ctx, hidden)  # [R K, V'], [R K, H]
+        root = r * K + (count - 1).clamp_min(0)  # [R] (padding requests: count 0)
+        g.roots[0].copy_(logits[root])
+        g.roots[1].copy_(out[root])
+        # level 1 after each real request's accepted rows (padding requests: seq_len 0, kept)
+        S = ctx.seq_len[:R]  # [R] committed + K
+        real = S > 0
+        L = torch.where(real, S - K + count, 0)[:, None].expand(R, w)  # [R, w] committed columns after the accepts
+        col = L + torch.arange(w, device=dev)  # [R, w]
+        bs = self.pool.block_size
+        slot = level.block_tables[:R].gather(1, col // bs) * bs + col % bs
+        keep = real[:, None].expand(R, w).reshape(-1)
+        for field, value in ((level.positions, L), (level.row_prefix, L), (level.row_base, L), (level.slots, slot)):
+            field[:R * w] = torch.where(keep, value.reshape(-1), field[:R * w])
+        level.seq_len[:R] = torch.where(real, L[:, 0] + w, level.seq_len[:R])
+        return self._device_tree(level, g.roots, R, self.n_graph)
 
     def commit_accepts(self, items: list[tuple[str, list[int]]]) -> None:
         """run_accepts' requests with their accepts read: each keeps its first len(tokens) rows
         (in place: no move) and drops the rest of what it reserved."""
         self.pool.commit_many([(rid, list(range(len(toks))), toks) for rid, toks in items])
-
-    @torch.no_grad()
-    def tree_after_accepts(self, rids: list[str], before: list[int], lengths: torch.Tensor) -> torch.Tensor | None:
-        """The next step's trees queued behind run_accepts (their rows reserved with it), from the
-        roots it ran: level 1 after each request's `lengths` [R] committed columns, known on the
-        device only (the packed level rows written there over a pack at the longest they can be,
-        `before` + depth + 1) -> [6, R, n_graph] as propose_device's; None: no captured tree
-        takes them (the engine then drafts after the read, as before)."""
-        R, w, K = len(rids), self.w, self.depth + 1
-        if not (self.tree_graphs and R <= self.model.max_seqs):
-            return None
-        g = self._tree_graph(next(b for b in REQUEST_BUCKETS if b >= R))
-        if g is None:
-            return None
-        seqs = self.pool.seqs
-        rows = self.model.load_level_rows(g.st, [b + K for b in before], [seqs[r].blocks for r in rids],
-                                          [seqs[r].version for r in rids], w)
-        # level 1's fields that depend on the lengths (BatchRows.pack_level's), on the device
-        # (no op here may wait for the device: not repeat_interleave, no pageable copy)
-        L = lengths[:, None].expand(R, w)  # [R, w]
-        col = L + torch.arange(w, device=L.device)  # [R, w] each row's column
-        bs = self.pool.block_size
-        blk = rows.block_tables[:R].gather(1, col // bs)  # [R, w]
-        rows.positions[:R * w] = L.reshape(-1)
-        rows.row_prefix[:R * w] = L.reshape(-1)
-        rows.row_base[:R * w] = L.reshape(-1)
-        rows.slots[:R * w] = (blk * bs + col % bs).reshape(-1)
-        rows.seq_len[:R] = lengths + w
-        roots = [self.root_logits[rid] for rid in rids]
-        lg, out = roots[0][0], roots[0][1]  # (run_accepts' outputs, in order)
-        for buf, t in zip(g.roots, (lg, out)):
-            (buf if R == g.R else buf[:R]).copy_(t)
-        if g.graph is not None:
-            g.graph.replay()
-        else:  # emulated: the same padded buffers, eagerly
-            g.out = self._device_tree(rows, g.roots, g.R, self.n_graph)
-        return g.out[:, :R]
 
     def _root_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         h = self.draft

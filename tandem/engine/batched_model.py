@@ -385,6 +385,29 @@ class BatchRows:
         return fixed
 
     @staticmethod
+    def pack_chunks(host: np.ndarray, cap: Capacity, views: dict[str, np.ndarray], starts: list[int],
+                    tables: list[list[int]], versions: list[int], held: list, K: int, block_size: int, scratch: int,
+                    tile_rows: int, fixed: "_LevelPack | None") -> "_LevelPack":
+        """pack() of R = len(starts) requests' K causal rows each, after starts[r] committed
+        columns (Segment.chunk([0] * K, starts[r], blocks) each, tokens left 0: the device writes
+        them), as pack_level does a level: what depends only on R and K once, the columns each
+        step. Returns the buffer's pack (pass it back next step)."""
+        R = len(starts)
+        if fixed is None or fixed.key != ("chunk", R, K):
+            fixed = _LevelPack.write_chunks(host, cap, views, R, K, scratch, tile_rows)
+        BatchRows._changed_tables(fixed.bt, tables, versions, held)
+        L = np.array(starts, dtype=np.int64)  # [R]
+        np.add(L, K, out=fixed.seq_len)
+        col = L[:, None] + fixed.arange_w  # [R, K] each row's column = its position
+        fixed.positions[:] = col
+        fixed.prefix_base[0] = col + 1  # (a causal row sees up to its own column)
+        fixed.prefix_base[1] = (L + K)[:, None]
+        blk, off = np.divmod(col, block_size)
+        np.multiply(fixed.bt[fixed.rows, blk], block_size, out=fixed.slots)
+        fixed.slots += off
+        return fixed
+
+    @staticmethod
     def build(segments: "list[Segment] | PackColumns", device: torch.device, dtype: torch.dtype, block_size: int,
               window: int | None = None, tile_rows: int = 16, scratch: int = 0,
               cap: Capacity | None = None) -> "BatchRows":
@@ -508,6 +531,36 @@ class _LevelPack:
         f.rows = np.arange(R)[:, None]  # [R, 1]
         f.arange_w = np.arange(w)
         for name in ("positions", "prefix_base", "slots"):  # (views of host, or the writes are lost)
+            assert np.shares_memory(getattr(f, name), host), name
+        return f
+
+    @staticmethod
+    def write_chunks(host: np.ndarray, cap: Capacity, views: dict[str, np.ndarray], R: int, K: int, scratch: int,
+                     tile_rows: int) -> "_LevelPack":
+        """write() for R requests of K causal rows each (BatchRows.pack_chunks): no mask bits."""
+        assert K <= tile_rows and R <= cap.R and R * K <= cap.M and cap.W == 1, (R, K, cap)
+        M = R * K
+        bt_at, bt_shape = cap.layout["block_tables"]
+        host[:bt_at] = 0
+        host[bt_at + math.prod(bt_shape):] = 0
+        views["row_seq"][:M] = np.repeat(np.arange(R), K)
+        views["slots"][M:] = scratch
+        views["logit_rows"][:M] = np.arange(M)
+        tiles = views["tiles"]
+        tiles[:R, 0] = np.arange(R)
+        tiles[:R, 1] = np.arange(0, M, K)
+        tiles[:R, 2] = K
+        f = _LevelPack()
+        f.key = ("chunk", R, K)
+        f.bt = views["block_tables"]
+        f.seq_len = views["seq_len"][:R]
+        f.positions = views["positions"][:M].reshape(R, K)
+        pre_at = cap.layout["row_prefix"][0]
+        f.prefix_base = host[pre_at:pre_at + 2 * cap.M].reshape(2, cap.M)[:, :M].reshape(2, R, K)
+        f.slots = views["slots"][:M].reshape(R, K)
+        f.rows = np.arange(R)[:, None]
+        f.arange_w = np.arange(K)
+        for name in ("positions", "prefix_base", "slots"):
             assert np.shares_memory(getattr(f, name), host), name
         return f
 
@@ -727,6 +780,18 @@ class BatchedModel:
                                         self.pool.block_size, self.pool.scratch_slot, self.tile_rows, st.level)
         R = len(lengths)
         return self._staged_rows(st, st.cap.M, [w] * R, [n + w for n in lengths], list(range(0, R * w + 1, w)),
+                                 st.cap.M, None)
+
+    def load_chunk_rows(self, st: "StaticRows", starts: list[int], tables: list[list[int]], versions: list[int],
+                        K: int) -> BatchRows:
+        """load_rows() of R = len(starts) requests' K causal rows each (BatchRows.pack_chunks),
+        for a caller's own capture."""
+        if st.staged is not None:
+            st.staged.synchronize()
+        st.level = BatchRows.pack_chunks(st.host_np, st.cap, st.views, starts, tables, versions, st.tables, K,
+                                         self.pool.block_size, self.pool.scratch_slot, self.tile_rows, st.level)
+        R = len(starts)
+        return self._staged_rows(st, st.cap.M, [K] * R, [n + K for n in starts], list(range(0, R * K + 1, K)),
                                  st.cap.M, None)
 
     def _staged_rows(self, st: "StaticRows", M: int, T: list[int], S: list[int], offsets: list[int], logits: int,

@@ -766,9 +766,7 @@ class Engine:
                  and all(len(r.output_ids) + k < r.max_new for r in reqs))
         n = head.device_nodes(len(rids), self.spec.nodes) if trees else None
         trees = n is not None and n + 1 <= 64
-        before, lengths = head.run_accepts(rids, launched.acc, self.model.last_features,
-                                           (head.depth - 1) * head.w if trees else 0)
-        tree = head.tree_after_accepts(rids, before, lengths) if trees else None
+        tree = head.run_accepts(rids, launched.acc, self.model.last_features, trees)
         self.counters.accepts_on_device += 1
         if tree is None:
             return "context"
