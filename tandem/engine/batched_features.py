@@ -267,6 +267,18 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
             self.root_logits[rid] = (g.roots[0], g.roots[1], i)
         return g.out[:, :R] if trees else None
 
+    def warmup(self, max_seqs: int) -> None:
+        """The context passes' and trees' captures (BatchedTreeDrafter.warmup), then run_accepts'
+        for every request bucket up to `max_seqs` (one captured mid-serving cost a request's first
+        token ~40 ms on the H200)."""
+        super().warmup(max_seqs)
+        if not (self.tree_graphs and self.depth + 1 <= self.model.tile_rows):
+            return
+        for b in REQUEST_BUCKETS:
+            if b > max_seqs:
+                break
+            self._accept_graph(b, self.n_graph)
+
     def _accept_graph(self, R: int, n: int) -> "_AcceptGraph | None":
         """run_accepts' capture for a bucket of R requests whose verified trees had n nodes
         (None: the capture failed; the exact pass then)."""
