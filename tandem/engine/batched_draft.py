@@ -78,7 +78,7 @@ class BatchedDrafter:
 
     def warmup(self, max_seqs: int) -> None:
         """Capture now what steps of up to `max_seqs` requests replay (server start-up)."""
-        self.model.warmup(max_seqs * 4)  # (catch-up passes: about tau rows a request)
+        self.model.warmup(max(max_seqs * 4, CATCH_UP_CHUNK))  # (catch-up passes: about tau rows a request; a prompt's chunk)
 
     def _forward(self, segs: list[Segment]) -> torch.Tensor:
         return self.model.forward(self.model.rows(segs))
@@ -214,7 +214,7 @@ class BatchedTreeDrafter(BatchedDrafter):
             self._tree_graph(b)
 
     def _warm_context(self, max_seqs: int) -> None:
-        self.model.warmup(max_seqs * self.w)
+        self.model.warmup(max(max_seqs * self.w, CATCH_UP_CHUNK))  # (a new prompt's catch-up chunk too)
 
     @torch.no_grad()
     def propose(self, trees: list[tuple[str, list[int], int]]) -> dict[str, DraftTree]:

@@ -341,9 +341,10 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         return [((h.econfig.draft_vocab_size,), h.dtype), ((h.config.hidden_size,), h.dtype)]
 
     def _warm_context(self, max_seqs: int) -> None:
-        h = self.draft  # (a step's context pass: each request's accepted rows and bonus)
+        h = self.draft  # (a step's context pass: each request's accepted rows and bonus; a new
+        # request's prompt, a catch-up chunk at a time: uncaptured, its first token paid a capture)
         like = torch.zeros(1, h.config.hidden_size, dtype=h.dtype, device=h.device)
-        self.model.warmup_inputs(max_seqs * (self.depth + 1), like, self.model.run)
+        self.model.warmup_inputs(max(max_seqs * (self.depth + 1), batched_draft.CATCH_UP_CHUNK), like, self.model.run)
 
     def _level(self, rows: BatchRows, parent_row: torch.Tensor | None, roots: tuple[torch.Tensor, ...]) -> torch.Tensor:
         root_out = roots[1]  # [R, H]
