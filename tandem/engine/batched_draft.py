@@ -38,7 +38,7 @@ import torch
 
 from tandem.config import SamplingConfig
 from tandem.engine.batched_model import BatchedModel, BatchRows, Capacity, Segment, StaticRows
-from tandem.kernels import level_tree
+from tandem.kernels import level_tree, tree_verify
 from tandem.kernels.resident import topk_logprobs
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
@@ -164,6 +164,20 @@ class _TreeGraph:
     out: torch.Tensor | None = None
 
 
+@dataclass
+class _AcceptGraph:
+    """BatchedTreeDrafter.run_accepts captured for R requests: a verify pass's accepts (and a
+    feature drafter's features) in, the draft's pass over them and the next step's trees out."""
+
+    ctx: StaticRows  # [R (depth + 1)] causal rows, packed by load_chunk_rows (tokens written inside)
+    tree: _TreeGraph  # the bucket's tree: its level buffers (packed by load_level_rows) and roots
+    acc: torch.Tensor  # [R, 3 + n] input: tree_verify.accept_paths' answer
+    features: torch.Tensor | None  # [R (n + 1), F] input: the verify pass's target features (None: a draft model)
+    roots: tuple[torch.Tensor, ...]  # the roots the pass ran (the tree's root buffers), logits first
+    graph: object = None  # torch.cuda.CUDAGraph (None: emulated)
+    out: torch.Tensor | None = None  # [6, R, n_graph] the trees
+
+
 class BatchedTreeDrafter(BatchedDrafter):
     """EAGLE-2's level tree for every request at once, grown on the device.
 
@@ -188,6 +202,7 @@ class BatchedTreeDrafter(BatchedDrafter):
         self.n_all = self.w + (self.depth - 1) * self.w * self.w  # level 1, then each level's w x w children
         self.n_graph = min(nodes or self.n_all, self.n_all)
         self._trees: dict[int, _TreeGraph | None] = {}
+        self._accepts: dict[tuple[int, int], _AcceptGraph | None] = {}  # (request bucket, verified nodes) -> run_accepts' capture
         # a captured tree: levels to grow, and its model's passes captured (graphs on, sizes known,
         # no sliding window) with the Triton kernel for attention (or emulated)
         m = self.model
@@ -212,6 +227,7 @@ class BatchedTreeDrafter(BatchedDrafter):
             if b > max_seqs:
                 break
             self._tree_graph(b)
+        self._warm_accepts(max_seqs)
 
     def _warm_context(self, max_seqs: int) -> None:
         self.model.warmup(max(max_seqs * self.w, CATCH_UP_CHUNK))  # (a new prompt's catch-up chunk too)
@@ -379,6 +395,146 @@ class BatchedTreeDrafter(BatchedDrafter):
             level_tree.level_children(node_tok, node_par, node_lp, fed, ctok, clp, lo, d2t)
         rows.seq_len[:R] = torch.where(Lt >= 0, Lt + w, 0)  # (level 1's again: a replay starts from it)
 
+    # ---- the next step's drafting queued before the accepts are read (device-resident) ----------
+    runs_accepts = True  # (a chain drafter does not: device verification takes `tree` steps only)
+
+    def can_run_accepts(self, reqs: list[tuple[str, int]]) -> bool:
+        """Whether run_accepts takes these requests, (request id, tokens so far) each: the draft
+        has run every one of them (its last catch-up ran the root), so a verify pass's accepts
+        are all it has to run."""
+        seqs = self.pool.seqs
+        return all(rid in seqs and seqs[rid].length == n and rid in self.root_logits for rid, n in reqs)
+
+    @torch.no_grad()
+    def run_accepts(self, rids: list[str], acc: torch.Tensor, features: torch.Tensor | None, trees: bool
+                    ) -> torch.Tensor | None:
+        """The draft's pass over a verify pass's accepts without reading them (the engine reads
+        them while this runs): per request depth + 1 rows after its committed ones, the first
+        `count` of them its accepted tokens and the bonus (tree_verify.accepted_rows; the rest
+        run too, at columns no later pass sees, and are dropped by `commit_accepts`); a feature
+        drafter's rows read the target's features of the tree position before each. acc
+        [R, 3 + n] (device_verify.launch), features [R (n + 1), F] the pass's (None: a draft
+        model). Each request's bonus row is its next root. With captured trees this and the next
+        step's trees from those roots are one CUDA graph per request bucket (_AcceptGraph): the
+        host packs two buffers and replays once. Returns those trees ([6, R, n_graph], as
+        propose_device's) when `trees`, else None. The rows (and the trees') stay reserved until
+        commit_accepts."""
+        R, K, n = len(rids), self.depth + 1, acc.shape[1] - 3
+        m, seqs = self.model, self.pool.seqs
+        g = None
+        if self.tree_graphs and K <= m.tile_rows and R <= m.max_seqs:
+            g = self._accept_graph(next(b for b in REQUEST_BUCKETS if b >= R), n)
+        extra = (self.depth - 1) * self.w if g is not None else 0  # (the graph grows the trees too)
+        starts, tables, versions = [], [], []
+        for rid in rids:
+            sb = seqs[rid]
+            starts.append(sb.length)
+            self.pool.reserve(rid, K + extra)
+            tables.append(sb.blocks)
+            versions.append(sb.version)
+        if g is None:  # one exact pass, its ops launched from here
+            toks, pos, count = tree_verify.accepted_rows(acc, K)  # [R, K], [R, K], [R]
+            rows = m.exact_rows([Segment.chunk([0] * K, L, t, logits=True) for L, t in zip(starts, tables)])
+            rows.tokens[:R * K].copy_(toks.view(-1))
+            r = torch.arange(R, device=acc.device)
+            state = self._accept_pass(rows, features, (pos + (r * (n + 1))[:, None]).view(-1))  # [R K, ...] each
+            root = r * K + count - 1  # [R] each request's bonus row
+            self._keep_roots(rids, tuple(s[root] for s in state))
+            return None
+        ctx = m.load_chunk_rows(g.ctx, starts, tables, versions, K)
+        level = m.load_level_rows(g.tree.st, [L + K for L in starts], tables, versions, self.w)
+        g.acc[:R].copy_(acc)
+        if g.features is not None:
+            g.features[:R * (n + 1)].copy_(features[:R * (n + 1)])
+        if g.graph is not None:
+            g.graph.replay()
+        else:  # emulated: the same buffers, eagerly (the reference attention reads the rows' host figures)
+            g.out = self._accepts_body(g, ctx, level)
+        self._keep_roots(rids, g.roots)  # (static buffers: only the next replay, of these requests, rewrites them)
+        return g.out[:, :R] if trees else None
+
+    def commit_accepts(self, items: list[tuple[str, list[int]]]) -> None:
+        """run_accepts' requests with their accepts read: each keeps its first len(tokens) rows
+        (in place: no move) and drops the rest of what it reserved."""
+        self.pool.commit_many([(rid, list(range(len(toks))), toks) for rid, toks in items])
+
+    def _warm_accepts(self, max_seqs: int) -> None:
+        """run_accepts' captures for every request bucket up to `max_seqs` (one captured
+        mid-serving cost a request's first token ~40 ms on the H200)."""
+        if not (self.runs_accepts and self.tree_graphs and self.depth + 1 <= self.model.tile_rows):
+            return
+        for b in REQUEST_BUCKETS:
+            if b > max_seqs:
+                break
+            self._accept_graph(b, self.n_graph)
+
+    def _accept_graph(self, R: int, n: int) -> "_AcceptGraph | None":
+        """run_accepts' capture for a bucket of R requests whose verified trees had n nodes
+        (None: the capture failed; the exact pass then)."""
+        key = (R, n)
+        if key in self._accepts:
+            return self._accepts[key]
+        tree = self._tree_graph(R)  # (its level buffers and roots: the trees read what this writes)
+        if tree is None:
+            self._accepts[key] = None
+            return None
+        K, dev, m = self.depth + 1, self.draft.device, self.model
+        width = self._accept_feature_width()
+        g = _AcceptGraph(ctx=m.static_rows(Capacity(R * K, R, R, m.max_seq_blocks, 1)), tree=tree,
+                         acc=torch.zeros(R, 3 + n, dtype=torch.long, device=dev),
+                         features=None if width is None else torch.zeros(R * (n + 1), width, dtype=self.draft.dtype,
+                                                                         device=dev),
+                         roots=tree.roots)
+        if not m.emulate:
+            def body():
+                g.out = self._accepts_body(g, g.ctx.rows, tree.st.rows)
+            g.graph = m.capture(body)
+            if g.graph is None:
+                g = None
+        self._accepts[key] = g
+        return g
+
+    def _accepts_body(self, g: "_AcceptGraph", ctx: BatchRows, level: BatchRows) -> torch.Tensor:
+        """What _AcceptGraph captures: the accepts' rows written over the packed placeholders, the
+        draft's pass over them, each request's bonus row as the root, level 1's columns moved to
+        after the accepted rows (the host packed them at the longest the path can be), the trees."""
+        R, K, w, n = g.acc.shape[0], self.depth + 1, self.w, g.acc.shape[1] - 3
+        dev = g.acc.device
+        toks, pos, count = tree_verify.accepted_rows(g.acc, K)  # [R, K], [R, K], [R]
+        ctx.tokens[:R * K] = toks.view(-1)
+        r = torch.arange(R, device=dev)
+        state = self._accept_pass(ctx, g.features, (pos + (r * (n + 1))[:, None]).view(-1))  # [R K, ...] each
+        root = r * K + (count - 1).clamp_min(0)  # [R] (padding requests: count 0)
+        for buf, s in zip(g.roots, state):
+            buf.copy_(s[root])
+        # level 1 after each real request's accepted rows (padding requests: seq_len 0, kept)
+        S = ctx.seq_len[:R]  # [R] committed + K
+        real = S > 0
+        L = torch.where(real, S - K + count, 0)[:, None].expand(R, w)  # [R, w] committed columns after the accepts
+        col = L + torch.arange(w, device=dev)  # [R, w]
+        bs = self.pool.block_size
+        slot = level.block_tables[:R].gather(1, col // bs) * bs + col % bs
+        keep = real[:, None].expand(R, w).reshape(-1)
+        for field, value in ((level.positions, L), (level.row_prefix, L), (level.row_base, L), (level.slots, slot)):
+            field[:R * w] = torch.where(keep, value.reshape(-1), field[:R * w])
+        level.seq_len[:R] = torch.where(real, L[:, 0] + w, level.seq_len[:R])
+        return self._device_tree(level, g.roots, R, self.n_graph)
+
+    def _accept_feature_width(self) -> int | None:
+        """Width of the target features a run_accepts row reads (None: none, a draft model)."""
+        return None
+
+    def _accept_pass(self, rows: BatchRows, features: torch.Tensor | None, feature_rows: torch.Tensor
+                     ) -> tuple[torch.Tensor, ...]:
+        """The draft's pass over run_accepts' rows (feature_rows [M]: the row of `features` each
+        reads) -> every row's root state [M, ...] (as `_roots` gives it: logits first)."""
+        return (self.model.forward(rows),)  # [M, V] (every row's logits: the rows want them)
+
+    def _keep_roots(self, rids: list[str], roots: tuple[torch.Tensor, ...]) -> None:
+        """The requests' next roots' state ([R, ...] each, in rids' order), for `_roots`."""
+        for i, rid in enumerate(rids):
+            self.root_logits[rid] = roots[0][i]
+
     # ---- what differs between drafters --------------------------------------------------------
     def _roots(self, live: list[tuple[str, list[int], int]]) -> tuple[torch.Tensor, ...]:
         """Each request's root state: its distribution [R, V] (the catch-up pass over what it has not seen)."""
@@ -407,6 +563,8 @@ class BatchedChainDrafter(BatchedTreeDrafter):
     """Chains of k draft tokens for every request. A greedy chain is the width-1 level tree (on
     a GPU one captured graph a step, as any tree); a sampled chain draws each token from the
     draft's processed distribution q with the request's generator, one batched pass per position."""
+
+    runs_accepts = False  # (its steps are never verified on the device)
 
     def __init__(self, draft, num_blocks: int, block_size: int, k: int, max_seqs: int | None = None,
                  max_seq_blocks: int | None = None, use_graphs: bool | str | None = None):

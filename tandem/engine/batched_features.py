@@ -13,14 +13,11 @@ pass for every request at once, drafting or not), and runs them in its next pass
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from tandem.engine import batched_draft
-from tandem.engine.batched_draft import REQUEST_BUCKETS, BatchedTreeDrafter, split_drafted
-from tandem.engine.batched_model import BatchedModel, BatchRows, Capacity, Segment, StaticRows
-from tandem.kernels import tree_verify
+from tandem.engine.batched_draft import BatchedTreeDrafter, split_drafted
+from tandem.engine.batched_model import BatchedModel, BatchRows, Segment
 from tandem.kernels.fused import add_rmsnorm, embed_norms
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import DraftTree
@@ -121,20 +118,6 @@ class BatchedHead(BatchedModel):
         return head.lm_head(normed if logit_rows is None else normed[logit_rows]), out
 
 
-@dataclass
-class _AcceptGraph:
-    """BatchedEagleDrafter.run_accepts captured for R requests: a verify pass's accepts and
-    features in, the head's context pass over them and the next step's trees out."""
-
-    ctx: StaticRows  # [R (depth + 1)] causal rows, packed by load_chunk_rows (tokens written inside)
-    tree: "batched_draft._TreeGraph"  # the bucket's tree: its level buffers (packed by load_level_rows) and roots
-    acc: torch.Tensor  # [R, 3 + n] input: tree_verify.accept_paths' answer
-    features: torch.Tensor  # [R (n + 1), F] input: the verify pass's target features
-    roots: tuple[torch.Tensor, ...]  # the roots the pass ran (the tree's root buffers): logits, hidden
-    graph: object = None  # torch.cuda.CUDAGraph (None: emulated)
-    out: torch.Tensor | None = None  # [6, R, n_graph] the trees
-
-
 class BatchedEagleDrafter(BatchedTreeDrafter):
     """EAGLE-2's level tree from an EAGLE-3 head for every request at once (the per-request
     EagleDrafter's tree, batched). Per request the head keeps the committed tokens it has not
@@ -158,7 +141,6 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         self.pending: dict[str, PendingRows] = {}  # rid -> its tokens not run yet, their hidden inputs [n, H]
         self._level_out: torch.Tensor | None = None  # [R, w, H] the last level's output hidden
         self._init_trees(nodes)
-        self._accepts: dict[tuple[int, int], _AcceptGraph | None] = {}  # (request bucket, verified nodes) -> run_accepts' capture
 
     def release(self, request_id: str) -> None:
         super().release(request_id)
@@ -213,128 +195,21 @@ class BatchedEagleDrafter(BatchedTreeDrafter):
         return (torch.stack([lg[i] for lg, _, i in roots]),  # [R, draft_vocab]
                 torch.stack([o[i] for _, o, i in roots]))  # [R, H]
 
-    # ---- the next step's drafting queued before the accepts are read (device-resident) ----------
-    def can_run_accepts(self, rids: list[str]) -> bool:
-        """Whether run_accepts takes these requests: each has run every row it was given (its
-        last context pass ran its root), so a verify pass's accepts are all it has to run."""
-        return all(rid in self.pool.seqs and rid in self.pending and not self.pending[rid].tokens for rid in rids)
+    # ---- run_accepts (BatchedTreeDrafter): the head's pass over a step's accepts --------------
+    def can_run_accepts(self, reqs: list[tuple[str, int]]) -> bool:
+        """Each request has run every row it was given (its last context pass ran its root)."""
+        return all(rid in self.pool.seqs and rid in self.pending and not self.pending[rid].tokens for rid, _ in reqs)
 
-    @torch.no_grad()
-    def run_accepts(self, rids: list[str], acc: torch.Tensor, features: torch.Tensor, trees: bool
-                    ) -> torch.Tensor | None:
-        """The context pass over a verify pass's accepts without reading them (the engine reads
-        them while this runs): per request depth + 1 rows after its committed ones, the first
-        `count` of them its accepted tokens and the bonus (tree_verify.accepted_rows; the rest
-        run too, at columns no later pass sees, and are dropped by `commit_accepts`), each reading
-        the projected features of the tree position before it. acc [R, 3 + n] (device_verify.launch),
-        features [R (n + 1), F] the pass's. With captured trees this and the next step's trees
-        from the roots it ran are one CUDA graph per request bucket (_AcceptGraph): the host packs
-        two buffers and replays once. Returns those trees ([6, R, n_graph], as propose_device's)
-        when `trees`, else None. The rows (and the trees') stay reserved until commit_accepts."""
-        R, K, n = len(rids), self.depth + 1, acc.shape[1] - 3
-        m, seqs = self.model, self.pool.seqs
-        g = None
-        if self.tree_graphs and K <= m.tile_rows and R <= m.max_seqs:
-            g = self._accept_graph(next(b for b in REQUEST_BUCKETS if b >= R), n)
-        extra = (self.depth - 1) * self.w if g is not None else 0  # (the graph grows the trees too)
-        starts, tables, versions = [], [], []
-        for rid in rids:
-            sb = seqs[rid]
-            starts.append(sb.length)
-            self.pool.reserve(rid, K + extra)
-            tables.append(sb.blocks)
-            versions.append(sb.version)
-        if g is None:  # one exact pass, its ops launched from here
-            toks, pos, count = tree_verify.accepted_rows(acc, K)  # [R, K], [R, K], [R]
-            segs = [Segment.chunk([0] * K, L, t) for L, t in zip(starts, tables)]
-            dev = acc.device
-            rows = (pos + (torch.arange(R, device=dev) * (n + 1))[:, None]).view(-1)  # [R K] feature rows
-            roots = torch.arange(R, device=dev) * K + count - 1  # [R] each request's bonus row
-            logits, out = m.run_rows(segs, self.draft.project(features[rows]), m.run, tokens=toks.view(-1),
-                                     pick=roots)  # [R, V'], [R, H]
-            for i, rid in enumerate(rids):
-                self.root_logits[rid] = (logits, out, i)
-            return None
-        ctx = m.load_chunk_rows(g.ctx, starts, tables, versions, K)
-        level = m.load_level_rows(g.tree.st, [L + K for L in starts], tables, versions, self.w)
-        g.acc[:R].copy_(acc)
-        g.features[:R * (n + 1)].copy_(features[:R * (n + 1)])
-        if g.graph is not None:
-            g.graph.replay()
-        else:  # emulated: the same buffers, eagerly (the reference attention reads the rows' host figures)
-            g.out = self._accepts_body(g, ctx, level)
-        for i, rid in enumerate(rids):  # (static buffers: only the next replay, of these requests, rewrites them)
-            self.root_logits[rid] = (g.roots[0], g.roots[1], i)
-        return g.out[:, :R] if trees else None
+    def _accept_feature_width(self) -> int | None:
+        return self.draft.fc.in_features
 
-    def warmup(self, max_seqs: int) -> None:
-        """The context passes' and trees' captures (BatchedTreeDrafter.warmup), then run_accepts'
-        for every request bucket up to `max_seqs` (one captured mid-serving cost a request's first
-        token ~40 ms on the H200)."""
-        super().warmup(max_seqs)
-        if not (self.tree_graphs and self.depth + 1 <= self.model.tile_rows):
-            return
-        for b in REQUEST_BUCKETS:
-            if b > max_seqs:
-                break
-            self._accept_graph(b, self.n_graph)
+    def _accept_pass(self, rows: BatchRows, features: torch.Tensor | None, feature_rows: torch.Tensor
+                     ) -> tuple[torch.Tensor, ...]:
+        return self.model.run(rows, self.draft.project(features[feature_rows]))  # [M, V'], [M, H]
 
-    def _accept_graph(self, R: int, n: int) -> "_AcceptGraph | None":
-        """run_accepts' capture for a bucket of R requests whose verified trees had n nodes
-        (None: the capture failed; the exact pass then)."""
-        key = (R, n)
-        if key in self._accepts:
-            return self._accepts[key]
-        tree = self._tree_graph(R)  # (its level buffers and roots: the trees read what this writes)
-        if tree is None:
-            self._accepts[key] = None
-            return None
-        K, h, dev = self.depth + 1, self.draft, self.draft.device
-        m = self.model
-        g = _AcceptGraph(ctx=m.static_rows(Capacity(R * K, R, R, m.max_seq_blocks, 1)), tree=tree,
-                         acc=torch.zeros(R, 3 + n, dtype=torch.long, device=dev),
-                         features=torch.zeros(R * (n + 1), h.fc.in_features, dtype=h.fc.weight.dtype, device=dev),
-                         roots=tree.roots)
-        if not m.emulate:
-            def body():
-                g.out = self._accepts_body(g, g.ctx.rows, tree.st.rows)
-            g.graph = m.capture(body)
-            if g.graph is None:
-                g = None
-        self._accepts[key] = g
-        return g
-
-    def _accepts_body(self, g: "_AcceptGraph", ctx: BatchRows, level: BatchRows) -> torch.Tensor:
-        """What _AcceptGraph captures: the accepts' rows written over the packed placeholders, the
-        head's pass over them, each request's bonus row as the root, level 1's columns moved to
-        after the accepted rows (the host packed them at the longest the path can be), the trees."""
-        R, K, w, n = g.acc.shape[0], self.depth + 1, self.w, g.acc.shape[1] - 3
-        dev = g.acc.device
-        toks, pos, count = tree_verify.accepted_rows(g.acc, K)  # [R, K], [R, K], [R]
-        ctx.tokens[:R * K] = toks.view(-1)
-        r = torch.arange(R, device=dev)
-        hidden = self.draft.project(g.features[(pos + (r * (n + 1))[:, None]).view(-1)])  # [R K, H]
-        logits, out = self.model.run(ctx, hidden)  # [R K, V'], [R K, H]
-        root = r * K + (count - 1).clamp_min(0)  # [R] (padding requests: count 0)
-        g.roots[0].copy_(logits[root])
-        g.roots[1].copy_(out[root])
-        # level 1 after each real request's accepted rows (padding requests: seq_len 0, kept)
-        S = ctx.seq_len[:R]  # [R] committed + K
-        real = S > 0
-        L = torch.where(real, S - K + count, 0)[:, None].expand(R, w)  # [R, w] committed columns after the accepts
-        col = L + torch.arange(w, device=dev)  # [R, w]
-        bs = self.pool.block_size
-        slot = level.block_tables[:R].gather(1, col // bs) * bs + col % bs
-        keep = real[:, None].expand(R, w).reshape(-1)
-        for field, value in ((level.positions, L), (level.row_prefix, L), (level.row_base, L), (level.slots, slot)):
-            field[:R * w] = torch.where(keep, value.reshape(-1), field[:R * w])
-        level.seq_len[:R] = torch.where(real, L[:, 0] + w, level.seq_len[:R])
-        return self._device_tree(level, g.roots, R, self.n_graph)
-
-    def commit_accepts(self, items: list[tuple[str, list[int]]]) -> None:
-        """run_accepts' requests with their accepts read: each keeps its first len(tokens) rows
-        (in place: no move) and drops the rest of what it reserved."""
-        self.pool.commit_many([(rid, list(range(len(toks))), toks) for rid, toks in items])
+    def _keep_roots(self, rids: list[str], roots: tuple[torch.Tensor, ...]) -> None:
+        for i, rid in enumerate(rids):
+            self.root_logits[rid] = (roots[0], roots[1], i)
 
     def _root_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         h = self.draft

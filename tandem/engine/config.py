@@ -64,12 +64,12 @@ class EngineConfig:
     # verifies the same requests in the same order, else dropped (the drafter's state stays
     # right either way: only the tree levels are speculative). False: draft at the step's start
     draft_ahead: bool = True
-    # with device verification and an EAGLE-3 head: the head's context pass over the accepted
-    # tokens (and, with draft_ahead, the next step's trees) queue on the device right behind the
-    # verify pass, from its accepts as the device holds them, before the host reads them: the
-    # host then keeps books while the device drafts, instead of feeding the head the accepts it
-    # read (its packing and copies were most of a step's host time on the H200). Each request
-    # runs depth + 1 rows and keeps the accepted ones. False: the head is fed after the read
+    # with device verification (an EAGLE-3 head or a draft model): the drafter's pass over the
+    # accepted tokens (and, with draft_ahead, the next step's trees) queue on the device right
+    # behind the verify pass, from its accepts as the device holds them, before the host reads
+    # them: the host then keeps books while the device drafts, instead of feeding the drafter the
+    # accepts it read (its packing and copies were most of a step's host time on the H200). Each
+    # request runs depth + 1 rows and keeps the accepted ones. False: fed after the read
     device_context: bool = True
     # CUDA graphs for the batched passes, one per row bucket, captured when the engine starts
     # (vLLM's name; True: every pass eager, e.g. to profile single kernels)

@@ -749,15 +749,15 @@ class Engine:
         return self._apply(plan, None, logits, given, ran)
 
     def _run_accepts(self, plan: StepPlan, launched: device_verify.Launched) -> str | None:
-        """config.device_context: queue the EAGLE-3 head's context pass over this step's accepts
-        (still on the device) and, when every request surely decodes next step, the next step's
-        trees; returns None (not taken: the head is fed after the read), "context" or "trees"."""
+        """config.device_context: queue the drafter's pass over this step's accepts (still on the
+        device) and, when every request surely decodes next step, the next step's trees; returns
+        None (not taken: the drafter is fed after the read), "context" or "trees"."""
         cfg, head = self.config, self.batched
-        if not (cfg.device_context and isinstance(head, BatchedEagleDrafter) and self.feature_layers):
+        if not (cfg.device_context and isinstance(head, BatchedTreeDrafter) and head.runs_accepts):
             return None
         reqs = [s.request for s in plan.scheduled]
         rids = [r.request_id for r in reqs]
-        if not head.can_run_accepts(rids):
+        if not head.can_run_accepts([(r.request_id, len(r.token_ids())) for r in reqs]):
             return None
         # the trees too when none can reach max_tokens this step (EOS may still end one: the
         # next step then drops them), no prompt waits for a slot, and drafting stays on
@@ -766,7 +766,7 @@ class Engine:
                  and all(len(r.output_ids) + k < r.max_new for r in reqs))
         n = head.device_nodes(len(rids), self.spec.nodes) if trees else None
         trees = n is not None and n + 1 <= 64
-        tree = head.run_accepts(rids, launched.acc, self.model.last_features, trees)
+        tree = head.run_accepts(rids, launched.acc, self.model.last_features if self.feature_layers else None, trees)
         self.counters.accepts_on_device += 1
         if tree is None:
             return "context"
