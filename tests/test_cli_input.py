@@ -264,6 +264,15 @@ def _is_spawned_worker(pid: int) -> bool:
         return False
 
 
+def _terminal_signals() -> None:
+    """In the child, before exec: SIGINT as a shell hands it to a command it starts (default
+    action, not blocked). A process inherits an ignored or blocked SIGINT, and Python then leaves
+    it so: in the full suite this test's `tandem` ran to the end, exit 0, through its Ctrl-C
+    (seen on the 2-core development machine in every full run of 2026-12-03, never alone)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir() or sys.platform != "linux", reason="needs Linux /proc")
 def test_ctrl_c_while_gloo_workers_start_is_one_line_and_leaves_no_worker():
     # NOTE: a terminal's Ctrl-C goes to the whole process group; it is sent the moment a worker
@@ -271,7 +280,8 @@ def test_ctrl_c_while_gloo_workers_start_is_one_line_and_leaves_no_worker():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     p = subprocess.Popen([sys.executable, "-m", "tandem", "generate", "def f():", "--method", "async",
                           "--transport", "gloo", "--max-new-tokens", "8"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+                         stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,
+                         preexec_fn=_terminal_signals)
     try:
         workers: list[int] = []
         deadline = time.monotonic() + 90
