@@ -774,24 +774,24 @@ class BatchedModel:
         """load_rows() of a level tree's first level (BatchRows.pack_level: R = len(lengths)
         requests, w rows each after lengths[r] committed columns; block tables and their versions),
         for a caller's own capture."""
-        if st.staged is not None:
-            st.staged.synchronize()
-        st.level = BatchRows.pack_level(st.host_np, st.cap, st.views, lengths, tables, versions, st.tables, w,
-                                        self.pool.block_size, self.pool.scratch_slot, self.tile_rows, st.level)
-        R = len(lengths)
-        return self._staged_rows(st, st.cap.M, [w] * R, [n + w for n in lengths], list(range(0, R * w + 1, w)),
-                                 st.cap.M, None)
+        return self._load_fixed(st, BatchRows.pack_level, lengths, tables, versions, w)
 
     def load_chunk_rows(self, st: "StaticRows", starts: list[int], tables: list[list[int]], versions: list[int],
                         K: int) -> BatchRows:
         """load_rows() of R = len(starts) requests' K causal rows each (BatchRows.pack_chunks),
         for a caller's own capture."""
+        return self._load_fixed(st, BatchRows.pack_chunks, starts, tables, versions, K)
+
+    def _load_fixed(self, st: "StaticRows", pack, lengths: list[int], tables: list[list[int]], versions: list[int],
+                    T: int) -> BatchRows:
+        """A fixed-structure pack (T rows a request after lengths[r] committed columns) into st's
+        buffers, once the previous pass's copy has left them."""
         if st.staged is not None:
             st.staged.synchronize()
-        st.level = BatchRows.pack_chunks(st.host_np, st.cap, st.views, starts, tables, versions, st.tables, K,
-                                         self.pool.block_size, self.pool.scratch_slot, self.tile_rows, st.level)
-        R = len(starts)
-        return self._staged_rows(st, st.cap.M, [K] * R, [n + K for n in starts], list(range(0, R * K + 1, K)),
+        st.level = pack(st.host_np, st.cap, st.views, lengths, tables, versions, st.tables, T, self.pool.block_size,
+                        self.pool.scratch_slot, self.tile_rows, st.level)
+        R = len(lengths)
+        return self._staged_rows(st, st.cap.M, [T] * R, [n + T for n in lengths], list(range(0, R * T + 1, T)),
                                  st.cap.M, None)
 
     def _staged_rows(self, st: "StaticRows", M: int, T: list[int], S: list[int], offsets: list[int], logits: int,
