@@ -2,7 +2,7 @@
 
 The host path reads every drafted tree back, builds and packs each one, runs the target and
 reads its argmax back: two read-backs a step, and the device idle while the host packs. Here
-(`verify`, Engine._verify_on_device's work) the trees stay on the device as the drafter's
+(`launch` and `read`, Engine._verify_on_device's work) the trees stay on the device as the drafter's
 captured tree left them ([6, R, n]: token, parent's tree position, rank, log-prob bits, depth,
 ancestor mask; BatchedTreeDrafter.propose_device):
 
@@ -42,14 +42,6 @@ def _flat(n: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
     return _FLAT[n]
 
 
-def verify(model: BatchedModel, pool: PagedKVPool, decodes: list[ScheduledRows], tree: torch.Tensor, n: int
-           ) -> tuple[list[tuple[VerifyResult, list[int]]], list[int], torch.Tensor]:
-    """decodes: the step's requests (every one a greedy decode with n + 1 rows reserved), in
-    the order of tree [6, R, n] -> each one's (result, accepted draft tokens), each tree's
-    deepest depth, and the pass's logits [R (n + 1), V]."""
-    return read(launch(model, pool, decodes, tree, n))
-
-
 @dataclass
 class Launched:
     """A verify pass queued on the device, its accepts on their way to the host."""
@@ -63,7 +55,7 @@ class Launched:
 
 def launch(model: BatchedModel, pool: PagedKVPool, decodes: list[ScheduledRows], tree: torch.Tensor, n: int
            ) -> Launched:
-    """verify()'s pass and accepts, queued; the accepts' copy to the host queued behind them, so
+    """The target pass over the decodes' trees (tree [6, R, n], in their order) and the accepts, queued; the accepts' copy to the host queued behind them, so
     that more work (the drafter's next context pass: accepted_rows) can queue before `read` waits."""
     R, W = len(decodes), n + 1
     bits, depth, zeros = _flat(n)
@@ -94,7 +86,7 @@ def launch(model: BatchedModel, pool: PagedKVPool, decodes: list[ScheduledRows],
 
 
 def read(launched: Launched) -> tuple[list[tuple[VerifyResult, list[int]]], list[int], torch.Tensor]:
-    """Wait for the accepts (the step's one read-back) -> verify()'s answer."""
+    """Wait for the accepts (the step's one read-back) -> each decode's (result, accepted draft tokens), each tree's deepest depth, the pass's logits."""
     if launched.done is not None:
         launched.done.synchronize()
     n = launched.n
