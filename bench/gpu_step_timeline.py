@@ -30,7 +30,7 @@ from tandem.runtime.pair import load_pair
 
 # (object path from the engine, method names): the phases labelled
 PHASES = [
-    ("", ["_boundary", "_gate_drafts", "_device_nodes", "_device_drafts", "_verify_on_device", "_apply", "_feed",
+    ("", ["_boundary", "_async_step", "_read", "_drain", "_gate_drafts", "_device_nodes", "_device_drafts", "_verify_on_device", "_apply", "_feed",
           "_commit", "_emit", "_record", "_forward", "_host_drafts", "_feature_handles", "_draft_ahead",
           "_run_accepts"]),
     ("scheduler", ["plan_step"]),
@@ -111,7 +111,7 @@ def build(args, concurrency: int) -> Engine:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar")
     cfg = EngineConfig(method=args.method, max_num_seqs=concurrency, device_verify=not args.host_verify,
                        draft_ahead=not args.no_draft_ahead, device_context=not args.no_device_context,
-                       max_num_batched_tokens=max(2048, concurrency * 33))
+                       async_scheduling=not args.no_async_scheduling, max_num_batched_tokens=max(2048, concurrency * 33))
     return Engine(pair.target, pair.draft, pair.tokenizer, cfg)
 
 
@@ -231,6 +231,7 @@ def main() -> int:
     ap.add_argument("--host-verify", action="store_true")
     ap.add_argument("--no-draft-ahead", action="store_true", help="each step drafts its trees at its start")
     ap.add_argument("--no-device-context", action="store_true", help="the head is fed the accepts after the read")
+    ap.add_argument("--no-async-scheduling", action="store_true", help="ar: each step reads its tokens before the next")
     ap.add_argument("--host-only", action="store_true", help="exclusive host time per phase by perf_counter "
                     "(no profiler; where the device waits, the phase that waits holds the time)")
     ap.add_argument("--keep-traces", action="store_true")

@@ -144,8 +144,10 @@ MODES = {"bp": "batch_parallel", "sel": "row_selection", "det": "deterministic"}
 # modes that turn an on-by-default switch off (`+host`: trees read back and verified on the host,
 # the A/B of verifying on the device; `+sync`: each step drafts its trees at its start, the A/B
 # of drafting the next step's trees while the host keeps books; `+feed`: the EAGLE-3 head is fed
-# the accepts after the host reads them, the A/B of running them on the device before the read)
-OFF_MODES = {"seq": "batched_drafting", "host": "device_verify", "sync": "draft_ahead", "feed": "device_context"}
+# the accepts after the host reads them, the A/B of running them on the device before the read;
+# for `ar`, `+sync` turns async scheduling off: each step reads its tokens before the next plans)
+OFF_MODES = {"seq": "batched_drafting", "host": "device_verify", "sync": ("draft_ahead", "async_scheduling"),
+             "feed": "device_context"}
 ON_MODES = {"gate": "draft_gate", "adapt": "adaptive_draft"}  # switches turned on (else left at their default)
 
 
@@ -163,9 +165,9 @@ def parse_engine_methods(text: str, batch_parallel: bool = False, row_selection:
         bad = [m for m in mods if m not in MODES and m not in OFF_MODES and m not in ON_MODES]
         if bad or len(set(mods)) != len(mods):
             raise ConfigError(f"unknown engine mode in {n!r}; modes are +bp (batch parallel), +sel (row selection), "
-                              "+det (deterministic), +seq (per-request drafting), +host (trees verified on the host), +sync (no drafting ahead), +feed (the head fed after the read), +gate (the "
+                              "+det (deterministic), +seq (per-request drafting), +host (trees verified on the host), +sync (no drafting ahead; for ar: no async scheduling), +feed (the head fed after the read), +gate (the "
                               "draft gate) and +adapt (per-request draft length)")
-        if set(mods) - {"det"} and base == "ar":
+        if set(mods) - {"det", "sync"} and base == "ar":
             raise ConfigError(f"{n!r}: batch parallelism, row selection, per-request drafting, the draft gate and "
                               "the adaptive draft length need a speculative method (chain or tree)")
     if not names:
@@ -189,7 +191,9 @@ def engine_modes(label: str) -> tuple[str, dict[str, bool]]:
     -> batched_drafting False; `tree+gate` -> draft_gate True (drafting skipped where it does not pay)."""
     base, *mods = label.split("+")
     modes = {flag: key in mods for key, flag in MODES.items()}
-    modes.update({flag: False for key, flag in OFF_MODES.items() if key in mods})
+    for key, flags in OFF_MODES.items():
+        if key in mods:
+            modes.update({flag: False for flag in ((flags,) if isinstance(flags, str) else flags)})
     modes.update({flag: True for key, flag in ON_MODES.items() if key in mods})
     return base, modes
 

@@ -614,7 +614,7 @@ class BatchedModel:
 
     def __init__(self, model: Transformer, pool: PagedKVPool, deterministic: bool = False,
                  max_seqs: int | None = None, max_seq_blocks: int | None = None, use_graphs: bool | str | None = None,
-                 features: bool = True):
+                 features: bool = True, device_tokens: int = 0):
         # (a drafter's own module, e.g. an EAGLE-3 head, has no `model.layers`: never sharded)
         if any(layer.self_attn.tp_group is not None for layer in getattr(getattr(model, "model", None), "layers", ())):
             raise ValueError("the batched engine does not run a tensor-parallel shard yet")
@@ -645,6 +645,18 @@ class BatchedModel:
         # keys its workspace by (handle, stream) and a graph keeps its capture stream's
         self._capture_stream = None
         self._input_graphs: dict[int, _InputGraph] = {}  # run_rows' captures, by row bucket
+        # Tokens that stay on the device between passes (the engine's async scheduling; 0: off).
+        # Each pass writes the argmax of its logit rows into `next_tokens` (by logit row), and
+        # reads a row's token from there where `feed_src` names a logit row of the pass before
+        # (-1: the packed token). Both are static buffers, so the captured passes do it too.
+        self.device_tokens = device_tokens > 0
+        self.next_tokens: torch.Tensor | None = None  # [size] int64: the last pass's argmax per logit row
+        self.feed_src: torch.Tensor | None = None  # [size] int64: per row, a logit row of the pass before, or -1
+        self._feed_set = False  # feed_src holds a launch's sources (a pass without them resets it)
+        if self.device_tokens:
+            size = max(device_tokens, GRAPH_BUCKETS[-1])
+            self.next_tokens = torch.zeros(size, dtype=torch.int64, device=model.device)
+            self.feed_src = torch.full((size,), -1, dtype=torch.int64, device=model.device)
 
     # ---- packing -----------------------------------------------------------------------------
     def rows(self, segments: "list[Segment] | PackColumns") -> BatchRows:
@@ -887,13 +899,18 @@ class BatchedModel:
 
     # ---- the pass ----------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, rows: BatchRows) -> torch.Tensor:
+    def forward(self, rows: BatchRows, feed: tuple[list[int], list[int]] | None = None,
+                logits: bool = True) -> torch.Tensor | None:
         """With the target's features on (Transformer.enable_features, for feature drafters) and
         `features`, `last_features` holds every row's [M, F] afterwards, as the single-request
-        runner keeps them."""
+        runner keeps them. With device tokens: `feed` = (rows, logit rows of the pass before):
+        those rows take their tokens from the pass before's argmax (next_tokens) rather than the
+        packed ones; `logits` False: none returned (the caller reads next_tokens only)."""
+        if self.device_tokens:
+            self._load_feed(rows.tokens.shape[0], feed)
         if rows.graph is None:
-            logits, self.last_features = self._body(rows, every_row=False)
-            return logits
+            out, self.last_features = self._body(rows, every_row=False)
+            return out if logits else None
         g = self._graphs[rows.graph]
         if self.emulate:
             g.logits, g.features = self._body(rows, every_row=True)  # (its padded views, eagerly)
@@ -902,12 +919,28 @@ class BatchedModel:
         # NOTE: a view of the graph's buffer, not a copy: its one reader (Engine._apply) copies the
         # rows it keeps (prefill chunks, accepted paths) before the target's next replay
         self.last_features = g.features[:rows.num_rows] if g.features is not None else None
-        return g.logits[rows.logit_rows]  # [n, vocab] (a copy: the next replay overwrites g.logits)
+        return g.logits[rows.logit_rows] if logits else None  # [n, vocab] (a copy: the next replay overwrites g.logits)
+
+    def _load_feed(self, M: int, feed: tuple[list[int], list[int]] | None) -> None:
+        """feed_src[:M] for the coming pass of M (packed or bucket) rows: -1 but at feed's rows."""
+        if feed is None:
+            if self._feed_set:  # (the last launch's sources must not feed this pass)
+                self.feed_src.fill_(-1)
+                self._feed_set = False
+            return
+        src = np.full(M, -1, dtype=np.int64)
+        src[feed[0]] = feed[1]
+        self.feed_src[:M].copy_(upload(src, self.feed_src.device))  # (queued: no wait for the device)
+        self._feed_set = True
 
     def _body(self, rows: BatchRows, every_row: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layers over every packed row; logits of every row or of rows.logit_rows, features."""
         m = self.model
-        x, delta = m.model.embed_tokens(rows.tokens)[None], None  # [1, M, hidden]
+        tokens = rows.tokens  # [M]
+        if self.device_tokens:  # rows fed from the pass before's argmax (feed_src; -1: packed)
+            src = self.feed_src[:tokens.shape[0]]
+            tokens = torch.where(src >= 0, self.next_tokens[src.clamp(min=0)], tokens)
+        x, delta = m.model.embed_tokens(tokens)[None], None  # [1, M, hidden]
         want = (m.feature_layers or ()) if self.features else ()
         feats: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.model.layers):
@@ -921,7 +954,12 @@ class BatchedModel:
         features = torch.cat([feats[i] for i in want], dim=-1)[0] if want else None  # [M, F]
         norm = m.model.norm
         h = add_rmsnorm(x, delta, norm.weight, norm.eps)[1][0]  # [M, hidden]
-        return self._rowwise(m.lm_head, h if every_row else h[rows.logit_rows]), features
+        logits = self._rowwise(m.lm_head, h if every_row else h[rows.logit_rows])  # [M or n, vocab]
+        if self.device_tokens:  # every logit row's argmax, by logit row (what the next pass may feed)
+            top = logits.argmax(-1)
+            top = top[rows.logit_rows] if every_row else top  # [n] (a graph's: every row of its bucket)
+            self.next_tokens[:top.shape[0]].copy_(top)
+        return logits, features
 
     def _rowwise(self, fn, x: torch.Tensor) -> torch.Tensor:
         """fn (a row-wise layer) over the rows of x [..., M, h]. In deterministic mode batch-invariant:

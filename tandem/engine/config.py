@@ -71,6 +71,13 @@ class EngineConfig:
     # accepts it read (its packing and copies were most of a step's host time on the H200). Each
     # request runs depth + 1 rows and keeps the accepted ones. False: fed after the read
     device_context: bool = True
+    # method `ar` with greedy requests: a step's pass is queued before the previous step's
+    # tokens are read, each decode row taking its token from the previous pass's argmax on the
+    # device (vLLM's async scheduling, SGLang's overlap scheduler). The host then plans, packs,
+    # commits and emits while the device runs the pass, instead of between passes. A request
+    # that ends at EOS or a stop string has one spare row computed after it (dropped). Steps with
+    # a sampled request or one asking for logprobs run synchronously. None: on a GPU
+    async_scheduling: bool | None = None
     # CUDA graphs for the batched passes, one per row bucket, captured when the engine starts
     # (vLLM's name; True: every pass eager, e.g. to profile single kernels)
     enforce_eager: bool = False

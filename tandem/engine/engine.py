@@ -119,6 +119,8 @@ class EngineCounters:
     drafted_ahead: int = 0  # device-verified steps whose trees were drafted during the previous step (draft_ahead)
     ahead_dropped: int = 0  # trees drafted ahead that the next step's plan did not verify (dropped)
     accepts_on_device: int = 0  # device-verified steps whose accepts the head ran before the read (device_context)
+    async_steps: int = 0  # steps queued before the previous step's tokens were read (async_scheduling)
+    spare_rows: int = 0  # of their rows, rows of requests that had ended by the read (EOS, stop, abort)
     trees_before_read: int = 0  # of them, steps that queued the next step's trees before the read too
     records: deque = field(default_factory=lambda: deque(maxlen=4096), repr=False)
 
@@ -133,6 +135,20 @@ class EngineCounters:
         out["overlap"] = self.draft_hidden_s / self.draft_s if self.draft_s else 0.0
         out["last_step"] = asdict(self.records[-1]) if self.records else None
         return out
+
+
+@dataclass
+class _Inflight:
+    """An async-scheduled step (EngineConfig.async_scheduling): its pass queued, its tokens on
+    their way to the host."""
+
+    plan: StepPlan
+    host: torch.Tensor  # [decodes] each decode's new token (pinned on a GPU: filled once `done` is)
+    done: "torch.cuda.Event | None"
+
+    def live(self) -> bool:
+        """Whether a request of it still runs (its tokens are still wanted)."""
+        return any(not s.request.done for s in self.plan.scheduled)
 
 
 class _BatchedFeatureHandle:
@@ -168,9 +184,15 @@ class Engine:
         # a request's block table holds at most its context window plus one verify pass's rows
         seq_blocks = self.pool.blocks_for(self.context_window + config.draft_rows())
         graphs = None if not config.enforce_eager else False
+        # async scheduling (config.async_scheduling): `ar` steps queued before the last one is read
+        self._async = config.method == "ar" and (config.async_scheduling if config.async_scheduling is not None
+                                                 else target.device.type == "cuda")
         self.model = BatchedModel(target, self.pool, deterministic=config.deterministic,
                                   max_seqs=config.max_num_seqs, max_seq_blocks=seq_blocks, use_graphs=graphs,
-                                  features=bool(self.feature_layers))
+                                  features=bool(self.feature_layers),
+                                  device_tokens=config.max_num_batched_tokens if self._async else 0)
+        self._inflight: _Inflight | None = None  # the async step queued last, not read yet
+        self._sampled: set[str] = set()  # requests that sample (their steps run synchronously)
         # every request's draft from shared passes of the drafter (batched_draft), where it applies
         self.batched: BatchedDrafter | BatchedBlockDrafter | None = None
         if config.batched_drafting and config.method in ("chain", "tree"):
@@ -282,6 +304,8 @@ class Engine:
             raise ConfigError(f"request needs {need} KV blocks but the pool has {self.pool.num_blocks}; "
                               f"raise num_blocks or lower max_tokens")
         self.requests[req.request_id] = req
+        if not req.params.sampling().greedy:
+            self._sampled.add(req.request_id)
         self.scheduler.add(req)
         return req
 
@@ -294,11 +318,22 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self._inflight is not None and self._inflight.live())
 
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
-        """Run one target pass; returns the requests that finished in it."""
+        """Run one target pass; returns the requests that finished in it (with async scheduling,
+        those that finished in the pass before, whose tokens this step read)."""
+        try:
+            if self._pipelines():
+                return self._async_step()
+            return self._drain() + self._step()
+        except BaseException:
+            self._inflight = None  # (its requests are failed by the caller; their rows are not wanted)
+            raise
+
+    def _step(self) -> list[RequestOutput]:
+        """One synchronous step: plan, draft, one target pass, accept, commit, emit."""
         t_step = time.perf_counter()
         ahead, self._ahead = self._ahead, None  # (trees drafted during the last step: this step's, or dropped)
         verify, verify_batch, overlapped, fallback, loads = self._boundary()
@@ -380,6 +415,7 @@ class Engine:
         finally:
             self._forced = saved
             self.abort(req.request_id)
+            self._drain()  # (an async step of it may still be queued)
         self.steps, self.counters = 0, EngineCounters()
 
     @torch.no_grad()
@@ -675,7 +711,7 @@ class Engine:
         cfg = self.config
         if (not cfg.device_verify or cfg.method != "tree" or plain or not drafts or len(drafts) != len(plan.scheduled)
                 or cfg.row_selection or cfg.adaptive_draft or self.batches is not None or self.fault_hook is not None
-                or self._reads_accepts(drafts) or not isinstance(self.batched, BatchedTreeDrafter)):
+                or self._reads_accepts([s.request for s in drafts]) or not isinstance(self.batched, BatchedTreeDrafter)):
             return None
         n = self.batched.device_nodes(len(drafts), self.spec.nodes)
         if n is None or n + 1 > 64:  # (a row's tree mask in one 64-bit word)
@@ -685,7 +721,7 @@ class Engine:
                 return None
         return n
 
-    def _reads_accepts(self, scheduled: list[ScheduledRows]) -> bool:
+    def _reads_accepts(self, requests) -> bool:
         """Whether this step's accepts must each run `_accept` on the host, with its logits (no
         device verification, no greedy-root shortcut): a subclass that overrides `_accept` does,
         unless it says otherwise here (the server's LogprobEngine: when a request asked for logprobs)."""
@@ -833,6 +869,114 @@ class Engine:
         hidden = max(0.0, min(t_end, d_end) - max(0.0, d_start))
         return logits, len(to_draft), draft_ms / 1e3, min(1.0, hidden / draft_ms)
 
+    # ---- async scheduling (`ar`) ------------------------------------------------------------
+    def _pipelines(self) -> bool:
+        """Whether this step may be queued before the last one is read: an `ar` engine with async
+        scheduling whose requests are all greedy and none reads its logits (logprobs)."""
+        return (self._async and not self._sampled and self.fault_hook is None
+                and not self._reads_accepts(self.requests.values()))
+
+    def _async_step(self) -> list[RequestOutput]:
+        """Plan and queue this step's pass, then read the last step's tokens (the device runs this
+        pass meanwhile) and commit and emit them. A request whose token is still on its way is
+        planned as if it were there: its decode row reads it on the device (BatchedModel's
+        feed), one row after the rows already reserved for it. A request that would reach
+        max_tokens with that token is not planned again; one that ends at EOS or a stop string
+        is, and its spare row is dropped at the read."""
+        t_step = time.perf_counter()
+        prev, self._inflight = self._inflight, None
+        waiting: dict[str, int] = {}  # request id -> its decode's logit row in prev (token on its way)
+        if prev is not None:
+            k = 0
+            for s in prev.plan.scheduled:
+                if s.kind == "decode":
+                    waiting[s.request.request_id] = k
+                    k += 1
+
+        def plans(req: Request) -> bool:  # (a decoding request: not one whose token on its way is its last)
+            return req.request_id not in waiting or len(req.output_ids) + 1 < req.max_new
+
+        plan = self.scheduler.plan_step(plans if waiting else None)
+        for req in plan.preempted:
+            self._drop_draft(req)
+        if plan:
+            trees = {s.request.request_id: DraftTree.root(s.request.last_token) for s in plan.decodes}
+            rows = self._rows(plan, trees)  # (a waiting token's row packs a stale one: fed over it)
+            fed, src, at = [], [], 0
+            for s in plan.scheduled:
+                if s.kind == "decode" and s.request.request_id in waiting:
+                    fed.append(at)
+                    src.append(waiting[s.request.request_id])
+                at += s.rows
+            self.model.forward(rows, feed=(fed, src) if fed else None, logits=False)
+            for s in plan.scheduled:  # (computed now: the next plan starts after these rows)
+                s.request.num_computed += s.rows
+            n = len(trees)
+            tokens = self.model.next_tokens[:n]  # [decodes] their new tokens, on the device
+            if tokens.device.type == "cuda":
+                host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+                host.copy_(tokens, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            else:
+                host, done = tokens.clone(), None
+            self._inflight = _Inflight(plan, host, done)
+            self.counters.async_steps += 1
+        finished = self._read(prev) if prev is not None else []
+        self._record(plan, 0, None, False, False, None, 0, 0.0, 0.0, 0, 0.0, time.perf_counter() - t_step)
+        self.steps += 1
+        if self.config.debug_check:
+            problems = self.pool.check()
+            assert not problems, problems
+        return finished
+
+    def _drain(self) -> list[RequestOutput]:
+        """Read the async step still queued, if any (before a synchronous step plans)."""
+        prev, self._inflight = self._inflight, None
+        return self._read(prev) if prev is not None else []
+
+    def _read(self, inf: _Inflight) -> list[RequestOutput]:
+        """Wait for an async step's tokens; commit its rows in the pool (keeping the rows reserved
+        after them since) and emit each decode's token. Requests that ended since it was queued
+        are skipped; one preempted since (its blocks gone) still gets its token."""
+        if inf.done is not None:
+            inf.done.synchronize()
+        toks = inf.host.tolist()
+        seqs = self.pool.seqs
+        commits: list[tuple[str, list[int], list[int]]] = []
+        emits: list[tuple[Request, int]] = []
+        k = -1
+        for s in inf.plan.scheduled:
+            req = s.request
+            k += s.kind == "decode"
+            if req.done:
+                self.counters.spare_rows += s.rows
+                continue
+            held = req.state is RequestState.RUNNING and req.request_id in seqs
+            if s.kind == "prefill":
+                if held:
+                    commits.append((req.request_id, list(range(s.rows)), req.token_ids()[s.start:s.start + s.rows]))
+                continue
+            if held:  # (its row fed the request's last token: the one read just before this step's)
+                commits.append((req.request_id, [0], [req.last_token]))
+            emits.append((req, toks[k]))
+        self.pool.commit_many(commits, keep_later=True)
+        finished, failed = [], []
+        for req, tok in emits:
+            try:
+                result = VerifyResult([0], [tok], 0)
+                if self._emit(req, None, result, 0):
+                    self._end(req, RequestState.FINISHED, req.finish_reason)
+                    finished.append(self.output(req))
+            except Exception:
+                log.exception("request %s failed in its part of a step; the others go on", req.request_id)
+                failed.append(req)
+        for req in failed:
+            self._end(req, RequestState.ABORTED, "error")
+            self.counters.failed += 1
+            finished.append(self.output(req))
+        return finished
+
     def _record(self, plan: StepPlan, nodes: int, verify_batch: int | None, overlapped: bool,
                 fallback: bool, loads: tuple[int, int] | None, drafted: int, draft_s: float, overlap: float,
                 offered: int, drafting_s: float, seconds: float) -> None:
@@ -938,7 +1082,7 @@ class Engine:
         accepted: list[tuple[Request, DraftTree, VerifyResult, torch.Tensor | None]] = []
         failed: list[Request] = []
         hook = self.fault_hook
-        plain_accept = not self._reads_accepts(plan.scheduled)  # (the server's LogprobEngine reads some accepts)
+        plain_accept = not self._reads_accepts([s.request for s in plan.scheduled])  # (the server's LogprobEngine reads some accepts)
         for s in plan.scheduled:
             req = s.request
             if s.kind == "prefill":
@@ -1039,6 +1183,7 @@ class Engine:
         if self.batched is not None:
             self.batched.release(req.request_id)
         self._drop_ahead(req)
+        self._sampled.discard(req.request_id)
         self.scheduler.finish(req, state)
         if self.batches is not None:
             self.batches.recycle(req)

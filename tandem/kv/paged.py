@@ -169,10 +169,13 @@ class PagedKVPool:
         holding `tokens`; drop every other reserved row and free blocks no row uses any more."""
         self.commit_many([(seq_id, path, tokens)])
 
-    def commit_many(self, commits: list[tuple[str, list[int], list[int]]]) -> None:
+    def commit_many(self, commits: list[tuple[str, list[int], list[int]]], keep_later: bool = False) -> None:
         """commit() for several sequences (seq_id, path, tokens), their row moves as one gather
         and one scatter: a tree's accepted path is rarely in place, and a move per request costs
-        two host-to-device copies and two kernels (at 32 requests, more than the verify pass)."""
+        two host-to-device copies and two kernels (at 32 requests, more than the verify pass).
+        keep_later: each path is its reservation's first rows, in place (0, 1, .., n - 1), and
+        the reserved rows after them stay reserved (the engine's async scheduling reserves the
+        next step's rows before this step's are committed)."""
         src: list[int] = []  # slots the kept rows are in
         dst: list[int] = []  # slots they move to (the first len(path) reserved rows)
         seqs, bs = self.seqs, self.block_size
@@ -181,13 +184,14 @@ class PagedKVPool:
             n = len(path)
             assert n == len(tokens) and (not n or 0 <= min(path) and max(path) < s.reserved), (path, s.reserved)
             if n and path[-1] != n - 1:  # rows already in place (0, 1, .., n - 1) need no copy
+                assert not keep_later, f"{seq_id}: a path out of place would drop the later reserved rows"
                 at = s.length  # (the slots of those rows alone, not of every reserved row)
                 src += self._slots(s, [at + p for p in path])
                 dst += self._slots(s, range(at, at + n))
             s.length += n
             # (its blocks stay: the next step reserves about as many; they cover at most
             # max(slack, reserved) rows past the old length, so that less n past the new one)
-            s.slack, s.reserved = max(s.slack, s.reserved) - n, 0
+            s.slack, s.reserved = max(s.slack, s.reserved) - n, s.reserved - n if keep_later else 0
             s.tokens += tokens
             if len(s.hashes) < s.length // bs:  # (a block filled)
                 self._register_full_blocks(s)

@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant arithmetic: a request's greedy output does not depend on the requests "
                         "batched with it, nor on speculation (slower)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="`ar` with greedy requests: queue each step's pass before reading the last step's tokens, "
+                        "so the host's bookkeeping overlaps the GPU (default: on a GPU)")
     p.add_argument("--inject-faults", action="store_true",
                    help="testing only (the reliability harness): a request with user 'tandem-fault' fails inside "
                         "the engine, one with user 'tandem-kill' stops the engine loop")
@@ -87,7 +90,7 @@ def build(args) -> tuple[object, ServerConfig]:
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
                         batch_parallel=args.batch_parallel, row_selection=args.row_selection,
                         draft_gate=args.draft_gate, adaptive_draft=args.adaptive_draft,
-                        deterministic=args.deterministic)
+                        deterministic=args.deterministic, async_scheduling=args.async_scheduling)
     if (args.batch_parallel or args.row_selection) and methods == ("ar",):
         raise ConfigError("--batch-parallel / --row-selection need a speculative method in --methods (chain or tree)")
     for m in methods:

@@ -44,9 +44,9 @@ class LogprobEngine(Engine):
         self.logprob_topk.pop(request_id, None)
         self.logprobs.pop(request_id, None)
 
-    def _reads_accepts(self, scheduled) -> bool:
+    def _reads_accepts(self, requests) -> bool:
         wanted = self.logprob_topk
-        return bool(wanted) and any(s.request.request_id in wanted for s in scheduled)
+        return bool(wanted) and any(r.request_id in wanted for r in requests)
 
     def _accept(self, req: Request, tree: DraftTree, logits: torch.Tensor, *rest) -> VerifyResult:
         """rest: (argmax) with logits [the tree's rows, vocab], or (lo, argmax) with logits of the

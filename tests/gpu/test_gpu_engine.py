@@ -40,6 +40,8 @@ def test_engine_matches_an_uncached_forward(device, method, num_blocks):
     if num_blocks is not None:
         assert sum(o.figures.preemptions for o in outs.values()) > 0
     assert engine.pool.check() == [] and engine.pool.num_free == engine.pool.num_blocks
+    # `ar` on the GPU: async scheduling by default (each pass fed the last one's tokens on the device)
+    assert (engine.counters.async_steps > 0) == (method == "ar" and device == "cuda")
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "block"])
