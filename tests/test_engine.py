@@ -479,14 +479,17 @@ def test_batched_feature_drafters_grow_the_per_request_drafters_trees(kind, spec
     assert tokens[True] == tokens[False]
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("kind,ahead", [("block", True), ("eagle3", True), ("eagle3", False)])
-def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind, ahead):
+def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind, ahead, asynchronous):
     """While the draft gate keeps drafting off, the batched feature drafter is still handed every
     committed row with the target's features: when drafting resumes, its pending rows are exactly
     the tokens committed since it last drafted, each with the target's features of the position
     before it (as an uncached forward of the target gives them), and the output equals solo ar.
     (An EAGLE-3 head runs a device-verified step's accepts in that step (EngineConfig.device_context)
-    and drafts the next trees there or at its end (draft_ahead): it last ran rows in the second step.)"""
+    and drafts the next trees there or at its end (draft_ahead): it last ran rows in the second step.)
+    With async scheduling the plain steps are queued before the last one is read, and each feeds
+    its token with the features gathered when it was queued.)"""
     from tandem.runtime.pair import BUNDLED_TARGET, load_pair
 
     if not (BUNDLED_TARGET / "config.json").is_file():
@@ -496,7 +499,7 @@ def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind, ahead):
     prompt = pair.tokenizer.encode(_SNIPPETS[1]).ids
     engine = Engine(target, draft, config=EngineConfig(method="tree", spec=SpecConfig(nodes=16, width=4),
                                                        block_size=16, draft_gate=True, debug_check=True,
-                                                       draft_ahead=ahead))
+                                                       draft_ahead=ahead, async_scheduling=asynchronous))
     req = engine.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
     seen = {}
     last_drafted = 3 if kind == "eagle3" else 2  # (the step whose start holds what it ran)
@@ -524,9 +527,11 @@ def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind, ahead):
     solo = Engine(target, None, config=EngineConfig(method="ar"))
     assert out.token_ids == run_all(solo, [prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
     toks, rows = seen["pending"]
-    # (step 2's accepted path, unless drafted ahead at its end, then 3 roots)
-    assert toks == seen["tokens"][seen["from"]:] and len(toks) >= 3 + (last_drafted == 2)
+    # (step 2's accepted path, unless drafted ahead at its end, then 3 roots; with async
+    # scheduling the gate decides before the last plain step is read: its token is not there yet)
+    assert toks == seen["tokens"][seen["from"]:] and len(toks) >= 3 + (last_drafted == 2) - asynchronous
     assert (engine.counters.drafted_ahead > 0) == (ahead and kind == "eagle3")
+    assert (engine.counters.async_steps >= 3) == asynchronous  # (the three plain steps, and prefill steps)
     with torch.no_grad():
         target(torch.tensor([seen["tokens"]]))
         want = target.last_features[0, seen["from"] - 1:len(seen["tokens"]) - 1]  # [n, F] position p - 1
@@ -593,7 +598,7 @@ def test_the_gates_sample_stays_while_its_requests_decode(models, solo):
     assert samples[0][0] == sorted(r.request_id for r in reqs[:2]) and samples[-1][0] != samples[0][0]
 
 
-def _gated_eagle3_engine(n_prompts: int, max_tokens: int):
+def _gated_eagle3_engine(n_prompts: int, max_tokens: int, asynchronous: bool = False):
     """The bundled target and EAGLE-3 head in a gated `tree` engine (the test replaces its gate),
     with n of the snippets as prompts -> (pair, prompts, params, engine)."""
     from tandem.runtime.pair import BUNDLED_TARGET, load_pair
@@ -604,16 +609,18 @@ def _gated_eagle3_engine(n_prompts: int, max_tokens: int):
     prompts = [pair.tokenizer.encode(t).ids for t in _SNIPPETS[:n_prompts]]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     engine = Engine(pair.target, pair.draft, config=EngineConfig(
-        method="tree", spec=SpecConfig(nodes=8, width=2), block_size=16, draft_gate=True, debug_check=True))
+        method="tree", spec=SpecConfig(nodes=8, width=2), block_size=16, draft_gate=True, debug_check=True,
+        async_scheduling=asynchronous))
     return pair, prompts, params, engine
 
 
-def test_while_the_gate_keeps_drafting_off_only_its_samples_feature_drafters_are_fed():
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_while_the_gate_keeps_drafting_off_only_its_samples_feature_drafters_are_fed(asynchronous):
     """Feeding every request's feature drafter through plain steps costs a plain step more than
     `ar`'s; while the gate keeps drafting off only its sample's drafters are fed (the next probe
     drafts those), the others are released and restart from the whole context when drafting
     resumes. Outputs equal solo ar throughout (a restarted drafter proposes worse, never wrongly)."""
-    pair, prompts, params, engine = _gated_eagle3_engine(6, 20)
+    pair, prompts, params, engine = _gated_eagle3_engine(6, 20, asynchronous)
     fed_while_off = []
 
     class OnOffOn:  # all draft for two decode steps, none for four, then all again
@@ -638,13 +645,15 @@ def test_while_the_gate_keeps_drafting_off_only_its_samples_feature_drafters_are
     assert len(sample) == 2 and fed_while_off and all(fed == sample for fed in fed_while_off)
     drafted_again = [r for r in engine.counters.records if r.nodes > 0]
     assert len(drafted_again) > 2  # (drafting resumed for every request after the off stretch)
+    assert (engine.counters.async_steps >= 4) == asynchronous  # (the four plain steps, and prefill steps)
 
 
-def test_drafters_go_dormant_only_after_the_gates_off_streak_reaches_dormant_after():
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_drafters_go_dormant_only_after_the_gates_off_streak_reaches_dormant_after(asynchronous):
     """Near break-even the gate turns drafting on and off often, and a restarted drafter catches
     up on its whole context: every drafter stays fed until the gate has kept drafting off for
     `dormant_after` plain steps in a row; then only its sample's, until drafting resumes for all."""
-    pair, prompts, params, engine = _gated_eagle3_engine(5, 16)
+    pair, prompts, params, engine = _gated_eagle3_engine(5, 16, asynchronous)
     fed = []
 
     class Streak:  # all draft for two decode steps, then none (counting its off streak), then all again

@@ -145,6 +145,8 @@ class _Inflight:
     plan: StepPlan
     host: torch.Tensor  # [decodes] each decode's new token (pinned on a GPU: filled once `done` is)
     done: "torch.cuda.Event | None"
+    fed: list = field(default_factory=list)  # requests whose feature drafter is fed this step's token
+    fed_feats: torch.Tensor | None = None  # [len(fed), F] their decode rows' target features
 
     def live(self) -> bool:
         """Whether a request of it still runs (its tokens are still wanted)."""
@@ -184,9 +186,10 @@ class Engine:
         # a request's block table holds at most its context window plus one verify pass's rows
         seq_blocks = self.pool.blocks_for(self.context_window + config.draft_rows())
         graphs = None if not config.enforce_eager else False
-        # async scheduling (config.async_scheduling): `ar` steps queued before the last one is read
-        self._async = config.method == "ar" and (config.async_scheduling if config.async_scheduling is not None
-                                                 else target.device.type == "cuda")
+        # async scheduling (config.async_scheduling): `ar` steps, and the steps in which the draft
+        # gate keeps every request from drafting, queued before the last one is read
+        self._async = (config.async_scheduling if config.async_scheduling is not None
+                       else target.device.type == "cuda") and not config.batch_parallel
         self.model = BatchedModel(target, self.pool, deterministic=config.deterministic,
                                   max_seqs=config.max_num_seqs, max_seq_blocks=seq_blocks, use_graphs=graphs,
                                   features=bool(self.feature_layers),
@@ -325,21 +328,23 @@ class Engine:
         """Run one target pass; returns the requests that finished in it (with async scheduling,
         those that finished in the pass before, whose tokens this step read)."""
         try:
-            if self._pipelines():
-                return self._async_step()
-            return self._drain() + self._step()
+            # the gate decides before planning (a step without drafting reserves one row a request)
+            drafting = self._gate_drafts()
+            if self._pipelines(drafting):
+                return self._async_step(drafting)
+            return self._drain() + self._step(drafting)
         except BaseException:
             self._inflight = None  # (its requests are failed by the caller; their rows are not wanted)
             raise
 
-    def _step(self) -> list[RequestOutput]:
-        """One synchronous step: plan, draft, one target pass, accept, commit, emit."""
+    def _step(self, drafting: set[str] | None) -> list[RequestOutput]:
+        """One synchronous step: plan, draft, one target pass, accept, commit, emit. drafting:
+        the requests that draft (None: all; the draft gate's pick)."""
         t_step = time.perf_counter()
         ahead, self._ahead = self._ahead, None  # (trees drafted during the last step: this step's, or dropped)
         verify, verify_batch, overlapped, fallback, loads = self._boundary()
         admit = self.row_cost.flat_rows() if self.config.row_selection and self.config.prompt_admission else None
-        # the gate decides before planning, so a step without drafting reserves one row a request
-        self._drafting = self._gate_drafts()
+        self._drafting = drafting
         plan = self.scheduler.plan_step(verify, admit, verify_batch or 0)
         for req in plan.preempted:
             self._drop_draft(req)
@@ -870,13 +875,15 @@ class Engine:
         return logits, len(to_draft), draft_ms / 1e3, min(1.0, hidden / draft_ms)
 
     # ---- async scheduling (`ar`) ------------------------------------------------------------
-    def _pipelines(self) -> bool:
-        """Whether this step may be queued before the last one is read: an `ar` engine with async
-        scheduling whose requests are all greedy and none reads its logits (logprobs)."""
-        return (self._async and not self._sampled and self.fault_hook is None
-                and not self._reads_accepts(self.requests.values()))
+    def _pipelines(self, drafting: set[str] | None) -> bool:
+        """Whether this step may be queued before the last one is read: with async scheduling,
+        an `ar` step, or one in which the draft gate keeps every request from drafting
+        (drafting: the gate's pick), when every request is greedy and none reads its logits
+        (logprobs)."""
+        return (self._async and (self.config.method == "ar" or drafting == set()) and not self._sampled
+                and self.fault_hook is None and not self._reads_accepts(self.requests.values()))
 
-    def _async_step(self) -> list[RequestOutput]:
+    def _async_step(self, drafting: set[str] | None) -> list[RequestOutput]:
         """Plan and queue this step's pass, then read the last step's tokens (the device runs this
         pass meanwhile) and commit and emit them. A request whose token is still on its way is
         planned as if it were there: its decode row reads it on the device (BatchedModel's
@@ -885,6 +892,10 @@ class Engine:
         is, and its spare row is dropped at the read."""
         t_step = time.perf_counter()
         prev, self._inflight = self._inflight, None
+        self._drafting = drafting
+        if self._ahead is not None:  # (trees drafted ahead: this step drafts none)
+            self._ahead = None
+            self.counters.ahead_dropped += 1
         waiting: dict[str, int] = {}  # request id -> its decode's logit row in prev (token on its way)
         if prev is not None:
             k = 0
@@ -899,18 +910,29 @@ class Engine:
         plan = self.scheduler.plan_step(plans if waiting else None)
         for req in plan.preempted:
             self._drop_draft(req)
+        feeds: list[tuple[Request, int]] = []  # the feature drafters fed: (request, its decode's row)
         if plan:
-            trees = {s.request.request_id: DraftTree.root(s.request.last_token) for s in plan.decodes}
+            trees = {s.request.request_id: self._async_root(s.request, s.request.request_id in waiting)
+                     for s in plan.decodes}
             rows = self._rows(plan, trees)  # (a waiting token's row packs a stale one: fed over it)
             fed, src, at = [], [], 0
             for s in plan.scheduled:
-                if s.kind == "decode" and s.request.request_id in waiting:
-                    fed.append(at)
-                    src.append(waiting[s.request.request_id])
+                if s.kind == "decode":
+                    rid = s.request.request_id
+                    if rid in waiting:
+                        fed.append(at)
+                        src.append(waiting[rid])
+                    if isinstance(s.request.runtime.get("drafter"), _BatchedFeatureHandle):
+                        feeds.append((s.request, at))
                 at += s.rows
             self.model.forward(rows, feed=(fed, src) if fed else None, logits=False)
+            feats = self.model.last_features if self.feature_layers else None  # [M, F]
+            at = 0
             for s in plan.scheduled:  # (computed now: the next plan starts after these rows)
                 s.request.num_computed += s.rows
+                if s.kind == "prefill" and feats is not None:  # (kept until the request's drafter starts)
+                    s.request.runtime.setdefault("features", []).append(feats[at:at + s.rows].clone())
+                at += s.rows
             n = len(trees)
             tokens = self.model.next_tokens[:n]  # [decodes] their new tokens, on the device
             if tokens.device.type == "cuda":
@@ -920,15 +942,33 @@ class Engine:
                 done.record()
             else:
                 host, done = tokens.clone(), None
-            self._inflight = _Inflight(plan, host, done)
+            fed_feats = feats[upload([at for _, at in feeds], feats.device)] if feeds else None  # [fed, F]
+            self._inflight = _Inflight(plan, host, done, [req for req, _ in feeds], fed_feats)
             self.counters.async_steps += 1
         finished = self._read(prev) if prev is not None else []
-        self._record(plan, 0, None, False, False, None, 0, 0.0, 0.0, 0, 0.0, time.perf_counter() - t_step)
+        seconds = time.perf_counter() - t_step
+        if self.gate is not None and self._forced is None and plan.decodes:
+            self.gate.observe(len(plan.decodes), 0, seconds, 0, decode_only=len(plan.decodes) == len(plan.scheduled))
+            self._drafted_before = set()
+        self._record(plan, 0, None, False, False, None, 0, 0.0, 0.0, 0, 0.0, seconds)
         self.steps += 1
         if self.config.debug_check:
             problems = self.pool.check()
             assert not problems, problems
         return finished
+
+    def _async_root(self, req: Request, waiting: bool) -> DraftTree:
+        """A decode's tree in an async step: its root (a stale token where its own is on its way:
+        the device feeds the real one). In a drafting engine, as a plain step leaves its drafter
+        (_skip_draft), but a feature drafter is not started for a request whose context the host
+        does not hold yet (its token on the way): it starts at a later synchronous step, as one
+        restarted after dormancy."""
+        if self.config.method == "ar":
+            return DraftTree.root(req.last_token)
+        if waiting and "drafter" not in req.runtime and isinstance(self.batched, (BatchedEagleDrafter,
+                                                                                    BatchedBlockDrafter)):
+            return DraftTree.root(req.last_token)
+        return self._skip_draft(req)
 
     def _drain(self) -> list[RequestOutput]:
         """Read the async step still queued, if any (before a synchronous step plans)."""
@@ -961,6 +1001,13 @@ class Engine:
                 commits.append((req.request_id, [0], [req.last_token]))
             emits.append((req, toks[k]))
         self.pool.commit_many(commits, keep_later=True)
+        if inf.fed:  # the feature drafters kept fed: the new tokens with their rows' features
+            keep = [i for i, req in enumerate(inf.fed)
+                    if not req.done and isinstance(req.runtime.get("drafter"), _BatchedFeatureHandle)]
+            if keep:
+                tok = dict((id(req), t) for req, t in emits)
+                items = [(inf.fed[i].request_id, [tok[id(inf.fed[i])]]) for i in keep]
+                self.batched.observe_many(items, inf.fed_feats[upload(keep, inf.fed_feats.device)])
         finished, failed = [], []
         for req, tok in emits:
             try:
