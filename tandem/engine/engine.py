@@ -458,7 +458,8 @@ class Engine:
         """The draft gate's step costs, measured on this engine: for R throwaway requests (random
         prompts of 16 tokens; R = 1, 4, 16, .. up to max_num_seqs) the median wall seconds of
         `steps` decode steps where none drafts and `steps` where all do, alternating as the gate's
-        decisions do (a drafting step first catches up on the tokens of the plain one before it).
+        decisions do (a drafting step first catches up on the tokens of the plain ones before it;
+        the plain steps come in pairs, the second one timed).
         The requests are aborted and the counters reset afterwards; called when the engine starts,
         before any request."""
         cfg = self.config
@@ -487,14 +488,21 @@ class Engine:
             while any(q.in_prefill or q.state == RequestState.WAITING for q in reqs):
                 self.step()
             times: dict[bool, list[float]] = {False: [], True: []}
-            for forced in [True] + [False, True] * steps:  # (the first drafting step starts the drafters)
+            before = None
+            # (the first drafting step starts the drafters; plain steps come in pairs and the second
+            # is timed: with async scheduling a plain step reads the one before it, and the first
+            # of a pair, after a drafting step, reads nothing, its read landing on the next step)
+            for forced in [True] + [False, False, True] * steps:
                 self._forced = forced
                 t0 = time.perf_counter()
                 self.step()
-                times[forced].append(time.perf_counter() - t0)
+                if forced or before is False:
+                    times[forced].append(time.perf_counter() - t0)
+                before = forced
             self._forced = None
             for q in reqs:
                 self.abort(q.request_id)
+            self._drain()
             plain.append(statistics.median(times[False]))
             drafting.append(statistics.median(times[True][1:]))
         self._forced = None
