@@ -98,3 +98,23 @@ def check_best_first_trees(nodes: int, device: str) -> None:
         assert len(tree) == len(want) and same, r
         assert np.allclose(sorted(tree.logp), sorted(want.logp), atol=1e-9)
 
+
+
+# ---- the batched engine's tests ---------------------------------------------------------------
+def run_all(engine, prompts, params=None):
+    """Every prompt added to the engine at once, run to the end -> their outputs in prompt order
+    (params: 24 greedy tokens, EOS ignored, unless given)."""
+    from tandem.engine.request import SamplingParams
+
+    params = params or SamplingParams(max_tokens=24, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    done = {o.request_id: o for o in engine.run()}
+    return [done[r.request_id] for r in reqs]
+
+
+def assert_clean(engine) -> None:
+    """Nothing left behind: a sound pool with every block free, no request, no batch membership."""
+    assert engine.pool.check() == []
+    assert engine.pool.num_free == engine.pool.num_blocks and engine.pool.seqs == {}
+    assert not engine.has_unfinished() and engine.requests == {}
+    assert engine.batches is None or engine.batches.batch_of == {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models_for_tests import tiny_model
+from models_for_tests import assert_clean, run_all, tiny_model
 from tandem.config import GenerationConfig
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
@@ -43,18 +43,6 @@ def engine(target, graphs: str | None = None, **kw) -> Engine:
     return e
 
 
-def run_all(e: Engine, prompts, params=GREEDY):
-    reqs = [e.add_request(p, params) for p in prompts]
-    done = {o.request_id: o for o in e.run()}
-    return [done[r.request_id] for r in reqs]
-
-
-def assert_clean(e: Engine) -> None:
-    assert e.pool.check() == []
-    assert e.pool.num_free == e.pool.num_blocks and e.pool.seqs == {}
-    assert not e.has_unfinished() and e.requests == {}
-
-
 @pytest.mark.parametrize("graphs", [None, "emulate"])
 @pytest.mark.parametrize("pool", ["roomy", "tiny"])
 def test_async_ar_equals_solo_ar(target, solo, graphs, pool):
@@ -63,7 +51,7 @@ def test_async_ar_equals_solo_ar(target, solo, graphs, pool):
     prompts, refs = solo
     kw = dict(block_size=4, num_blocks=30, max_num_batched_tokens=64) if pool == "tiny" else {}
     e = engine(target, graphs, **kw)
-    outs = run_all(e, prompts)
+    outs = run_all(e, prompts, GREEDY)
     assert [o.token_ids for o in outs] == refs
     assert all(o.finish_reason == "length" and o.figures.target_passes == MAX_NEW for o in outs)
     # every step with a pass queued it before reading the last (the last step only reads; with

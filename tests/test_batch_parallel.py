@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from models_for_tests import noisy_copy, tiny_model
+from models_for_tests import assert_clean, noisy_copy, run_all, tiny_model
 from tandem.config import ConfigError, GenerationConfig, SpecConfig
 from tandem.engine.batch_manager import BatchManager
 from tandem.engine.config import EngineConfig
@@ -146,19 +146,6 @@ def solo(models):
 
 
 PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-
-
-def run_all(engine: Engine, prompts, params=PARAMS):
-    reqs = [engine.add_request(p, params) for p in prompts]
-    done = {o.request_id: o for o in engine.run()}
-    return [done[r.request_id] for r in reqs]
-
-
-def assert_clean(engine: Engine) -> None:
-    assert engine.pool.check() == []
-    assert engine.pool.num_free == engine.pool.num_blocks and engine.pool.seqs == {}
-    assert not engine.has_unfinished() and engine.requests == {}
-    assert engine.batches is None or engine.batches.batch_of == {}
 
 
 @pytest.mark.parametrize("method,spec", [("tree", TREE), ("chain", SpecConfig(k=4))])

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from models_for_tests import noisy_copy, tiny_model
+from models_for_tests import assert_clean, noisy_copy, run_all, tiny_model
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
@@ -33,18 +33,6 @@ def solo(models):
                for _ in range(32)]
     gen = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
     return prompts, [g.generate(p, "ar", gen=gen).token_ids for p in prompts]
-
-
-def run_all(engine: Engine, prompts, params=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)):
-    reqs = [engine.add_request(p, params) for p in prompts]
-    done = {o.request_id: o for o in engine.run()}
-    return [done[r.request_id] for r in reqs]
-
-
-def assert_clean(engine: Engine) -> None:
-    assert engine.pool.check() == []
-    assert engine.pool.num_free == engine.pool.num_blocks and engine.pool.seqs == {}
-    assert not engine.has_unfinished() and engine.requests == {}
 
 
 @pytest.mark.parametrize("method,spec", [("ar", SpecConfig()), ("tree", SpecConfig(nodes=8, width=2)),

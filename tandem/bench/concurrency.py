@@ -146,8 +146,8 @@ MODES = {"bp": "batch_parallel", "sel": "row_selection", "det": "deterministic"}
 # of drafting the next step's trees while the host keeps books; `+feed`: the EAGLE-3 head is fed
 # the accepts after the host reads them, the A/B of running them on the device before the read;
 # for `ar`, `+sync` turns async scheduling off: each step reads its tokens before the next plans)
-OFF_MODES = {"seq": "batched_drafting", "host": "device_verify", "sync": ("draft_ahead", "async_scheduling"),
-             "feed": "device_context"}
+OFF_MODES = {"seq": ("batched_drafting",), "host": ("device_verify",), "sync": ("draft_ahead", "async_scheduling"),
+             "feed": ("device_context",)}
 ON_MODES = {"gate": "draft_gate", "adapt": "adaptive_draft"}  # switches turned on (else left at their default)
 
 
@@ -191,9 +191,7 @@ def engine_modes(label: str) -> tuple[str, dict[str, bool]]:
     -> batched_drafting False; `tree+gate` -> draft_gate True (drafting skipped where it does not pay)."""
     base, *mods = label.split("+")
     modes = {flag: key in mods for key, flag in MODES.items()}
-    for key, flags in OFF_MODES.items():
-        if key in mods:
-            modes.update({flag: False for flag in ((flags,) if isinstance(flags, str) else flags)})
+    modes.update({flag: False for key, flags in OFF_MODES.items() if key in mods for flag in flags})
     modes.update({flag: True for key, flag in ON_MODES.items() if key in mods})
     return base, modes
 

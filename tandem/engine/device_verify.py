@@ -28,6 +28,7 @@ import torch
 from tandem.engine.batched_model import BatchedModel, PackColumns
 from tandem.engine.scheduler import ScheduledRows
 from tandem.kernels import tree_verify
+from tandem.kernels.upload import download
 from tandem.kv.paged import PagedKVPool
 from tandem.tree.draft_tree import node_masks
 from tandem.verify.verifier import VerifyResult
@@ -76,13 +77,7 @@ def launch(model: BatchedModel, pool: PagedKVPool, decodes: list[ScheduledRows],
     tree_verify.fill_tree_rows(tree, rows.tokens, rows.positions, rows.row_bits)  # the real trees over the flat ones
     logits = model.forward(rows)  # [R (n + 1), V]
     acc = tree_verify.accept_paths(logits.argmax(-1), tree)  # [R, 3 + n]
-    if acc.device.type != "cuda":
-        return Launched(acc, acc, None, logits, n)
-    host = torch.empty(acc.shape, dtype=acc.dtype, pin_memory=True)
-    host.copy_(acc, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return Launched(acc, host, done, logits, n)
+    return Launched(acc, *download(acc), logits, n)
 
 
 def read(launched: Launched) -> tuple[list[tuple[VerifyResult, list[int]]], list[int], torch.Tensor]:

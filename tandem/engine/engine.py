@@ -71,7 +71,7 @@ from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree, deepest_depths, tree_masks
 from tandem.verify.sampling import probs_from_logits
 from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
-from tandem.kernels.upload import upload
+from tandem.kernels.upload import download, upload
 
 log = logging.getLogger("tandem.engine")
 
@@ -186,10 +186,14 @@ class Engine:
         # a request's block table holds at most its context window plus one verify pass's rows
         seq_blocks = self.pool.blocks_for(self.context_window + config.draft_rows())
         graphs = None if not config.enforce_eager else False
+        # whether the draft gate decides each step (row selection's draft-cost term, or asked for)
+        gated = (config.row_selection if config.draft_gate is None else config.draft_gate) \
+            and config.method != "ar" and not config.batch_parallel
         # async scheduling (config.async_scheduling): `ar` steps, and the steps in which the draft
-        # gate keeps every request from drafting, queued before the last one is read
+        # gate keeps every request from drafting, queued before the last one is read (an engine
+        # that has neither keeps its passes free of the device-token feed)
         self._async = (config.async_scheduling if config.async_scheduling is not None
-                       else target.device.type == "cuda") and not config.batch_parallel
+                       else target.device.type == "cuda") and (config.method == "ar" or gated)
         self.model = BatchedModel(target, self.pool, deterministic=config.deterministic,
                                   max_seqs=config.max_num_seqs, max_seq_blocks=seq_blocks, use_graphs=graphs,
                                   features=bool(self.feature_layers),
@@ -242,8 +246,7 @@ class Engine:
             self.row_cost = self.measure_row_cost()
         # row selection's draft-cost term: whether a step drafts at all (None: always drafts),
         # from this engine's step costs, measured now on throwaway requests
-        gated = config.row_selection if config.draft_gate is None else config.draft_gate
-        if gated and config.method != "ar" and not config.batch_parallel:
+        if gated:
             self.gate = DraftGate(config.step_costs or self.measure_step_costs())
         warm = config.warmup_request if config.warmup_request is not None else target.device.type == "cuda"
         if warm:
@@ -941,15 +944,7 @@ class Engine:
                 if s.kind == "prefill" and feats is not None:  # (kept until the request's drafter starts)
                     s.request.runtime.setdefault("features", []).append(feats[at:at + s.rows].clone())
                 at += s.rows
-            n = len(trees)
-            tokens = self.model.next_tokens[:n]  # [decodes] their new tokens, on the device
-            if tokens.device.type == "cuda":
-                host = torch.empty(n, dtype=torch.int64, pin_memory=True)
-                host.copy_(tokens, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-            else:
-                host, done = tokens.clone(), None
+            host, done = download(self.model.next_tokens[:len(trees)])  # [decodes] their new tokens
             fed_feats = feats[upload([at for _, at in feeds], feats.device)] if feeds else None  # [fed, F]
             self._inflight = _Inflight(plan, host, done, [req for req, _ in feeds], fed_feats)
             self.counters.async_steps += 1
@@ -1013,8 +1008,8 @@ class Engine:
             keep = [i for i, req in enumerate(inf.fed)
                     if not req.done and isinstance(req.runtime.get("drafter"), _BatchedFeatureHandle)]
             if keep:
-                tok = dict((id(req), t) for req, t in emits)
-                items = [(inf.fed[i].request_id, [tok[id(inf.fed[i])]]) for i in keep]
+                tok = {req.request_id: t for req, t in emits}
+                items = [(inf.fed[i].request_id, [tok[inf.fed[i].request_id]]) for i in keep]
                 self.batched.observe_many(items, inf.fed_feats[upload(keep, inf.fed_feats.device)])
         finished, failed = [], []
         for req, tok in emits:
@@ -1026,11 +1021,7 @@ class Engine:
             except Exception:
                 log.exception("request %s failed in its part of a step; the others go on", req.request_id)
                 failed.append(req)
-        for req in failed:
-            self._end(req, RequestState.ABORTED, "error")
-            self.counters.failed += 1
-            finished.append(self.output(req))
-        return finished
+        return finished + self._end_failed(failed)
 
     def _record(self, plan: StepPlan, nodes: int, verify_batch: int | None, overlapped: bool,
                 fallback: bool, loads: tuple[int, int] | None, drafted: int, draft_s: float, overlap: float,
@@ -1198,11 +1189,7 @@ class Engine:
             if done:
                 self._end(req, RequestState.FINISHED, req.finish_reason)
                 finished.append(self.output(req))
-        for req in failed:
-            self._end(req, RequestState.ABORTED, "error")
-            self.counters.failed += 1
-            finished.append(self.output(req))
-        return finished
+        return finished + self._end_failed(failed)
 
     def _feed(self, accepted: list[tuple[Request, DraftTree, VerifyResult, int, int]], feats: torch.Tensor | None
               ) -> None:
@@ -1232,6 +1219,13 @@ class Engine:
             else:
                 req.runtime["drafter"].observe(result, tree)
         return self._emit(req, tree, result, deepest)
+
+    def _end_failed(self, failed: list[Request]) -> list[RequestOutput]:
+        """End the requests that raised in their part of a step (finish_reason "error") -> their outputs."""
+        for req in failed:
+            self._end(req, RequestState.ABORTED, "error")
+            self.counters.failed += 1
+        return [self.output(req) for req in failed]
 
     def _end(self, req: Request, state: RequestState, reason: str | None) -> None:
         """Release a request that finished (or failed) in a step: blocks, batch, drafter."""

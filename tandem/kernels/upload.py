@@ -13,6 +13,19 @@ import numpy as np
 import torch
 
 
+def download(t: torch.Tensor) -> "tuple[torch.Tensor, torch.cuda.Event | None]":
+    """A copy of `t` on the host, queued behind the stream's work -> (the copy, an event after
+    it: read the copy once the event is done; None off CUDA, where the copy is made at once).
+    The host keeps working meanwhile; later work may overwrite `t`."""
+    if t.device.type != "cuda":
+        return t.clone(), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 def upload(values: "list[int] | np.ndarray", device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """values on `device` as `dtype`, queued behind the stream's work rather than waiting for it."""
     if device.type != "cuda":
