@@ -61,8 +61,8 @@ def main() -> int:
                                                        for r, p, d in zip(cs.requests, cs.plain, cs.drafting)))
                 tp, td = gt.predicted(c)
                 print(f"  learned a={gt.accepted}, samples {gt.samples}, plain_scale {gt.plain_scale:.2f}, "
-                      f"drafting_scale {gt.drafting_scale:.2f}, predicted at R={c}: plain {tp * 1e3:.2f} ms, "
-                      f"drafting {td * 1e3:.2f} ms, off decisions {gt.decisions_off}, probes {gt.probes}")
+                      f"extra_scale {gt.extra_scale:.2f}, predicted at R={c}: plain {tp * 1e3:.2f} ms, "
+                      f"drafting {td * 1e3:.2f} ms, off decisions {gt.decisions_off}, probes {gt.probes}, refreshes {gt.refreshes}")
     return 0
 
 

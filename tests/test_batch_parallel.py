@@ -345,21 +345,22 @@ def test_prompt_admission_holds_new_prompts_to_the_flat_region_and_changes_no_ou
 
 
 def test_the_draft_gate_weighs_measured_step_costs_against_accepted_tokens():
-    """DraftGate: learns the acceptance on a sample of the requests; drafts for all of them where
-    (1 + a) plain steps' time covers a drafting step's, for none where it does not (a sample now
-    and then, a probe), and again for all once the acceptance repays it."""
+    """DraftGate: learns the acceptance on a sample of the requests (two steps a probe); drafts
+    for all of them where (1 + a) plain steps' time covers a drafting step's, for none where it
+    does not (a sample now and then, a probe), and again for all once the acceptance repays it."""
     from tandem.engine.draft_gate import DraftGate, StepCosts
 
-    # plain steps 10 ms at any batch; drafting 20 ms for one request, 50 ms for 8
+    # plain steps 10 ms at any batch; drafting 20 ms for one request, 30 for 4, 50 ms for 8
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.030, 0.050))
     g = DraftGate(costs, sample=4, alpha=1.0, min_samples=1, probe_every=3, probe_budget=10.0)
-    assert g.plan(8) == 4  # learning: a sample of 4 drafts
-    g.observe(8, 4, 0.013, accepted=4, decode_only=True)  # 1 accepted token each
+    assert [g.plan(8), g.plan(8)] == [4, 4]  # learning: a sample of 4 drafts, two steps
+    g.observe(8, 4, 0.030, accepted=4, decode_only=True)  # 1 accepted token each; drafting's extra as measured
+    assert g.accepted == 1.0 and g.extra_scale == 1.0
     assert g.plan(1) == 1  # alone: 2 tokens in 20 ms against 1 in 10 ms, it pays (ties draft)
-    # 8 requests: 16 tokens in 50 ms against 8 in 10 ms: off; the 4th decision a probe (the floor of 3)
-    assert [g.plan(8) for _ in range(4)] == [0, 0, 0, 4]
-    assert g.decisions_off == 3 and g.probes == 2
-    g.observe(8, 4, 0.013, accepted=20, decode_only=True)  # 5 accepted each: 48 tokens in 50 ms
+    # 8 requests: 16 tokens in 50 ms against 8 in 10 ms: off; the 4th decision a probe (the floor of 3), two steps
+    assert [g.plan(8) for _ in range(5)] == [0, 0, 0, 4, 4]
+    assert g.decisions_off == 3 and g.probes == 4
+    g.observe(8, 4, 0.030, accepted=20, decode_only=True)  # 5 accepted each: 48 tokens in 50 ms
     assert g.plan(8) == 8
     assert g.predicted(2) == pytest.approx((0.010, 0.020 + 0.010 / 3))  # (linear between the measured points)
 
@@ -379,52 +380,87 @@ def test_the_draft_gate_learns_the_acceptance_as_the_mean_of_its_first_samples()
 
 
 def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their_budget():
-    """Each step kind's predictions follow the observed steps (a moving average of observed over
-    measured, prefill steps left out); probes are spaced by what they lose: a sample of 4 costs
-    40 - 10 ms and returns 4 tokens worth 4 x 10 / 8 ms of plain decoding, so with a 3% budget of
-    10 ms plain steps, one probe per 84 of them; one that loses nothing comes at the floor."""
+    """Each step kind's predictions follow the observed steps (moving averages of observed over
+    measured: plain steps, and drafting's extra over a plain step; prefill steps and steps that
+    are not steady left out); probes are spaced by what they lose: each of a probe's two steps
+    costs drafting's extra for 4 requests, 40 - 10 ms, and returns 4 tokens worth 4 x 10 / 8 ms
+    of plain decoding, so with a 3% budget of 10 ms plain steps, one probe per 167 of them; one
+    that loses nothing comes at the floor."""
     from tandem.engine.draft_gate import DraftGate, StepCosts
 
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.040, 0.050))
     g = DraftGate(costs, sample=4, alpha=0.5, min_samples=1, probe_every=16, probe_max=1024, probe_budget=0.03)
-    g.observe(8, 4, 0.030, accepted=4, decode_only=True)  # a = 1: off at 8 requests
-    decisions = [g.plan(8) for _ in range(170)]
-    assert [i for i, k in enumerate(decisions) if k] == [84, 169] and decisions[84] == 4  # ceil(25 / 0.3)
-    # the probes' loss over those steps: 2 x 25 ms against 168 plain steps of 10 ms, within 3%
-    assert 2 * 0.025 <= 0.03 * 168 * 0.010
+    g.observe(8, 4, 0.040, accepted=4, decode_only=True)  # a = 1: off at 8 requests
+    decisions = [g.plan(8) for _ in range(340)]
+    assert [i for i, k in enumerate(decisions) if k] == [167, 168, 336, 337] and decisions[167] == 4  # ceil(50 / 0.3)
+    # the probes' loss over those steps: 4 x 25 ms against 334 plain steps of 10 ms, within 3%
+    assert 4 * 0.025 <= 0.03 * 334 * 0.010
     assert g.probe_interval(1) == 16  # alone: 20 ms for 2 tokens against 10 ms for 1, no loss: the floor
-    assert DraftGate(costs, probe_every=50).probe_interval(1) == 50
+    assert DraftGate(costs, probe_every=80).probe_interval(1) == 80
     g.observe(8, 0, 0.020, accepted=0, decode_only=True)  # plain steps take twice the measured time
     assert g.plain_scale == 1.5
     g.observe(8, 0, 0.500, accepted=0, decode_only=False)  # a step with prefill rows teaches nothing
+    g.observe(8, 0, 0.001, accepted=0, decode_only=True, steady=False)  # nor one that waited for no pass
     assert g.plain_scale == 1.5
-    g.observe(8, 8, 0.050, accepted=8, decode_only=True)
-    assert g.drafting_scale == 1.0 and g.accepted == 1.0
+    g.observe(8, 8, 0.055, accepted=8, decode_only=True)  # 15 ms plain + 40 ms drafting's extra: as measured
+    assert g.extra_scale == 1.0 and g.accepted == 1.0
     # a drafting step whose drafter first caught up (not steady) teaches the acceptance, not the cost
     g.observe(8, 8, 5.0, accepted=40, decode_only=True, steady=False)
-    assert g.drafting_scale == 1.0 and g.accepted == 3.0
-    g.observe(8, 8, 0.150, accepted=8, decode_only=True)
-    assert g.drafting_scale == pytest.approx(2.0)  # (1 + 3) / 2: alpha 0.5
+    assert g.extra_scale == 1.0 and g.accepted == 3.0
+    g.observe(8, 8, 0.135, accepted=8, decode_only=True)  # the extra 120 ms: 3x
+    assert g.extra_scale == pytest.approx(2.0)  # (1 + 3) / 2: alpha 0.5
+    g.observe(8, 4, 0.135, accepted=4, decode_only=True)  # a probe's second step: 4 requests' extra, 120 ms: 4x
+    assert g.extra_scale == pytest.approx(3.0)
+    assert g.predicted(8) == pytest.approx((0.015, 0.015 + 3 * 0.040))
     assert DraftGate(StepCosts((1,), (0.01,), (10.0,)), probe_max=1024).probe_interval(1) == 1024  # the ceiling
 
 
 def test_the_draft_gate_spaces_its_probes_by_what_probes_did_cost():
     """A probe's drafters first catch up on every token since they last drafted, which the
-    steady drafting costs leave out: once a probe (a sample step after plain ones, not steady) is
-    seen, its cost over a plain step spaces the next probes."""
+    steady drafting costs leave out: once a probe's first step (a sample step after plain ones,
+    not steady) is seen, its cost over a plain step spaces the next probes."""
     from tandem.engine.draft_gate import DraftGate, StepCosts
 
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.040, 0.050))
     g = DraftGate(costs, sample=4, alpha=0.5, min_samples=1, probe_every=16, probe_max=1024, probe_budget=0.03)
-    g.observe(8, 4, 0.030, accepted=4, decode_only=True)  # learning (steady: the same sample): a = 1
-    assert g.probe_extra is None and g.probe_interval(8) == 84  # (the steady costs: 25 ms lost a probe)
+    g.observe(8, 4, 0.040, accepted=4, decode_only=True)  # learning (steady: the same sample): a = 1
+    assert g.probe_extra is None and g.probe_interval(8) == 167  # (the steady costs: 2 x 25 ms lost a probe)
     g.observe(8, 4, 0.110, accepted=4, decode_only=True, steady=False)  # a probe: 100 ms over a plain step
-    assert g.probe_extra == pytest.approx(0.100)
-    assert g.probe_interval(8) == 317  # ceil((100 - 4 x 1 x 10 / 8) / 0.3)
+    assert g.probe_extra == pytest.approx(0.100) and g.extra_scale == 1.0
+    assert g.probe_interval(8) == 400  # ceil(((100 - 4 x 1 x 10 / 8) + (30 - 5)) / 0.3)
     g.observe(8, 4, 0.030, accepted=4, decode_only=True, steady=False)  # a cheaper one: the average follows
     assert g.probe_extra == pytest.approx(0.060)
     g.observe(8, 8, 5.0, accepted=40, decode_only=True, steady=False)  # every request drafting: not a probe
     assert g.probe_extra == pytest.approx(0.060)
+
+
+def test_the_draft_gate_keeps_both_step_kinds_current_whichever_runs():
+    """A start-up measurement that was off must not decide the whole run. While drafting is on,
+    two plain steps now and then (spaced by what they lose) keep t_plain current: plain steps
+    faster than measured turn drafting off. While it is off, a probe's second step (steady)
+    corrects drafting's extra: drafting cheaper than measured turns it back on."""
+    from tandem.engine.draft_gate import DraftGate, StepCosts
+
+    costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.030, 0.050))
+    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03)
+    g.observe(8, 8, 0.050, accepted=40, decode_only=True)  # a = 5: 48 tokens in 50 ms against 8 in 10: on
+    # two plain steps lose 2 x (10 - 50 / 6) ms: one pair per ceil(3.33 / 1.5) drafting steps, at least 4
+    assert g.refresh_interval(8) == 4
+    assert [g.plan(8) for _ in range(7)] == [8, 8, 8, 8, 0, 0, 8] and g.refreshes == 2 and g.decisions_off == 0
+    g.observe(8, 0, 0.001, accepted=0, decode_only=True, steady=False)  # the first read no pass: not timed
+    assert g.plain_scale == 1.0
+    g.observe(8, 0, 0.004, accepted=0, decode_only=True)  # plain steps take 4 ms, not 10
+    assert g.plain_scale == pytest.approx(0.4) and g.predicted(8) == pytest.approx((0.004, 0.044))
+    assert g.plan(8) == 0 and g.decisions_off == 1  # 6 x 4 < 44 ms: drafting does not pay
+
+    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=2, probe_budget=10.0)
+    g.observe(8, 4, 0.030, accepted=12, decode_only=True)  # a = 3: 32 tokens in 50 ms against 8 in 10: off
+    assert [g.plan(8) for _ in range(4)] == [0, 0, 4, 4]  # a probe, two steps
+    g.observe(8, 4, 0.030, accepted=12, decode_only=True, steady=False)  # its first step (caught up)
+    assert g.extra_scale == 1.0
+    g.observe(8, 4, 0.020, accepted=12, decode_only=True)  # its second: 4 requests' extra is 10 ms, not 20
+    assert g.extra_scale == pytest.approx(0.5) and g.predicted(8) == pytest.approx((0.010, 0.030))
+    assert g.plan(8) == 8  # 4 x 10 >= 30 ms: drafting pays
 
 
 @pytest.mark.parametrize("selection", [True, False], ids=["with-row-selection", "gate-alone"])

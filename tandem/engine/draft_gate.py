@@ -22,11 +22,23 @@ current draft only a *sample* of the requests (`sample`; the others decode plain
 step). A sample step still cost 5-11 ms against 1.4-2.5 ms for a plain one there: most of
 drafting's cost does not grow with the requests. Probes are spaced to keep what they lose under
 `probe_budget` of the time.
+
+Both step kinds are kept current whichever one runs (H200, 2026-12-03: with one kind's figure
+frozen while the other ran, a noisy start-up measurement decided a whole run: drafting kept off
+at 8 requests where it paid 1.3x, kept on at 64 where it lost 0.73x):
+- a drafting step is modelled as a plain step plus drafting's extra,
+  t_draft(R) = t_plain(R) + extra_scale (D(R) - P(R)) with D, P the start-up curves, so every
+  step that drafts corrects `extra_scale`: a step where all draft by D(R) - P(R), a probe's
+  second step (its sample drafted the step before too: steady) by D(k) - P(k);
+- probes come in pairs (the first catches up: `probe_extra`; the second is steady);
+- while drafting is on, two plain steps now and then (`refresh`; with async scheduling the
+  first one after a drafting step reads nothing, the second is timed) keep `plain_scale`
+  current, spaced by what they lose as the probes are.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.engine.row_selection import polyline
 
@@ -54,9 +66,9 @@ class DraftGate:
     sample: int = 4  # requests a learning or probe step drafts (the others decode plain)
     alpha: float = 0.25  # weight of the newest observation in each moving average
     min_samples: int = 3  # drafting steps observed before the gate trusts a
-    probe_every: int = 16  # fewest plain steps between two probes
-    probe_max: int = 1024  # most plain steps between two probes
-    probe_budget: float = 0.03  # the share of the time probes may lose
+    probe_every: int = 16  # fewest steps between two probes (or two plain refreshes)
+    probe_max: int = 1024  # most steps between two probes (or two plain refreshes)
+    probe_budget: float = 0.03  # the share of the time probes (and refreshes) may lose
     # plain steps in a row after which the engine lets the drafters outside the sample go dormant
     # (not fed; restarted from their whole context when drafting resumes). Near break-even the
     # gate turns drafting on and off often, and restarting 60 drafters cost a step 130 ms at 64
@@ -66,22 +78,33 @@ class DraftGate:
     accepted: float | None = None  # a: accepted draft tokens per drafted request-step
     samples: int = 0  # drafting steps observed
     plain_scale: float = 1.0  # observed / measured wall seconds, plain steps (moving average)
-    drafting_scale: float = 1.0  # the same for steps where every request drafts
-    probe_extra: float | None = None  # seconds a probe step cost over a plain one (moving average)
+    extra_scale: float = 1.0  # the same for drafting's extra over a plain step (D - P)
+    probe_extra: float | None = None  # seconds a probe's first step cost over a plain one (moving average)
     off_streak: int = 0
+    on_streak: int = 0  # drafting steps since the last plain refresh
     decisions_off: int = 0  # steps it kept drafting off
     probes: int = 0  # steps it drafted for a sample only (learning included)
+    refreshes: int = 0  # plain steps taken while drafting was on, to keep t_plain current
+    _queued: list[int] = field(default_factory=list)  # the next decisions, already taken (pairs)
 
     def plan(self, requests: int) -> int:
         """How many of the next step's R decoding requests draft: R, none, or a sample."""
         if requests == 0:
             return 0
+        if self._queued:  # (the second step of a probe or of a plain refresh)
+            return min(self._queued.pop(0), requests)
         if self.accepted is None or self.samples < self.min_samples:
             return self._probe(requests)  # still learning a
-        t_plain, t_draft = self.predicted(requests)
-        if (1 + self.accepted) * t_plain >= t_draft:
+        if self.pays(requests):
             self.off_streak = 0
+            self.on_streak += 1
+            if self.on_streak > self.refresh_interval(requests):
+                self.on_streak = 0
+                self.refreshes += 2
+                self._queued = [0]
+                return 0
             return requests
+        self.on_streak = 0
         if self.off_streak >= self.probe_interval(requests):
             self.off_streak = 0
             return self._probe(requests)
@@ -89,39 +112,61 @@ class DraftGate:
         self.decisions_off += 1
         return 0
 
+    def pays(self, requests: int) -> bool:
+        """Whether drafting for every one of R requests gives more tokens per second."""
+        t_plain, t_draft = self.predicted(requests)
+        return (1 + (self.accepted or 0.0)) * t_plain >= t_draft
+
     def predicted(self, requests: int) -> tuple[float, float]:
         """(t_plain, t_draft): a step's seconds for R requests without and with drafting."""
-        return (self.plain_scale * self.costs.plain_s(requests),
-                self.drafting_scale * self.costs.drafting_s(requests))
+        t_plain = self.plain_scale * self.costs.plain_s(requests)
+        return t_plain, t_plain + self.extra_scale * self._extra(requests)
+
+    def _extra(self, requests: int) -> float:
+        """Drafting's measured extra over a plain step for R drafting requests (D(R) - P(R))."""
+        return max(0.0, self.costs.drafting_s(requests) - self.costs.plain_s(requests))
 
     def probe_interval(self, requests: int) -> int:
-        """Plain steps between probes. A probe drafts for a sample of k requests: it costs about
-        what drafting costs k requests, t_draft(k) - t_plain(k), and returns their k a accepted
-        tokens, worth k a t_plain(R) / R of plain decoding; spaced by n plain steps of t_plain(R),
-        the probes lose at most `probe_budget` of the time. (So near break-even, where a probe
-        loses little, the gate looks again soon.)"""
+        """Plain steps between probes. A probe drafts for a sample of k requests in two steps:
+        each costs about what drafting costs k requests, t_draft(k) - t_plain(k), and returns
+        their k a accepted tokens, worth k a t_plain(R) / R of plain decoding; spaced by n plain
+        steps of t_plain(R), the probes lose at most `probe_budget` of the time. (So near
+        break-even, where a probe loses little, the gate looks again soon.)"""
         k = min(requests, self.sample)
         t_plain = self.plain_scale * self.costs.plain_s(requests)
-        cost = self.drafting_scale * self.costs.drafting_s(k) - self.plain_scale * self.costs.plain_s(k)
-        # (what probes did cost, once seen: a probe's drafters first catch up on every token since
-        # the last one, which the steady costs above leave out; 34 ms against a 1 ms plain step at
-        # 64 requests on the H200, 2026-12-02, and 11 such probes took a run to 0.27x `ar`)
-        cost = max(cost, self.probe_extra or 0.0)
-        loss = max(0.0, cost - k * (self.accepted or 0.0) * t_plain / requests)
-        n = math.ceil(loss / (self.probe_budget * t_plain)) if t_plain > 0 else self.probe_max
+        steady = self.extra_scale * self._extra(k)
+        # (what a probe's first step did cost, once seen: its drafters first catch up on every
+        # token since the last probe, which the steady costs leave out; 34 ms against a 1 ms plain
+        # step at 64 requests on the H200, 2026-12-02, and 11 such probes took a run to 0.27x `ar`)
+        first = max(steady, self.probe_extra or 0.0)
+        gain = k * (self.accepted or 0.0) * t_plain / requests
+        loss = max(0.0, first - gain) + max(0.0, steady - gain)
+        return self._spacing(loss, t_plain)
+
+    def refresh_interval(self, requests: int) -> int:
+        """Drafting steps between two plain refreshes: two plain steps of t_plain(R) make 2R
+        tokens, which drafting steps make in 2 t_draft(R) / (1 + a); spaced by n drafting steps,
+        the refreshes lose at most `probe_budget` of the time."""
+        t_plain, t_draft = self.predicted(requests)
+        loss = max(0.0, 2 * (t_plain - t_draft / (1 + (self.accepted or 0.0))))
+        return self._spacing(loss, t_draft)
+
+    def _spacing(self, loss: float, step: float) -> int:
+        n = math.ceil(loss / (self.probe_budget * step)) if step > 0 else self.probe_max
         return max(self.probe_every, min(self.probe_max, n))
 
     def observe(self, requests: int, drafted: int, seconds: float, accepted: int, decode_only: bool,
                 steady: bool = True) -> None:
         """A step of R decoding requests, `drafted` of them drafting, took `seconds` and accepted
-        `accepted` draft tokens. Steps that also ran prefill rows (decode_only False) teach a only,
-        and so do drafting steps that are not `steady` (a drafted request did not draft in the
-        step before: its drafter first caught up on every token since, a prompt or a stretch of
-        plain steps, and may have captured a graph for that pass). Such a step is the exception
-        once drafting is on; learned from, its cost made every later drafting step look dear and
-        kept drafting off (H200, 2026-12-02: a scale of 33-60 at 32-64 requests, 2.0 at one).
-        What a non-steady sample step costs over a plain one is what a probe costs
-        (`probe_extra`), which spaces the probes."""
+        `accepted` draft tokens. Steps that also ran prefill rows (decode_only False) teach a
+        only, and so do steps that are not `steady`: a drafting step in which a drafted request
+        did not draft in the step before (its drafter first caught up on every token since, a
+        prompt or a stretch of plain steps, and may have captured a graph for that pass), or a
+        plain step that did not wait for a pass (async scheduling: the first after a drafting
+        step). Such a step is the exception once drafting is on; learned from, its cost made
+        every later drafting step look dear and kept drafting off (H200, 2026-12-02: a scale of
+        33-60 at 32-64 requests, 2.0 at one). What a non-steady sample step costs over a plain
+        one is what a probe's first step costs (`probe_extra`), which spaces the probes."""
         if requests == 0:
             return
         if drafted:
@@ -132,17 +177,23 @@ class DraftGate:
                 self.accepted = self._ema(self.accepted, accepted / drafted)
         if not decode_only:
             return
+        over = seconds - self.plain_scale * self.costs.plain_s(requests)  # (what drafting added)
         if drafted == 0:
-            self.plain_scale = self._ema(self.plain_scale, seconds / self.costs.plain_s(requests))
-        elif drafted == requests and steady:
-            self.drafting_scale = self._ema(self.drafting_scale, seconds / self.costs.drafting_s(requests))
-        elif drafted < requests and not steady:  # a probe (or a learning step): its cost over a plain step
-            extra = max(0.0, seconds - self.plain_scale * self.costs.plain_s(requests))
-            self.probe_extra = extra if self.probe_extra is None else self._ema(self.probe_extra, extra)
+            if steady:
+                self.plain_scale = self._ema(self.plain_scale, seconds / self.costs.plain_s(requests))
+        elif steady:  # every request drafting, or a probe's second step: drafting's extra for `drafted`
+            extra = self._extra(drafted)
+            if extra > 0:
+                self.extra_scale = self._ema(self.extra_scale, max(0.0, over) / extra)
+        elif drafted < requests:  # a probe's first step (or a learning step): its cost over a plain step
+            self.probe_extra = self._ema(self.probe_extra, max(0.0, over))
 
     def _probe(self, requests: int) -> int:
+        """A sample drafts this step and the next (the second one steady: it teaches the cost)."""
         k = min(requests, self.sample)
-        self.probes += k < requests
+        if k < requests:
+            self.probes += 2
+            self._queued = [k]
         return k
 
     def _ema(self, old: float | None, new: float) -> float:

@@ -951,7 +951,9 @@ class Engine:
         finished = self._read(prev) if prev is not None else []
         seconds = time.perf_counter() - t_step
         if self.gate is not None and self._forced is None and plan.decodes:
-            self.gate.observe(len(plan.decodes), 0, seconds, 0, decode_only=len(plan.decodes) == len(plan.scheduled))
+            # (a step that read nothing, the first after a synchronous one, timed its host work alone)
+            self.gate.observe(len(plan.decodes), 0, seconds, 0, decode_only=len(plan.decodes) == len(plan.scheduled),
+                              steady=prev is not None)
             self._drafted_before = set()
         self._record(plan, 0, None, False, False, None, 0, 0.0, 0.0, 0, 0.0, seconds)
         self.steps += 1

@@ -52,13 +52,23 @@ class Emitter:
             self.on_tokens(new)
         if self.finish == "eos":
             return True
-        if self.gen.stop and self.tokenizer is not None:
+        if self.gen.stop and self.tokenizer is not None and new and self._stop_in_tail(len(new)):
             text = self.tokenizer.decode(self.out)
             hit = min((text.find(s) for s in self.gen.stop if s in text), default=-1)
             if hit >= 0:
                 self.finish, self.stop_text = "stop", text[:hit]
                 return True
         return len(self.out) >= self.max_new
+
+    def _stop_in_tail(self, new: int) -> bool:
+        """Whether a stop string may have appeared with the last `new` tokens: one in the text of
+        the output's tail, the new tokens and enough before them for the longest stop string (a
+        character is at most 4 byte-level tokens) plus a margin where a tail decoded alone may
+        differ from the whole text (a character cut in two, a leading space). Decoding the whole
+        output every pass made a long request's steps grow with its length; the whole text is
+        decoded only when the tail shows a hit (to cut it exactly as before)."""
+        tail = self.tokenizer.decode(self.out[-(new + 4 * max(map(len, self.gen.stop)) + 8):])
+        return any(s in tail for s in self.gen.stop)
 
     def result(self, cls: type[GenerationResult], method: str, prompt_len: int, seconds: float, draft_steps: int,
                **extra) -> GenerationResult:
