@@ -550,7 +550,8 @@ class Engine:
 
     def _row_budget(self, req: Request) -> int:
         # row selection plans the roots first and grows them by the chosen nodes (`_select`)
-        return self._verify_rows if self._drafts(req) else 1
+        drafting = self._drafting  # (_drafts, inlined: the scheduler asks for every request every step)
+        return self._verify_rows if drafting is None or req.request_id in drafting else 1
 
     def _drafts(self, req: Request) -> bool:
         """Whether the request drafts this step (the draft gate's pick)."""
@@ -923,12 +924,14 @@ class Engine:
             self._drop_draft(req)
         feeds: list[tuple[Request, int]] = []  # the feature drafters fed: (request, its decode's row)
         if plan:
-            trees = {s.request.request_id: self._async_root(s.request, s.request.request_id in waiting)
-                     for s in plan.decodes}
+            # (`ar`: every decode its root, packed from the request itself: no tree objects)
+            trees = None if self.config.method == "ar" else {
+                s.request.request_id: self._async_root(s.request, s.request.request_id in waiting) for s in plan.decodes}
             rows = self._rows(plan, trees)  # (a waiting token's row packs a stale one: fed over it)
-            fed, src, at = [], [], 0
+            fed, src, at, n_dec = [], [], 0, 0
             for s in plan.scheduled:
                 if s.kind == "decode":
+                    n_dec += 1
                     rid = s.request.request_id
                     if rid in waiting:
                         fed.append(at)
@@ -944,7 +947,7 @@ class Engine:
                 if s.kind == "prefill" and feats is not None:  # (kept until the request's drafter starts)
                     s.request.runtime.setdefault("features", []).append(feats[at:at + s.rows].clone())
                 at += s.rows
-            host, done = download(self.model.next_tokens[:len(trees)])  # [decodes] their new tokens
+            host, done = download(self.model.next_tokens[:n_dec])  # [decodes] their new tokens
             fed_feats = feats[upload([at for _, at in feeds], feats.device)] if feeds else None  # [fed, F]
             self._inflight = _Inflight(plan, host, done, [req for req, _ in feeds], fed_feats)
             self.counters.async_steps += 1
@@ -1016,8 +1019,7 @@ class Engine:
         finished, failed = [], []
         for req, tok in emits:
             try:
-                result = VerifyResult([0], [tok], 0)
-                if self._emit(req, None, result, 0):
+                if self._emit_token(req, tok):
                     self._end(req, RequestState.FINISHED, req.finish_reason)
                     finished.append(self.output(req))
             except Exception:
@@ -1080,10 +1082,21 @@ class Engine:
             g = req.runtime["generator"] = torch.Generator().manual_seed(req.params.sampling().seed)
         return g
 
-    def _rows(self, plan: StepPlan, trees: dict[str, DraftTree]) -> BatchRows:
+    def _rows(self, plan: StepPlan, trees: dict[str, DraftTree] | None) -> BatchRows:
         """The pass's rows, packed from columns built in one loop over the plan (no Segment per
-        request); every tree's masks and depths at once (tree_masks)."""
+        request); every tree's masks and depths at once (tree_masks). trees None: every decode
+        is its root alone (an `ar` step)."""
         seqs = self.pool.seqs
+        sched = plan.scheduled
+        if trees is None and all(s.kind == "decode" for s in sched):  # (a steady `ar` step: columns at once)
+            R = len(sched)
+            sbs = [seqs[s.request.request_id] for s in sched]
+            starts = [s.start for s in sched]
+            bits, depth, words = tree_masks([-1] * R, [1] * R)
+            self._deepest = [0] * R
+            return self.model.rows(PackColumns(
+                [s.request.last_token for s in sched], [1] * R, [a + 1 for a in starts], starts, [True] * R,
+                [sb.blocks for sb in sbs], bits, None, depth, words, [sb.version for sb in sbs]))
         tokens: list[int] = []  # [M]
         T, S, prefix, logits, tables, versions = [], [], [], [], [], []  # [R] each
         parents: list[int] = []  # [tree rows] each tree's parents (tree-local)
@@ -1099,6 +1112,14 @@ class Engine:
                 S.append(s.start + s.rows)
                 prefix.append(-1)  # causal
                 logits.append(False)
+            elif trees is None:  # its root alone
+                tokens.append(req.last_token)
+                parents.append(-1)
+                sizes.append(1)
+                T.append(1)
+                S.append(s.start + 1)
+                prefix.append(s.start)
+                logits.append(True)
             else:  # a tree after `start` committed columns: node i at start + depth(i)
                 tree = trees[req.request_id]
                 n = len(tree.tokens)
@@ -1262,12 +1283,7 @@ class Engine:
     def _emit(self, req: Request, tree: DraftTree, result: VerifyResult, deepest: int) -> bool:
         """Cut at EOS / stop / max_tokens (the single-request loop's Emitter; deepest: the tree's
         deepest node's depth, from the packing); True when done."""
-        em = req.runtime.get("emitter")
-        if em is None:
-            eos = set() if req.params.ignore_eos else self.eos
-            em = req.runtime["emitter"] = Emitter(req.max_new, eos, req.params.generation(), self.tokenizer,
-                                                  None, req.arrival)
-            em.out = req.output_ids  # survives preemption: the request owns the list
+        em = self._emitter(req)
         done = em.emit(tree, result, deepest)
         f = req.figures
         f.target_passes += 1
@@ -1278,6 +1294,27 @@ class Engine:
         if done:
             req.finish_reason, req.stop_text = em.finish, em.stop_text
         return done
+
+    def _emit_token(self, req: Request, token: int) -> bool:
+        """_emit of a plain step's one token (root alone, no draft): the same books, fewer calls."""
+        em = req.runtime.get("emitter") or self._emitter(req)
+        done = em.emit_token(token)
+        f = req.figures
+        f.target_passes += 1
+        if f.ttft is None:
+            f.ttft = time.perf_counter() - req.arrival
+        if done:
+            req.finish_reason, req.stop_text = em.finish, em.stop_text
+        return done
+
+    def _emitter(self, req: Request) -> Emitter:
+        em = req.runtime.get("emitter")
+        if em is None:
+            eos = set() if req.params.ignore_eos else self.eos
+            em = req.runtime["emitter"] = Emitter(req.max_new, eos, req.params.generation(), self.tokenizer,
+                                                  None, req.arrival)
+            em.out = req.output_ids  # survives preemption: the request owns the list
+        return em
 
     def output(self, req: Request) -> RequestOutput:
         text = None

@@ -87,21 +87,23 @@ class Scheduler:
         step that verifies, no new prompt is admitted past this many rows (default: the budget)."""
         plan = StepPlan(batch_id=batch_id)
         budget = self.config.max_num_batched_tokens
+        running, scheduled, try_reserve = self.running, plan.scheduled, self.pool.try_reserve
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if verify is not None and not req.in_prefill and not verify(req):
+        while i < len(running) and budget > 0:  # (a loop over every running request, every step: kept lean)
+            req = running[i]
+            todo = len(req.prompt_ids) + len(req.output_ids) - 1 - req.num_computed  # (in_prefill: todo > 0)
+            if todo <= 0 and verify is not None and not verify(req):
                 i += 1  # drafted, not verified, this step: no rows reserved
                 continue
-            kind, rows = self._want(req, budget)
-            while not self.pool.try_reserve(req.request_id, rows):
-                victim = self.running[-1]
+            kind, rows = self._want(req, budget, todo)
+            while not try_reserve(req.request_id, rows):
+                victim = running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                plan.scheduled.append(ScheduledRows(req, kind, req.num_computed, rows))
+                scheduled.append(ScheduledRows(req, kind, req.num_computed, rows))
                 budget -= rows
                 i += 1
         if plan.preempted:
@@ -141,9 +143,11 @@ class Scheduler:
         plan.scheduled[index] = ScheduledRows(item.request, item.kind, item.start, item.rows + extra)
         return extra
 
-    def _want(self, req: Request, budget: int) -> tuple[str, int]:
-        todo = req.prefill_target - req.num_computed  # (in_prefill: todo > 0)
-        if todo > 0:
+    def _want(self, req: Request, budget: int, todo: int | None = None) -> tuple[str, int]:
+        """todo: its prefill rows still to compute, if the caller has them (prefill_target - num_computed)."""
+        if todo is None:
+            todo = req.prefill_target - req.num_computed
+        if todo > 0:  # (in_prefill)
             cap = self.config.long_prefill_token_threshold
             return "prefill", min(todo, budget, cap) if cap > 0 else min(todo, budget)
         rows = self.row_budget(req)

@@ -182,7 +182,8 @@ class PagedKVPool:
         for seq_id, path, tokens in commits:
             s = seqs[seq_id]
             n = len(path)
-            assert n == len(tokens) and (not n or 0 <= min(path) and max(path) < s.reserved), (path, s.reserved)
+            # (a path is in tree order, parents first: ascending)
+            assert n == len(tokens) and (not n or 0 <= path[0] and path[-1] < s.reserved), (path, s.reserved)
             if n and path[-1] != n - 1:  # rows already in place (0, 1, .., n - 1) need no copy
                 assert not keep_later, f"{seq_id}: a path out of place would drop the later reserved rows"
                 at = s.length  # (the slots of those rows alone, not of every reserved row)
