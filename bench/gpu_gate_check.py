@@ -1,6 +1,6 @@
 """What the draft gate measured and learned, on the bundled pair with a drafter: its StepCosts at
 engine start, then after a run of C requests its acceptance, scales, decisions and the engine's
-preemptions, beside the same run without the gate (wall time, steps).
+preemptions, beside the same run without the gate and `ar`'s (wall time, steps).
 
     python bench/gpu_gate_check.py --draft eagle3 --concurrency 1 64 [--workload mbpp --data-dir .data] [--max-tokens 128]
 
@@ -34,10 +34,10 @@ def main() -> int:
     pair = load_pair(None, None if a.draft == "draft" else a.draft, a.device,
                      "bfloat16" if a.device == "cuda" else "float32")
     for c in a.concurrency:
-        for gate in (False, True):
+        for method, gate in (("ar", False), ("tree", False), ("tree", True)):
             t0 = time.perf_counter()
-            eng = Engine(pair.target, pair.draft, pair.tokenizer,
-                         EngineConfig(method="tree", max_num_seqs=c, draft_gate=gate))
+            eng = Engine(pair.target, pair.draft if method != "ar" else None, pair.tokenizer,
+                         EngineConfig(method=method, max_num_seqs=c, draft_gate=gate))
             start_s = time.perf_counter() - t0
             g = torch.Generator().manual_seed(0)
             texts = None if a.workload == "random" else [p.text for p in load_workload(a.workload, 2 * c, a.data_dir)]
@@ -52,7 +52,7 @@ def main() -> int:
                     torch.cuda.synchronize()
                 wall, steps = time.perf_counter() - t, eng.steps - s0
             k = eng.counters
-            print(f"C={c} gate={gate}: {c * a.max_tokens / wall:.0f} tok/s, {steps} steps, {wall / steps * 1e3:.2f} ms/step, "
+            print(f"C={c} {method} gate={gate}: {c * a.max_tokens / wall:.0f} tok/s, {steps} steps, {wall / steps * 1e3:.2f} ms/step, "
                   f"preemptions {k.preemptions}, engine start {start_s:.1f} s")
             gt = eng.gate
             if gt is not None:
