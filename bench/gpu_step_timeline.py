@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib
 import json
 import os
@@ -24,13 +25,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.draft_gate import StepCosts
 from tandem.engine.engine import Engine
 from tandem.engine.request import SamplingParams
 from tandem.runtime.pair import load_pair
 
 # (object path from the engine, method names): the phases labelled
 PHASES = [
-    ("", ["_boundary", "_async_step", "_read", "_drain", "_gate_drafts", "_device_nodes", "_device_drafts", "_verify_on_device", "_apply", "_feed",
+    ("", ["_boundary", "_async_step", "_read", "_async_plain", "_hand_over", "_skip_draft", "_feature_handle", "_emit_token", "_drain", "_gate_drafts", "_device_nodes", "_device_drafts", "_verify_on_device", "_apply", "_feed",
           "_commit", "_emit", "_record", "_forward", "_host_drafts", "_feature_handles", "_draft_ahead",
           "_run_accepts"]),
     ("scheduler", ["plan_step"]),
@@ -112,7 +114,26 @@ def build(args, concurrency: int) -> Engine:
     cfg = EngineConfig(method=args.method, max_num_seqs=concurrency, device_verify=not args.host_verify,
                        draft_ahead=not args.no_draft_ahead, device_context=not args.no_device_context,
                        async_scheduling=not args.no_async_scheduling, max_num_batched_tokens=max(2048, concurrency * 33))
-    return Engine(pair.target, pair.draft, pair.tokenizer, cfg)
+    if args.gate_off:  # a gated engine whose gate keeps drafting off: its plain steps against `ar`'s
+        cfg = dataclasses.replace(cfg, draft_gate=True, step_costs=StepCosts((1,), (1e-3,), (2e-3,)))
+    eng = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
+    if args.gate_off:
+        eng.gate = _Off()
+    return eng
+
+
+class _Off:
+    """A draft gate that never drafts (its off streak counts, so the drafters go dormant as with DraftGate)."""
+    decisions_off = off_streak = refreshes = probes = 0
+    sample, dormant_after = 4, 16
+
+    def plan(self, requests: int) -> int:
+        self.off_streak += requests > 0
+        self.decisions_off += requests > 0
+        return 0
+
+    def observe(self, *a, **k) -> None:
+        pass
 
 
 def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -201,7 +222,8 @@ def run(args, c: int) -> dict:
         return {"method": args.method, "concurrency": c, "step_ms_unprofiled": round(plain_ms, 3),
                 "wall_us": round(wall, 1), "host_by_phase_us": host, "drafted_ahead": eng.counters.drafted_ahead,
                 "accepts_on_device": eng.counters.accepts_on_device, "trees_before_read": eng.counters.trees_before_read,
-                "ahead_dropped": eng.counters.ahead_dropped, "steps": eng.steps}
+                "ahead_dropped": eng.counters.ahead_dropped, "steps": eng.steps,
+                "async_steps": eng.counters.async_steps, "gate_off": args.gate_off}
     label_phases(eng)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -232,6 +254,7 @@ def main() -> int:
     ap.add_argument("--no-draft-ahead", action="store_true", help="each step drafts its trees at its start")
     ap.add_argument("--no-device-context", action="store_true", help="the head is fed the accepts after the read")
     ap.add_argument("--no-async-scheduling", action="store_true", help="ar: each step reads its tokens before the next")
+    ap.add_argument("--gate-off", action="store_true", help="a gated engine whose gate never drafts (its plain steps)")
     ap.add_argument("--host-only", action="store_true", help="exclusive host time per phase by perf_counter "
                     "(no profiler; where the device waits, the phase that waits holds the time)")
     ap.add_argument("--keep-traces", action="store_true")

@@ -502,6 +502,7 @@ def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind, ahead, 
             if self.calls == last_drafted:
                 seen["from"] = len(req.token_ids())  # the last drafting ran every pending row before this
             if self.calls == 6:  # drafting resumes: what the drafter has not run yet
+                engine._hand_over()  # (the async plain steps' rows: the step hands them over before it drafts)
                 p = engine.batched.pending[req.request_id]
                 seen["pending"] = (list(p.tokens), p.rows())
                 seen["tokens"] = req.token_ids()
