@@ -10,6 +10,7 @@ Prompts: the workload's (MBPP by default, cycled), or with `--workload random` r
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -54,6 +55,14 @@ def main() -> int:
             k = eng.counters
             print(f"C={c} {method} gate={gate}: {c * a.max_tokens / wall:.0f} tok/s, {steps} steps, {wall / steps * 1e3:.2f} ms/step, "
                   f"preemptions {k.preemptions}, engine start {start_s:.1f} s")
+            # the measured round's steps by kind: where its time went
+            recs = [r for r in k.records if r.step >= s0]
+            kinds = {"prefill": [r for r in recs if r.rows > r.verified + r.nodes],  # (prefill rows in it)
+                     "plain": [r for r in recs if r.rows == r.verified and r.nodes == 0],
+                     "drafting": [r for r in recs if r.rows == r.verified + r.nodes and r.nodes > 0]}
+            print(f"  async steps {k.async_steps} of {eng.steps}; " + ", ".join(
+                f"{name} {len(rs)} steps, {sum(r.seconds for r in rs) * 1e3:.1f} ms"
+                f" (median {statistics.median([r.seconds for r in rs]) * 1e3:.3f})" for name, rs in kinds.items() if rs))
             gt = eng.gate
             if gt is not None:
                 cs = gt.costs
