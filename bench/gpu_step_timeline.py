@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.draft_gate import StepCosts
+from tandem.engine.draft_gate import DraftGate, StepCosts
 from tandem.engine.engine import Engine
 from tandem.engine.request import SamplingParams
 from tandem.runtime.pair import load_pair
@@ -41,6 +41,7 @@ PHASES = [
                  "_accepts_body", "commit_accepts"]),
     ("batched.model", ["rows", "run", "run_rows"]),
     ("pool", ["commit_many", "try_reserve", "trim", "reserve"]),
+    ("gate", ["plan", "observe"]),
 ]
 
 
@@ -117,8 +118,9 @@ def build(args, concurrency: int) -> Engine:
     if args.gate_off:  # a gated engine whose gate keeps drafting off: its plain steps against `ar`'s
         cfg = dataclasses.replace(cfg, draft_gate=True, step_costs=StepCosts((1,), (1e-3,), (2e-3,)))
     eng = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
-    if args.gate_off:
-        eng.gate = _Off()
+    if args.gate_off:  # (--gate-off real: the engine's DraftGate, taught that drafting never pays)
+        eng.gate = _Off() if args.gate_off == "stub" else DraftGate(
+            StepCosts((1, 64), (1e-3, 1e-3), (1.0, 1.0)), accepted=0.5, samples=5)
     return eng
 
 
@@ -223,7 +225,7 @@ def run(args, c: int) -> dict:
                 "wall_us": round(wall, 1), "host_by_phase_us": host, "drafted_ahead": eng.counters.drafted_ahead,
                 "accepts_on_device": eng.counters.accepts_on_device, "trees_before_read": eng.counters.trees_before_read,
                 "ahead_dropped": eng.counters.ahead_dropped, "steps": eng.steps,
-                "async_steps": eng.counters.async_steps, "gate_off": args.gate_off}
+                "async_steps": eng.counters.async_steps, "gate_off": args.gate_off or False}
     label_phases(eng)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -254,7 +256,8 @@ def main() -> int:
     ap.add_argument("--no-draft-ahead", action="store_true", help="each step drafts its trees at its start")
     ap.add_argument("--no-device-context", action="store_true", help="the head is fed the accepts after the read")
     ap.add_argument("--no-async-scheduling", action="store_true", help="ar: each step reads its tokens before the next")
-    ap.add_argument("--gate-off", action="store_true", help="a gated engine whose gate never drafts (its plain steps)")
+    ap.add_argument("--gate-off", nargs="?", const="stub", choices=["stub", "real"],
+                    help="a gated engine whose gate never drafts (its plain steps): a stub gate, or the real one taught so")
     ap.add_argument("--host-only", action="store_true", help="exclusive host time per phase by perf_counter "
                     "(no profiler; where the device waits, the phase that waits holds the time)")
     ap.add_argument("--keep-traces", action="store_true")
