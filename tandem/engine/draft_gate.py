@@ -37,6 +37,7 @@ at 8 requests where it paid 1.3x, kept on at 64 where it lost 0.73x):
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -54,10 +55,16 @@ class StepCosts:
     drafting: tuple[float, ...]
 
     def plain_s(self, r: int) -> float:
-        return polyline(list(zip(self.requests, self.plain)), r, rising_end=True)
+        return _at(self.requests, self.plain, r)
 
     def drafting_s(self, r: int) -> float:
-        return polyline(list(zip(self.requests, self.drafting)), r, rising_end=True)
+        return _at(self.requests, self.drafting, r)
+
+
+@functools.lru_cache(maxsize=4096)
+def _at(xs: tuple[int, ...], ys: tuple[float, ...], r: int) -> float:
+    """The curve (xs, ys) at r (a step asks the gate for the same few R every time: cached)."""
+    return polyline(list(zip(xs, ys)), r, rising_end=True)
 
 
 @dataclass

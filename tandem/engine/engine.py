@@ -571,7 +571,9 @@ class Engine:
         self._keep_fed = None
         if self.gate is None and self._forced is None:
             return None
-        decoding = [r for r in self.scheduler.running if not r.in_prefill]
+        # (the decoding requests: in_prefill, inlined: asked of every running request every step)
+        decoding = [r for r in self.scheduler.running
+                    if r.num_computed >= len(r.prompt_ids) + len(r.output_ids) - 1]
         if self._forced is not None:  # (measure_step_costs, before the gate exists: every drafter fed)
             k = len(decoding) if self._forced else 0
             return None if k else set()
