@@ -3,7 +3,8 @@
 # refreshes while drafting, steady probe pairs while not) and the host trims of plain steps at
 # many requests; the GPU lane over the engine; TIMELINE=1: the host-only timeline of `ar` at 1
 # and 64 requests; engine tables (default ar, tree, tree+gate) with the EAGLE-3 head and the draft
-# model; GATE=1: the gate's own log (bench/gpu_gate_check.py); SINGLE=1: one request and gpt-fast.
+# model; GATE=1: the gate's own log (bench/gpu_gate_check.py); SINGLE=1: one request and gpt-fast;
+# ONLINE=1: the server (--online --engine-process; carry .whl: the server's wheels for the device's Python).
 #   bash bench/run_h200_session13.sh $OUT      (device tool: carry .data/mbpp; .data/peers for SINGLE=1)
 # DRAFTS: drafters of the tables (default "eagle3 draft"); METHODS_<drafter>: their methods.
 set -uo pipefail
@@ -48,4 +49,18 @@ if [ "${GATE:-0}" = 1 ]; then
   echo "== the gate's log: eagle3 at ${GATE_CONC:-8 64}"
   timeout ${GATE_TMO:-200} python3 bench/gpu_gate_check.py --draft eagle3 --concurrency ${GATE_CONC:-8 64} \
     --data-dir .data 2>&1 | grep -v Warning | tee "$OUT/gate.log" | tail -20
+fi
+if [ "${ONLINE:-0}" = 1 ]; then  # the server's packages: .whl/*.whl, or .whl/site.tar.xz (the same, unpacked and xz'd: smaller)
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  else
+    tar -xJf .whl/site.tar.xz -C /tmp
+  fi
+  export PYTHONPATH=/tmp/site:$PWD
+  echo "== online (--engine-process): eagle3, ar and tree; the client in its own process"
+  timeout ${ONLINE_TMO:-200} python3 -m tandem bench --online --engine-process --device cuda --dtype bfloat16 --draft eagle3 --methods ${ONLINE_METHODS:-ar,tree,tree+gate} \
+    --concurrency 1,8,32,64 --requests 64 --max-new-tokens 128 --ignore-eos --workload mbpp --data-dir .data \
+    --num-prompts 64 --max-prompt-tokens 256 --no-plots --out "$OUT/online" > "$OUT/online.log" 2>&1
+  grep -v -e "it/s" "$OUT/online.log" | grep -e "^|" -e "rror" | tail -12
+  rm -f "$OUT/online/results.json"
 fi
