@@ -452,6 +452,12 @@ def test_the_draft_gate_keeps_both_step_kinds_current_whichever_runs():
     g.observe(8, 0, 0.004, accepted=0, decode_only=True)  # plain steps take 4 ms, not 10
     assert g.plain_scale == pytest.approx(0.4) and g.predicted(8) == pytest.approx((0.004, 0.044))
     assert g.plan(8) == 0 and g.decisions_off == 1  # 6 x 4 < 44 ms: drafting does not pay
+    # the drafting step after a refresh catches its drafters up: once seen, its extra spaces the refreshes
+    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03)
+    g.observe(8, 8, 0.050, accepted=40, decode_only=True)
+    g.observe(8, 8, 0.065, accepted=40, decode_only=True, steady=False)  # 15 ms over a steady one
+    assert g.switch_extra == pytest.approx(0.015) and g.extra_scale == 1.0
+    assert g.refresh_interval(8) == 13  # ceil((3.33 + 15) / 1.5)
 
     g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=2, probe_budget=10.0)
     g.observe(8, 4, 0.030, accepted=12, decode_only=True)  # a = 3: 32 tokens in 50 ms against 8 in 10: off

@@ -33,7 +33,8 @@ at 8 requests where it paid 1.3x, kept on at 64 where it lost 0.73x):
 - probes come in pairs (the first catches up: `probe_extra`; the second is steady);
 - while drafting is on, two plain steps now and then (`refresh`; with async scheduling the
   first one after a drafting step reads nothing, the second is timed) keep `plain_scale`
-  current, spaced by what they lose as the probes are.
+  current, spaced by what they lose as the probes are (the drafting step after them, which
+  catches its drafters up, included: `switch_extra`).
 """
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ class DraftGate:
     plain_scale: float = 1.0  # observed / measured wall seconds, plain steps (moving average)
     extra_scale: float = 1.0  # the same for drafting's extra over a plain step (D - P)
     probe_extra: float | None = None  # seconds a probe's first step cost over a plain one (moving average)
+    switch_extra: float | None = None  # seconds the first full drafting step after plain ones cost over a steady one
     off_streak: int = 0
     on_streak: int = 0  # drafting steps since the last plain refresh
     decisions_off: int = 0  # steps it kept drafting off
@@ -156,7 +158,8 @@ class DraftGate:
         the refreshes lose at most `probe_budget` of the time."""
         t_plain, t_draft = self.predicted(requests)
         loss = max(0.0, 2 * (t_plain - t_draft / (1 + (self.accepted or 0.0))))
-        return self._spacing(loss, t_draft)
+        # (and the drafting step after them catches its drafters up: what such steps cost, once seen)
+        return self._spacing(loss + (self.switch_extra or 0.0), t_draft)
 
     def _spacing(self, loss: float, step: float) -> int:
         n = math.ceil(loss / (self.probe_budget * step)) if step > 0 else self.probe_max
@@ -194,6 +197,8 @@ class DraftGate:
                 self.extra_scale = self._ema(self.extra_scale, max(0.0, over) / extra)
         elif drafted < requests:  # a probe's first step (or a learning step): its cost over a plain step
             self.probe_extra = self._ema(self.probe_extra, max(0.0, over))
+        else:  # every request drafting after plain steps: its cost over a steady drafting step
+            self.switch_extra = self._ema(self.switch_extra, max(0.0, seconds - self.predicted(requests)[1]))
 
     def _probe(self, requests: int) -> int:
         """A sample drafts this step and the next (the second one steady: it teaches the cost)."""
