@@ -59,7 +59,7 @@ if [ "${ONLINE:-0}" = 1 ]; then  # the server's packages: .whl/*.whl, or .whl/si
   export PYTHONPATH=/tmp/site:$PWD
   echo "== online (--engine-process): eagle3, ar and tree; the client in its own process"
   timeout ${ONLINE_TMO:-200} python3 -m tandem bench --online --engine-process --device cuda --dtype bfloat16 --draft eagle3 --methods ${ONLINE_METHODS:-ar,tree,tree+gate} \
-    --concurrency 1,8,32,64 --requests 64 --max-new-tokens 128 --ignore-eos --workload mbpp --data-dir .data \
+    --concurrency ${ONLINE_CONC:-1,8,32,64} --requests 64 --max-new-tokens 128 --ignore-eos --workload mbpp --data-dir .data \
     --num-prompts 64 --max-prompt-tokens 256 --no-plots --out "$OUT/online" > "$OUT/online.log" 2>&1
   grep -v -e "it/s" "$OUT/online.log" | grep -e "^|" -e "rror" | tail -12
   rm -f "$OUT/online/results.json"

@@ -203,8 +203,8 @@ class Engine:
                                   device_tokens=config.max_num_batched_tokens if self._async else 0)
         self._inflight: _Inflight | None = None  # the async step queued last, not read yet
         # the feature drafters' rows of async plain steps, not handed over yet (_hand_over):
-        # (request, its handle then, [tokens], feature rows [n, F]), in step order
-        self._unfed: list[tuple[Request, object, list[int], torch.Tensor]] = []
+        # (request, its handle then, [tokens], its step's fed rows [fed, F], its row in them), in step order
+        self._unfed: list[tuple[Request, object, list[int], torch.Tensor, int]] = []
         self._sampled: set[str] = set()  # requests that sample (their steps run synchronously)
         # every request's draft from shared passes of the drafter (batched_draft), where it applies
         self.batched: BatchedDrafter | BatchedBlockDrafter | None = None
@@ -1003,10 +1003,18 @@ class Engine:
         restarted: a new handle) are dropped. Called before every synchronous step, so a drafter
         has all its rows before it drafts or is fed again."""
         unfed, self._unfed = self._unfed, []
-        keep = [(req.request_id, toks, f) for req, h, toks, f in unfed
-                if not req.done and req.runtime.get("drafter") is h]
-        if keep:
-            self.batched.observe_many([(rid, toks) for rid, toks, _ in keep], torch.cat([f for _, _, f in keep]))
+        steps: dict[int, tuple[torch.Tensor, int]] = {}  # id of a step's fed rows -> (them, their first row in the cat)
+        items, rows, at = [], [], 0
+        for req, h, toks, f, i in unfed:
+            if id(f) not in steps:
+                steps[id(f)] = (f, at)
+                at += f.shape[0]
+            if not req.done and req.runtime.get("drafter") is h:
+                items.append((req.request_id, toks))
+                rows.append(steps[id(f)][1] + i)
+        if items:  # (one cat over the steps, one gather of the rows kept)
+            feats = torch.cat([f for f, _ in steps.values()])  # [sum of fed, F]
+            self.batched.observe_many(items, feats[upload(rows, feats.device)])
 
     def _drain(self) -> list[RequestOutput]:
         """Read the async step still queued, if any (before a synchronous step plans)."""
@@ -1042,8 +1050,8 @@ class Engine:
         if inf.fed:  # the feature drafters kept fed: the new tokens with their rows' features, handed over later
             tok = {req.request_id: t for req, t in emits}
             for i, (req, h) in enumerate(inf.fed):
-                if req.request_id in tok:
-                    self._unfed.append((req, h, [tok[req.request_id]], inf.fed_feats[i:i + 1]))
+                if req.request_id in tok:  # (no view per row: a tensor op costs the host ~10 us)
+                    self._unfed.append((req, h, [tok[req.request_id]], inf.fed_feats, i))
             if len(self._unfed) >= UNFED_MAX:
                 self._hand_over()
         finished, failed = [], []
