@@ -757,6 +757,26 @@ def test_the_servers_logprob_engine_verifies_on_the_device_when_no_request_wants
     assert all(t.top[0][0] == t.token and abs(t.top[0][1] - t.logprob) < 1e-5 for t in lps)
 
 
+def test_the_servers_logprob_engine_starts_as_on_a_gpu(models, solo):
+    """On a GPU the engine warms up with a throwaway request and schedules `ar` steps async when
+    it starts; the server's LogprobEngine must already answer `_reads_accepts` then (the H200's
+    `tandem bench --online` failed to start its engine process on this, 2026-12-03). A request
+    that wants logprobs then runs synchronously, the others async; outputs equal solo `ar`."""
+    from tandem.serve.logprobs import LogprobEngine
+
+    target, _ = models
+    prompts, refs = solo
+    engine = LogprobEngine(target, None, config=EngineConfig(method="ar", block_size=8, warmup_request=True,
+                                                             async_scheduling=True, debug_check=True))
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for p in prompts[:3]]
+    engine.want_logprobs(reqs[1].request_id, 1)
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_ids for r in reqs] == refs[:3]
+    assert [t.token for t in engine.logprobs[reqs[1].request_id]][:MAX_NEW] == refs[1]
+    assert engine.counters.async_steps == 0 < engine.steps  # (a request reads its logits: every step synchronous)
+
+
 def test_an_engine_without_a_feature_drafter_keeps_no_target_features(models, solo):
     """The target is shared: once an engine with a feature drafter enabled its features, an `ar`
     engine on it must not keep computing them (they cost it a third of its step on the H200)."""

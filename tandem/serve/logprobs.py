@@ -32,9 +32,10 @@ class TokenLogprob:
 
 class LogprobEngine(Engine):
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        # (before the engine starts: its warm-up request's steps already ask _reads_accepts)
         self.logprob_topk: dict[str, int] = {}  # request id -> alternatives wanted (0: the token's own only)
         self.logprobs: dict[str, list[TokenLogprob]] = {}  # request id -> per committed token (may run past a cut)
+        super().__init__(*args, **kwargs)
 
     def want_logprobs(self, request_id: str, top: int) -> None:
         self.logprob_topk[request_id] = top
