@@ -757,17 +757,20 @@ def test_the_servers_logprob_engine_verifies_on_the_device_when_no_request_wants
     assert all(t.top[0][0] == t.token and abs(t.top[0][1] - t.logprob) < 1e-5 for t in lps)
 
 
-def test_the_servers_logprob_engine_starts_as_on_a_gpu(models, solo):
+@pytest.mark.parametrize("method", ["ar", "tree+gate"])
+def test_the_servers_logprob_engine_starts_as_on_a_gpu(models, solo, method):
     """On a GPU the engine warms up with a throwaway request and schedules `ar` steps async when
     it starts; the server's LogprobEngine must already answer `_reads_accepts` then (the H200's
     `tandem bench --online` failed to start its engine process on this, 2026-12-03). A request
     that wants logprobs then runs synchronously, the others async; outputs equal solo `ar`."""
     from tandem.serve.logprobs import LogprobEngine
 
-    target, _ = models
+    target, draft = models
     prompts, refs = solo
-    engine = LogprobEngine(target, None, config=EngineConfig(method="ar", block_size=8, warmup_request=True,
-                                                             async_scheduling=True, debug_check=True))
+    gated = method == "tree+gate"  # (the gate also measures its step costs on throwaway requests)
+    engine = LogprobEngine(target, draft if gated else None, config=EngineConfig(
+        method="tree" if gated else "ar", spec=SpecConfig(nodes=8, width=2), block_size=8, warmup_request=True,
+        async_scheduling=True, draft_gate=gated, debug_check=True))
     reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for p in prompts[:3]]
     engine.want_logprobs(reqs[1].request_id, 1)
     while engine.has_unfinished():
