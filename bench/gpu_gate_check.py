@@ -2,7 +2,7 @@
 engine start, then after a run of C requests its acceptance, scales, decisions and the engine's
 preemptions, beside the same run without the gate and `ar`'s (wall time, steps).
 
-    python bench/gpu_gate_check.py --draft eagle3 --concurrency 1 64 [--workload mbpp --data-dir .data] [--max-tokens 128]
+    python bench/gpu_gate_check.py --draft eagle3 --concurrency 1 64 [--workload mbpp --data-dir .data] [--max-tokens 128] [--phases]
 
 Prompts: the workload's (MBPP by default, cycled), or with `--workload random` random token ids
 (--prompt-tokens of them: on random text the drafters accept little, so the gate should stay off).
@@ -10,7 +10,9 @@ Prompts: the workload's (MBPP by default, cycled), or with `--workload random` r
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -20,6 +22,9 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.engine.request import SamplingParams
 from tandem.runtime.pair import load_pair
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_step_timeline as timeline  # noqa: E402  (its phase labels and host clock)
 
 
 def main() -> int:
@@ -31,6 +36,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--phases", action="store_true", help="the measured round's exclusive host time per phase "
+                    "(bench/gpu_step_timeline.py's labels and clock), us a step")
     a = ap.parse_args()
     pair = load_pair(None, None if a.draft == "draft" else a.draft, a.device,
                      "bfloat16" if a.device == "cuda" else "float32")
@@ -47,6 +54,11 @@ def main() -> int:
                     ids = (torch.randint(10, 8000, (a.prompt_tokens,), generator=g).tolist() if texts is None
                            else pair.tokenizer.encode(texts[(rnd * c + i) % len(texts)]).ids[-256:])
                     eng.add_request(ids, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True))
+                clock = None
+                if rnd == 1 and a.phases:
+                    clock = timeline.HostClock()
+                    timeline.label_phases(eng, clock)
+                    eng.step = clock.wrap(eng.step, "Engine.step")
                 s0, t = eng.steps, time.perf_counter()
                 eng.run()
                 if a.device == "cuda":
@@ -55,6 +67,9 @@ def main() -> int:
             k = eng.counters
             print(f"C={c} {method} gate={gate}: {c * a.max_tokens / wall:.0f} tok/s, {steps} steps, {wall / steps * 1e3:.2f} ms/step, "
                   f"preemptions {k.preemptions}, engine start {start_s:.1f} s")
+            if clock is not None:
+                top = sorted(clock.spent.items(), key=lambda kv: -kv[1])[:16]
+                print("  host us a step: " + ", ".join(f"{name} {sec / steps * 1e6:.0f}" for name, sec in top))
             # the measured round's steps by kind: where its time went
             recs = [r for r in k.records if r.step >= s0]
             kinds = {"prefill": [r for r in recs if r.rows > r.verified + r.nodes],  # (prefill rows in it)
