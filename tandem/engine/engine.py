@@ -942,8 +942,11 @@ class Engine:
         feeds: list[tuple[Request, int]] = []  # the feature drafters fed: (request, its decode's row)
         if plan:
             if self.config.method != "ar":  # (what a plain step does to each decode's drafter)
+                keep = self._keep_fed  # (dormant: only the sample's are fed; the others have none to drop)
                 for s in plan.decodes:
-                    self._async_plain(s.request, s.request.request_id in waiting)
+                    req = s.request
+                    if keep is None or req.request_id in keep or "drafter" in req.runtime:
+                        self._async_plain(req, req.request_id in waiting)
             # every decode its root, packed from the request itself (a waiting token's row packs
             # a stale one: fed over it on the device)
             rows = self._rows(plan, None)
