@@ -637,6 +637,56 @@ def test_while_the_gate_keeps_drafting_off_only_its_samples_feature_drafters_are
     assert (engine.counters.async_steps >= 4) == asynchronous  # (the four plain steps, and prefill steps)
 
 
+def test_rows_kept_for_a_drafter_that_is_gone_are_not_handed_over():
+    """Async plain steps keep their feature-drafter rows until the next synchronous step hands
+    them over (Engine._hand_over). Rows of a request aborted meanwhile, or whose drafter was
+    released and restarted (a new handle), are dropped, never fed into another drafter; the
+    others reach their drafters whole: when drafting resumes each drafter holds exactly the
+    tokens it has not run. Outputs equal solo ar."""
+    pair, prompts, params, engine = _gated_eagle3_engine(4, 16, asynchronous=True)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    state = {"calls": 0}
+    seen = {}
+
+    class OffThenOn:  # all draft for two decode steps, none for five, then all again
+        decisions_off, sample, off_streak, dormant_after = 0, 4, 0, 100
+
+        def plan(self, requests):
+            if requests == 0:
+                return 0
+            state["calls"] += 1
+            if state["calls"] == 5:  # (rows kept for every request: abort one, restart another's drafter)
+                assert engine._unfed
+                engine.abort(reqs[0].request_id)
+                reqs[1].runtime.pop("drafter")
+                engine.batched.release(reqs[1].request_id)
+            if state["calls"] == 8:  # drafting resumes: the kept rows are handed over first
+                seen["unfed"] = len(engine._unfed)
+                engine._hand_over()
+                seen["pending"] = {r.request_id: list(engine.batched.pending[r.request_id].tokens)
+                                   for r in reqs[2:]}
+                seen["tokens"] = {r.request_id: r.token_ids() for r in reqs[2:]}
+                seen["ran"] = {r.request_id: engine.batched.pool.seqs[r.request_id].length for r in reqs[2:]}
+                seen["gone"] = [r.request_id in engine.batched.pending for r in reqs[:2]]  # (nothing fed to them)
+            return 0 if 3 <= state["calls"] <= 7 else requests
+
+        def observe(self, *a, **k):
+            pass
+
+    engine.gate = OffThenOn()
+    while engine.has_unfinished():
+        engine.step()
+    solo = Engine(pair.target, None, config=EngineConfig(method="ar"))
+    want = [o.token_ids for o in run_all(solo, prompts, params)]
+    assert [r.output_ids for r in reqs[1:]] == want[1:] and reqs[0].finish_reason == "abort"
+    assert seen["unfed"] > 0 and engine.counters.async_steps >= 4
+    assert seen["gone"] == [False, False]
+    for rid, pending in seen["pending"].items():  # each drafter: the rows it ran, then the pending ones, in order
+        toks, ran = seen["tokens"][rid], seen["ran"][rid]
+        assert pending == toks[ran:ran + len(pending)] and ran + len(pending) >= len(toks) - 1  # (one may be on its way)
+    assert_clean(engine)
+
+
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_drafters_go_dormant_only_after_the_gates_off_streak_reaches_dormant_after(asynchronous):
     """Near break-even the gate turns drafting on and off often, and a restarted drafter catches
