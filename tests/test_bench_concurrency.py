@@ -92,6 +92,31 @@ def test_concurrency_runs_write_results_and_every_output_equals_solo_ar(tiny, tm
         assert "tokens_per_s_vs_concurrency.png" in res["files"]
 
 
+def test_requests_per_level_keep_at_most_c_in_flight_and_every_output_equals_solo_ar(tiny, tmp_path, capsys):
+    """--requests N with --concurrency C: N requests (prompts cycled), at most C decoding at once,
+    the next admitted as one finishes (a steady state rather than one wave); outputs equal solo ar."""
+    out = tmp_path / "out"
+    rc = cli.main(["bench", "--target", str(tiny), "--draft", str(tiny), "--workload", str(_prompts_file(tmp_path)),
+                   "--num-prompts", "3", "--max-new-tokens", str(MAX_NEW), "--ignore-eos", "--methods", "tree",
+                   "--nodes", "4", "--concurrency", "2", "--requests", "5", "--peers", "none", "--warmup", "0",
+                   "--no-plots", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["requests"] == 5 and res["check"]["mismatch_count"] == 0
+    for r in res["runs"]:
+        assert r["concurrency"] == 2 and len(r["requests"]) == 5 and r["new_tokens"] == 5 * MAX_NEW
+        assert [q["prompt_index"] for q in r["requests"]] == [i % 3 for i in range(5)]
+        # two slots: the last request starts only after two others finished
+        ttft = sorted(q["ttft"] for q in r["requests"])
+        e2e = sorted(q["e2e"] for q in r["requests"])
+        assert ttft[-1] >= e2e[1]
+    assert "5 requests per level (at least C), at most C in flight" in (out / "results.md").read_text()
+    assert cli.main(["bench", "--target", str(tiny), "--concurrency", "2", "--requests", "0",
+                     "--out", str(tmp_path / "y")]) == 2
+    assert "--requests must be >= 1 (got 0)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value,message", [
     ("0", "--concurrency values must be >= 1 (got 0"),
     ("-4", "--concurrency values must be >= 1 (got -4"),

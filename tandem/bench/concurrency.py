@@ -240,17 +240,20 @@ def solo_outputs(pair, spec: SpecConfig, prompts: list[list[int]], params, num_b
 
 
 def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], prompt_index: list[int],
-               params, num_batched: int, **overrides) -> RunResult:
-    """C requests submitted together to a fresh engine, stepped to the end; each step is timed.
+               params, num_batched: int, concurrency: int | None = None, **overrides) -> RunResult:
+    """The prompts' requests submitted together to a fresh engine of `concurrency` sequences
+    (default: one per prompt, one wave), stepped to the end; with more prompts than that the engine
+    admits the next as one finishes (its FIFO queue), so at most `concurrency` are in flight and a
+    request's TTFT includes its wait for a slot. Each step is timed.
     overrides: EngineConfig fields (a warm-up run's measured `step_costs`)."""
-    c = len(prompts)
+    c = concurrency or len(prompts)
     engine = _engine(pair, method, spec, prompts, params, num_batched, c, **overrides)
     harness._sync(pair.target.device)
     t0 = time.perf_counter()
     reqs = [engine.add_request(p, params) for p in prompts]
-    first: list[float | None] = [None] * c
-    last = [t0] * c
-    seen = [0] * c
+    first: list[float | None] = [None] * len(reqs)
+    last = [t0] * len(reqs)
+    seen = [0] * len(reqs)
     while engine.has_unfinished():
         engine.step()
         now = time.perf_counter()
@@ -393,7 +396,10 @@ def markdown(results: dict) -> str:
              f"{cfg['max_new_tokens']} new tokens", "",
              f"{env['gpu']}, {cfg['dtype']}, torch {env['torch']}, transformers {env['transformers']}, "
              f"commit {env['git_commit']}", "",
-             "Latency in ms from submission of all C requests: median / p95.", "",
+             ("Latency in ms from submission of all C requests: median / p95." if not cfg.get("requests") else
+              f"{cfg['requests']} requests per level (at least C), at most C in flight, the next admitted as one "
+              "finishes; latency in ms from submission of all of them (TTFT includes the wait for a slot): "
+              "median / p95."), "",
              "| method | C | tok/s | vs ar | TTFT | inter-token | end to end | tau | steps | equal to solo ar |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     ar = {r["concurrency"]: r["tokens_per_s"] for r in results["runs"] if r["name"] == REFERENCE}
@@ -477,6 +483,8 @@ def run(args: argparse.Namespace) -> int:
     spec, sampling, gen = configs_from_args(args)
     if args.warmup < 0:
         raise ConfigError(f"--warmup must be >= 0 (got {args.warmup})")
+    if getattr(args, "requests", None) is not None and args.requests < 1:
+        raise ConfigError(f"--requests must be >= 1 (got {args.requests})")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise ConfigError(f"--max-prompt-tokens must be >= 1 (got {args.max_prompt_tokens})")
     ensure_out_dir(args.out)
@@ -511,6 +519,7 @@ def run_concurrency(prompts, methods: list[str], peers: list[str], levels: list[
     params = SamplingParams(max_tokens=gen.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                             seed=sampling.seed, ignore_eos=gen.ignore_eos)
     num_batched = 2048  # EngineConfig's default row budget, raised to hold every request's tree
+    requests = getattr(args, "requests", None)  # per level (None: C, one wave)
 
     def batch(c: int) -> tuple[list[list[int]], list[int]]:
         idx = [i % len(ids_list) for i in range(c)]
@@ -524,13 +533,13 @@ def run_concurrency(prompts, methods: list[str], peers: list[str], levels: list[
         for method in methods:
             mspec = replace(spec, method=engine_modes(method)[0])
             for c in levels:
-                ps, idx = batch(c)
+                ps, idx = batch(max(c, requests or c))  # (--requests: more prompts than slots, C at a time)
                 given = {}
                 if args.warmup:  # a throwaway engine: kernels compiled, allocator warm, prefix cache cold
-                    warm = engine_run(pair, method, mspec, ps, idx, params, num_batched)
+                    warm = engine_run(pair, method, mspec, ps, idx, params, num_batched, c)
                     if warm.step_costs is not None:  # (the gate's costs, measured once per run)
                         given["step_costs"] = warm.step_costs
-                r = engine_run(pair, method, mspec, ps, idx, params, num_batched, **given)
+                r = engine_run(pair, method, mspec, ps, idx, params, num_batched, c, **given)
                 runs.append(r)
                 _progress(r)
     if peers:
@@ -546,7 +555,8 @@ def run_concurrency(prompts, methods: list[str], peers: list[str], levels: list[
     for name, why in skipped.items():
         print(f"tandem bench: peer {name} skipped: {why}", file=sys.stderr)
     chk = check(runs, refs, sampling.greedy)
-    config = {"methods": methods, "peers": peers, "concurrency": levels, "max_new_tokens": gen.max_new_tokens,
+    config = {"methods": methods, "peers": peers, "concurrency": levels, "requests": requests,
+              "max_new_tokens": gen.max_new_tokens,
               "temperature": sampling.temperature, "ignore_eos": gen.ignore_eos, "target": str(pair.target_dir),
               "draft": None if pair.draft_dir is None else str(pair.draft_dir), "device": str(dev),
               "dtype": args.dtype, "warmup": args.warmup, "workload": args.workload, "num_prompts": len(prompts),

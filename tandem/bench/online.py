@@ -524,7 +524,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="comma list of requests in flight (default 1,4,8 with --online)")
     p.add_argument("--request-rate", type=float, default=None,
                    help="with --online: request starts per second (evenly spaced); default: as concurrency allows")
-    p.add_argument("--requests", type=int, default=16, help="with --online: requests per level")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per level: with --online (default 16); offline with --concurrency C, at most C "
+                        "in flight, the next admitted as one finishes (default C: one wave)")
     p.add_argument("--engine-process", action="store_true",
                    help="with --online and no --url: the server's engines in a process of their own "
                         "(tandem serve --engine-process)")
@@ -558,6 +560,8 @@ def check(args: argparse.Namespace) -> tuple[list[int], list[str] | None]:
     from tandem.bench.env import ensure_out_dir
 
     levels = parse_levels(args.concurrency)
+    if args.requests is None:
+        args.requests = 16
     if args.requests < 1:
         raise ConfigError(f"--requests must be >= 1 (got {args.requests})")
     if not args.max_seconds > 0:
