@@ -6,7 +6,8 @@
 # model; GATE=1: the gate's own log (bench/gpu_gate_check.py); SINGLE=1: one request and gpt-fast;
 # ONLINE=1: the server (--online --engine-process; carry .whl: the server's wheels for the device's Python).
 #   bash bench/run_h200_session13.sh $OUT      (device tool: carry .data/mbpp; .data/peers for SINGLE=1)
-# DRAFTS: drafters of the tables (default "eagle3 draft"); METHODS_<drafter>: their methods.
+# DRAFTS: drafters of the tables (default "eagle3 draft"); METHODS_<drafter>: their methods; REQS: requests
+# a level, at most C in flight (default: one wave of C).
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/env.txt"; date -u >> "$OUT/env.txt"
@@ -31,7 +32,8 @@ for rep in ${REPS-a}; do
     echo "== $name: $d --methods $m"
     timeout ${TMO:-200} python3 -m tandem bench --device cuda --dtype bfloat16 --concurrency ${CONC:-1,8,32,64} \
       --methods "$m" --ignore-eos --max-new-tokens 128 --workload mbpp --data-dir .data --num-prompts 64 \
-      --max-prompt-tokens 256 --no-plots --allow-mismatch --draft $d --peers none --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+      --max-prompt-tokens 256 --no-plots --allow-mismatch --draft $d --peers none ${REQS:+--requests $REQS} \
+      --out "$OUT/$name" > "$OUT/$name.log" 2>&1
     grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "rror" | tail -14
     rm -f "$OUT/$name/results.json"
   done
