@@ -574,9 +574,7 @@ class Engine:
         self._keep_fed = None
         if self.gate is None and self._forced is None:
             return None
-        # (the decoding requests: in_prefill, inlined: asked of every running request every step)
-        decoding = [r for r in self.scheduler.running
-                    if r.num_computed >= len(r.prompt_ids) + len(r.output_ids) - 1]
+        decoding = [r for r in self.scheduler.running if not r.in_prefill]
         if self._forced is not None:  # (measure_step_costs, before the gate exists: every drafter fed)
             k = len(decoding) if self._forced else 0
             return None if k else set()
@@ -942,11 +940,8 @@ class Engine:
         feeds: list[tuple[Request, int]] = []  # the feature drafters fed: (request, its decode's row)
         if plan:
             if self.config.method != "ar":  # (what a plain step does to each decode's drafter)
-                keep = self._keep_fed  # (dormant: only the sample's are fed; the others have none to drop)
                 for s in plan.decodes:
-                    req = s.request
-                    if keep is None or req.request_id in keep or "drafter" in req.runtime:
-                        self._async_plain(req, req.request_id in waiting)
+                    self._async_plain(s.request, s.request.request_id in waiting)
             # every decode its root, packed from the request itself (a waiting token's row packs
             # a stale one: fed over it on the device)
             rows = self._rows(plan, None)
@@ -1128,16 +1123,6 @@ class Engine:
         request); every tree's masks and depths at once (tree_masks). trees None: every decode
         is its root alone (an `ar` step)."""
         seqs = self.pool.seqs
-        sched = plan.scheduled
-        if trees is None and all(s.kind == "decode" for s in sched):  # (a steady `ar` step: columns at once)
-            R = len(sched)
-            sbs = [seqs[s.request.request_id] for s in sched]
-            starts = [s.start for s in sched]
-            bits, depth, words = tree_masks([-1] * R, [1] * R)
-            self._deepest = [0] * R
-            return self.model.rows(PackColumns(
-                [s.request.last_token for s in sched], [1] * R, [a + 1 for a in starts], starts, [True] * R,
-                [sb.blocks for sb in sbs], bits, None, depth, words, [sb.version for sb in sbs]))
         tokens: list[int] = []  # [M]
         T, S, prefix, logits, tables, versions = [], [], [], [], [], []  # [R] each
         parents: list[int] = []  # [tree rows] each tree's parents (tree-local)
@@ -1325,23 +1310,20 @@ class Engine:
         """Cut at EOS / stop / max_tokens (the single-request loop's Emitter; deepest: the tree's
         deepest node's depth, from the packing); True when done."""
         em = self._emitter(req)
-        done = em.emit(tree, result, deepest)
-        f = req.figures
-        f.target_passes += 1
-        f.draft_tokens += result.num_draft
-        f.accepted_tokens += result.accepted
-        if f.ttft is None:
-            f.ttft = time.perf_counter() - req.arrival
-        if done:
-            req.finish_reason, req.stop_text = em.finish, em.stop_text
-        return done
+        return self._books(req, em, em.emit(tree, result, deepest), result.num_draft, result.accepted)
 
     def _emit_token(self, req: Request, token: int) -> bool:
         """_emit of a plain step's one token (root alone, no draft): the same books, fewer calls."""
-        em = req.runtime.get("emitter") or self._emitter(req)
-        done = em.emit_token(token)
+        em = self._emitter(req)
+        return self._books(req, em, em.emit_token(token), 0, 0)
+
+    @staticmethod
+    def _books(req: Request, em: Emitter, done: bool, drafted: int, accepted: int) -> bool:
+        """A pass's figures on the request (and its finish, when `done`); returns done."""
         f = req.figures
         f.target_passes += 1
+        f.draft_tokens += drafted
+        f.accepted_tokens += accepted
         if f.ttft is None:
             f.ttft = time.perf_counter() - req.arrival
         if done:

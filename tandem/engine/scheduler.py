@@ -91,7 +91,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:  # (a loop over every running request, every step: kept lean)
             req = running[i]
-            todo = len(req.prompt_ids) + len(req.output_ids) - 1 - req.num_computed  # (in_prefill: todo > 0)
+            todo = req.prefill_target - req.num_computed  # (in_prefill: todo > 0)
             if todo <= 0 and verify is not None and not verify(req):
                 i += 1  # drafted, not verified, this step: no rows reserved
                 continue
