@@ -4,6 +4,7 @@
 # many requests; the GPU lane over the engine; TIMELINE=1: the host-only timeline of `ar` at 1
 # and 64 requests; engine tables (default ar, tree, tree+gate) with the EAGLE-3 head and the draft
 # model; GATE=1: the gate's own log (bench/gpu_gate_check.py); SINGLE=1: one request and gpt-fast;
+# GATE_ARGS: more flags for it (--phases);
 # ONLINE=1: the server (--online --engine-process; carry .whl: the server's wheels for the device's Python).
 #   bash bench/run_h200_session13.sh $OUT      (device tool: carry .data/mbpp; .data/peers for SINGLE=1)
 # DRAFTS: drafters of the tables (default "eagle3 draft"); METHODS_<drafter>: their methods; REQS: requests
@@ -50,7 +51,7 @@ fi
 if [ "${GATE:-0}" = 1 ]; then
   echo "== the gate's log: eagle3 at ${GATE_CONC:-8 64}"
   timeout ${GATE_TMO:-200} python3 bench/gpu_gate_check.py --draft eagle3 --concurrency ${GATE_CONC:-8 64} \
-    --data-dir .data 2>&1 | grep -v Warning | tee "$OUT/gate.log" | tail -20
+    --data-dir .data ${GATE_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/gate.log" | tail -40
 fi
 if [ "${ONLINE:-0}" = 1 ]; then  # the server's packages: .whl/*.whl, or .whl/site.tar.xz (the same, unpacked and xz'd: smaller)
   if ls .whl/*.whl > /dev/null 2>&1; then
