@@ -57,19 +57,47 @@ class Int8Head:
         if weight.dim() != 2 or weight.dtype not in ROUNDING:
             raise ValueError(f"an LM head weight is [vocab, hidden] fp32/bf16/fp16, got {tuple(weight.shape)} {weight.dtype}")
         self.weight = weight
-        w64 = weight.double()  # [V, H], exact
-        amax = w64.abs().amax(dim=1)  # [V]
-        scale = (amax / 127).float()  # fp32 per-row scales; 0 for an all-zero row
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
-        self.q = torch.round(w64 / safe[:, None]).clamp(-127, 127).to(torch.int8)  # [V, H]
-        self.scale = scale.to(weight.device)  # [V]
-        dq = self.q.double() * scale.double()[:, None]  # [V, H] q(w), exact in float64
-        hidden = weight.shape[1]
-        resid = (w64 - dq).norm(dim=1)  # [V] ||w - q(w)||
-        cheap = dq.norm(dim=1) * _gamma(hidden + 1)  # [V]
-        exact = w64.norm(dim=1) * _gamma(hidden)  # [V]
-        self.coef = ((resid + cheap + exact) * SAFETY).to(weight.device)  # [V] float64: bound per unit ||h||
+        v, hidden = weight.shape
+        self.q = torch.empty(v, hidden, dtype=torch.int8, device=weight.device)  # [V, H]
+        self.scale = torch.empty(v, dtype=torch.float32, device=weight.device)  # [V]
+        self.coef = torch.empty(v, dtype=torch.float64, device=weight.device)  # [V]: bound per unit ||h||
+        self._terms = []  # per chunk (resid, cheap, exact), float64: the GPU kernel's coefficients
+        for lo in range(0, v, 8192):  # (in chunks: float64 copies of a 128k-token head take GBs)
+            w64 = weight[lo:lo + 8192].double()  # [c, H], exact
+            amax = w64.abs().amax(dim=1)  # [c]
+            scale = (amax / 127).float()  # fp32 per-row scales; 0 for an all-zero row
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
+            q = torch.round(w64 / safe[:, None]).clamp(-127, 127).to(torch.int8)  # [c, H]
+            dq = q.double() * scale.double()[:, None]  # [c, H] q(w), exact in float64
+            resid = (w64 - dq).norm(dim=1)  # [c] ||w - q(w)||
+            cheap = dq.norm(dim=1) * _gamma(hidden + 1)  # [c]
+            exact = w64.norm(dim=1) * _gamma(hidden)  # [c]
+            self.q[lo:lo + 8192], self.scale[lo:lo + 8192] = q, scale
+            self.coef[lo:lo + 8192] = (resid + cheap + exact) * SAFETY
+            self._terms.append((resid, cheap, exact))
         self.u_dt = ROUNDING[weight.dtype]
+        self._gpu_coef: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def token(self, h: torch.Tensor) -> torch.Tensor:
+        """The exact argmax token [B] for hidden rows h [B, H]: the Triton kernels on CUDA
+        (tandem.kernels.certified_head: no host sync, fixed shapes), the reference elsewhere."""
+        return self.token_and_logit(h)[0]
+
+    @torch.no_grad()
+    def token_and_logit(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token [B] int64, its exact logit [B] in the model dtype)."""
+        from tandem.kernels import certified_head as ck
+
+        if h.is_cuda and ck.triton is not None:
+            if self._gpu_coef is None:
+                self._gpu_coef = torch.cat([ck.gpu_coef(*t) for t in self._terms])  # [V] fp32
+                self._terms = []
+            tok, val, _ = ck.certified_argmax_triton(h.to(self.weight.dtype), self.q, self.scale, self._gpu_coef,
+                                                     self.weight, self.u_dt)
+            return tok, val.to(self.weight.dtype)
+        r = self.argmax(h)
+        return r.token, r.logits.gather(1, r.token[:, None]).squeeze(1)
 
     @torch.no_grad()
     def approx_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -111,7 +139,7 @@ def certified_argmax(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tens
     if head is None or head.weight is not weight:
         head = Int8Head(weight)
         model.int8_head = head
-    return head.argmax(hidden.reshape(-1, hidden.shape[-1])).token.reshape(hidden.shape[:-1])
+    return head.token(hidden.reshape(-1, hidden.shape[-1])).reshape(hidden.shape[:-1])
 
 
 class CertifiedHead(torch.nn.Module):
@@ -131,6 +159,12 @@ class CertifiedHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., H] -> [..., V]
         flat = hidden.reshape(-1, hidden.shape[-1])  # [B, H]
+        if flat.is_cuda:  # (the kernels: the argmax's exact logit, -inf elsewhere; no host sync)
+            tok, val = self.int8.token_and_logit(flat)
+            logits = torch.full((flat.shape[0], self.weight.shape[0]), float("-inf"), dtype=val.dtype,
+                                device=flat.device)  # [B, V]
+            logits.scatter_(1, tok[:, None], val[:, None])
+            return logits.reshape(*hidden.shape[:-1], -1)
         return self.int8.argmax(flat).logits.reshape(*hidden.shape[:-1], -1)
 
 
