@@ -205,6 +205,7 @@ class Engine:
         # the feature drafters' rows of async plain steps, not handed over yet (_hand_over):
         # (request, its handle then, [tokens], its step's fed rows [fed, F], its row in them), in step order
         self._unfed: list[tuple[Request, object, list[int], torch.Tensor, int]] = []
+        self._row_index: dict[tuple[int, ...], torch.Tensor] = {}  # device indexes of feature rows (_rows_of)
         self._sampled: set[str] = set()  # requests that sample (their steps run synchronously)
         # every request's draft from shared passes of the drafter (batched_draft), where it applies
         self.batched: BatchedDrafter | BatchedBlockDrafter | None = None
@@ -937,25 +938,26 @@ class Engine:
         plan = self.scheduler.plan_step(plans if waiting else None)
         for req in plan.preempted:
             self._drop_draft(req)
-        feeds: list[tuple[Request, int]] = []  # the feature drafters fed: (request, its decode's row)
+        feeds: list[tuple[Request, object, int]] = []  # the feature drafters fed: (request, handle, its decode's row)
         if plan:
-            if self.config.method != "ar":  # (what a plain step does to each decode's drafter)
-                for s in plan.decodes:
-                    self._async_plain(s.request, s.request.request_id in waiting)
+            drafting_engine = self.config.method != "ar"
             # every decode its root, packed from the request itself (a waiting token's row packs
-            # a stale one: fed over it on the device)
+            # a stale one: fed over it on the device); then one walk over the plan for the rest
             rows = self._rows(plan, None)
             fed, src, at, n_dec = [], [], 0, 0
             for s in plan.scheduled:
                 if s.kind == "decode":
                     n_dec += 1
-                    rid = s.request.request_id
+                    req = s.request
+                    rid = req.request_id
                     if rid in waiting:
                         fed.append(at)
                         src.append(waiting[rid])
-                    h = s.request.runtime.get("drafter")
-                    if isinstance(h, _BatchedFeatureHandle):
-                        feeds.append((s.request, h, at))
+                    if drafting_engine:  # (what a plain step does to each decode's drafter)
+                        self._async_plain(req, rid in waiting)
+                        h = req.runtime.get("drafter")
+                        if isinstance(h, _BatchedFeatureHandle):
+                            feeds.append((req, h, at))
                 at += s.rows
             self.model.forward(rows, feed=(fed, src) if fed else None, logits=False)
             feats = self.model.last_features if self.feature_layers else None  # [M, F]
@@ -966,7 +968,7 @@ class Engine:
                     s.request.runtime.setdefault("features", []).append(feats[at:at + s.rows].clone())
                 at += s.rows
             host, done = download(self.model.next_tokens[:n_dec])  # [decodes] their new tokens
-            fed_feats = feats[upload([at for _, _, at in feeds], feats.device)] if feeds else None  # [fed, F]
+            fed_feats = self._rows_of(feats, [at for _, _, at in feeds]) if feeds else None  # [fed, F]
             self._inflight = _Inflight(plan, host, done, [(req, h) for req, h, _ in feeds], fed_feats)
             self.counters.async_steps += 1
         finished = self._read(prev) if prev is not None else []
@@ -982,6 +984,20 @@ class Engine:
             problems = self.pool.check()
             assert not problems, problems
         return finished
+
+    def _rows_of(self, feats: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """feats[rows], a copy: a slice's when the rows run on (every decode fed), else a gather
+        through a device index kept per row list (the gate's sample is the same list for many
+        steps: no upload each step)."""
+        if rows[-1] - rows[0] == len(rows) - 1:
+            return feats[rows[0]:rows[-1] + 1].clone()
+        key = tuple(rows)
+        index = self._row_index.get(key)
+        if index is None:
+            if len(self._row_index) >= 64:
+                self._row_index.clear()
+            index = self._row_index[key] = upload(rows, feats.device)
+        return feats[index]
 
     def _async_plain(self, req: Request, waiting: bool) -> None:
         """A decode of an async step in a drafting engine (its tree is its root): its drafter as a
