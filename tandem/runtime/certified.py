@@ -6,11 +6,11 @@ the loop takes (ar, chain, tree verification) is the full head's argmax, and the
 unchanged. The full head is put back after the request, so the same model serves requests
 without the flag (and other Generators) untouched.
 
-NOTE: the certified head prunes with data-dependent shapes (a nonzero over the survivors), which a
-CUDA graph cannot capture; the target's runner runs eagerly under this flag (a runner of its own,
-so graphs captured with the full head are never replayed for it). Closing that gap needs a
-fixed-shape survivor kernel; until then the flag trades the graph path's launch savings for the
-head's fewer bytes, and `tandem bench` decides whether that pays on a deployment.
+On CUDA the head is two Triton kernels with fixed shapes and no host sync
+(tandem.kernels.certified_head), so the target's runner captures it in its CUDA graphs (a runner
+of its own, so graphs captured with the full head are never replayed for it). On the CPU the
+reference prunes with data-dependent shapes (a nonzero over the survivors) and the runner runs
+eagerly.
 """
 from __future__ import annotations
 

@@ -257,9 +257,12 @@ class Generator:
         features = getattr(drafter, "needs_features", False)
         if features:  # before the target's runner captures its graphs: they must write the features
             self.target_model.enable_features(drafter.feature_layers)
-        if self.certified_head:  # its own eager runner: a graph cannot capture the head's pruning
+        if self.certified_head:  # a runner of its own: its graphs hold the certified head, not the full one
+            # (on CUDA the head's kernels have fixed shapes and capture; the CPU reference prunes
+            # with data-dependent shapes, so there it runs eagerly or with emulated graphs)
+            cuda = self.target_model.device.type == "cuda"
             target_runner = runner_for(self._runners, "target-certified", self.target_model, plan.target_rows,
-                                       "emulate" if self.use_graphs == "emulate" else False)
+                                       self.use_graphs if cuda else ("emulate" if self.use_graphs == "emulate" else False))
         else:
             target_runner = self._runner("target", self.target_model, plan.target_rows)
         target = Target(target_runner, sampling, g)
