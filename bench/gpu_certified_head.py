@@ -7,11 +7,15 @@ the same plus its argmax (what greedy decoding runs), and `Int8Head.token` (the 
 int8 bounds, then the survivors' exact rescoring; ||h|| included). The issue's bar: the certified
 head <= 0.6x the bf16 head's time, with the argmax identical on every tested row.
 
-Weights: Student-t (3 dof) rows with per-row scales over a decade (as bench/gpu_w12.py draws them).
-Hidden rows, two kinds: "confident" (a random direction plus 0.15 ||n|| along one token's row, so
-the top logit stands about 5 logit standard deviations above the rest, as a trained model's
-greedy steps mostly do) and "random" (no token preferred: the top logits crowd together and more
-of them survive the certificate: the slow case). Each row's survivor count is reported.
+Weights: Gaussian rows with per-row scales drawn log-normally (sigma 0.3): an LM head's rows are
+token embeddings of similar norms (unlike a projection's channels: bench/gpu_w12.py draws those
+heavy-tailed with scales over a decade; such rows quantize coarsely and loosen every bound).
+Hidden rows, three kinds, by how far the top logit stands above the rest: "confident" (a random
+direction n plus 0.15 ||n|| along one token's row: about 5 logit standard deviations above the
+largest of the others, as a trained model's greedy steps mostly are), "uncertain" (0.08 ||n||:
+the top logit just above the others' largest) and "flat" (no token preferred: the top logits
+crowd together and the most tokens survive: the worst case). Each kind's survivor counts are
+reported. `bounds ms` is the first kernel alone (the int8 read).
 --sweep times the kernel's block shapes and launch knobs too and reports the best per row count.
 """
 from __future__ import annotations
@@ -48,20 +52,21 @@ def median_ms(fn, iters: int, warmup: int = 5) -> float:
 
 def head_weights(v: int, hdim: int, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
-    chi2 = torch.randn(3, v, hdim, generator=g, device="cuda").pow(2).sum(0) / 3
-    w = torch.randn(v, hdim, generator=g, device="cuda") / chi2.sqrt()
-    w = w * 10 ** (torch.rand(v, 1, generator=g, device="cuda") - 2.5)
-    return w.to(torch.bfloat16)
+    scale = 0.02 * torch.exp(0.3 * torch.randn(v, 1, generator=g, device="cuda"))  # [V, 1]
+    return (torch.randn(v, hdim, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+
+KINDS = {"confident": 0.15, "uncertain": 0.08, "flat": 0.0}
 
 
 def hidden_rows(w: torch.Tensor, m: int, kind: str, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     n = torch.randn(m, w.shape[1], generator=g, device="cuda")
-    if kind == "confident":
+    if KINDS[kind]:
         tok = torch.randint(0, w.shape[0], (m,), generator=g, device="cuda")
         d = w[tok].float()
         d = d / d.norm(dim=-1, keepdim=True)
-        n = n + 0.15 * n.norm(dim=-1, keepdim=True) * d
+        n = n + KINDS[kind] * n.norm(dim=-1, keepdim=True) * d
     return n.to(torch.bfloat16)
 
 
@@ -72,7 +77,7 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--rows", default="1,4,8,32,64")
-    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--sweep", action="store_true")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -81,7 +86,7 @@ def main() -> int:
     head = Int8Head(w)
     coef = torch.cat([ck.gpu_coef(*t) for t in head._terms])
     results = []
-    for kind in ("confident", "random"):
+    for kind in KINDS:
         for m in [int(r) for r in a.rows.split(",")]:
             h = hidden_rows(w, m, kind, seed=m)
             full = F.linear(h, w)
@@ -89,24 +94,26 @@ def main() -> int:
             t_lin = median_ms(lambda: F.linear(h, w), a.iters)
             t_lin_arg = median_ms(lambda: F.linear(h, w).argmax(-1), a.iters)
             configs = [{}]
-            if a.sweep:
+            if a.sweep and kind == "confident":  # (the knobs barely move the slow kinds' rescoring)
                 if m <= ck.FMA_ROWS:
-                    configs += [dict(bv=bv, bk=bk, num_warps=nw, num_stages=ns) for bv in (8, 16, 32) for bk in (128, 256)
-                                for nw in (4, 8) for ns in (2, 4) if bv * bk * ck.triton.next_power_of_2(m) <= 16384]
+                    configs += [dict(bv=bv, bk=bk, num_warps=nw, slices=sl) for bv in (16, 32) for bk in (128, 256)
+                                for nw in (4, 8) for sl in (128, 512) if bv * bk * ck.triton.next_power_of_2(m) <= 16384]
                 else:
-                    configs += [dict(bv=bv, bk=bk, num_warps=nw, num_stages=ns) for bv in (64, 128) for bk in (64, 128)
-                                for nw in (4, 8) for ns in (3, 4)]
+                    configs += [dict(bv=bv, bk=bk, num_warps=nw, slices=sl) for bv in (64, 128) for bk in (64, 128)
+                                for nw in (4, 8) for sl in (128, 512)]
             for cfg in configs:
                 try:
                     tok, _, count = ck.certified_argmax_triton(h, head.q, head.scale, coef, w, head.u_dt, **cfg)
                     t = median_ms(lambda: ck.certified_argmax_triton(h, head.q, head.scale, coef, w, head.u_dt, **cfg),
                                   a.iters)
+                    t_b = median_ms(lambda: ck.certified_argmax_triton(h, head.q, head.scale, coef, w, head.u_dt,
+                                                                       bounds_only=True, **cfg), a.iters)
                 except Exception as e:  # (a variant that does not compile: recorded, the sweep goes on)
                     print(json.dumps({"kind": kind, "rows": m, "config": cfg, "error": repr(e)[:300]}), flush=True)
                     continue
                 gap = full.float().topk(2, dim=-1).values
                 rec = {"kind": kind, "rows": m, "config": cfg, "bf16_head_ms": t_lin, "bf16_head_argmax_ms": t_lin_arg,
-                       "certified_ms": t, "vs_head": t / t_lin, "vs_head_argmax": t / t_lin_arg,
+                       "certified_ms": t, "bounds_ms": t_b, "vs_head": t / t_lin, "vs_head_argmax": t / t_lin_arg,
                        "tokens_equal": int((tok == ref).sum()), "survivors_mean": count.float().mean().item(),
                        "survivors_max": int(count.max()), "min_top2_gap": (gap[:, 0] - gap[:, 1]).min().item()}
                 results.append(rec)
@@ -114,16 +121,16 @@ def main() -> int:
     with open(os.path.join(a.out, "certified_head.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(0), "vocab": a.vocab, "hidden": a.hidden,
                    "results": results}, f, indent=2)
-    lines = ["| hidden rows | rows | bf16 head ms | + argmax ms | certified ms | vs head | vs head + argmax | "
-             "tokens equal | survivors mean / max | config |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for kind in ("confident", "random"):
+    lines = ["| hidden rows | rows | bf16 head ms | + argmax ms | certified ms | bounds ms | vs head | vs head + argmax | "
+             "tokens equal | survivors mean / max | config |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for kind in KINDS:
         for m in sorted({r["rows"] for r in results}):
             rs = [r for r in results if r["kind"] == kind and r["rows"] == m]
             if not rs:
                 continue
             r = min(rs, key=lambda r: r["certified_ms"])
             lines.append(f"| {kind} | {m} | {r['bf16_head_ms']:.4f} | {r['bf16_head_argmax_ms']:.4f} | "
-                         f"{r['certified_ms']:.4f} | {r['vs_head']:.2f}x | {r['vs_head_argmax']:.2f}x | "
+                         f"{r['certified_ms']:.4f} | {r['bounds_ms']:.4f} | {r['vs_head']:.2f}x | {r['vs_head_argmax']:.2f}x | "
                          f"{r['tokens_equal']}/{m} | {r['survivors_mean']:.1f} / {r['survivors_max']} | "
                          f"{r['config'] or 'default'} |")
     with open(os.path.join(a.out, "certified_head.md"), "w") as f:

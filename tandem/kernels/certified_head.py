@@ -2,19 +2,21 @@
 
 tandem.quant.int8_head holds the certificate and its torch reference (`Int8Head.argmax`), which
 finds the survivors with a data-dependent nonzero and rescores them with F.linear. Here the same
-argmax takes two Triton kernels whose launch shapes depend only on (rows, vocab, hidden), so the
+argmax takes Triton kernels whose launch shapes depend only on (rows, vocab, hidden), so the
 host never waits and a CUDA graph can hold them:
 
 1. `_bounds_kernel` streams the int8 rows once (half the bf16 head's bytes) and, per (hidden row,
    token), writes the upper bound of the exact logit, and per (hidden row, block of tokens) the
    block's best lower bound. Few rows (decoding) multiply in fp32 FMAs on a [R, BV, BK]
    accumulator; more rows go through tl.dot on the int8 tile converted to bf16 (exact: |q| <= 127).
-2. `_rescore_kernel`, one program per hidden row, takes the best lower bound, compacts the tokens
-   whose upper bound reaches it (the survivors: the argmax is always among them) into a list, and
-   rescores each survivor exactly from its bf16 row: an fp32 dot product rounded to the model
-   dtype, the evaluation the certificate's "exact logit" term covers. The largest value wins, the
-   smallest token on ties (torch.argmax's rule). A row with no survivor (a non-finite hidden
-   state) rescores the whole vocabulary.
+2. `_rescore_kernel`: `slices` programs per hidden row, each over its own slice of the
+   vocabulary, compact the tokens whose upper bound reaches the row's best lower bound (the
+   survivors: the argmax is always among them) and rescore each exactly from its bf16 row: an
+   fp32 dot product rounded to the model dtype, the evaluation the certificate's "exact logit"
+   term covers. `_merge_kernel` keeps the largest value, the smallest token on ties
+   (torch.argmax's rule). A row whose best lower bound is NaN (a non-finite hidden state) keeps
+   every token. Survivors spread over the vocabulary, so the slices share the rescoring evenly
+   however many there are.
 
 The bound arithmetic here is fp32, not the reference's float64, so it is widened (GPU_COEF below):
 the accumulation terms are taken 4x (tensor cores may accumulate fp32 with truncation rather than
@@ -97,28 +99,28 @@ if triton is not None:
         tl.store(blk_ptr + offs_r * n_blk + pid_v, tl.max(lower, axis=1), mask=r_ok)
 
     @triton.jit
-    def _rescore_kernel(h_ptr, w_ptr, upper_ptr, blk_ptr, cand_ptr, tok_ptr, val_ptr, count_ptr, V, H, n_blk,
-                        ROUND_BF16: tl.constexpr, NB: tl.constexpr, CH: tl.constexpr, G: tl.constexpr,
-                        BH: tl.constexpr):
-        row = tl.program_id(0)
-        offs_b = tl.arange(0, NB)
-        best_lower = tl.max(tl.load(blk_ptr + row * n_blk + offs_b, mask=offs_b < n_blk, other=float("-inf")))
+    def _rescore_kernel(h_ptr, w_ptr, upper_ptr, best_ptr, cand_ptr, pval_ptr, ptok_ptr, pcount_ptr, V, H, P, span,
+                        ROUND_BF16: tl.constexpr, CH: tl.constexpr, G: tl.constexpr, BH: tl.constexpr):
+        p = tl.program_id(0)  # slice of the vocabulary: tokens [p * span, (p + 1) * span)
+        row = tl.program_id(1)
+        best_lower = tl.load(best_ptr + row)
+        # NaN: no certificate (a non-finite hidden state): every token is kept
+        threshold = tl.where(best_lower == best_lower, best_lower, float("-inf"))
         offs_c = tl.arange(0, CH)
         up_row = upper_ptr + row.to(tl.int64) * V
-        cand = cand_ptr + row.to(tl.int64) * V
+        cand = cand_ptr + row.to(tl.int64) * V + p * span  # this program's own part of the scratch list
+        lo = p * span
+        hi = tl.minimum(lo + span, V)
         count = tl.zeros((), dtype=tl.int32)
-        for c in range(0, V, CH):  # compact the survivors' tokens, ascending
-            u = tl.load(up_row + c + offs_c, mask=(c + offs_c) < V, other=float("-inf"))
-            keep = (u >= best_lower).to(tl.int32)
+        for c in range(lo, hi, CH):  # compact the slice's survivors, ascending
+            ok = (c + offs_c) < hi
+            u = tl.load(up_row + c + offs_c, mask=ok, other=float("-inf"))
+            keep = ((u >= threshold) & ok).to(tl.int32)
             n = tl.sum(keep)
             if n > 0:
                 pos = count + tl.cumsum(keep, axis=0) - 1
                 tl.store(cand + pos, c + offs_c, mask=keep > 0)
                 count += n
-        if count == 0:  # no certificate (a non-finite hidden state): every token is a survivor
-            for c in range(0, V, CH):
-                tl.store(cand + c + offs_c, c + offs_c, mask=(c + offs_c) < V)
-            count = count * 0 + V
         tl.debug_barrier()  # the list is read back by other threads of this program
         offs_g = tl.arange(0, G)
         offs_h = tl.arange(0, BH)
@@ -143,19 +145,34 @@ if triton is not None:
             better = (g_best > best_val) | ((g_best == best_val) & (g_tok < best_tok))
             best_tok = tl.where(better, g_tok, best_tok)
             best_val = tl.where(better, g_best, best_val)
-        tl.store(tok_ptr + row, tl.minimum(best_tok, V - 1).to(tl.int64))
-        tl.store(val_ptr + row, best_val)
-        tl.store(count_ptr + row, count)
+        tl.store(pval_ptr + row * P + p, best_val)
+        tl.store(ptok_ptr + row * P + p, best_tok)
+        tl.store(pcount_ptr + row * P + p, count)
+
+    @triton.jit
+    def _merge_kernel(pval_ptr, ptok_ptr, pcount_ptr, tok_ptr, val_ptr, count_ptr, V, P, PB: tl.constexpr):
+        row = tl.program_id(0)  # the slices' winners: the largest value, the smallest token on ties
+        offs = tl.arange(0, PB)
+        ok = offs < P
+        val = tl.load(pval_ptr + row * P + offs, mask=ok, other=float("-inf"))
+        tok = tl.load(ptok_ptr + row * P + offs, mask=ok, other=V)
+        top = tl.max(val)
+        win = tl.min(tl.where(ok & (val == top) & (tok < V), tok, V))
+        tl.store(tok_ptr + row, tl.minimum(win, V - 1).to(tl.int64))
+        tl.store(val_ptr + row, top)
+        tl.store(count_ptr + row, tl.sum(tl.load(pcount_ptr + row * P + offs, mask=ok, other=0)))
 
 
 def certified_argmax_triton(h: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, coef: torch.Tensor,
                             weight: torch.Tensor, u_dt: float, bv: int | None = None, bk: int | None = None,
-                            num_warps: int = 4, num_stages: int = 3, use_dot: bool | None = None
+                            num_warps: int = 4, num_stages: int = 3, use_dot: bool | None = None,
+                            slices: int = 128, bounds_only: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token [M] int64, its exact logit [M] fp32, survivors [M] int32) for hidden rows h [M, H]
     (the weight's dtype) against
     the int8 head q [V, H] with per-token scale [V] and GPU bound coefficients coef [V] (gpu_coef),
-    rescoring survivors from weight [V, H]. Two launches, no host sync: graph-capturable."""
+    rescoring survivors from weight [V, H]. `slices` programs per hidden row share the rescoring.
+    Four launches (bounds, the rows' best lower bound, rescoring, merge), no host sync: graph-capturable."""
     if triton is None:
         raise RuntimeError("certified_argmax_triton needs Triton (a CUDA build of torch)")
     m, hdim = h.shape
@@ -176,11 +193,19 @@ def certified_argmax_triton(h: torch.Tensor, q: torch.Tensor, scale: torch.Tenso
                                               R=r, BV=bv, BK=bk, USE_DOT=use_dot,
                                               DOT_BF16=h.dtype == torch.bfloat16, num_warps=num_warps,
                                               num_stages=num_stages)
+    if bounds_only:  # (benchmarks: the int8 read alone)
+        return upper, blk, blk
+    best = blk.amax(dim=-1)  # [M] the best lower bound of each row
+    span = triton.cdiv(triton.cdiv(v, slices), 1024) * 1024  # tokens per slice
+    p = triton.cdiv(v, span)
     cand = torch.empty(m, v, dtype=torch.int32, device=h.device)  # [M, V] survivors' tokens (scratch)
+    pval = torch.empty(m, p, dtype=torch.float32, device=h.device)  # [M, P] each slice's winner
+    ptok = torch.empty(m, p, dtype=torch.int32, device=h.device)
+    pcount = torch.empty(m, p, dtype=torch.int32, device=h.device)
+    _rescore_kernel[(p, m)](h, weight, upper, best, cand, pval, ptok, pcount, v, hdim, p, span,
+                            ROUND_BF16=weight.dtype == torch.bfloat16, CH=1024, G=16, BH=256, num_warps=4)
     tok = torch.empty(m, dtype=torch.int64, device=h.device)
     val = torch.empty(m, dtype=torch.float32, device=h.device)
     count = torch.empty(m, dtype=torch.int32, device=h.device)
-    _rescore_kernel[(m,)](h, weight, upper, blk, cand, tok, val, count, v, hdim, n_blk,
-                          ROUND_BF16=weight.dtype == torch.bfloat16, NB=triton.next_power_of_2(n_blk),
-                          CH=2048, G=16, BH=256, num_warps=4)
+    _merge_kernel[(m,)](pval, ptok, pcount, tok, val, count, v, p, PB=triton.next_power_of_2(p), num_warps=1)
     return tok, val, count
