@@ -50,6 +50,12 @@ def main() -> int:
            "runs": {"full_head": runs[False], "certified_head": runs[True]},
            "tokens_equal": tokens[False] == tokens[True]}
     rep["speedup"] = rep["ms_per_token"]["full_head"] / rep["ms_per_token"]["certified_head"]
+    if not rep["tokens_equal"]:  # where they part: the full head's logits there (an uncached forward)
+        i = next(i for i, (x, y) in enumerate(zip(tokens[False], tokens[True])) if x != y)
+        row = model(torch.tensor([prompt + tokens[False][:i]], device="cuda"))[0, -1].float()  # [V]
+        rep["first_difference"] = {"index": i, "full_head": tokens[False][i], "certified": tokens[True][i],
+                                   "logit_full_head_token": row[tokens[False][i]].item(),
+                                   "logit_certified_token": row[tokens[True][i]].item(), "max_logit": row.max().item()}
     print(json.dumps(rep))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"certified_e2e_{a.preset}.json"), "w") as f:

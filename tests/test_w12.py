@@ -16,8 +16,8 @@ from tandem.models.loader import load_model
 from tandem.quant.checkpoint import read_w12_checkpoint, write_w12_checkpoint
 from tandem.quant.w12 import (RECORD_BYTES, VIEW_BYTES, W12Escapes, W12Records, check_w12, decode_w12,
                               decode_w12_view8, dense_escapes, encode_w12, verify_w12, w12_stats)
-from tandem.quant.w12_gemm import (FIX_CHUNK, _decode_half_torch, pack_w12, split_for, w12_linear_emulated,
-                                   w12_linear_ref)
+from tandem.quant.w12_gemm import (DENSE_SLOTS_PER_TILE, FIX_CHUNK, GEMV_PROGRAMS_PER_SM, _decode_half_torch, pack_w12,
+                                   split_for, w12_gemv_emulated, w12_linear_emulated, w12_linear_ref)
 from tandem.runtime.generate import Generator
 from tandem.runtime.pair import BUNDLED_DRAFT, BUNDLED_TARGET, load_pair
 
@@ -189,38 +189,60 @@ def _kernel_decode(records: W12Records, base7: torch.Tensor) -> torch.Tensor:
     return torch.cat(rows)[:n, :k]  # [N, K] bf16
 
 
+def _plan_fixes(plan, tn: int, tk: int) -> dict[tuple[int, int], list[float]]:
+    """Every correction term of a plan by (channel, column), from its sparse lists and dense cells,
+    checking that each lies in its own program's channels and tiles."""
+    fixes: dict[tuple[int, int], list[float]] = {}
+    off, d_off = plan.fix_off.tolist(), plan.dense_off.tolist()
+    n_prog = tn * (128 // plan.block_n) * plan.splits
+    assert len(off) == len(d_off) == n_prog + 1 and all((b - a) % FIX_CHUNK == 0 for a, b in zip(off, off[1:]))
+    assert (plan.splits - 1) * plan.per < tk <= plan.splits * plan.per
+    paired = plan.fix_negz.numel() > 0
+    for prog in range(n_prog):
+        blk, s = divmod(prog, plan.splits)
+        for i in range(off[prog], off[prog + 1]):
+            n, c = blk * plan.block_n + int(plan.fix_ch[i]), int(plan.fix_col[i])
+            terms = [float(plan.fix_val[i])] + ([float(plan.fix_negz[i])] if paired else [])
+            if not any(terms):
+                continue  # padding (adds exactly 0)
+            assert s * plan.per <= c // 64 < (s + 1) * plan.per, (prog, c)  # in its program's own tiles
+            fixes.setdefault((n, c), []).extend(terms)
+        for d in range(d_off[prog], d_off[prog + 1]):
+            n = blk * plan.block_n + int(plan.dense_ch[d])
+            val, negz = plan.dense_val[d].float()  # [per * 64] each: the split's columns
+            slots = ((val != 0) | (negz != 0)).nonzero()[:, 0].tolist()
+            assert len(slots) > DENSE_SLOTS_PER_TILE * plan.per  # only escape-heavy cells are dense
+            for pos in slots:
+                fixes.setdefault((n, s * plan.per * 64 + pos), []).extend([float(val[pos]), float(negz[pos])])
+    return fixes
+
+
 def test_corrections_restore_every_escaped_slot_exactly():
-    """The kernel decodes every slot without a select (a reserved slot reads z_n = 2^(B_n - 127)) and
-    adds its program's corrections: per slot, decoded value + corrections == the weight, exactly."""
+    """The kernels decode every slot without a select (a reserved slot reads z_n = 2^(B_n - 127)) and
+    add their program's corrections (sparse entries and dense cells): per slot, decoded value +
+    corrections == the weight, exactly, for both kernels' plans at several SM counts."""
     import math
 
     w = _hard_matrix()
     r, e = encode_w12(w)
     assert int(r.base.min()) >= 0
-    for sms in (1, 3, 132):
-        p = pack_w12(r, e, "cpu", sms=sms)
-        tn, tk, _ = r.data.shape
-        assert (p.splits, p.per) == split_for(tn, tk, sms) and (p.splits - 1) * p.per < tk <= p.splits * p.per
-        dense = _kernel_decode(r, p.base7).double()  # [N, K] as the kernel decodes
-        fixes: dict[tuple[int, int], list[float]] = {}
-        off = p.fix_off.tolist()
-        assert len(off) == tn * p.splits + 1 and all((b - a) % FIX_CHUNK == 0 for a, b in zip(off, off[1:]))
-        for prog in range(tn * p.splits):
-            pn, s = divmod(prog, p.splits)
-            for i in range(off[prog], off[prog + 1]):
-                n, c, v = pn * 128 + int(p.fix_ch[i]), int(p.fix_col[i]), float(p.fix_val[i])
-                if v == 0 and c == 0 and int(p.fix_ch[i]) == 0:
-                    continue  # padding (adds exactly 0)
-                assert s * p.per <= c // 64 < (s + 1) * p.per, (prog, c)  # in its program's own tiles
-                fixes.setdefault((n, c), []).append(v)
-        got = dense.clone()
-        for (n, c), vals in fixes.items():
-            got[n, c] = math.fsum([float(dense[n, c])] + vals)  # exact: every term is a bf16 value
-        want = w.double()
-        same = (got == want) | (got.isnan() & want.isnan())
-        assert bool(same.all()), same.logical_not().nonzero()[:5]
-        assert not any((5, c) in fixes for c in range(330))  # the zero channel needs nothing
-        assert sorted(fixes[6, 3]) == sorted([float(w[6, 3]), -float(w[6, 3])])  # its value, and -z_n for its slot
+    tn, tk, _ = r.data.shape
+    for sms, block_n in ((1, 128), (3, 64), (132, 32)):
+        p = pack_w12(r, e, "cpu", sms=sms, gemv_block_n=block_n)
+        assert (p.splits, p.per) == split_for(tn, tk, sms) and p.gemv.block_n == block_n
+        assert (p.gemv.splits, p.gemv.per) == split_for(tn * 128 // block_n, tk, sms, GEMV_PROGRAMS_PER_SM)
+        dense = _kernel_decode(r, p.base7).double()  # [N, K] as the kernels decode
+        for plan in (p.dot, p.gemv):
+            fixes = _plan_fixes(plan, tn, tk)
+            got = dense.clone()
+            for (n, c), vals in fixes.items():
+                got[n, c] = math.fsum([float(dense[n, c])] + vals)  # exact: every term is a bf16 value
+            want = w.double()
+            same = (got == want) | (got.isnan() & want.isnan())
+            assert bool(same.all()), same.logical_not().nonzero()[:5]
+            assert not any((5, c) in fixes for c in range(330))  # the zero channel needs nothing
+            assert sorted(v for v in fixes[6, 3] if v) == sorted([float(w[6, 3]), -float(w[6, 3])])  # value, -z_n
+            assert int(plan.dense_off[-1]) > 0  # channel 0 (an outlier above the rest) is dense
 
 
 def test_kernel_emulation_rows_do_not_depend_on_the_batch():
