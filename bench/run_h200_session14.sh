@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One H200 call (fourteenth session): the certified INT8 head's kernels and the W12 GEMM variants
 # (GPU lane, then their sweeps against cuBLAS), the certified head end to end at the 8B shape, and
-# the gated engine's plain steps at 64 requests (bench/gpu_gate_check.py --phases).
+# `tlv` against `tree` (tokens per exact pass, tokens/s), the gated engine's plain steps at 64 requests (bench/gpu_gate_check.py --phases).
 #   bash bench/run_h200_session14.sh $OUT      (device tool: carry .data/mbpp for GATE=1)
-# LANE=0 / HEAD=0 / W12=0 / E2E=0 / GATE=0 skip a part; *_TMO: their timeouts (s).
+# LANE=0 / HEAD=0 / W12=0 / E2E=0 / TLV=0 / GATE=0 skip a part; *_TMO: their timeouts (s).
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/env.txt"; date -u >> "$OUT/env.txt"
@@ -26,6 +26,10 @@ fi
 if [ "${E2E:-1}" = 1 ]; then
   echo "== ar with / without --certified-head, Llama-3-8B shape (random weights)"
   timeout ${E2E_TMO:-120} python3 bench/gpu_certified_e2e.py --preset llama3-8b --out "$OUT" 2>&1 | tail -3
+fi
+if [ "${TLV:-1}" = 1 ]; then
+  echo "== tlv vs tree vs ar, bundled pair, bf16, draft model, N = 8"
+  timeout ${TLV_TMO:-120} python3 bench/gpu_tlv.py --data-dir .data --num-prompts 10 --out "$OUT" 2>&1 | grep -v Warning | tail -4
 fi
 if [ "${GATE:-1}" = 1 ]; then
   echo "== the gate's log: eagle3 at 64, per-phase host time"
