@@ -257,6 +257,25 @@ def test_kernel_emulation_rows_do_not_depend_on_the_batch():
         assert torch.equal(w12_linear_emulated(x[rows], r, e), full[rows]), rows
 
 
+@pytest.mark.parametrize("block_n,sms", [(128, 1), (64, 4), (32, 132)])
+def test_gemv_emulation_equals_reference_and_rows_do_not_depend_on_the_batch(block_n, sms):
+    """The GEMV kernel's arithmetic (tests/w12_checks.py holds the kernel to it bitwise): within bf16
+    rounding of decode-then-matmul, with sparse and dense corrections, one or several K splits; and a
+    row's bits the same alone or among up to 8 rows."""
+    w = _hard_matrix()
+    w[:, :] = torch.where(w.float().abs() < 1e30, w, torch.zeros_like(w))  # finite outputs to compare
+    r, e = encode_w12(w)
+    x = torch.randn(8, 330, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    full = w12_gemv_emulated(x, r, e, sms=sms, block_n=block_n)
+    exact = x.double() @ w.double().T  # [8, 260]
+    scale = x.double().abs() @ w.double().abs().T
+    assert full.shape == (8, 260) and bool(((full.double() - exact).abs() <= 5e-3 * scale + 1e-30).all())
+    p = pack_w12(r, e, "cpu", sms=sms, gemv_block_n=block_n)
+    assert int(p.gemv.dense_off[-1]) > 0  # channel 0's escapes below its outlier are dense cells
+    for rows in (slice(0, 1), slice(3, 4), slice(0, 5), slice(7, 8)):
+        assert torch.equal(w12_gemv_emulated(x[rows], r, e, sms=sms, block_n=block_n), full[rows]), rows
+
+
 def test_pack_accepts_negative_window_bases_of_older_files():
     # a channel of tiny weights: top exponent 7. Files written before bases were clamped at 0 stored
     # B = -8 and offsets exp + 8; decoding is the same, and packing re-encodes to B = 0.

@@ -15,37 +15,46 @@ Shared by both:
   B_n = 0; B_n >= 0 always, see w12.py), never to a special value. Padded columns meet x = 0.
 * Corrections instead of an escape epilogue. Each escaped slot needs its value added and z_n taken
   away. Per program and channel, a cell with more than DENSE_SLOTS_PER_TILE slots per tile of the
-  split is dense: a [2, per * 64] bf16 row pair (values, -z_n; zero elsewhere) dotted with x, so an
+  split is dense: a [2, per * 64] row pair (values, -z_n; zero elsewhere) dotted with x, so an
   escape-heavy channel (an outlier channel, denormals) costs a vector pass instead of a long serial
-  list (the list made the first version of this kernel 2-8x slower than cuBLAS: its time was the
-  longest list's chunks, ~1 us each). The other slots go to the program's sparse list. A channel of
-  zeros costs nothing: its B_n is 0, so z_n = 0 and zero-valued escapes need no correction.
-  Every correction product is bf16 x bf16, exact in fp32, so only the additions round.
+  list. (With the lists alone, the first version's H200 times matched about 1 us per 16 entries of
+  its longest list: the benchmark's weights have a channel of denormals and one mostly below an
+  outlier, 1-5k entries in one program, which is most of why it was 2-8x slower than cuBLAS.)
+  The other slots go to the program's sparse list. A channel of zeros costs nothing: its B_n is 0,
+  so z_n = 0 and zero-valued escapes need no correction. Every correction product is bf16 x bf16,
+  exact in fp32, so only the additions round.
+* Rows past M in a program's last row group recompute row M - 1 (never stored), so x needs no row
+  masks; columns past K (the last tile, K % 64 != 0 only) read x = 0.
 
 The GEMV kernel (M <= gemv_max_rows; no tensor cores, fp32 FMAs):
 
-* Programs of `block_n` (32, 64 or 128) channels of one record row. A tile is read as 32-bit words:
-  [block_n, 8] words of view bytes for columns 0..31, the same for 32..63, and [block_n, 8] words of
-  low bytes (a thread holds one word of each for a few channels, so it needs only 8 columns of x per
-  row). The next tile's words are loaded before the current one is decoded.
+* Programs of `block_n` (32, 64 or 128) channels of one record row. A tile is read as 32-bit
+  words: [block_n, 8] words of view bytes for columns 0..31, the same for 32..63, and [block_n, 8]
+  words of low bytes (a thread holds one word of each for a few channels, so it needs only 8 columns
+  of x per row). The next tile's words are loaded before the current one is decoded.
 * SWAR decode: byte k of a view word and byte k of the low word are interleaved into 16-bit lanes
   v << 8 | l (two lanes per 32-bit op: PRMT in inline PTX with `asm=True`, shifts otherwise; the
   same bits), then one mask, add and OR give two bf16 patterns per op; bf16 bits << 16 are the fp32
-  bits, so the weight feeds an FMA directly.
+  bits, so the weight feeds an FMA directly. (`asm=True` also prefetches the program's first 64
+  sparse corrections into L2 before the record walk.)
 * Rows in registers: up to 8 rows (a power of 2; more rows run as further row groups) share each
   decode. acc[row, channel, j] (j: the thread's word) gets, per tile, columns 4j .. 4j+3 of the
   first half, then of the second, in that order; at the end acc is summed over j by adjacent pairs
   (0+1, 2+3, ...; then again), then the sparse list is added entry by entry (value * x + (-z_n) * x),
-  then each dense cell (a [rows, 256] accumulator over its row pair, reduced by adjacent pairs).
+  then each dense cell (a [rows, 64] accumulator, lane c % 64 taking column c's value * x then
+  -z_n * x in column order, summed by adjacent pairs).
   Every step is elementwise per row, so a row's bits do not depend on M or the other rows, and
   `w12_gemv_emulated` reproduces them in torch (bitwise under Triton's interpreter; on a GPU too,
   as every product is exact, unless the GPU flushes denormals).
 
 The tensor-core kernel (M > gemv_max_rows):
 
-* Programs of 128 channels; each half tile is decoded to [128, 32] bf16 and multiplied by 16-row
-  blocks of x^T with tl.dot ([128, 32] x [32, 16]) into its own [128, 16] fp32 accumulator; a
-  program holds up to four (64 rows), so a record is decoded once for up to 64 rows.
+* Programs of 128 channels; each half tile is decoded (the GEMV kernel's words and lanes, repacked as
+  [128, 32] bf16 in column order) and multiplied by 16-row blocks of x^T with tl.dot ([128, 32] x
+  [32, 16]) into its own [128, 16] fp32 accumulator; a program holds up to four (64 rows), so a
+  record is decoded once for up to 64 rows. (The first version loaded the tile as bytes, which
+  Triton laid out one byte per thread and staged through shared memory: ~15 instructions per
+  weight, against ~6 now in the SASS of an sm_90 build.)
 * Sparse corrections go through the same tensor-core dot (a one-hot [128, 16] matrix of values times
   16 gathered x columns), 16 at a time, the next 16 loaded while one is applied; dense cells as in
   the GEMV kernel, per 16-row block.
@@ -57,6 +66,11 @@ NOTE: the two kernels sum in different orders, so a row's bits can differ betwee
 and M > gemv_max_rows (both are within rounding of `w12_linear_ref`). Code that needs a row's bits
 to be the same in every batch (the engine's batch-invariant mode) must pin one kernel, e.g. pass
 gemv_max_rows=0 (the tensor-core kernel for every M) or route through its own invariant kernels.
+
+Knobs: the partitions are the packing's (`pack_w12`: programs_per_sm for the tensor-core kernel,
+gemv_block_n and gemv_programs_per_sm for the GEMV; `plan_w12` makes one plan, for sweeps); the
+launch ones are `w12_linear`'s (gemv_max_rows, num_warps, num_stages, PRMT in inline PTX). The
+defaults are guesses until bench/gpu_w12.py --sweep has run on an H200.
 
 Beside them: `w12_linear_ref` (decode, then one matmul: the semantics), `w12_linear_emulated` (the
 tensor-core kernel's walk in torch) and `w12_gemv_emulated` (the GEMV kernel's arithmetic in torch).
@@ -86,12 +100,14 @@ MAX_ROW_BLOCKS = 4  # accumulators per program: up to 64 rows share one decode o
 FIX_CHUNK = 16  # sparse corrections per step; each program's list is padded to a multiple
 PROGRAMS_PER_SM = 2  # tensor-core kernel
 DENSE_SLOTS_PER_TILE = 2  # a (channel, split) cell with more escaped slots than this per tile of the split is dense
-DENSE_CHUNK = 256  # columns of a dense row pair per step
-GEMV_MAX_ROWS = 8  # default: w12_linear runs the GEMV kernel up to this many rows
+DENSE_CHUNK = 64  # a dense cell's accumulator: columns c, c + 64, c + 128, ... add into lane c % 64
+# default: w12_linear runs the GEMV kernel up to this many rows. A guess from sm_90 SASS: the GEMV's main loop issues
+# ~6.4 instructions per weight at 1 row and ~1.2 more per row (~14 at 8 rows, about what an SM can issue while
+# streaming 1.5 bytes a weight at HBM speed), the tensor-core kernel's ~6.2 at up to 16 rows (~8.5 at 64)
+GEMV_MAX_ROWS = 4
 GEMV_ROWS = 8  # rows per GEMV program at most (more: further row groups)
 GEMV_BLOCK_N = 128
 GEMV_PROGRAMS_PER_SM = 4
-RECORD_WORDS = (VIEW_BYTES * 3 // 2) // 4  # 3072 32-bit words per record
 
 
 def w12_linear_ref(x: torch.Tensor, records: W12Records, escapes: W12Escapes) -> torch.Tensor:
@@ -112,13 +128,13 @@ class W12Plan:
     fix_off: torch.Tensor  # [P + 1] int32: program p owns fix_*[fix_off[p]:fix_off[p + 1]], a multiple of FIX_CHUNK
     fix_ch: torch.Tensor  # [F + FIX_CHUNK] int32: channel within the block (padding, and 16 more at the end: 0)
     fix_col: torch.Tensor  # [F + FIX_CHUNK] int32: input column
-    fix_val: torch.Tensor  # [F + FIX_CHUNK] bf16: value to add times x[:, column]
-    # [F + FIX_CHUNK] bf16, paired plans (GEMV): -z_n of the entry's slot (its value is in fix_val). Unpaired (tensor
-    # core) plans have one entry per term (value, or -z_n) and an empty tensor here.
-    fix_negz: torch.Tensor
+    # [F + FIX_CHUNK]: value to add times x[:, column]; bf16 in unpaired (tensor-core) plans, which have one entry
+    # per term (an escape value, or -z_n), fp32 holding the bf16 value in paired (GEMV) plans (no conversion there)
+    fix_val: torch.Tensor
+    fix_negz: torch.Tensor  # [F + FIX_CHUNK] fp32, paired plans: -z_n of the entry's slot; unpaired: empty
     dense_off: torch.Tensor  # [P + 1] int32: program p owns dense cells dense_off[p]:dense_off[p + 1]
     dense_ch: torch.Tensor  # [max(D, 1)] int32: channel within the block of each dense cell
-    dense_val: torch.Tensor  # [max(D, 1), 2, per * 64] bf16: escape values, then -z_n at escaped slots (split's columns)
+    dense_val: torch.Tensor  # [max(D, 1), 2, per * 64] fp32 (bf16 values): escapes, then -z_n at escaped slots
 
 
 @dataclass(frozen=True)
@@ -210,14 +226,18 @@ def _plan(records: W12Records, escapes: W12Escapes, block_n: int, splits: int, p
     else:  # one entry per term
         rows, cols, prog = (torch.cat((t[has_val], t[has_z])) for t in (rows, cols, prog))
         val = torch.cat((val[has_val], negz[has_z]))
-        kind = torch.cat((torch.zeros(int(has_val.sum()), dtype=torch.long), torch.ones(int(has_z.sum()), dtype=torch.long)))
+        kind = torch.cat((torch.zeros(int(has_val.sum()), dtype=torch.long),
+                          torch.ones(int(has_z.sum()), dtype=torch.long)))
         negz = torch.zeros(0, dtype=torch.int32)
     order = torch.argsort(((prog * max(n, 1) + rows) * max(k, 1) + cols) * 2 + kind)
     lists = [(rows[order] % block_n).int(), cols[order].int(), val[order]] + ([negz[order]] if paired else [])
     off, lists = _padded_lists(prog[order], n_prog, lists)
-    return W12Plan(block_n, splits, per, off, lists[0], lists[1], _from_bits(lists[2]),
-                   _from_bits(lists[3]) if paired else torch.zeros(0, dtype=torch.bfloat16),
-                   dense_off, dense_ch, _from_bits(dense))
+    if paired:
+        val, negz = _from_bits(lists[2]).float(), _from_bits(lists[3]).float()
+    else:
+        val, negz = _from_bits(lists[2]), torch.zeros(0)
+    return W12Plan(block_n, splits, per, off, lists[0], lists[1], val, negz, dense_off, dense_ch,
+                   _from_bits(dense).float())
 
 
 def _to(plan: W12Plan, device: torch.device) -> W12Plan:
@@ -225,32 +245,50 @@ def _to(plan: W12Plan, device: torch.device) -> W12Plan:
                      for f in W12Plan.__dataclass_fields__))
 
 
-def pack_w12(records: W12Records, escapes: W12Escapes, device: str | torch.device, sms: int | None = None,
-             programs_per_sm: int = PROGRAMS_PER_SM, gemv_block_n: int = GEMV_BLOCK_N,
-             gemv_programs_per_sm: int = GEMV_PROGRAMS_PER_SM, share: W12Packed | None = None) -> W12Packed:
-    """Lay a W12 matrix out for `w12_linear` on `device`. Both kernels' partitions are fixed here from
-    `sms` (default: the CUDA device's SM count, 4 elsewhere), so every call reduces in the same order.
-    `share`: a packing of the same matrix whose device copy of the records to reuse (a sweep of plans)."""
+def _sms(device: torch.device, sms: int | None) -> int:
+    if sms is not None:
+        return sms
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _current(records: W12Records, escapes: W12Escapes) -> tuple[W12Records, W12Escapes]:
     check_w12(records, escapes)
     if records.base.numel() and int(records.base.min()) < 0:  # written before bases were clamped at 0
         records, escapes = encode_w12(decode_w12(records, escapes))
-    if gemv_block_n not in (16, 32, 64, 128):
-        raise ValueError(f"gemv_block_n must divide 128 (16, 32, 64 or 128), got {gemv_block_n}")
+    return records, escapes
+
+
+def plan_w12(records: W12Records, escapes: W12Escapes, device: str | torch.device, kernel: str,
+             programs_per_sm: int, block_n: int = TILE_N, sms: int | None = None) -> W12Plan:
+    """One kernel's plan on `device`: kernel "dot" (blocks of 128 channels, unpaired corrections) or "gemv"
+    (blocks of block_n, paired corrections), with at most about programs_per_sm * sms programs per row group.
+    (pack_w12 makes both; a sweep swaps plans into a packing with dataclasses.replace.)"""
+    records, escapes = _current(records, escapes)
+    if kernel not in ("dot", "gemv") or block_n not in (32, 64, 128) or (kernel == "dot" and block_n != TILE_N):
+        raise ValueError(f"no {kernel!r} plan with blocks of {block_n} channels (dot: 128; gemv: 32, 64 or 128)")
     device = torch.device(device)
-    if sms is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    n, _ = records.shape
     tn, tk, _ = records.data.shape
-    dot = _plan(records, escapes, TILE_N, *split_for(tn, tk, sms, programs_per_sm), paired=False)
-    blocks = tn * (TILE_N // gemv_block_n)
-    gemv = _plan(records, escapes, gemv_block_n, *split_for(blocks, tk, sms, gemv_programs_per_sm), paired=True)
-    if share is not None:
-        data, base7 = share.data, share.base7
-    else:
-        base7 = torch.zeros(tn * TILE_N, dtype=torch.int32)
-        base7[:n] = records.base.cpu().to(torch.int32) << 7
-        data, base7 = records.data.to(device).contiguous(), base7.to(device)
-    return W12Packed(data, base7, records.shape, _to(dot, device), _to(gemv, device))
+    blocks = tn * (TILE_N // block_n)
+    plan = _plan(records, escapes, block_n, *split_for(blocks, tk, _sms(device, sms), programs_per_sm),
+                 paired=kernel == "gemv")
+    return _to(plan, device)
+
+
+def pack_w12(records: W12Records, escapes: W12Escapes, device: str | torch.device, sms: int | None = None,
+             programs_per_sm: int = PROGRAMS_PER_SM, gemv_block_n: int = GEMV_BLOCK_N,
+             gemv_programs_per_sm: int = GEMV_PROGRAMS_PER_SM) -> W12Packed:
+    """Lay a W12 matrix out for `w12_linear` on `device`. Both kernels' partitions are fixed here from
+    `sms` (default: the CUDA device's SM count, 4 elsewhere), so every call reduces in the same order."""
+    records, escapes = _current(records, escapes)
+    device = torch.device(device)
+    sms = _sms(device, sms)
+    n, _ = records.shape
+    tn = records.data.shape[0]
+    base7 = torch.zeros(tn * TILE_N, dtype=torch.int32)
+    base7[:n] = records.base.cpu().to(torch.int32) << 7
+    return W12Packed(records.data.to(device).contiguous(), base7.to(device), records.shape,
+                     plan_w12(records, escapes, device, "dot", programs_per_sm, sms=sms),
+                     plan_w12(records, escapes, device, "gemv", gemv_programs_per_sm, gemv_block_n, sms=sms))
 
 
 def _decode_half_torch(view: torch.Tensor, low: torch.Tensor, base7: torch.Tensor) -> torch.Tensor:
@@ -387,6 +425,8 @@ def w12_gemv_emulated(x: torch.Tensor, records: W12Records, escapes: W12Escapes,
 
 
 if triton is not None:
+    # sizes that vary with the shape and the plan but not the code: not specialized on (fewer compilations)
+    _RUNTIME_INTS = ["M", "N", "K", "n_ktiles", "per_split", "n_splits"]
 
     # ---- shared ---------------------------------------------------------------------------------------------
     # NOTE: bf16 <-> fp32 conversions go through the bits: exact, and the same under Triton's CPU interpreter (3.6),
@@ -422,20 +462,25 @@ if triton is not None:
         return tl.reshape(t, (R,))
 
     @triton.jit
-    def _dense_sum(x_ptr, rows_c, stride_xm, K, dv_ptr, per64, col0, span, R: tl.constexpr, DCH: tl.constexpr):
-        # one dense cell: sum over the split's columns of (value + -z_n) * x for R rows -> [R] fp32
-        # dv_ptr: its [2, per64] bf16 row pair; rows_c: [R] row indices, clamped into [0, M)
+    def _dense_sum(x16_ptr, rows_c, stride_xm, K, dv_ptr, per64, col0, span, R: tl.constexpr, DCH: tl.constexpr):
+        # one dense cell: sum over the split's columns of (value + -z_n) * x for R rows -> [R] fp32.
+        # x16_ptr: x as uint16 (bf16 bits); dv_ptr: the cell's [2, per64] fp32 row pair; rows_c: [R] row indices,
+        # clamped into [0, M). Columns in blocks of DCH, each block's products added to a [R, DCH] accumulator in
+        # column order (value, then -z_n), 4 blocks per step so that their loads are in flight together; then the
+        # accumulator's adjacent pairs are summed.
         ar = tl.arange(0, DCH)
         acc = tl.zeros((R, DCH), dtype=tl.float32)
-        for c in range(0, span, DCH):
-            ok = c + ar < span
-            v = _f32(tl.load(dv_ptr + c + ar, mask=ok, other=0.0))
-            nz = _f32(tl.load(dv_ptr + per64 + c + ar, mask=ok, other=0.0))
-            cols = col0 + c + ar
-            xv = _f32(tl.load(x_ptr + rows_c[:, None] * stride_xm + cols[None, :], mask=(ok & (cols < K))[None, :],
-                              other=0.0))  # [R, DCH]
-            acc = acc + v[None, :] * xv
-            acc = acc + nz[None, :] * xv
+        for c in range(0, span, 4 * DCH):
+            for i in tl.static_range(4):
+                o = c + i * DCH + ar  # [DCH] columns of the split
+                ok = o < span
+                v = tl.load(dv_ptr + o, mask=ok, other=0.0)
+                nz = tl.load(dv_ptr + per64 + o, mask=ok, other=0.0)
+                xv = tl.load(x16_ptr + rows_c[:, None] * stride_xm + (col0 + o)[None, :],
+                             mask=(ok & (col0 + o < K))[None, :], other=0)  # [R, DCH] bf16 bits
+                xv = (xv.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+                acc = acc + v[None, :] * xv
+                acc = acc + nz[None, :] * xv
         return _pair_tree(acc, R, DCH)
 
     # ---- GEMV kernel ----------------------------------------------------------------------------------------
@@ -453,35 +498,40 @@ if triton is not None:
         return we, wo
 
     @triton.jit
+    def _prefetch_l2(ptrs):
+        # ask L2 for these addresses now (inline PTX; no value comes back)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
     def _bf16_lanes(w, b2):
         # lanes s.oooo.mmm.nnnn.xxxx -> bf16 bits: ((v & 0x7F) << 4 | nibble) + B_n << 7, sign on top. Lanes stay
         # below 0x8000 before the sign (B_n <= 239), so nothing carries across them.
         return (((w & 0x7FF07FF0) >> 4) + b2) | (w & 0x80008000)
 
     @triton.jit
-    def _fma_col(acc, wbits, xbits):
-        # acc [R, BN, 8] += w [BN, 8] * x [R, 8]; both given as fp32 bits (bf16 << 16): the product is exact
-        w = wbits.to(tl.float32, bitcast=True)
-        x = xbits.to(tl.float32, bitcast=True)
-        return acc + w[None, :, :] * x[:, None, :]
-
-    @triton.jit
     def _gemv_half(acc, V, L, b2, x01, x23, ASM: tl.constexpr):
         # half a tile: columns 4j + q of the half, q = 0..3 in order; x01, x23: [R, 8] words of x (two bf16 each)
+        # acc [R, BN, 8] += w [BN, 8] * x [R, 8] for each column; fp32 bits = bf16 bits << 16; the products are exact
         we, wo = _lanes(V, L, ASM)
         te = _bf16_lanes(we, b2)  # bytes 0 and 2
         to = _bf16_lanes(wo, b2)  # bytes 1 and 3
-        acc = _fma_col(acc, te << 16, x01 << 16)
-        acc = _fma_col(acc, to << 16, x01 & 0xFFFF0000)
-        acc = _fma_col(acc, te & 0xFFFF0000, x23 << 16)
-        acc = _fma_col(acc, to & 0xFFFF0000, x23 & 0xFFFF0000)
+        f32 = tl.float32
+        w0, w1 = (te << 16).to(f32, bitcast=True), (to << 16).to(f32, bitcast=True)  # [BN, 8] columns 4j, 4j + 1
+        w2, w3 = (te & 0xFFFF0000).to(f32, bitcast=True), (to & 0xFFFF0000).to(f32, bitcast=True)  # 4j + 2, 4j + 3
+        x0, x1 = (x01 << 16).to(f32, bitcast=True), (x01 & 0xFFFF0000).to(f32, bitcast=True)  # [R, 8]
+        x2, x3 = (x23 << 16).to(f32, bitcast=True), (x23 & 0xFFFF0000).to(f32, bitcast=True)
+        acc = acc + w0[None, :, :] * x0[:, None, :]
+        acc = acc + w1[None, :, :] * x1[:, None, :]
+        acc = acc + w2[None, :, :] * x2[:, None, :]
+        acc = acc + w3[None, :, :] * x3[:, None, :]
         return acc
 
-    @triton.jit(do_not_specialize=["M"])
+    @triton.jit(do_not_specialize=_RUNTIME_INTS)
     def _w12_gemv_kernel(x_ptr, rec_ptr, base7_ptr, fix_off_ptr, fix_ch_ptr, fix_col_ptr, fix_val_ptr, fix_negz_ptr,
-                         dense_off_ptr, dense_ch_ptr, dense_val_ptr, out_ptr, M, N, K, n_ktiles, per_split, n_splits,
-                         stride_xm, Np, stride_om, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr,
-                         EVEN_K: tl.constexpr, DIRECT: tl.constexpr, DCH: tl.constexpr):
+                         dense_off_ptr, dense_ch_ptr, dense_val_ptr, y_ptr, part_ptr, M, N, K, n_ktiles, per_split,
+                         n_splits, stride_xm, Np, stride_ym, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                         ASM: tl.constexpr, EVEN_K: tl.constexpr, DCH: tl.constexpr):
         SUB: tl.constexpr = 128 // BLOCK_N
         pid_b = tl.program_id(0)  # block of BLOCK_N channels
         pid_s = tl.program_id(1)  # K split
@@ -495,12 +545,22 @@ if triton is not None:
         b2 = (base7 | (base7 << 16))[:, None]  # [BN, 1]: B_n << 7 in both lanes
         rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
         rows_c = tl.minimum(rows, M - 1)  # rows past M recompute row M - 1 (never stored): no masks
-        x_row = x_ptr + rows_c.to(tl.int64) * stride_xm  # [R] bf16 pointers
-        x_w = x_row.to(tl.pointer_type(tl.uint32))[:, None]  # [R, 1]: x as bf16 pairs (K, stride even)
+        x16 = x_ptr.to(tl.pointer_type(tl.uint16))  # x as bf16 bits: upcasts by shifting
+        x16_row = x16 + rows_c.to(tl.int64) * stride_xm  # [R]
+        x_w = x16_row.to(tl.pointer_type(tl.uint32))[:, None]  # [R, 1]: x as bf16 pairs (K, stride even)
+        prog = pid_b * n_splits + pid_s
+        e_lo = tl.load(fix_off_ptr + prog)
+        e_hi = tl.load(fix_off_ptr + prog + 1)
+        if ASM:  # the first 64 sparse corrections into L2 now: read after the record walk, they are then L2 hits
+            pe = tl.minimum(e_lo + tl.arange(0, 64), e_hi + 15)  # (the lists have 16 padding entries at the end)
+            _prefetch_l2(fix_ch_ptr + pe)
+            _prefetch_l2(fix_col_ptr + pe)
+            _prefetch_l2(fix_val_ptr + pe)
+            _prefetch_l2(fix_negz_ptr + pe)
         acc = tl.zeros((ROWS, BLOCK_N, 8), dtype=tl.float32)
         kt_lo = pid_s * per_split
         kt_hi = tl.minimum(kt_lo + per_split, n_ktiles)
-        rec = rec_ptr.to(tl.pointer_type(tl.uint32)) + pn.to(tl.int64) * n_ktiles * 3072
+        rec = rec_ptr.to(tl.pointer_type(tl.uint32)) + pn.to(tl.int64) * n_ktiles * 3072  # 3072 words a record
         r = rec + kt_lo * 3072
         va, vb, lw = tl.load(r + view_w), tl.load(r + view_w + 8), tl.load(r + low_w)
         for kt in range(kt_lo, kt_hi):  # fixed order: the split's tiles, left to right
@@ -524,71 +584,90 @@ if triton is not None:
         acc = a + b
         a, b = tl.split(acc)
         y = a + b  # [R, BN]
-        prog = pid_b * n_splits + pid_s
         # sparse corrections, entry by entry: y[:, ch] += value * x[:, col] + (-z_n) * x[:, col]
-        for e in range(tl.load(fix_off_ptr + prog), tl.load(fix_off_ptr + prog + 1), 16):
+        for e in range(e_lo, e_hi, 16):
             for i in tl.static_range(16):
                 ch = tl.load(fix_ch_ptr + e + i)
                 col = tl.load(fix_col_ptr + e + i)
-                val = _f32(tl.load(fix_val_ptr + e + i))
-                negz = _f32(tl.load(fix_negz_ptr + e + i))
-                xv = _f32(tl.load(x_row + col))  # [R]
+                val = tl.load(fix_val_ptr + e + i)
+                negz = tl.load(fix_negz_ptr + e + i)
+                xv = (tl.load(x16_row + col).to(tl.uint32) << 16).to(tl.float32, bitcast=True)  # [R]
                 ch = tl.where((val != 0) | (negz != 0), ch, -1)  # padding hits no channel
                 y = tl.where((offs == ch)[None, :], y + (val * xv + negz * xv)[:, None], y)
         # dense cells (int64 indices: a cell is 2 * per * 64 values)
         for d in range(tl.load(dense_off_ptr + prog).to(tl.int64), tl.load(dense_off_ptr + prog + 1).to(tl.int64)):
             ch = tl.load(dense_ch_ptr + d)
-            s = _dense_sum(x_ptr, rows_c, stride_xm, K, dense_val_ptr + d * 2 * per_split * 64,
+            s = _dense_sum(x16, rows_c, stride_xm, K, dense_val_ptr + d * 2 * per_split * 64,
                            per_split * 64, kt_lo * 64, (kt_hi - kt_lo) * 64, ROWS, DCH)
             y = tl.where((offs == ch)[None, :], y + s[:, None], y)
         ok = (rows < M)[:, None]
         ch_out = (pn * 128 + chan)[None, :]
-        if DIRECT:  # one split: round and store here
-            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + ch_out, _round_bf16(y), mask=ok & (ch_out < N))
-        else:
-            tl.store(out_ptr + (pid_s * M + rows[:, None]).to(tl.int64) * Np + ch_out, y, mask=ok)
+        if n_splits == 1:  # round and store here
+            tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + ch_out, _round_bf16(y), mask=ok & (ch_out < N))
+        else:  # a partial for the reduce kernel
+            tl.store(part_ptr + (pid_s * M + rows[:, None]).to(tl.int64) * Np + ch_out, y, mask=ok)
 
     # ---- tensor-core kernel ---------------------------------------------------------------------------------
 
     @triton.jit
-    def _decode_half(view, low, base7):
-        # view: [128, 32] uint8; low: [128, 32] int32 nibbles; base7: [128] int32 -> [128, 32] bf16
-        v = view.to(tl.int32)  # zero-extended
-        bits = ((v & 0x80) << 8) | ((((v & 0x7F) << 4) | low) + base7[:, None])  # < 2^16: see the docstring
-        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    def _decode_words(V, L, b2, ASM: tl.constexpr):
+        # [128, 8] view words + low words (nibble in each byte's high half) -> [128, 32] bf16, column 4j + q from
+        # byte q of word j: the GEMV kernel's lanes, repacked in column order
+        we, wo = _lanes(V, L, ASM)
+        te = _bf16_lanes(we, b2)  # bytes 0, 2
+        to = _bf16_lanes(wo, b2)  # bytes 1, 3
+        w = tl.join(tl.join(te.to(tl.uint16), (te >> 16).to(tl.uint16)),
+                    tl.join(to.to(tl.uint16), (to >> 16).to(tl.uint16)))  # [128, 8, 2, 2]: (j, a, b) is byte 2a + b
+        return tl.reshape(w, (128, 32)).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
-    def _x_t(x_ptr, rows, cols, M, K, stride_xm):
-        # x^T [len(cols), 16] bf16: the block's rows as columns, zero outside [0, M) x [0, K)
-        mask = (rows[None, :] < M) & (cols[:, None] < K)
-        return tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None], mask=mask, other=0.0)
+    def _x_t(x_ptr, rows_c, cols, K, stride_xm, EVEN_K: tl.constexpr):
+        # x^T [len(cols), 16] bf16: the block's rows (clamped into [0, M)) as columns, zero at columns >= K
+        ptrs = x_ptr + rows_c[None, :] * stride_xm + cols[:, None]
+        if EVEN_K:
+            return tl.load(ptrs)
+        return tl.load(ptrs, mask=(cols < K)[:, None], other=0.0)
 
     @triton.jit
-    def _add_dense(acc, x_ptr, rows, M, K, stride_xm, dv_ptr, per64, col0, span, ch, DCH: tl.constexpr):
+    def _block_dots(acc, w_a, w_b, x_ptr, rows_c, col_a, K, stride_xm, EVEN_K: tl.constexpr, F32: tl.constexpr):
+        # one 16-row block: acc += w_a @ x^T[columns 0..31] then w_b @ x^T[32..63]
+        acc = _dot(w_a, _x_t(x_ptr, rows_c, col_a, K, stride_xm, EVEN_K), acc, F32)
+        return _dot(w_b, _x_t(x_ptr, rows_c, col_a + 32, K, stride_xm, EVEN_K), acc, F32)
+
+    @triton.jit
+    def _add_dense(acc, x_ptr, rows_c, K, stride_xm, dv_ptr, per64, col0, span, ch, DCH: tl.constexpr):
         # acc [128, 16] (channels x rows): row `ch` += the dense cell's sums for these 16 rows
-        s = _dense_sum(x_ptr, tl.minimum(rows, M - 1), stride_xm, K, dv_ptr, per64, col0, span, 16, DCH)  # [16]
+        s = _dense_sum(x_ptr.to(tl.pointer_type(tl.uint16)), rows_c, stride_xm, K, dv_ptr, per64, col0, span, 16, DCH)
         return tl.where((tl.arange(0, 128) == ch)[:, None], acc + s[None, :], acc)
 
     @triton.jit
-    def _store_rows(out_ptr, acc, rows, chan, pid_s, M, N, Np, stride_om, DIRECT: tl.constexpr):
+    def _store_rows(y_ptr, part_ptr, acc, rows, chan, pid_s, n_splits, M, N, Np, stride_ym):
         ok = rows[None, :] < M
-        if DIRECT:
-            tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_om + chan, _round_bf16(acc), mask=ok & (chan < N))
-        else:
-            tl.store(out_ptr + (pid_s * M + rows[None, :]).to(tl.int64) * Np + chan, acc, mask=ok)
+        if n_splits == 1:  # round and store here
+            tl.store(y_ptr + rows[None, :].to(tl.int64) * stride_ym + chan, _round_bf16(acc), mask=ok & (chan < N))
+        else:  # a partial for the reduce kernel
+            tl.store(part_ptr + (pid_s * M + rows[None, :]).to(tl.int64) * Np + chan, acc, mask=ok)
 
-    @triton.jit(do_not_specialize=["M"])
+    @triton.jit(do_not_specialize=_RUNTIME_INTS)
     def _w12_splitk_kernel(x_ptr, rec_ptr, base7_ptr, fix_off_ptr, fix_ch_ptr, fix_col_ptr, fix_val_ptr,
-                           dense_off_ptr, dense_ch_ptr, dense_val_ptr, out_ptr, M, N, K, n_ktiles, per_split, n_splits,
-                           stride_xm, Np, stride_om, ROW_BLOCKS: tl.constexpr, DIRECT: tl.constexpr, DCH: tl.constexpr,
-                           F32: tl.constexpr):
+                           dense_off_ptr, dense_ch_ptr, dense_val_ptr, y_ptr, part_ptr, M, N, K, n_ktiles, per_split,
+                           n_splits, stride_xm, Np, stride_ym, ROW_BLOCKS: tl.constexpr, ASM: tl.constexpr,
+                           EVEN_K: tl.constexpr, DCH: tl.constexpr, F32: tl.constexpr):
         pid_n = tl.program_id(0)  # block of 128 output channels
         pid_s = tl.program_id(1)  # K split
         pid_g = tl.program_id(2)  # group of ROW_BLOCKS * 16 rows
         offs_n = tl.arange(0, 128)
-        offs_h = tl.arange(0, 32)
+        j = tl.arange(0, 8)
+        view_w = offs_n[:, None] * 16 + j[None, :]  # [128, 8] word offsets in a record: view bytes of columns 4j..4j+3
+        low_w = 2048 + offs_n[:, None] * 8 + j[None, :]  # their low bytes
+        base7 = tl.load(base7_ptr + pid_n * 128 + offs_n).to(tl.uint32)
+        b2 = (base7 | (base7 << 16))[:, None]  # [128, 1]: B_n << 7 in both lanes
         r0 = pid_g * (ROW_BLOCKS * 16) + tl.arange(0, 16)  # rows of block 0; block i is r0 + 16 i
-        base7 = tl.load(base7_ptr + pid_n * 128 + offs_n)  # [128]
+        # rows past M recompute row M - 1 (a dot's column depends on its own row of x only; never stored)
+        rc0 = tl.minimum(r0, M - 1)
+        rc1 = tl.minimum(r0 + 16, M - 1)
+        rc2 = tl.minimum(r0 + 32, M - 1)
+        rc3 = tl.minimum(r0 + 48, M - 1)
         prog = pid_n * n_splits + pid_s
         # the first 16 corrections, loaded now so that their latency hides behind the record walk (the lists
         # have 16 padding entries at the end, so this load is in bounds even for an empty list)
@@ -604,118 +683,120 @@ if triton is not None:
         acc3 = tl.zeros((128, 16), dtype=tl.float32)
         kt_lo = pid_s * per_split
         kt_hi = tl.minimum(kt_lo + per_split, n_ktiles)
+        rec = rec_ptr.to(tl.pointer_type(tl.uint32)) + pid_n.to(tl.int64) * n_ktiles * 3072
         for kt in range(kt_lo, kt_hi):  # fixed order: the split's tiles, left to right
-            rec = rec_ptr + (pid_n * n_ktiles + kt).to(tl.int64) * 12288
-            view_a = tl.load(rec + offs_n[:, None] * 64 + offs_h[None, :])  # [128, 32] columns 0..31
-            view_b = tl.load(rec + offs_n[:, None] * 64 + 32 + offs_h[None, :])  # columns 32..63
-            low = tl.load(rec + 8192 + offs_n[:, None] * 32 + offs_h[None, :]).to(tl.int32)  # two nibbles each
-            w_a = _decode_half(view_a, low & 0xF, base7)
-            w_b = _decode_half(view_b, low >> 4, base7)
-            col_a = kt * 64 + offs_h  # [32]
-            col_b = col_a + 32
-            acc0 = _dot(w_a, _x_t(x_ptr, r0, col_a, M, K, stride_xm), acc0, F32)
-            acc0 = _dot(w_b, _x_t(x_ptr, r0, col_b, M, K, stride_xm), acc0, F32)
+            r = rec + kt * 3072
+            lw = tl.load(r + low_w)
+            w_a = _decode_words(tl.load(r + view_w), lw << 4, b2, ASM)  # [128, 32] columns 0..31: low nibbles
+            w_b = _decode_words(tl.load(r + view_w + 8), lw, b2, ASM)  # columns 32..63: high nibbles
+            col_a = kt * 64 + tl.arange(0, 32)
+            acc0 = _block_dots(acc0, w_a, w_b, x_ptr, rc0, col_a, K, stride_xm, EVEN_K, F32)
             if ROW_BLOCKS > 1:
-                acc1 = _dot(w_a, _x_t(x_ptr, r0 + 16, col_a, M, K, stride_xm), acc1, F32)
-                acc1 = _dot(w_b, _x_t(x_ptr, r0 + 16, col_b, M, K, stride_xm), acc1, F32)
+                acc1 = _block_dots(acc1, w_a, w_b, x_ptr, rc1, col_a, K, stride_xm, EVEN_K, F32)
             if ROW_BLOCKS > 2:
-                acc2 = _dot(w_a, _x_t(x_ptr, r0 + 32, col_a, M, K, stride_xm), acc2, F32)
-                acc2 = _dot(w_b, _x_t(x_ptr, r0 + 32, col_b, M, K, stride_xm), acc2, F32)
+                acc2 = _block_dots(acc2, w_a, w_b, x_ptr, rc2, col_a, K, stride_xm, EVEN_K, F32)
             if ROW_BLOCKS > 3:
-                acc3 = _dot(w_a, _x_t(x_ptr, r0 + 48, col_a, M, K, stride_xm), acc3, F32)
-                acc3 = _dot(w_b, _x_t(x_ptr, r0 + 48, col_b, M, K, stride_xm), acc3, F32)
+                acc3 = _block_dots(acc3, w_a, w_b, x_ptr, rc3, col_a, K, stride_xm, EVEN_K, F32)
         # sparse corrections: escape values and -z_n at escaped slots, 16 per dot, in list order
         for e in range(e_lo, e_hi, 16):
             ch_n = tl.load(fix_ch_ptr + e + 16 + offs_e)  # the next 16, while these are applied
             col_n = tl.load(fix_col_ptr + e + 16 + offs_e)
             val_n = tl.load(fix_val_ptr + e + 16 + offs_e)
             onehot = tl.where(offs_n[:, None] == ch[None, :], val[None, :], tl.zeros_like(val)[None, :])  # [128, 16]
-            acc0 = _dot(onehot, _x_t(x_ptr, r0, col, M, K, stride_xm), acc0, F32)
+            acc0 = _dot(onehot, _x_t(x_ptr, rc0, col, K, stride_xm, True), acc0, F32)
             if ROW_BLOCKS > 1:
-                acc1 = _dot(onehot, _x_t(x_ptr, r0 + 16, col, M, K, stride_xm), acc1, F32)
+                acc1 = _dot(onehot, _x_t(x_ptr, rc1, col, K, stride_xm, True), acc1, F32)
             if ROW_BLOCKS > 2:
-                acc2 = _dot(onehot, _x_t(x_ptr, r0 + 32, col, M, K, stride_xm), acc2, F32)
+                acc2 = _dot(onehot, _x_t(x_ptr, rc2, col, K, stride_xm, True), acc2, F32)
             if ROW_BLOCKS > 3:
-                acc3 = _dot(onehot, _x_t(x_ptr, r0 + 48, col, M, K, stride_xm), acc3, F32)
+                acc3 = _dot(onehot, _x_t(x_ptr, rc3, col, K, stride_xm, True), acc3, F32)
             ch, col, val = ch_n, col_n, val_n
-        # dense cells, in order, per row block
+        # dense cells, in order, per row block (int64 indices: a cell is 2 * per * 64 values)
         per64 = per_split * 64
+        span = (kt_hi - kt_lo) * 64
         for d in range(tl.load(dense_off_ptr + prog).to(tl.int64), tl.load(dense_off_ptr + prog + 1).to(tl.int64)):
             dch = tl.load(dense_ch_ptr + d)
             dv = dense_val_ptr + d * 2 * per64
-            span = (kt_hi - kt_lo) * 64
-            acc0 = _add_dense(acc0, x_ptr, r0, M, K, stride_xm, dv, per64, kt_lo * 64, span, dch, DCH)
+            acc0 = _add_dense(acc0, x_ptr, rc0, K, stride_xm, dv, per64, kt_lo * 64, span, dch, DCH)
             if ROW_BLOCKS > 1:
-                acc1 = _add_dense(acc1, x_ptr, r0 + 16, M, K, stride_xm, dv, per64, kt_lo * 64, span, dch, DCH)
+                acc1 = _add_dense(acc1, x_ptr, rc1, K, stride_xm, dv, per64, kt_lo * 64, span, dch, DCH)
             if ROW_BLOCKS > 2:
-                acc2 = _add_dense(acc2, x_ptr, r0 + 32, M, K, stride_xm, dv, per64, kt_lo * 64, span, dch, DCH)
+                acc2 = _add_dense(acc2, x_ptr, rc2, K, stride_xm, dv, per64, kt_lo * 64, span, dch, DCH)
             if ROW_BLOCKS > 3:
-                acc3 = _add_dense(acc3, x_ptr, r0 + 48, M, K, stride_xm, dv, per64, kt_lo * 64, span, dch, DCH)
+                acc3 = _add_dense(acc3, x_ptr, rc3, K, stride_xm, dv, per64, kt_lo * 64, span, dch, DCH)
         chan = (pid_n * 128 + offs_n)[:, None]  # [128, 1]
-        _store_rows(out_ptr, acc0, r0, chan, pid_s, M, N, Np, stride_om, DIRECT)
+        _store_rows(y_ptr, part_ptr, acc0, r0, chan, pid_s, n_splits, M, N, Np, stride_ym)
         if ROW_BLOCKS > 1:
-            _store_rows(out_ptr, acc1, r0 + 16, chan, pid_s, M, N, Np, stride_om, DIRECT)
+            _store_rows(y_ptr, part_ptr, acc1, r0 + 16, chan, pid_s, n_splits, M, N, Np, stride_ym)
         if ROW_BLOCKS > 2:
-            _store_rows(out_ptr, acc2, r0 + 32, chan, pid_s, M, N, Np, stride_om, DIRECT)
+            _store_rows(y_ptr, part_ptr, acc2, r0 + 32, chan, pid_s, n_splits, M, N, Np, stride_ym)
         if ROW_BLOCKS > 3:
-            _store_rows(out_ptr, acc3, r0 + 48, chan, pid_s, M, N, Np, stride_om, DIRECT)
+            _store_rows(y_ptr, part_ptr, acc3, r0 + 48, chan, pid_s, n_splits, M, N, Np, stride_ym)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "N", "n_splits"])
     def _w12_reduce_kernel(part_ptr, y_ptr, M, N, Np, stride_ym, n_splits, BLOCK_N: tl.constexpr):
         pid_n = tl.program_id(0)
         m = tl.program_id(1)  # one row
         offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = offs < N
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for s in range(0, n_splits):  # partials in split order
-            acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * Np + offs, mask=ok, other=0.0)
+        for s0 in range(0, n_splits, 16):  # partials in split order, 16 loads in flight at a time
+            for i in tl.static_range(16):  # (past n_splits: + 0.0, which changes no sum that starts at +0.0)
+                s = s0 + i
+                acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * Np + offs, mask=ok & (s < n_splits), other=0.0)
         tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs, _round_bf16(acc), mask=ok)
 
 
 def _reduce(part: torch.Tensor, y: torch.Tensor) -> None:
     splits, m, np_ = part.shape
-    block_n = 1024
+    block_n = 512
     _w12_reduce_kernel[(triton.cdiv(y.shape[1], block_n), m)](part, y, m, y.shape[1], np_, y.stride(0), splits,
                                                              BLOCK_N=block_n, num_warps=4)
 
 
+def _partials(plan: W12Plan, packed: W12Packed, m: int, device) -> torch.Tensor:
+    """[splits, M, Np] fp32 partials for the reduce kernel; with one split the kernel stores y itself."""
+    if plan.splits == 1:
+        return torch.empty(1, dtype=torch.float32, device=device)  # not written
+    return torch.empty(plan.splits, m, packed.data.shape[0] * TILE_N, dtype=torch.float32, device=device)
+
+
 def w12_gemv(x2: torch.Tensor, packed: W12Packed, y: torch.Tensor, num_warps: int = 4, num_stages: int = 1,
              asm: bool = False) -> None:
-    """The GEMV kernel: y [M, N] bf16 = x2 [M, K] bf16 (K even, 4-byte aligned rows) @ W^T."""
+    """The GEMV kernel: y [M, N] bf16 = x2 [M, K] bf16 (an even row stride, 4-byte aligned rows) @ W^T."""
     plan, (n, k), (tn, tk, _) = packed.gemv, packed.shape, packed.data.shape
     m = x2.shape[0]
     rows = min(GEMV_ROWS, triton.next_power_of_2(m))
+    part = _partials(plan, packed, m, x2.device)
     grid = (tn * (TILE_N // plan.block_n), plan.splits, triton.cdiv(m, rows))
-    direct = plan.splits == 1
-    out = y if direct else torch.empty(plan.splits, m, tn * TILE_N, dtype=torch.float32, device=x2.device)
     _w12_gemv_kernel[grid](x2, packed.data, packed.base7, plan.fix_off, plan.fix_ch, plan.fix_col, plan.fix_val,
-                           plan.fix_negz, plan.dense_off, plan.dense_ch, plan.dense_val, out, m, n, k, tk, plan.per,
+                           plan.fix_negz, plan.dense_off, plan.dense_ch, plan.dense_val, y, part, m, n, k, tk, plan.per,
                            plan.splits, x2.stride(0), tn * TILE_N, y.stride(0), BLOCK_N=plan.block_n, ROWS=rows,
-                           ASM=asm, EVEN_K=k % TILE_K == 0, DIRECT=direct, DCH=DENSE_CHUNK, num_warps=num_warps,
-                           num_stages=num_stages)
-    if not direct:
-        _reduce(out, y)
+                           ASM=asm, EVEN_K=k % TILE_K == 0, DCH=DENSE_CHUNK, num_warps=num_warps, num_stages=num_stages)
+    if plan.splits > 1:
+        _reduce(part, y)
 
 
-def w12_dot(x2: torch.Tensor, packed: W12Packed, y: torch.Tensor, num_warps: int = 4, num_stages: int = 3) -> None:
+def w12_dot(x2: torch.Tensor, packed: W12Packed, y: torch.Tensor, num_warps: int = 4, num_stages: int = 3,
+            asm: bool = False) -> None:
     """The tensor-core kernel: y [M, N] bf16 = x2 [M, K] bf16 @ W^T."""
     plan, (n, k), (tn, tk, _) = packed.dot, packed.shape, packed.data.shape
     m = x2.shape[0]
     row_blocks = min(MAX_ROW_BLOCKS, -(-m // ROW_BLOCK))
+    part = _partials(plan, packed, m, x2.device)
     grid = (tn, plan.splits, -(-m // (ROW_BLOCK * row_blocks)))
-    direct = plan.splits == 1
-    out = y if direct else torch.empty(plan.splits, m, tn * TILE_N, dtype=torch.float32, device=x2.device)
     _w12_splitk_kernel[grid](x2, packed.data, packed.base7, plan.fix_off, plan.fix_ch, plan.fix_col, plan.fix_val,
-                             plan.dense_off, plan.dense_ch, plan.dense_val, out, m, n, k, tk, plan.per, plan.splits,
-                             x2.stride(0), tn * TILE_N, y.stride(0), ROW_BLOCKS=row_blocks, DIRECT=direct,
-                             DCH=DENSE_CHUNK, F32=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
-                             num_stages=num_stages)
-    if not direct:
-        _reduce(out, y)
+                             plan.dense_off, plan.dense_ch, plan.dense_val, y, part, m, n, k, tk, plan.per, plan.splits,
+                             x2.stride(0), tn * TILE_N, y.stride(0), ROW_BLOCKS=row_blocks, ASM=asm,
+                             EVEN_K=k % TILE_K == 0, DCH=DENSE_CHUNK, F32=os.environ.get("TRITON_INTERPRET") == "1",
+                             num_warps=num_warps, num_stages=num_stages)
+    if plan.splits > 1:
+        _reduce(part, y)
 
 
 def w12_linear(x: torch.Tensor, packed: W12Packed, gemv_max_rows: int = GEMV_MAX_ROWS, gemv_warps: int = 4,
-               gemv_stages: int = 1, gemv_asm: bool = False, dot_warps: int = 4, dot_stages: int = 3) -> torch.Tensor:
+               gemv_stages: int = 1, gemv_asm: bool = False, dot_warps: int = 4, dot_stages: int = 3,
+               dot_asm: bool = False) -> torch.Tensor:
     """x: [..., K] on CUDA -> [..., N] bf16 through the Triton kernels: the GEMV kernel for M <= gemv_max_rows
     rows, else the tensor-core kernel; the other arguments are their launch knobs (the partitions are the
     packing's). Deterministic, and a row's bits do not depend on the other rows or their number within one
@@ -736,5 +817,5 @@ def w12_linear(x: torch.Tensor, packed: W12Packed, gemv_max_rows: int = GEMV_MAX
             x2 = x2.clone()
         w12_gemv(x2, packed, y, num_warps=gemv_warps, num_stages=gemv_stages, asm=gemv_asm)
     else:
-        w12_dot(x2, packed, y, num_warps=dot_warps, num_stages=dot_stages)
+        w12_dot(x2, packed, y, num_warps=dot_warps, num_stages=dot_stages, asm=dot_asm)
     return y.reshape(*lead, n)

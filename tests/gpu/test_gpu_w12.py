@@ -87,9 +87,13 @@ def test_w12_gemm_rows_do_not_depend_on_the_batch(name, shape):
     n, k = shape
     _, _, _, packed = _encoded(n, k)
     x = torch.randn(70, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)).to(torch.bfloat16)
-    full = w12_linear(x, packed)  # [70, n]: two row groups, four blocks of 16 in the first
+    # (each kernel on its own: the GEMV (few rows) and the tensor-core kernel sum in different orders)
+    full = w12_linear(x, packed, gemv_max_rows=0)  # [70, n]: two row groups, four blocks of 16 in the first
     for rows in (slice(0, 1), slice(3, 4), slice(0, 8), slice(16, 33), slice(40, 64), slice(69, 70)):
-        assert torch.equal(w12_linear(x[rows], packed), full[rows]), rows
+        assert torch.equal(w12_linear(x[rows], packed, gemv_max_rows=0), full[rows]), rows
+    few = w12_linear(x[:8], packed, gemv_max_rows=8)  # [8, n] the GEMV kernel
+    for rows in (slice(0, 1), slice(3, 4), slice(2, 7)):
+        assert torch.equal(w12_linear(x[rows], packed, gemv_max_rows=8), few[rows]), rows
 
 
 def test_w12_gemm_matches_its_cpu_emulation_and_handles_no_escapes():
