@@ -76,7 +76,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--rows", default="1,4,8,32,64")
+    ap.add_argument("--rows", default="1,2,4,8,32,64")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--sweep", action="store_true")
     a = ap.parse_args()
