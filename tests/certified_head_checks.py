@@ -55,7 +55,7 @@ def check_tokens_equal_the_reference() -> None:
 
 def check_the_dot_path_and_bf16_rows() -> None:
     """The tl.dot path (forced, fp32: the interpreter's int8 -> bf16 conversion is not the GPU's)
-    with 1, 6 and 20 rows, and a bf16 head's rows through FMAs: the tokens are the reference's."""
+    with 1, 6 and 20 rows, and a bf16 head's rows through FMAs (forced): the tokens are the reference's."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(1200, 64, generator=g) * 0.05
     h = torch.randn(20, 64, generator=g) * 4
@@ -66,7 +66,7 @@ def check_the_dot_path_and_bf16_rows() -> None:
         assert torch.equal(tok, ref.token), m
         assert bool((count.long() >= ref.survivors.sum(-1)).all()), m
     head16 = Int8Head(w.to(torch.bfloat16))
-    tok, _, _ = _kernel_tokens(head16, h[:2].to(torch.bfloat16), bv=32, bk=32)  # (FMA_ROWS: the FMA path)
+    tok, _, _ = _kernel_tokens(head16, h[:2].to(torch.bfloat16), bv=32, bk=32, use_dot=False)
     assert torch.equal(tok, head16.argmax(h[:2].to(torch.bfloat16)).token)
 
 

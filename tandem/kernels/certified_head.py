@@ -7,8 +7,8 @@ host never waits and a CUDA graph can hold them:
 
 1. `_bounds_kernel` streams the int8 rows once (half the bf16 head's bytes) and, per (hidden row,
    token), writes the upper bound of the exact logit, and per (hidden row, block of tokens) the
-   block's best lower bound. Few rows (decoding) multiply in fp32 FMAs on a [R, BV, BK]
-   accumulator; more rows go through tl.dot on the int8 tile converted to bf16 (exact: |q| <= 127).
+   block's best lower bound. bf16 rows go through tl.dot on the int8 tile converted to bf16
+   (exact: |q| <= 127); fp32 / fp16 rows multiply in fp32 FMAs on a [R, BV, BK] accumulator.
 2. `_rescore_kernel`: `slices` programs per hidden row, each over its own slice of the
    vocabulary, compact the tokens whose upper bound reaches the row's best lower bound (the
    survivors: the argmax is always among them) and rescore each exactly from its bf16 row: an
@@ -38,7 +38,10 @@ try:  # Triton ships with CUDA builds of PyTorch only
 except ImportError:  # pragma: no cover - CPU builds
     triton = None
 
-FMA_ROWS = 2  # up to this many hidden rows multiply in FMAs (decoding); more go through tl.dot (H200: 4 rows in FMAs ran 2x 1 row)
+# bf16 rows go through tl.dot at every row count: on the H200 (CUDA-graph timing, 2026-12-03) the
+# bounds kernel took 0.226 ms for one row in FMAs and 0.184 ms for 4-8 rows through tl.dot (4 rows in
+# FMAs: 2x one row). fp32 / fp16 rows (tl.dot would read them in bf16) use FMAs, up to FMA_ROWS a program.
+FMA_ROWS = 2
 HN_UP = 1 + 2.0**-11  # ||h|| computed in fp32, rounded up by more than its error bound
 
 
@@ -187,8 +190,8 @@ def certified_argmax_triton(h: torch.Tensor, q: torch.Tensor, scale: torch.Tenso
     v = q.shape[0]
     h = h.contiguous()
     hn = h.float().norm(dim=-1) * HN_UP  # [M]
-    if use_dot is None:  # (fp32 / fp16 heads: tl.dot in fp32 is slower than FMAs; the tests force it)
-        use_dot = m > FMA_ROWS and h.dtype == torch.bfloat16
+    if use_dot is None:  # (fp32 / fp16 heads: FMAs; the tests force tl.dot in fp32)
+        use_dot = h.dtype == torch.bfloat16
     r = max(16, triton.next_power_of_2(min(m, 64))) if use_dot else triton.next_power_of_2(min(m, FMA_ROWS))
     if bv is None:
         bv = 64 if use_dot else (32 if r <= 2 else 16)

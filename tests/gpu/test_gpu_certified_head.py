@@ -1,5 +1,5 @@
 """GPU lane: the certified head's Triton kernels (tandem.kernels.certified_head) on a real GPU, bf16,
-through the FMA path (1-2 rows) and the tl.dot path (3-64 rows): the token is the head's argmax on
+through the tl.dot path (bf16, 1-64 rows): the token is the head's argmax on
 every row (its float64 logit is the maximum up to one bf16 rounding, and equal to the reference's
 token wherever the top two differ by more than that), on random heads and adversarial near-ties,
 also inside a CUDA graph (fixed shapes, no host sync). The CPU suite runs the same kernels through
