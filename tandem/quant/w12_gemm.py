@@ -98,7 +98,9 @@ except ImportError:  # pragma: no cover - CPU builds
 ROW_BLOCK = 16  # rows per tl.dot: the smallest tensor-core N
 MAX_ROW_BLOCKS = 4  # accumulators per program: up to 64 rows share one decode of each record
 FIX_CHUNK = 16  # sparse corrections per step; each program's list is padded to a multiple
-PROGRAMS_PER_SM = 2  # tensor-core kernel
+# tensor-core kernel: the H200 sweep's best at 8-64 rows on the 8B's qkv, o, gate_up and down (the head: 2),
+# 2026-12-03 (bench/results/h200-2026-12-03-session14)
+PROGRAMS_PER_SM = 4
 DENSE_SLOTS_PER_TILE = 2  # a (channel, split) cell with more escaped slots than this per tile of the split is dense
 DENSE_CHUNK = 64  # a dense cell's accumulator: columns c, c + 64, c + 128, ... add into lane c % 64
 # default: w12_linear runs the GEMV kernel up to this many rows. A guess from sm_90 SASS: the GEMV's main loop issues
@@ -106,8 +108,8 @@ DENSE_CHUNK = 64  # a dense cell's accumulator: columns c, c + 64, c + 128, ... 
 # streaming 1.5 bytes a weight at HBM speed), the tensor-core kernel's ~6.2 at up to 16 rows (~8.5 at 64)
 GEMV_MAX_ROWS = 4
 GEMV_ROWS = 8  # rows per GEMV program at most (more: further row groups)
-GEMV_BLOCK_N = 128
-GEMV_PROGRAMS_PER_SM = 4
+GEMV_BLOCK_N = 64  # the H200 sweep's best at one row on o, gate_up, down and the head (qkv: 128)
+GEMV_PROGRAMS_PER_SM = 4  # the sweep: best on qkv and o; gate_up and down ran best at 16, the head at 8
 
 
 def w12_linear_ref(x: torch.Tensor, records: W12Records, escapes: W12Escapes) -> torch.Tensor:
