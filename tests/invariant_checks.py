@@ -149,11 +149,18 @@ def check_attention(device="cpu", dtype=torch.float32, H: int = 6, Hkv: int = 2,
 
 
 def check_model() -> None:
-    """Deterministic mode end to end with the kernels in the pass (the CUDA path, routed to the
-    interpreter on the CPU): model_rows_alone_and_among's pairs bitwise equal through an emulated
-    graph bucket, and an engine's greedy output for a request one and the same with `ar` alone,
-    with `tree` alone and with `tree` among 3 others, and equal to the single-request loop's `ar`
-    (fp32). (One layer: the interpreter runs a program in ~50 ms.)"""
+    """Deterministic mode end to end with the invariant attention kernel in the pass (the CUDA path,
+    routed to the interpreter on the CPU): model_rows_alone_and_among's pairs bitwise equal through
+    an emulated graph bucket, and an engine's greedy output for a request one and the same with `ar`
+    alone, with `tree` alone and with `tree` among 3 others, and equal to the single-request loop's
+    `ar` (fp32). (One layer: the interpreter runs a program in ~50 ms.)
+
+    NOTE: the row-wise products stay on their torch invariant path here. The interpreter runs the
+    GEMM kernel's tl.dot as numpy's matmul, whose result for a row depends on the row's position in
+    the tile (numpy 2.2-2.3 with OpenBLAS 0.3.29: a row at tile position 3 differs in the last bit
+    from the same row at 0), so it cannot show the GPU's row invariance across positions;
+    check_gemm checks the kernel's M-independence at fixed positions, and the GPU lane checks the
+    whole pass in bf16 (tests/gpu/test_gpu_invariant.py)."""
     from models_for_tests import noisy_copy, tiny_model
     from tandem.config import GenerationConfig, SpecConfig
     from tandem.engine.config import EngineConfig
@@ -170,8 +177,8 @@ def check_model() -> None:
             return fn(*args, **kwargs)
         return call
 
-    # the dispatch's CUDA test answered yes for CPU tensors: BatchedModel takes its CUDA path
-    ig.triton_enabled = ia.triton_enabled = lambda t: not torch.is_grad_enabled()
+    # the attention dispatch's CUDA test answered yes for CPU tensors: BatchedModel takes its CUDA path
+    ia.triton_enabled = lambda t: not torch.is_grad_enabled()
     ig.linear, ia.paged = counted("gemm", gemm), counted("attention", attention)
     try:
         model = tiny_model(seed=0, hidden=128, layers=1)  # head_dim 32: a size the attention kernel takes
@@ -179,7 +186,7 @@ def check_model() -> None:
         assert graphed
         for alone, among in pairs:
             assert torch.equal(alone, among)
-        assert calls["gemm"] > 0 and calls["attention"] > 0, calls
+        assert calls["gemm"] == 0 and calls["attention"] > 0, calls
         g = torch.Generator().manual_seed(5)
         prompt = torch.randint(0, 95, (12,), generator=g).tolist()
         others = [torch.randint(0, 95, (n,), generator=g).tolist() for n in (3, 9, 14)]
@@ -199,7 +206,7 @@ def check_model() -> None:
     finally:
         ig.linear, ia.paged = gemm, attention
         ig.triton_enabled = ia.triton_enabled = enabled
-    print(f"model: ok ({calls['gemm']} GEMM and {calls['attention']} attention launches)")
+    print(f"model: ok ({calls['attention']} attention launches)")
 
 
 if __name__ == "__main__":

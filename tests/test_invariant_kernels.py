@@ -49,7 +49,8 @@ def test_invariant_kernels_under_the_triton_interpreter():
     """The invariant GEMM's rows bitwise the same for M = 1, 37, 64, 130 and close to F.linear;
     the invariant attention's tree node bitwise its AR step's (1- and 2-word masks) and a row the
     same alone and among others, close to SDPA; the engine's deterministic mode with the kernels
-    in its pass giving one greedy output alone, in a batch and with or without speculation (fp32)."""
+    in its pass giving one greedy output alone, in a batch and with or without speculation (fp32; the attention
+    kernel in the pass: see invariant_checks.check_model)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
     proc = subprocess.run([_triton_python(), str(TESTS / "invariant_checks.py")], env=env, capture_output=True,
                           text=True, timeout=600)
