@@ -3,20 +3,14 @@ heads, the bundled target's hidden states, and adversarial near-ties), while res
 fraction of the vocabulary."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tandem.quant.int8_head import Int8Head, _gamma
 from tandem.runtime.pair import load_pair
+from triton_interpreter import NEEDS_TRITON, run_checks
 
-TESTS = Path(__file__).resolve().parent
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 PROMPTS = ["def fib(n):", "import os\n\n\ndef list_python_files(root):\n", "class Stack:\n    def __init__(self):",
            "for i in range(10):\n    print(", 'with open("data.txt") as f:\n    for line in f:\n']
@@ -139,20 +133,9 @@ def test_certified_head_greedy_decoding_equals_ar_on_the_bundled_target(dtype):
             assert torch.equal(certified_argmax(plain.target, h), F.linear(h, plain.target.lm_head.weight).argmax(-1))
 
 
-def _triton_python() -> str | None:
-    if importlib.util.find_spec("triton") is not None:
-        return sys.executable
-    return os.environ.get("TANDEM_TRITON_PYTHON")
-
-
-@pytest.mark.skipif(_triton_python() is None, reason="needs Triton for its CPU interpreter (CPU builds of torch ship "
-                    "without it): install triton, or set TANDEM_TRITON_PYTHON to a Python that has it")
+@NEEDS_TRITON
 def test_certified_head_kernels_under_the_triton_interpreter():
     """The GPU kernels (tandem.kernels.certified_head) give the reference's token on random heads,
     adversarial near-ties, exact ties (the first token) and a zero hidden row (every token
     rescored), through the FMA and the tl.dot paths (tests/certified_head_checks.py)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
-    proc = subprocess.run([_triton_python(), str(TESTS / "certified_head_checks.py")], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(": ok") == 4, proc.stdout
+    run_checks("certified_head_checks.py", 4)

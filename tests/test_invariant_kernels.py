@@ -9,19 +9,12 @@ and Triton installed). The GPU lane holds the bf16 checks on a real GPU (tests/g
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from invariant_checks import model_rows_alone_and_among
 from models_for_tests import tiny_model
-
-TESTS = Path(__file__).resolve().parent
+from triton_interpreter import NEEDS_TRITON, run_checks
 
 
 @pytest.mark.parametrize("graphs", [None, "emulate"], ids=["exact", "bucket"])
@@ -37,22 +30,11 @@ def test_deterministic_pass_gives_a_row_the_same_logits_alone_among_rows_and_as_
         assert alone.shape == among.shape and torch.equal(alone, among), i
 
 
-def _triton_python() -> str | None:
-    if importlib.util.find_spec("triton") is not None:
-        return sys.executable
-    return os.environ.get("TANDEM_TRITON_PYTHON")
-
-
-@pytest.mark.skipif(_triton_python() is None, reason="needs Triton for its CPU interpreter (CPU builds of torch ship "
-                    "without it): install triton, or set TANDEM_TRITON_PYTHON to a Python that has it")
+@NEEDS_TRITON
 def test_invariant_kernels_under_the_triton_interpreter():
     """The invariant GEMM's rows bitwise the same for M = 1, 37, 64, 130 and close to F.linear;
     the invariant attention's tree node bitwise its AR step's (1- and 2-word masks) and a row the
     same alone and among others, close to SDPA; the engine's deterministic mode with the kernels
     in its pass giving one greedy output alone, in a batch and with or without speculation (fp32; the attention
     kernel in the pass: see invariant_checks.check_model)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
-    proc = subprocess.run([_triton_python(), str(TESTS / "invariant_checks.py")], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(": ok") == 3, proc.stdout  # gemm, attention, model
+    run_checks("invariant_checks.py", 3)

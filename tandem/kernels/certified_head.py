@@ -56,11 +56,19 @@ def gpu_coef(resid: torch.Tensor, cheap: torch.Tensor, exact: torch.Tensor) -> t
 if triton is not None:
 
     @triton.jit
+    def _q_tile(ptrs, v_ok, k_ok, EVEN_K: tl.constexpr):
+        # EVEN_K (BK divides H): no mask along the contiguous axis, so the int8 rows load in 16-byte
+        # vectors (a column mask made them byte loads: 1.6 TB/s on the H200, 2026-12-03)
+        if EVEN_K:
+            q = tl.load(ptrs, mask=v_ok[:, None], other=0)
+        else:
+            q = tl.load(ptrs, mask=v_ok[:, None] & k_ok[None, :], other=0)
+        return q
+
+    @triton.jit
     def _bounds_kernel(h_ptr, hn_ptr, q_ptr, scale_ptr, coef_ptr, upper_ptr, blk_ptr, M, V, H, n_blk, u_dt,
                        R: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr,
                        DOT_BF16: tl.constexpr, EVEN_K: tl.constexpr):
-        # EVEN_K (BK divides H): no mask along the contiguous axis, so the int8 rows load in 16-byte
-        # vectors (a column mask made them byte loads: 1.6 TB/s on the H200, 2026-12-03)
         pid_v = tl.program_id(0)  # block of BV tokens
         pid_r = tl.program_id(1)  # group of R hidden rows
         offs_v = pid_v * BV + tl.arange(0, BV)  # [BV]
@@ -73,10 +81,7 @@ if triton is not None:
             acc = tl.zeros((BV, R), dtype=tl.float32)  # [tokens, rows]
             for k in range(0, H, BK):
                 k_ok = ((k + offs_k) < H) | EVEN_K
-                if EVEN_K:
-                    q = tl.load(q_rows + k + offs_k[None, :], mask=v_ok[:, None], other=0)  # [BV, BK] int8
-                else:
-                    q = tl.load(q_rows + k + offs_k[None, :], mask=v_ok[:, None] & k_ok[None, :], other=0)
+                q = _q_tile(q_rows + k + offs_k[None, :], v_ok, k_ok, EVEN_K)  # [BV, BK] int8
                 hT = tl.load(h_ptr + offs_r[None, :].to(tl.int64) * H + k + offs_k[:, None],
                              mask=r_ok[None, :] & k_ok[:, None], other=0.0)  # [BK, R] bf16
                 if DOT_BF16:  # (exact: |q| <= 127 and h is bf16)
@@ -88,10 +93,7 @@ if triton is not None:
             acc3 = tl.zeros((R, BV, BK), dtype=tl.float32)
             for k in range(0, H, BK):
                 k_ok = ((k + offs_k) < H) | EVEN_K
-                if EVEN_K:
-                    q = tl.load(q_rows + k + offs_k[None, :], mask=v_ok[:, None], other=0)  # [BV, BK] int8
-                else:
-                    q = tl.load(q_rows + k + offs_k[None, :], mask=v_ok[:, None] & k_ok[None, :], other=0)
+                q = _q_tile(q_rows + k + offs_k[None, :], v_ok, k_ok, EVEN_K)  # [BV, BK] int8
                 hk = tl.load(h_ptr + offs_r[:, None].to(tl.int64) * H + k + offs_k[None, :],
                              mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [R, BK]
                 acc3 += q.to(tl.float32)[None, :, :] * hk[:, None, :]
