@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -32,46 +31,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from gpu_timing import graph_ms, median_ms  # noqa: E402  (bench/, on sys.path as the script's folder)
 from tandem.kernels import certified_head as ck  # noqa: E402
 from tandem.quant.int8_head import Int8Head  # noqa: E402
-
-
-def median_ms(fn, iters: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def graph_ms(fn, iters: int, per_graph: int = 10) -> float:
-    """Median ms of one call within a CUDA graph of per_graph calls, over the replays: the GPU's time
-    as the engine's graph runners see it (eager timing adds the host's launch gaps: the certified
-    head is several launches, the bf16 head one)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(max(5, iters // per_graph)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / per_graph)
-    return statistics.median(times)
 
 
 def head_weights(v: int, hdim: int, seed: int) -> torch.Tensor:
@@ -115,9 +77,9 @@ def main() -> int:
             h = hidden_rows(w, m, kind, seed=m)
             full = F.linear(h, w)
             ref = full.argmax(-1)
-            t_lin = graph_ms(lambda: F.linear(h, w), a.iters)
-            t_lin_arg = graph_ms(lambda: F.linear(h, w).argmax(-1), a.iters)
-            t_lin_eager = median_ms(lambda: F.linear(h, w), a.iters)
+            t_lin = graph_ms([lambda: F.linear(h, w)], a.iters)
+            t_lin_arg = graph_ms([lambda: F.linear(h, w).argmax(-1)], a.iters)
+            t_lin_eager = median_ms([lambda: F.linear(h, w)], a.iters)
             configs = [{}]
             if a.sweep and kind == "confident":  # (the knobs barely move the slow kinds' rescoring)
                 configs += [dict(bv=bv, bk=bk, num_warps=4, num_stages=ns) for bv in (64, 128) for bk in (128, 256)
@@ -125,12 +87,12 @@ def main() -> int:
             for cfg in configs:
                 try:
                     tok, _, count = ck.certified_argmax_triton(h, head.q, head.scale, coef, w, head.u_dt, **cfg)
-                    t = graph_ms(lambda: ck.certified_argmax_triton(h, head.q, head.scale, coef, w, head.u_dt, **cfg),
+                    t = graph_ms([lambda: ck.certified_argmax_triton(h, head.q, head.scale, coef, w, head.u_dt, **cfg)],
                                  a.iters)
-                    t_b = graph_ms(lambda: ck.certified_argmax_triton(h, head.q, head.scale, coef, w, head.u_dt,
-                                                                      bounds_only=True, **cfg), a.iters)
-                    t_eager = median_ms(lambda: ck.certified_argmax_triton(h, head.q, head.scale, coef, w, head.u_dt,
-                                                                           **cfg), a.iters)
+                    t_b = graph_ms([lambda: ck.certified_argmax_triton(h, head.q, head.scale, coef, w, head.u_dt,
+                                                                       bounds_only=True, **cfg)], a.iters)
+                    t_eager = median_ms([lambda: ck.certified_argmax_triton(h, head.q, head.scale, coef, w,
+                                                                            head.u_dt, **cfg)], a.iters)
                 except Exception as e:  # (a variant that does not compile: recorded, the sweep goes on)
                     print(json.dumps({"kind": kind, "rows": m, "config": cfg, "error": repr(e)[:300]}), flush=True)
                     continue

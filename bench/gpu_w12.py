@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
 
+from gpu_timing import graph_ms, median_ms  # noqa: E402  (bench/, on sys.path as the script's folder)
 from tandem.bench.presets import PRESETS  # noqa: E402
 from tandem.quant.w12 import encode_w12, w12_stats  # noqa: E402
 from tandem.quant.w12_gemm import pack_w12, plan_w12, w12_linear, w12_linear_ref  # noqa: E402
@@ -60,47 +60,6 @@ DOT_GRID = [dict(warps=4, stages=3, pps=2, asm=False), dict(warps=4, stages=3, p
             dict(warps=8, stages=3, pps=2, asm=False), dict(warps=8, stages=2, pps=2, asm=False),
             dict(warps=4, stages=3, pps=1, asm=False), dict(warps=4, stages=3, pps=4, asm=False),
             dict(warps=8, stages=3, pps=4, asm=False)]
-
-
-def median_ms(fns, iters: int, warmup: int = 10) -> float:
-    """Median ms of one call, cycling over fns (one per weight copy), each call timed on its own."""
-    for i in range(warmup):
-        fns[i % len(fns)]()
-    torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fns[i % len(fns)]()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def graph_ms(fns, iters: int, per_graph: int = 10) -> float:
-    """Median ms of one call within a CUDA graph of per_graph calls cycling over fns, over iters // per_graph
-    replays (at least 5). The first calls (compiling) run outside the graph."""
-    per_graph = -(-per_graph // len(fns)) * len(fns)
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(per_graph):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(max(5, iters // per_graph)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / per_graph)
-    del graph
-    return statistics.median(times)
 
 
 def time_ms(fns, iters: int, timing: str) -> float:
