@@ -70,7 +70,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     w = head_weights(a.vocab, a.hidden, seed=0)
     head = Int8Head(w)
-    coef = torch.cat([ck.gpu_coef(*t) for t in head._terms])
+    coef = head.gpu_coef
     results = []
     for kind in KINDS:
         for m in [int(r) for r in a.rows.split(",")]:

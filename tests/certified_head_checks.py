@@ -17,8 +17,7 @@ from tandem.quant.int8_head import Int8Head
 
 
 def _kernel_tokens(head: Int8Head, h: torch.Tensor, **knobs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    coef = torch.cat([ck.gpu_coef(*t) for t in head._terms])
-    return ck.certified_argmax_triton(h, head.q, head.scale, coef, head.weight, head.u_dt, **knobs)
+    return ck.certified_argmax_triton(h, head.q, head.scale, head.gpu_coef, head.weight, head.u_dt, **knobs)
 
 
 def _near_ties(v: int, hdim: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

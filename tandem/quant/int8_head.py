@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels import certified_head as ck
+
 U32 = 2.0**-24
 ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 SAFETY = 1 + 2.0**-30  # covers the float64 rounding of the bound arithmetic itself
@@ -61,7 +63,7 @@ class Int8Head:
         self.q = torch.empty(v, hidden, dtype=torch.int8, device=weight.device)  # [V, H]
         self.scale = torch.empty(v, dtype=torch.float32, device=weight.device)  # [V]
         self.coef = torch.empty(v, dtype=torch.float64, device=weight.device)  # [V]: bound per unit ||h||
-        self._terms = []  # per chunk (resid, cheap, exact), float64: the GPU kernel's coefficients
+        self.gpu_coef = torch.empty(v, dtype=torch.float32, device=weight.device)  # [V]: the kernels' (widened)
         for lo in range(0, v, 8192):  # (in chunks: float64 copies of a 128k-token head take GBs)
             w64 = weight[lo:lo + 8192].double()  # [c, H], exact
             amax = w64.abs().amax(dim=1)  # [c]
@@ -74,9 +76,8 @@ class Int8Head:
             exact = w64.norm(dim=1) * _gamma(hidden)  # [c]
             self.q[lo:lo + 8192], self.scale[lo:lo + 8192] = q, scale
             self.coef[lo:lo + 8192] = (resid + cheap + exact) * SAFETY
-            self._terms.append((resid, cheap, exact))
+            self.gpu_coef[lo:lo + 8192] = ck.gpu_coef(resid, cheap, exact)
         self.u_dt = ROUNDING[weight.dtype]
-        self._gpu_coef: torch.Tensor | None = None
 
     @torch.no_grad()
     def token(self, h: torch.Tensor) -> torch.Tensor:
@@ -87,13 +88,8 @@ class Int8Head:
     @torch.no_grad()
     def token_and_logit(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(token [B] int64, its exact logit [B] in the model dtype)."""
-        from tandem.kernels import certified_head as ck
-
         if h.is_cuda and ck.triton is not None:
-            if self._gpu_coef is None:
-                self._gpu_coef = torch.cat([ck.gpu_coef(*t) for t in self._terms])  # [V] fp32
-                self._terms = []
-            tok, val, _ = ck.certified_argmax_triton(h.to(self.weight.dtype), self.q, self.scale, self._gpu_coef,
+            tok, val, _ = ck.certified_argmax_triton(h.to(self.weight.dtype), self.q, self.scale, self.gpu_coef,
                                                      self.weight, self.u_dt)
             return tok, val.to(self.weight.dtype)
         r = self.argmax(h)
