@@ -18,7 +18,7 @@ host never waits and a CUDA graph can hold them:
    every token. Survivors spread over the vocabulary, so the slices share the rescoring evenly
    however many there are.
 
-The bound arithmetic here is fp32, not the reference's float64, so it is widened (GPU_COEF below):
+The bound arithmetic here is fp32, not the reference's float64, so it is widened (`gpu_coef`):
 the accumulation terms are taken 4x (tensor cores may accumulate fp32 with truncation rather than
 rounding), ||h|| is rounded up by 2^-11 (the fp32 norm's own error), and every bound adds
 2^-20 |a| plus a 2^-16 relative margin for its own roundings. A wider bound only keeps more

@@ -6,7 +6,7 @@ the loop takes (ar, chain, tree verification) is the full head's argmax, and the
 unchanged. The full head is put back after the request, so the same model serves requests
 without the flag (and other Generators) untouched.
 
-On CUDA the head is two Triton kernels with fixed shapes and no host sync
+On CUDA the head is Triton kernels with fixed shapes and no host sync
 (tandem.kernels.certified_head), so the target's runner captures it in its CUDA graphs (a runner
 of its own, so graphs captured with the full head are never replayed for it). On the CPU the
 reference prunes with data-dependent shapes (a nonzero over the survivors) and the runner runs
