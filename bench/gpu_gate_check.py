@@ -81,10 +81,13 @@ def main() -> int:
             gt = eng.gate
             if gt is not None:
                 cs = gt.costs
-                print("  step costs (ms): " + ", ".join(f"R={r}: plain {p * 1e3:.2f} / drafting {d * 1e3:.2f}"
-                                                       for r, p, d in zip(cs.requests, cs.plain, cs.drafting)))
+                probe = cs.probe or (float("nan"),) * len(cs.requests)
+                print("  step costs (ms): " + ", ".join(
+                    f"R={r}: plain {p * 1e3:.2f} / probe {q * 1e3:.2f} / drafting {d * 1e3:.2f}"
+                    for r, p, q, d in zip(cs.requests, cs.plain, probe, cs.drafting)))
                 tp, td = gt.predicted(c)
                 print(f"  learned a={gt.accepted}, samples {gt.samples}, plain_scale {gt.plain_scale:.2f}, "
+                      f"per prefill row {gt.plain.per_row * 1e6:.2f} us, "
                       f"extra_scale {gt.extra_scale:.2f}, predicted at R={c}: plain {tp * 1e3:.2f} ms, "
                       f"drafting {td * 1e3:.2f} ms, off decisions {gt.decisions_off}, probes {gt.probes}, refreshes {gt.refreshes}")
     return 0

@@ -354,13 +354,13 @@ def test_the_draft_gate_weighs_measured_step_costs_against_accepted_tokens():
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.030, 0.050))
     g = DraftGate(costs, sample=4, alpha=1.0, min_samples=1, probe_every=3, probe_budget=10.0)
     assert [g.plan(8), g.plan(8)] == [4, 4]  # learning: a sample of 4 drafts, two steps
-    g.observe(8, 4, 0.030, accepted=4, decode_only=True)  # 1 accepted token each; drafting's extra as measured
+    g.observe(8, 4, 0.030, accepted=4)  # 1 accepted token each; drafting's extra as measured
     assert g.accepted == 1.0 and g.extra_scale == 1.0
     assert g.plan(1) == 1  # alone: 2 tokens in 20 ms against 1 in 10 ms, it pays (ties draft)
     # 8 requests: 16 tokens in 50 ms against 8 in 10 ms: off; the 4th decision a probe (the floor of 3), two steps
     assert [g.plan(8) for _ in range(5)] == [0, 0, 0, 4, 4]
     assert g.decisions_off == 3 and g.probes == 4
-    g.observe(8, 4, 0.030, accepted=20, decode_only=True)  # 5 accepted each: 48 tokens in 50 ms
+    g.observe(8, 4, 0.030, accepted=20)  # 5 accepted each: 48 tokens in 50 ms
     assert g.plan(8) == 8
     assert g.predicted(2) == pytest.approx((0.010, 0.020 + 0.010 / 3))  # (linear between the measured points)
 
@@ -373,46 +373,72 @@ def test_the_draft_gate_learns_the_acceptance_as_the_mean_of_its_first_samples()
     g = DraftGate(StepCosts((1,), (0.01,), (0.02,)), alpha=0.5, min_samples=3)
     for accepted in (0, 3, 6):
         assert g.plan(1) == 1  # learning
-        g.observe(1, 1, 0.02, accepted=accepted, decode_only=True)
+        g.observe(1, 1, 0.02, accepted=accepted)
     assert g.accepted == 3.0
-    g.observe(1, 1, 0.02, accepted=1, decode_only=True)
+    g.observe(1, 1, 0.02, accepted=1)
     assert g.accepted == 2.0
 
 
 def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their_budget():
-    """Each step kind's predictions follow the observed steps (moving averages of observed over
-    measured: plain steps, and drafting's extra over a plain step; prefill steps and steps that
-    are not steady left out); probes are spaced by what they lose: each of a probe's two steps
-    costs drafting's extra for 4 requests, 40 - 10 ms, and returns 4 tokens worth 4 x 10 / 8 ms
-    of plain decoding, so with a 3% budget of 10 ms plain steps, one probe per 167 of them; one
-    that loses nothing comes at the floor."""
-    from tandem.engine.draft_gate import DraftGate, StepCosts
+    """Each step kind's predictions follow the observed steps: plain steps by a fit of their
+    measured time and their prefill rows, drafting's extra over a plain step by a moving average,
+    with the prefill rows' cost taken off (steps that are not steady left out); probes are spaced
+    by what they lose: each of a probe's two steps costs drafting's extra for 4 requests, 40 - 10
+    ms, and returns 4 tokens worth 4 x 10 / 8 ms of plain decoding, so with a 3% budget of 10 ms
+    plain steps, one probe per 167 of them; one that loses nothing comes at the floor."""
+    from tandem.engine.draft_gate import DraftGate, PlainFit, StepCosts
 
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.040, 0.050))
-    g = DraftGate(costs, sample=4, alpha=0.5, min_samples=1, probe_every=16, probe_max=1024, probe_budget=0.03)
-    g.observe(8, 4, 0.040, accepted=4, decode_only=True)  # a = 1: off at 8 requests
+    g = DraftGate(costs, sample=4, alpha=0.5, min_samples=1, probe_every=16, probe_max=1024, probe_budget=0.03,
+                  plain=PlainFit(unit=1e-4, alpha=0.5, prior=0.0))
+    g.observe(8, 4, 0.040, accepted=4)  # a = 1: off at 8 requests
     decisions = [g.plan(8) for _ in range(340)]
     assert [i for i, k in enumerate(decisions) if k] == [167, 168, 336, 337] and decisions[167] == 4  # ceil(50 / 0.3)
     # the probes' loss over those steps: 4 x 25 ms against 334 plain steps of 10 ms, within 3%
     assert 4 * 0.025 <= 0.03 * 334 * 0.010
     assert g.probe_interval(1) == 16  # alone: 20 ms for 2 tokens against 10 ms for 1, no loss: the floor
     assert DraftGate(costs, probe_every=80).probe_interval(1) == 80
-    g.observe(8, 0, 0.020, accepted=0, decode_only=True)  # plain steps take twice the measured time
-    assert g.plain_scale == 1.5
-    g.observe(8, 0, 0.500, accepted=0, decode_only=False)  # a step with prefill rows teaches nothing
-    g.observe(8, 0, 0.001, accepted=0, decode_only=True, steady=False)  # nor one that waited for no pass
-    assert g.plain_scale == 1.5
-    g.observe(8, 8, 0.055, accepted=8, decode_only=True)  # 15 ms plain + 40 ms drafting's extra: as measured
-    assert g.extra_scale == 1.0 and g.accepted == 1.0
+    g.observe(8, 0, 0.020, accepted=0)  # plain steps take twice the measured time
+    assert g.plain_scale == pytest.approx(2.0)
+    g.observe(8, 0, 0.025, accepted=0, prefill_rows=100)  # and 100 prompt rows beside them 5 ms more
+    assert g.plain_scale == pytest.approx(2.0) and g.plain.per_row == pytest.approx(50e-6)
+    g.observe(8, 0, 0.001, accepted=0, steady=False)  # a step that waited for no pass teaches nothing
+    assert g.plain_scale == pytest.approx(2.0) and g.plain.per_row == pytest.approx(50e-6)
+    g.observe(8, 8, 0.060, accepted=8)  # 20 ms plain + 40 ms drafting's extra: as measured
+    assert g.extra_scale == pytest.approx(1.0) and g.accepted == 1.0
+    g.observe(8, 8, 0.065, accepted=8, prefill_rows=100)  # the same, and 100 prompt rows' 5 ms
+    assert g.extra_scale == pytest.approx(1.0)
     # a drafting step whose drafter first caught up (not steady) teaches the acceptance, not the cost
-    g.observe(8, 8, 5.0, accepted=40, decode_only=True, steady=False)
-    assert g.extra_scale == 1.0 and g.accepted == 3.0
-    g.observe(8, 8, 0.135, accepted=8, decode_only=True)  # the extra 120 ms: 3x
+    g.observe(8, 8, 5.0, accepted=40, steady=False)
+    assert g.extra_scale == pytest.approx(1.0) and g.accepted == 3.0
+    g.observe(8, 8, 0.140, accepted=8)  # the extra 120 ms: 3x
     assert g.extra_scale == pytest.approx(2.0)  # (1 + 3) / 2: alpha 0.5
-    g.observe(8, 4, 0.135, accepted=4, decode_only=True)  # a probe's second step: 4 requests' extra, 120 ms: 4x
+    g.observe(8, 4, 0.140, accepted=4)  # a probe's second step: 4 requests' extra, 120 ms: 4x
     assert g.extra_scale == pytest.approx(3.0)
-    assert g.predicted(8) == pytest.approx((0.015, 0.015 + 3 * 0.040))
+    assert g.predicted(8) == pytest.approx((0.020, 0.020 + 3 * 0.040))
     assert DraftGate(StepCosts((1,), (0.01,), (10.0,)), probe_max=1024).probe_interval(1) == 1024  # the ceiling
+
+
+def test_the_plain_fit_tells_a_steps_cost_from_its_prefill_rows():
+    """PlainFit recovers both terms from steps that mix prompt rows in or not (least squares,
+    recent steps weighing more), follows a change, and with only one kind of step leans on its
+    prior instead of swinging the per-row cost."""
+    from tandem.engine.draft_gate import PlainFit
+
+    fit = PlainFit(unit=1e-6, alpha=0.25)
+    for i in range(40):  # P 1 ms; observed 0.5 ms + 2 us a prompt row
+        rows = (0, 150, 0, 300)[i % 4]
+        fit.observe(0.001, rows, 0.0005 + 2e-6 * rows)
+    assert fit.scale == pytest.approx(0.5, rel=0.03) and fit.per_row == pytest.approx(2e-6, rel=0.03)
+    for i in range(40):  # the host slows down: 0.8 ms a step, 3 us a row
+        rows = (0, 150, 0, 300)[i % 4]
+        fit.observe(0.001, rows, 0.0008 + 3e-6 * rows)
+    assert fit.scale == pytest.approx(0.8, rel=0.03) and fit.per_row == pytest.approx(3e-6, rel=0.03)
+    assert fit.seconds(0.001, 100) == pytest.approx(0.0011, rel=0.03)
+    alone = PlainFit(unit=1e-6)
+    for _ in range(40):  # decode-only steps: the scale, and no per-row cost out of nothing
+        alone.observe(0.002, 0, 0.001)
+    assert alone.scale == pytest.approx(0.5, rel=0.03) and alone.per_row == 0.0
 
 
 def test_the_draft_gate_spaces_its_probes_by_what_probes_did_cost():
@@ -423,15 +449,34 @@ def test_the_draft_gate_spaces_its_probes_by_what_probes_did_cost():
 
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.040, 0.050))
     g = DraftGate(costs, sample=4, alpha=0.5, min_samples=1, probe_every=16, probe_max=1024, probe_budget=0.03)
-    g.observe(8, 4, 0.040, accepted=4, decode_only=True)  # learning (steady: the same sample): a = 1
+    g.observe(8, 4, 0.040, accepted=4)  # learning (steady: the same sample): a = 1
     assert g.probe_extra is None and g.probe_interval(8) == 167  # (the steady costs: 2 x 25 ms lost a probe)
-    g.observe(8, 4, 0.110, accepted=4, decode_only=True, steady=False)  # a probe: 100 ms over a plain step
+    g.observe(8, 4, 0.110, accepted=4, steady=False)  # a probe: 100 ms over a plain step
     assert g.probe_extra == pytest.approx(0.100) and g.extra_scale == 1.0
     assert g.probe_interval(8) == 400  # ceil(((100 - 4 x 1 x 10 / 8) + (30 - 5)) / 0.3)
-    g.observe(8, 4, 0.030, accepted=4, decode_only=True, steady=False)  # a cheaper one: the average follows
+    g.observe(8, 4, 0.030, accepted=4, steady=False)  # a cheaper one: the average follows
     assert g.probe_extra == pytest.approx(0.060)
-    g.observe(8, 8, 5.0, accepted=40, decode_only=True, steady=False)  # every request drafting: not a probe
+    g.observe(8, 8, 5.0, accepted=40, steady=False)  # every request drafting: not a probe
     assert g.probe_extra == pytest.approx(0.060)
+
+
+def test_a_probe_is_judged_against_the_measured_probe_step():
+    """With a measured probe curve, a probe's second step corrects drafting's extra by what a probe
+    step cost at start-up (its synchronous path for the others included), not by drafting's extra
+    for 4 requests: a probe that costs what it cost at start-up leaves the scale at 1."""
+    from tandem.engine.draft_gate import DraftGate, PlainFit, StepCosts
+
+    # a probe at 8 requests cost 35 ms at start-up: 25 over a plain step, where D(4) - P(4) is 10
+    costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.020, 0.050),
+                      probe=(0.020, 0.020, 0.035), sample=4)
+    g = DraftGate(costs, alpha=1.0, min_samples=1, plain=PlainFit(unit=1e-4, alpha=1.0, prior=0.0))
+    g.observe(8, 4, 0.035, accepted=12)  # as at start-up
+    assert g.extra_scale == pytest.approx(1.0)
+    g.observe(8, 4, 0.060, accepted=12)  # 50 ms over a plain step: twice the measured probe's
+    assert g.extra_scale == pytest.approx(2.0) and g.predicted(8) == pytest.approx((0.010, 0.090))
+    # without the curve (or for another sample size) the old estimate, D(k) - P(k)
+    assert StepCosts((1, 4, 8), (0.01,) * 3, (0.02, 0.02, 0.05)).probe_extra_s(8, 4) == pytest.approx(0.010)
+    assert costs.probe_extra_s(8, 2) == pytest.approx(0.010)
 
 
 def test_the_draft_gate_keeps_both_step_kinds_current_whichever_runs():
@@ -439,32 +484,33 @@ def test_the_draft_gate_keeps_both_step_kinds_current_whichever_runs():
     two plain steps now and then (spaced by what they lose) keep t_plain current: plain steps
     faster than measured turn drafting off. While it is off, a probe's second step (steady)
     corrects drafting's extra: drafting cheaper than measured turns it back on."""
-    from tandem.engine.draft_gate import DraftGate, StepCosts
+    from tandem.engine.draft_gate import DraftGate, PlainFit, StepCosts
 
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.030, 0.050))
-    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03)
-    g.observe(8, 8, 0.050, accepted=40, decode_only=True)  # a = 5: 48 tokens in 50 ms against 8 in 10: on
+    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03,
+                  plain=PlainFit(unit=1e-4, alpha=1.0, prior=0.0))
+    g.observe(8, 8, 0.050, accepted=40)  # a = 5: 48 tokens in 50 ms against 8 in 10: on
     # two plain steps lose 2 x (10 - 50 / 6) ms: one pair per ceil(3.33 / 1.5) drafting steps, at least 4
     assert g.refresh_interval(8) == 4
     assert [g.plan(8) for _ in range(7)] == [8, 8, 8, 8, 0, 0, 8] and g.refreshes == 2 and g.decisions_off == 0
-    g.observe(8, 0, 0.001, accepted=0, decode_only=True, steady=False)  # the first read no pass: not timed
+    g.observe(8, 0, 0.001, accepted=0, steady=False)  # the first read no pass: not timed
     assert g.plain_scale == 1.0
-    g.observe(8, 0, 0.004, accepted=0, decode_only=True)  # plain steps take 4 ms, not 10
+    g.observe(8, 0, 0.004, accepted=0)  # plain steps take 4 ms, not 10
     assert g.plain_scale == pytest.approx(0.4) and g.predicted(8) == pytest.approx((0.004, 0.044))
     assert g.plan(8) == 0 and g.decisions_off == 1  # 6 x 4 < 44 ms: drafting does not pay
     # the drafting step after a refresh catches its drafters up: once seen, its extra spaces the refreshes
     g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03)
-    g.observe(8, 8, 0.050, accepted=40, decode_only=True)
-    g.observe(8, 8, 0.065, accepted=40, decode_only=True, steady=False)  # 15 ms over a steady one
+    g.observe(8, 8, 0.050, accepted=40)
+    g.observe(8, 8, 0.065, accepted=40, steady=False)  # 15 ms over a steady one
     assert g.switch_extra == pytest.approx(0.015) and g.extra_scale == 1.0
     assert g.refresh_interval(8) == 13  # ceil((3.33 + 15) / 1.5)
 
     g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=2, probe_budget=10.0)
-    g.observe(8, 4, 0.030, accepted=12, decode_only=True)  # a = 3: 32 tokens in 50 ms against 8 in 10: off
+    g.observe(8, 4, 0.030, accepted=12)  # a = 3: 32 tokens in 50 ms against 8 in 10: off
     assert [g.plan(8) for _ in range(4)] == [0, 0, 4, 4]  # a probe, two steps
-    g.observe(8, 4, 0.030, accepted=12, decode_only=True, steady=False)  # its first step (caught up)
+    g.observe(8, 4, 0.030, accepted=12, steady=False)  # its first step (caught up)
     assert g.extra_scale == 1.0
-    g.observe(8, 4, 0.020, accepted=12, decode_only=True)  # its second: 4 requests' extra is 10 ms, not 20
+    g.observe(8, 4, 0.020, accepted=12)  # its second: 4 requests' extra is 10 ms, not 20
     assert g.extra_scale == pytest.approx(0.5) and g.predicted(8) == pytest.approx((0.010, 0.030))
     assert g.plan(8) == 8  # 4 x 10 >= 30 ms: drafting pays
 
@@ -491,6 +537,10 @@ def test_the_draft_gate_turns_drafting_off_where_it_does_not_pay_and_outputs_sta
     engine = Engine(*models, config=cfg)
     costs = engine.gate.costs
     assert costs.requests == (1, 4, 16) and costs.drafting_s(16) > 16 * 0.02 > costs.plain_s(16)
+    # the probe curve: where the sample is every request (1, 4) a drafting step; at 16 the sample's 4
+    # drafters' 80 ms over a plain step, far below every drafter's 320
+    assert costs.probe[:2] == costs.drafting[:2] and costs.sample == engine.gate.sample == 4
+    assert 4 * 0.02 < costs.probe_extra_s(16, 4) < costs.drafting_s(16) - costs.plain_s(16) - 8 * 0.02
     outs = run_all(engine, prompts[:16])
     assert [o.token_ids for o in outs] == refs[:16]
     assert_clean(engine)

@@ -97,6 +97,7 @@ class RunResult:
     drafted_step_ms: float | None = None  # engine: mean wall ms of those steps
     plain_step_ms: float | None = None  # engine: mean wall ms of the others (prefill-only steps included)
     step_costs: object = None  # engine with a draft gate: its measured StepCosts (handed to the next engine)
+    gate: str | None = None  # engine with a draft gate: what it learned and decided, in words
 
     @property
     def new_tokens(self) -> int:
@@ -115,7 +116,7 @@ class RunResult:
                 "call_seconds": self.call_seconds, "steps": self.steps, "tau": self.tau,
                 "cached_tokens": self.cached_tokens, "preemptions": self.preemptions,
                 "step_ms": self.step_ms, "drafting_ms": self.drafting_ms, "drafted_steps": self.drafted_steps,
-                "drafted_step_ms": self.drafted_step_ms, "plain_step_ms": self.plain_step_ms,
+                "drafted_step_ms": self.drafted_step_ms, "plain_step_ms": self.plain_step_ms, "gate": self.gate,
                 "ttft_s": summarize([r.ttft for r in reqs]).to_dict(),
                 "itl_s": summarize([r.itl for r in reqs if r.itl is not None]).to_dict(),
                 "e2e_s": summarize([r.e2e for r in reqs]).to_dict(),
@@ -277,7 +278,17 @@ def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], pr
                      step_ms=per_step(k.step_s), drafting_ms=per_step(k.drafting_s), drafted_steps=len(drafted),
                      drafted_step_ms=1e3 * sum(drafted) / len(drafted) if drafted else None,
                      plain_step_ms=1e3 * sum(plain) / len(plain) if plain else None,
-                     step_costs=engine.gate.costs if engine.gate is not None else None)
+                     step_costs=engine.gate.costs if engine.gate is not None else None,
+                     gate=_gate_summary(engine.gate, c) if engine.gate is not None else None)
+
+
+def _gate_summary(gate, c: int) -> str:
+    """The draft gate's state after a run at concurrency C: what it learned and decided."""
+    tp, td = gate.predicted(c)
+    return (f"a {gate.accepted or 0:.2f}, plain x{gate.plain_scale:.2f} + {gate.plain.per_row * 1e6:.2f} us a "
+            f"prefill row, drafting's extra x{gate.extra_scale:.2f}; predicted at {c}: plain {tp * 1e3:.3f} / "
+            f"drafting {td * 1e3:.3f} ms; {gate.decisions_off} steps kept off, {gate.probes} probe steps, "
+            f"{gate.refreshes} refresh steps")
 
 
 class _StepTimes:
@@ -424,6 +435,7 @@ def markdown(results: dict) -> str:
         lines += [f"- {r['name']} C={r['concurrency']}: {f(r['step_ms'], nd=3)} / {f(r['drafting_ms'], nd=3)}"
                   + (f"; {r['drafted_steps']} of {r['steps']} steps drafted ({f(r['drafted_step_ms'], nd=3)} ms "
                      f"each), the others {f(r['plain_step_ms'], nd=3)} ms" if r.get("drafted_steps") else "")
+                  + (f"; gate: {r['gate']}" if r.get("gate") else "")
                   for r in timed]
     for name, why in results["peers_skipped"].items():
         lines += ["", f"Peer {name} skipped: {why}"]

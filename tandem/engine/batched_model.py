@@ -622,7 +622,10 @@ class BatchedModel:
         # batch-invariant arithmetic (tandem.engine.invariant): a row's logits do not depend on
         # the other rows of the pass, nor on whether it is an AR step or a tree node
         self.deterministic = deterministic
-        self.last_features: torch.Tensor | None = None  # [M, F] of the last pass (feature drafters)
+        # [>= M, F] of the last pass (feature drafters): a graph's padded buffer or the pass's own;
+        # `last_features` slices it on demand (a slice a pass cost the async plain step ~8 us)
+        self.padded_features: torch.Tensor | None = None
+        self._feature_rows: int | None = None
         # whether its passes keep the target's features (when enabled on the model): an engine
         # without a feature drafter says no, as the model is shared with engines that have one
         # (keeping them cost `ar` 0.55 -> 0.74 ms a step at one request on the H200)
@@ -909,7 +912,8 @@ class BatchedModel:
         if self.device_tokens:
             self._load_feed(rows.tokens.shape[0], feed)
         if rows.graph is None:
-            out, self.last_features = self._body(rows, every_row=False)
+            out, self.padded_features = self._body(rows, every_row=False)
+            self._feature_rows = None
             return out if logits else None
         g = self._graphs[rows.graph]
         if self.emulate:
@@ -918,8 +922,14 @@ class BatchedModel:
             g.graph.replay()
         # NOTE: a view of the graph's buffer, not a copy: its one reader (Engine._apply) copies the
         # rows it keeps (prefill chunks, accepted paths) before the target's next replay
-        self.last_features = g.features[:rows.num_rows] if g.features is not None else None
+        self.padded_features, self._feature_rows = g.features, rows.num_rows
         return g.logits[rows.logit_rows] if logits else None  # [n, vocab] (a copy: the next replay overwrites g.logits)
+
+    @property
+    def last_features(self) -> torch.Tensor | None:
+        """[M, F]: every row's features of the last pass (None: not kept)."""
+        f = self.padded_features
+        return f if f is None or self._feature_rows is None else f[:self._feature_rows]
 
     def _load_feed(self, M: int, feed: tuple[list[int], list[int]] | None) -> None:
         """feed_src[:M] for the coming pass of M (packed or bucket) rows: -1 but at feed's rows."""

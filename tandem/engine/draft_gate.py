@@ -54,6 +54,9 @@ class StepCosts:
     requests: tuple[int, ...]
     plain: tuple[float, ...]
     drafting: tuple[float, ...]
+    # a step where min(R, sample) of the R requests draft (a probe's second step), when measured
+    probe: tuple[float, ...] | None = None
+    sample: int = 4
 
     def plain_s(self, r: int) -> float:
         return _at(self.requests, self.plain, r)
@@ -61,11 +64,59 @@ class StepCosts:
     def drafting_s(self, r: int) -> float:
         return _at(self.requests, self.drafting, r)
 
+    def probe_extra_s(self, r: int, k: int) -> float:
+        """A step of R requests, k drafting, over a plain one: measured (the probe curve, for
+        its own sample size), else drafting's extra for k requests, D(k) - P(k)."""
+        if self.probe is not None and k == min(r, self.sample):
+            return max(0.0, _at(self.requests, self.probe, r) - self.plain_s(r))
+        return max(0.0, self.drafting_s(k) - self.plain_s(k))
+
 
 @functools.lru_cache(maxsize=4096)
 def _at(xs: tuple[int, ...], ys: tuple[float, ...], r: int) -> float:
     """The curve (xs, ys) at r (a step asks the gate for the same few R every time: cached)."""
     return polyline(list(zip(xs, ys)), r, rising_end=True)
+
+
+@dataclass
+class PlainFit:
+    """A plain step's seconds as scale x P(R) + c x prefill rows, both fitted at once to the
+    observed steps by least squares, weighted (1 - alpha)^age and held toward the prior (scale 1,
+    c 0) by `prior` steps' worth of weight: steps that all carry the same rows cannot tell the two
+    apart, and then the prior settles it. `unit`: the seconds a prefill row is expected to cost,
+    in which c is fitted (both columns near one scale, for the solve's sake)."""
+
+    unit: float
+    alpha: float = 0.25
+    prior: float = 0.01
+    scale: float = 1.0
+    per_row: float = 0.0  # c: seconds a prefill row adds to a plain step
+    _sums: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # weighted x1x1, x1x2, x2x2, x1y, x2y, x1 (the ref)
+
+    def observe(self, p: float, rows: int, seconds: float) -> None:
+        """A plain step: P(R) measured at start-up `p`, `rows` prefill rows, `seconds` observed."""
+        k = 1 - self.alpha
+        x2 = rows * self.unit
+        s11, s12, s22, b1, b2, w = self._sums
+        s11, s12, s22 = k * s11 + p * p, k * s12 + p * x2, k * s22 + x2 * x2
+        b1, b2, w = k * b1 + p * seconds, k * b2 + x2 * seconds, k * w + 1
+        self._sums = (s11, s12, s22, b1, b2, w)
+        lam1, lam2 = self.prior * s11 / w, self.prior * s22 / w  # (`prior` steps' worth, each column's own scale)
+        a, d = s11 + lam1, s22 + lam2
+        y1 = b1 + lam1 * 1.0
+        det = a * d - s12 * s12
+        if det <= 1e-9 * a * a:  # (no prefill rows seen, and no prior: the scale alone)
+            self.scale = max(1e-3, (y1 - s12 * self.per_row / self.unit) / a)
+            return
+        c = (a * b2 - s12 * y1) / det
+        if c < 0:  # (rows that seem to make a step cheaper: noise; the scale alone, c 0)
+            self.scale, self.per_row = max(1e-3, y1 / a), 0.0
+            return
+        self.scale = max(1e-3, (d * y1 - s12 * b2) / det)
+        self.per_row = c * self.unit
+
+    def seconds(self, p: float, rows: int = 0) -> float:
+        return self.scale * p + self.per_row * rows
 
 
 @dataclass
@@ -85,8 +136,8 @@ class DraftGate:
     dormant_after: int = 16
     accepted: float | None = None  # a: accepted draft tokens per drafted request-step
     samples: int = 0  # drafting steps observed
-    plain_scale: float = 1.0  # observed / measured wall seconds, plain steps (moving average)
-    extra_scale: float = 1.0  # the same for drafting's extra over a plain step (D - P)
+    plain: PlainFit | None = None  # plain steps: observed = plain_scale x measured + c x prefill rows
+    extra_scale: float = 1.0  # observed / measured drafting's extra over a plain step (D - P; moving average)
     probe_extra: float | None = None  # seconds a probe's first step cost over a plain one (moving average)
     switch_extra: float | None = None  # seconds the first full drafting step after plain ones cost over a steady one
     off_streak: int = 0
@@ -95,6 +146,15 @@ class DraftGate:
     probes: int = 0  # steps it drafted for a sample only (learning included)
     refreshes: int = 0  # plain steps taken while drafting was on, to keep t_plain current
     _queued: list[int] = field(default_factory=list)  # the next decisions, already taken (pairs)
+
+    def __post_init__(self) -> None:
+        if self.plain is None:  # (a prefill row's expected cost: a 64th of a one-request step)
+            self.plain = PlainFit(unit=self.costs.plain_s(1) / 64, alpha=self.alpha)
+
+    @property
+    def plain_scale(self) -> float:
+        """Observed / measured wall seconds of a plain step (prefill rows' cost apart)."""
+        return self.plain.scale
 
     def plan(self, requests: int) -> int:
         """How many of the next step's R decoding requests draft: R, none, or a sample."""
@@ -135,6 +195,10 @@ class DraftGate:
         """Drafting's measured extra over a plain step for R drafting requests (D(R) - P(R))."""
         return max(0.0, self.costs.drafting_s(requests) - self.costs.plain_s(requests))
 
+    def _probe_extra(self, requests: int) -> float:
+        """A probe step's measured extra over a plain step of R requests (its sample drafting)."""
+        return self.costs.probe_extra_s(requests, min(requests, self.sample))
+
     def probe_interval(self, requests: int) -> int:
         """Plain steps between probes. A probe drafts for a sample of k requests in two steps:
         each costs about what drafting costs k requests, t_draft(k) - t_plain(k), and returns
@@ -143,7 +207,7 @@ class DraftGate:
         break-even, where a probe loses little, the gate looks again soon.)"""
         k = min(requests, self.sample)
         t_plain = self.plain_scale * self.costs.plain_s(requests)
-        steady = self.extra_scale * self._extra(k)
+        steady = self.extra_scale * self._probe_extra(requests)
         # (what a probe's first step did cost, once seen: its drafters first catch up on every
         # token since the last probe, which the steady costs leave out; 34 ms against a 1 ms plain
         # step at 64 requests on the H200, 2026-12-02, and 11 such probes took a run to 0.27x `ar`)
@@ -165,18 +229,19 @@ class DraftGate:
         n = math.ceil(loss / (self.probe_budget * step)) if step > 0 else self.probe_max
         return max(self.probe_every, min(self.probe_max, n))
 
-    def observe(self, requests: int, drafted: int, seconds: float, accepted: int, decode_only: bool,
+    def observe(self, requests: int, drafted: int, seconds: float, accepted: int, prefill_rows: int = 0,
                 steady: bool = True) -> None:
-        """A step of R decoding requests, `drafted` of them drafting, took `seconds` and accepted
-        `accepted` draft tokens. Steps that also ran prefill rows (decode_only False) teach a
-        only, and so do steps that are not `steady`: a drafting step in which a drafted request
-        did not draft in the step before (its drafter first caught up on every token since, a
-        prompt or a stretch of plain steps, and may have captured a graph for that pass), or a
-        plain step that did not wait for a pass (async scheduling: the first after a drafting
-        step). Such a step is the exception once drafting is on; learned from, its cost made
-        every later drafting step look dear and kept drafting off (H200, 2026-12-02: a scale of
-        33-60 at 32-64 requests, 2.0 at one). What a non-steady sample step costs over a plain
-        one is what a probe's first step costs (`probe_extra`), which spaces the probes."""
+        """A step of R decoding requests, `drafted` of them drafting, and `prefill_rows` prompt
+        rows took `seconds` and accepted `accepted` draft tokens. Every step teaches a; the cost
+        only steps that are `steady`: not a drafting step in which a drafted request did not
+        draft in the step before (its drafter first caught up on every token since, a prompt or a
+        stretch of plain steps, and may have captured a graph for that pass), nor a plain step
+        that did not wait for a pass (async scheduling: the first after a drafting step). Such a
+        step is the exception once drafting is on; learned from, its cost made every later
+        drafting step look dear and kept drafting off (H200, 2026-12-02: a scale of 33-60 at
+        32-64 requests, 2.0 at one). What a non-steady sample step costs over a plain one is what
+        a probe's first step costs (`probe_extra`), which spaces the probes. The prefill rows'
+        cost (the plain fit's c) comes off every drafting step before it teaches."""
         if requests == 0:
             return
         if drafted:
@@ -185,20 +250,21 @@ class DraftGate:
                 self.accepted = ((self.accepted or 0.0) * (self.samples - 1) + accepted / drafted) / self.samples
             else:
                 self.accepted = self._ema(self.accepted, accepted / drafted)
-        if not decode_only:
-            return
-        over = seconds - self.plain_scale * self.costs.plain_s(requests)  # (what drafting added)
+        p = self.costs.plain_s(requests)
         if drafted == 0:
             if steady:
-                self.plain_scale = self._ema(self.plain_scale, seconds / self.costs.plain_s(requests))
-        elif steady:  # every request drafting, or a probe's second step: drafting's extra for `drafted`
-            extra = self._extra(drafted)
+                self.plain.observe(p, prefill_rows, seconds)
+            return
+        over = seconds - self.plain.seconds(p, prefill_rows)  # (what drafting added)
+        if steady:  # every request drafting, or a probe's second step: drafting's extra, scaled
+            extra = self._extra(drafted) if drafted >= requests else self._probe_extra(requests)
             if extra > 0:
                 self.extra_scale = self._ema(self.extra_scale, max(0.0, over) / extra)
         elif drafted < requests:  # a probe's first step (or a learning step): its cost over a plain step
             self.probe_extra = self._ema(self.probe_extra, max(0.0, over))
         else:  # every request drafting after plain steps: its cost over a steady drafting step
-            self.switch_extra = self._ema(self.switch_extra, max(0.0, seconds - self.predicted(requests)[1]))
+            t_draft = self.predicted(requests)[1] + self.plain.per_row * prefill_rows
+            self.switch_extra = self._ema(self.switch_extra, max(0.0, seconds - t_draft))
 
     def _probe(self, requests: int) -> int:
         """A sample drafts this step and the next (the second one steady: it teaches the cost)."""

@@ -79,6 +79,11 @@ log = logging.getLogger("tandem.engine")
 UNFED_MAX = 256
 
 
+def _prefill_rows(plan: StepPlan) -> int:
+    """The prompt rows a step ran beside its decodes (the draft gate's prefill term)."""
+    return sum([s.rows for s in plan.scheduled if s.kind == "prefill"])
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """One step, as the metrics keep it."""
@@ -237,7 +242,8 @@ class Engine:
             if target.device.type == "cuda":  # the drafter's kernels on their own stream
                 self._draft_stream = torch.cuda.Stream(device=target.device)
         self.gate: DraftGate | None = None
-        self._forced: bool | None = None  # the measurements' steps: every request drafts (True) or none
+        # the measurements' steps: every request drafts (True), none (False), or a sample of k (k)
+        self._forced: bool | int | None = None
         self._drafted_before: set[str] = set()  # the requests that drafted in the gate's last observed step
         self._sample: list[str] = []  # the gate's sample (its learning and probe steps draft these)
         # the plain requests whose feature drafters are kept fed this step (None: all). While the
@@ -246,6 +252,9 @@ class Engine:
         # drafters are needed for the next probe; the others restart when drafting resumes
         self._keep_fed: set[str] | None = None
         self._dormant = False  # the gate has kept drafting off long enough: only its sample stays fed
+        # a dormant step has released every drafter outside the sample: the next async plain steps
+        # visit the sample's requests only (a visit to each of 64 cost a plain step ~20 us)
+        self._swept = False
         # row selection's c(rows): given, or measured on this engine's target pass
         self.row_cost = config.row_cost
         measure = config.measure_row_cost if config.measure_row_cost is not None else target.device.type == "cuda"
@@ -392,8 +401,7 @@ class Engine:
             if self.gate is not None and self._forced is None:  # (the accepts read the logits: the pass is done)
                 drafted_now = {s.request.request_id for s in drafts}
                 self.gate.observe(len(plan.decodes), len(drafts), time.perf_counter() - t_step, self._accepted,
-                                  decode_only=len(plan.decodes) == len(plan.scheduled),
-                                  steady=drafted_now <= self._drafted_before)
+                                  prefill_rows=_prefill_rows(plan), steady=drafted_now <= self._drafted_before)
                 self._drafted_before = drafted_now
         if ahead is not None:
             self.counters.ahead_dropped += 1
@@ -469,9 +477,10 @@ class Engine:
     def measure_step_costs(self, steps: int = 3) -> StepCosts:
         """The draft gate's step costs, measured on this engine: for R throwaway requests (random
         prompts of 16 tokens; R = 1, 4, 16, .. up to max_num_seqs) the median wall seconds of
-        steady decode steps where none drafts and where all do: `steps` pairs of each, alternating,
-        the second of each pair timed (the first drafting step after plain ones catches up on
-        their tokens; the first plain one after drafting reads nothing).
+        steady decode steps where none drafts, where all do, and where the gate's probe sample does
+        (`StepCosts.probe`): `steps` pairs of each, alternating, the second of each pair timed (the
+        first drafting step after plain ones catches up on their tokens; the first plain one after
+        drafting reads nothing).
         The requests are aborted and the counters reset afterwards; called when the engine starts,
         before any request."""
         cfg = self.config
@@ -480,12 +489,14 @@ class Engine:
         vocab = self.target.config.vocab_size
         plain: list[float] = []
         drafting: list[float] = []
+        probe: list[float] = []
+        sample = DraftGate.sample  # (the gate's probes draft for this many of the requests)
         for r in levels:
             # enough new tokens for every step to decode, within the window and r requests' share
             # of the pool (a request that ends early leaves its steps to the others)
             share = self.pool.num_blocks // r * cfg.block_size - 16 - cfg.draft_rows() - cfg.block_size
-            new = min((4 * steps + 3) * cfg.draft_rows(), self.context_window - 17, share)
-            if new < 4 * steps + 3 and plain:
+            new = min((6 * steps + 3) * cfg.draft_rows(), self.context_window - 17, share)
+            if new < 6 * steps + 3 and plain:
                 break  # (the pool is sized for fewer or shorter requests: the gate extrapolates)
             params = SamplingParams(max_tokens=max(1, new), ignore_eos=True)
             try:
@@ -499,7 +510,7 @@ class Engine:
                 raise ConfigError(f"the draft gate cannot measure this engine's steps: {e}") from None
             while any(q.in_prefill or q.state == RequestState.WAITING for q in reqs):
                 self.step()
-            times: dict[bool, list[float]] = {False: [], True: []}
+            times: dict[str, list[float]] = {"plain": [], "draft": [], "probe": []}
             before = None
             # (steps of each kind come in pairs and the second is timed: with async scheduling a
             # plain step reads the one before it, and the first of a pair, after a drafting step,
@@ -507,22 +518,29 @@ class Engine:
             # plain ones catches its drafters up and cannot run their pass over its accepts
             # before its read, as the steady ones do: 6.1 ms against 2.4 at 64 requests on the
             # H200, 2026-12-03, and timed it kept drafting off where steady drafting was even)
-            for forced in [True, True] + [False, False, True, True] * steps:
-                self._forced = forced
+            # (and a probe's pair, a sample of the requests drafting, as the gate's probes run:
+            # a synchronous step whose other requests take the host path of a drafting step)
+            probing = sample < r
+            kinds = {"draft": True, "plain": False, "probe": sample}
+            for kind in ["draft", "draft"] + (["plain", "plain", "probe", "probe", "draft", "draft"] if probing
+                                             else ["plain", "plain", "draft", "draft"]) * steps:
+                self._forced = kinds[kind]
                 t0 = time.perf_counter()
                 self.step()
-                if forced == before:
-                    times[forced].append(time.perf_counter() - t0)
-                before = forced
+                if kind == before:
+                    times[kind].append(time.perf_counter() - t0)
+                before = kind
             self._forced = None
             for q in reqs:
                 self.abort(q.request_id)
             self._drain()
-            plain.append(statistics.median(times[False]))
-            drafting.append(statistics.median(times[True]))
+            plain.append(statistics.median(times["plain"]))
+            drafting.append(statistics.median(times["draft"]))
+            probe.append(statistics.median(times["probe"]) if probing else drafting[-1])
         self._forced = None
+        self._sample = []
         self.steps, self.counters = 0, EngineCounters()
-        return StepCosts(tuple(levels[:len(plain)]), tuple(plain), tuple(drafting))
+        return StepCosts(tuple(levels[:len(plain)]), tuple(plain), tuple(drafting), tuple(probe), sample)
 
     def metrics(self) -> dict:
         """The engine's counters as a flat dict (for /metrics and bench results)."""
@@ -575,28 +593,34 @@ class Engine:
         self._keep_fed = None
         if self.gate is None and self._forced is None:
             return None
-        decoding = [r for r in self.scheduler.running if not r.in_prefill]
-        if self._forced is not None:  # (measure_step_costs, before the gate exists: every drafter fed)
-            k = len(decoding) if self._forced else 0
-            return None if k else set()
-        k = self.gate.plan(len(decoding))
-        if k >= len(decoding) and k:
-            self._dormant = False
+        running = self.scheduler.running
+        if self._forced is not None:
+            decoding = [r for r in running if not r.in_prefill]  # (measure_step_costs, before the gate exists: every drafter fed)
+            if self._forced is True or self._forced is False:
+                return None if self._forced and decoding else set()
+            k = min(self._forced, len(decoding))  # (a probe's shape: a sample of k drafts)
+            return None if k >= len(decoding) else set(self._pick_sample(decoding, k))
+        n = sum([not r.in_prefill for r in running])  # (the decoding requests)
+        k = self.gate.plan(n)
+        if k >= n and k:
+            self._dormant = self._swept = False
             return None
         self._dormant = self._dormant or getattr(self.gate, "off_streak", 0) >= getattr(self.gate, "dormant_after", 0)
-        sample = self._pick_sample(decoding, k or getattr(self.gate, "sample", 4))
+        self._swept = self._swept and self._dormant
+        sample = self._pick_sample(running, k or getattr(self.gate, "sample", 4))
         if self._dormant:
             self._keep_fed = set(sample)
         return set(sample) if k else set()  # (a request admitted this step that decodes at once does not draft either)
 
     def _pick_sample(self, decoding: list[Request], k: int) -> list[str]:
-        """The gate's sample of k decoding requests. It stays while its requests decode: a request
+        """The gate's sample of k decoding requests (of `decoding`: those not in prefill). It stays while its requests decode: a request
         new to it first catches up on every token since it last drafted, so a sample that moved on
         each step made every probe a catch-up of a long stretch (H200, 2026-12-02: 34 ms probes
         against 1 ms plain steps)."""
-        live = {r.request_id for r in decoding}
-        kept = [rid for rid in self._sample if rid in live][:k]
-        kept += [r.request_id for r in decoding if r.request_id not in kept][:k - len(kept)]
+        kept = [rid for rid in self._sample if (r := self.requests.get(rid)) is not None
+                and r.state is RequestState.RUNNING and not r.in_prefill][:k]
+        if len(kept) < k:  # (only then a walk over the requests)
+            kept += [r.request_id for r in decoding if not r.in_prefill and r.request_id not in kept][:k - len(kept)]
         self._sample = kept
         return kept
 
@@ -940,7 +964,9 @@ class Engine:
             self._drop_draft(req)
         feeds: list[tuple[Request, object, int]] = []  # the feature drafters fed: (request, handle, its decode's row)
         if plan:
-            drafting_engine = self.config.method != "ar"
+            visit = self.config.method != "ar"
+            # (dormant and swept: only the sample's requests hold drafters, so only they are visited)
+            keep = self._keep_fed if self._swept else None
             # every decode its root, packed from the request itself (a waiting token's row packs
             # a stale one: fed over it on the device); then one walk over the plan for the rest
             rows = self._rows(plan, None)
@@ -953,14 +979,16 @@ class Engine:
                     if rid in waiting:
                         fed.append(at)
                         src.append(waiting[rid])
-                    if drafting_engine:  # (what a plain step does to each decode's drafter)
+                    if visit and (keep is None or rid in keep):  # (what a plain step does to each decode's drafter)
                         self._async_plain(req, rid in waiting)
                         h = req.runtime.get("drafter")
                         if isinstance(h, _BatchedFeatureHandle):
                             feeds.append((req, h, at))
                 at += s.rows
+            if visit and self._keep_fed is not None:
+                self._swept = True
             self.model.forward(rows, feed=(fed, src) if fed else None, logits=False)
-            feats = self.model.last_features if self.feature_layers else None  # [M, F]
+            feats = self.model.padded_features if self.feature_layers else None  # [>= M, F] (rows as packed)
             at = 0
             for s in plan.scheduled:  # (computed now: the next plan starts after these rows)
                 s.request.num_computed += s.rows
@@ -975,7 +1003,7 @@ class Engine:
         seconds = time.perf_counter() - t_step
         if self.gate is not None and self._forced is None and plan.decodes:
             # (a step that read nothing, the first after a synchronous one, timed its host work alone)
-            self.gate.observe(len(plan.decodes), 0, seconds, 0, decode_only=len(plan.decodes) == len(plan.scheduled),
+            self.gate.observe(len(plan.decodes), 0, seconds, 0, prefill_rows=_prefill_rows(plan),
                               steady=prev is not None)
             self._drafted_before = set()
         self._record(plan, 0, None, False, False, None, 0, 0.0, 0.0, 0, 0.0, seconds)
@@ -983,6 +1011,9 @@ class Engine:
         if self.config.debug_check:
             problems = self.pool.check()
             assert not problems, problems
+            if self._swept:  # (the visits skipped: no drafter may live outside the sample)
+                held = {r.request_id for r in self.requests.values() if "drafter" in r.runtime}
+                assert held <= self._keep_fed, (held, self._keep_fed)
         return finished
 
     def _rows_of(self, feats: torch.Tensor, rows: list[int]) -> torch.Tensor:
