@@ -480,16 +480,19 @@ def test_a_probe_is_judged_against_the_measured_probe_step():
 
 
 def test_the_draft_gate_keeps_both_step_kinds_current_whichever_runs():
-    """A start-up measurement that was off must not decide the whole run. While drafting is on,
+    """A start-up measurement that was off must not decide the whole run. With `refresh`, while drafting is on,
     two plain steps now and then (spaced by what they lose) keep t_plain current: plain steps
     faster than measured turn drafting off. While it is off, a probe's second step (steady)
     corrects drafting's extra: drafting cheaper than measured turns it back on."""
     from tandem.engine.draft_gate import DraftGate, PlainFit, StepCosts
 
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.030, 0.050))
-    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03,
+    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03, refresh=True,
                   plain=PlainFit(unit=1e-4, alpha=1.0, prior=0.0))
     g.observe(8, 8, 0.050, accepted=40)  # a = 5: 48 tokens in 50 ms against 8 in 10: on
+    off = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03)
+    off.observe(8, 8, 0.050, accepted=40)
+    assert [off.plan(8) for _ in range(7)] == [8] * 7 and off.refreshes == 0  # (no refreshes by default)
     # two plain steps lose 2 x (10 - 50 / 6) ms: one pair per ceil(3.33 / 1.5) drafting steps, at least 4
     assert g.refresh_interval(8) == 4
     assert [g.plan(8) for _ in range(7)] == [8, 8, 8, 8, 0, 0, 8] and g.refreshes == 2 and g.decisions_off == 0
@@ -499,7 +502,7 @@ def test_the_draft_gate_keeps_both_step_kinds_current_whichever_runs():
     assert g.plain_scale == pytest.approx(0.4) and g.predicted(8) == pytest.approx((0.004, 0.044))
     assert g.plan(8) == 0 and g.decisions_off == 1  # 6 x 4 < 44 ms: drafting does not pay
     # the drafting step after a refresh catches its drafters up: once seen, its extra spaces the refreshes
-    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03)
+    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03, refresh=True)
     g.observe(8, 8, 0.050, accepted=40)
     g.observe(8, 8, 0.065, accepted=40, steady=False)  # 15 ms over a steady one
     assert g.switch_extra == pytest.approx(0.015) and g.extra_scale == 1.0

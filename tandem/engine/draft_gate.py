@@ -31,10 +31,14 @@ at 8 requests where it paid 1.3x, kept on at 64 where it lost 0.73x):
   step that drafts corrects `extra_scale`: a step where all draft by D(R) - P(R), a probe's
   second step (its sample drafted the step before too: steady) by D(k) - P(k);
 - probes come in pairs (the first catches up: `probe_extra`; the second is steady);
-- while drafting is on, two plain steps now and then (`refresh`; with async scheduling the
+- with `refresh`, while drafting is on, two plain steps now and then (with async scheduling the
   first one after a drafting step reads nothing, the second is timed) keep `plain_scale`
   current, spaced by what they lose as the probes are (the drafting step after them, which
-  catches its drafters up, included: `switch_extra`).
+  catches its drafters up, included: `switch_extra`). Off by default: such a step feeds every
+  request's drafter, which an off-regime plain step (dormant drafters) does not, so it taught
+  t_plain 1.5-1.7x what plain steps cost once drafting was off, and drafting looked cheaper by
+  a x that (H200, 2026-12-03: on at 32 requests where `tree` ran 0.64x `ar`). Without it, host
+  drift while drafting is on lands in extra_scale, which errs toward plain decoding.
 """
 from __future__ import annotations
 
@@ -128,6 +132,7 @@ class DraftGate:
     probe_every: int = 16  # fewest steps between two probes (or two plain refreshes)
     probe_max: int = 1024  # most steps between two probes (or two plain refreshes)
     probe_budget: float = 0.03  # the share of the time probes (and refreshes) may lose
+    refresh: bool = False  # plain refresh steps while drafting is on (see the module's note)
     # plain steps in a row after which the engine lets the drafters outside the sample go dormant
     # (not fed; restarted from their whole context when drafting resumes). Near break-even the
     # gate turns drafting on and off often, and restarting 60 drafters cost a step 130 ms at 64
@@ -167,7 +172,7 @@ class DraftGate:
         if self.pays(requests):
             self.off_streak = 0
             self.on_streak += 1
-            if self.on_streak > self.refresh_interval(requests):
+            if self.refresh and self.on_streak > self.refresh_interval(requests):
                 self.on_streak = 0
                 self.refreshes += 2
                 self._queued = [0]

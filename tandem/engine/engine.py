@@ -400,8 +400,14 @@ class Engine:
                 nodes = sum([len(t.tokens) for t in trees.values()]) - len(trees)
             if self.gate is not None and self._forced is None:  # (the accepts read the logits: the pass is done)
                 drafted_now = {s.request.request_id for s in drafts}
+                # steady: every drafted request drafted in the step before too, or decodes for the
+                # first time (a steady state admits a request every step or two, and its drafter's
+                # start over the prompt is part of what drafting costs there: counted as unsteady,
+                # hardly a step taught the cost, H200 2026-12-03); not one that decoded plain since
+                before = self._drafted_before
+                steady = all([s.request.request_id in before or len(s.request.output_ids) <= 2 for s in drafts])
                 self.gate.observe(len(plan.decodes), len(drafts), time.perf_counter() - t_step, self._accepted,
-                                  prefill_rows=_prefill_rows(plan), steady=drafted_now <= self._drafted_before)
+                                  prefill_rows=_prefill_rows(plan), steady=steady)
                 self._drafted_before = drafted_now
         if ahead is not None:
             self.counters.ahead_dropped += 1
