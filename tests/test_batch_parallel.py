@@ -403,6 +403,7 @@ def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their
     g.observe(8, 0, 0.025, accepted=0, prefill_rows=100)  # and 100 prompt rows beside them 5 ms more
     assert g.plain_scale == pytest.approx(2.0) and g.plain.per_row == pytest.approx(50e-6)
     g.observe(8, 0, 0.001, accepted=0, steady=False)  # a step that waited for no pass teaches nothing
+    g.observe(8, 0, 0.900, accepted=0, prefill_rows=2048)  # nor one that is mostly a wave's prefill
     assert g.plain_scale == pytest.approx(2.0) and g.plain.per_row == pytest.approx(50e-6)
     g.observe(8, 8, 0.060, accepted=8)  # 20 ms plain + 40 ms drafting's extra: as measured
     assert g.extra_scale == pytest.approx(1.0) and g.accepted == 1.0

@@ -49,6 +49,11 @@ from dataclasses import dataclass, field
 from tandem.engine.row_selection import polyline
 
 
+# a plain step teaches the plain fit with at most this many prompt rows (plus 4 a decoding
+# request): a steady state's one or two prompts a step, not a wave's chunked prefill
+PREFILL_ROWS_MAX = 512
+
+
 @dataclass(frozen=True)
 class StepCosts:
     """Measured wall seconds of one decode step by the number of decoding requests R: `plain`
@@ -257,7 +262,9 @@ class DraftGate:
                 self.accepted = self._ema(self.accepted, accepted / drafted)
         p = self.costs.plain_s(requests)
         if drafted == 0:
-            if steady:
+            # (not a step that is mostly prefill, as when a wave of prompts arrives: two or three
+            # of those taught a scale of 2.7 at 32-64 requests, H200 2026-12-03, drafting's favour)
+            if steady and prefill_rows <= PREFILL_ROWS_MAX + 4 * requests:
                 self.plain.observe(p, prefill_rows, seconds)
             return
         over = seconds - self.plain.seconds(p, prefill_rows)  # (what drafting added)
