@@ -542,9 +542,12 @@ def run_concurrency(prompts, methods: list[str], peers: list[str], levels: list[
     with torch.inference_mode():
         # the reference: each distinct prompt alone, greedy ar
         refs = solo_outputs(pair, spec, ids_list, params, num_batched)
-        for method in methods:
-            mspec = replace(spec, method=engine_modes(method)[0])
-            for c in levels:
+        # each level's methods back to back (the device host's speed drifted up to 1.4x between
+        # runs minutes apart, H200 2026-12-03: a ratio to `ar` is only as good as its pairing);
+        # the table lists them by method
+        for c in levels:
+            for method in methods:
+                mspec = replace(spec, method=engine_modes(method)[0])
                 ps, idx = batch(max(c, requests or c))  # (--requests: more prompts than slots, C at a time)
                 given = {}
                 if args.warmup:  # a throwaway engine: kernels compiled, allocator warm, prefix cache cold
@@ -554,6 +557,7 @@ def run_concurrency(prompts, methods: list[str], peers: list[str], levels: list[
                 r = engine_run(pair, method, mspec, ps, idx, params, num_batched, c, **given)
                 runs.append(r)
                 _progress(r)
+        runs.sort(key=lambda r: methods.index(r.name))  # (stable: levels in order within a method)
     if peers:
         hf = None
         try:
