@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from tandem.bench.concurrency import gate_summary
 from tandem.bench.workloads import load_workload
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
@@ -85,11 +86,7 @@ def main() -> int:
                 print("  step costs (ms): " + ", ".join(
                     f"R={r}: plain {p * 1e3:.2f} / probe {q * 1e3:.2f} / drafting {d * 1e3:.2f}"
                     for r, p, q, d in zip(cs.requests, cs.plain, probe, cs.drafting)))
-                tp, td = gt.predicted(c)
-                print(f"  learned a={gt.accepted}, samples {gt.samples}, plain_scale {gt.plain_scale:.2f}, "
-                      f"per prefill row {gt.plain.per_row * 1e6:.2f} us, "
-                      f"extra_scale {gt.extra_scale:.2f}, predicted at R={c}: plain {tp * 1e3:.2f} ms, "
-                      f"drafting {td * 1e3:.2f} ms, off decisions {gt.decisions_off}, probes {gt.probes}, refreshes {gt.refreshes}")
+                print(f"  learned ({gt.samples} drafting steps): {gate_summary(gt, c)}")
     return 0
 
 

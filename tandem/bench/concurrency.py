@@ -279,10 +279,10 @@ def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], pr
                      drafted_step_ms=1e3 * sum(drafted) / len(drafted) if drafted else None,
                      plain_step_ms=1e3 * sum(plain) / len(plain) if plain else None,
                      step_costs=engine.gate.costs if engine.gate is not None else None,
-                     gate=_gate_summary(engine.gate, c) if engine.gate is not None else None)
+                     gate=gate_summary(engine.gate, c) if engine.gate is not None else None)
 
 
-def _gate_summary(gate, c: int) -> str:
+def gate_summary(gate, c: int) -> str:
     """The draft gate's state after a run at concurrency C: what it learned and decided."""
     tp, td = gate.predicted(c)
     return (f"a {gate.accepted or 0:.2f}, plain x{gate.plain_scale:.2f} + {gate.plain.per_row * 1e6:.2f} us a "

@@ -100,7 +100,7 @@ class PlainFit:
     prior: float = 0.01
     scale: float = 1.0
     per_row: float = 0.0  # c: seconds a prefill row adds to a plain step
-    _sums: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # weighted x1x1, x1x2, x2x2, x1y, x2y, x1 (the ref)
+    _sums: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # weighted x1x1, x1x2, x2x2, x1y, x2y, and the weight
 
     def observe(self, p: float, rows: int, seconds: float) -> None:
         """A plain step: P(R) measured at start-up `p`, `rows` prefill rows, `seconds` observed."""

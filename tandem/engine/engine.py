@@ -79,11 +79,6 @@ log = logging.getLogger("tandem.engine")
 UNFED_MAX = 256
 
 
-def _prefill_rows(plan: StepPlan) -> int:
-    """The prompt rows a step ran beside its decodes (the draft gate's prefill term)."""
-    return sum([s.rows for s in plan.scheduled if s.kind == "prefill"])
-
-
 @dataclass(frozen=True)
 class StepRecord:
     """One step, as the metrics keep it."""
@@ -407,7 +402,7 @@ class Engine:
                 before = self._drafted_before
                 steady = all([s.request.request_id in before or len(s.request.output_ids) <= 2 for s in drafts])
                 self.gate.observe(len(plan.decodes), len(drafts), time.perf_counter() - t_step, self._accepted,
-                                  prefill_rows=_prefill_rows(plan), steady=steady)
+                                  prefill_rows=plan.prefill_rows, steady=steady)
                 self._drafted_before = drafted_now
         if ahead is not None:
             self.counters.ahead_dropped += 1
@@ -601,11 +596,11 @@ class Engine:
             return None
         running = self.scheduler.running
         if self._forced is not None:
-            decoding = [r for r in running if not r.in_prefill]  # (measure_step_costs, before the gate exists: every drafter fed)
-            if self._forced is True or self._forced is False:
-                return None if self._forced and decoding else set()
-            k = min(self._forced, len(decoding))  # (a probe's shape: a sample of k drafts)
-            return None if k >= len(decoding) else set(self._pick_sample(decoding, k))
+            n = sum([not r.in_prefill for r in running])  # (measure_step_costs, before the gate exists: every drafter fed)
+            if isinstance(self._forced, bool):
+                return None if self._forced and n else set()
+            k = min(self._forced, n)  # (a probe's shape: a sample of k drafts)
+            return None if k >= n else set(self._pick_sample(running, k))
         n = sum([not r.in_prefill for r in running])  # (the decoding requests)
         k = self.gate.plan(n)
         if k >= n and k:
@@ -618,15 +613,15 @@ class Engine:
             self._keep_fed = set(sample)
         return set(sample) if k else set()  # (a request admitted this step that decodes at once does not draft either)
 
-    def _pick_sample(self, decoding: list[Request], k: int) -> list[str]:
-        """The gate's sample of k decoding requests (of `decoding`: those not in prefill). It stays while its requests decode: a request
-        new to it first catches up on every token since it last drafted, so a sample that moved on
-        each step made every probe a catch-up of a long stretch (H200, 2026-12-02: 34 ms probes
-        against 1 ms plain steps)."""
+    def _pick_sample(self, running: list[Request], k: int) -> list[str]:
+        """The gate's sample of k decoding requests (of `running`, those not in prefill). It stays
+        while its requests decode: a request new to it first catches up on every token since it
+        last drafted, so a sample that moved on each step made every probe a catch-up of a long
+        stretch (H200, 2026-12-02: 34 ms probes against 1 ms plain steps)."""
         kept = [rid for rid in self._sample if (r := self.requests.get(rid)) is not None
                 and r.state is RequestState.RUNNING and not r.in_prefill][:k]
         if len(kept) < k:  # (only then a walk over the requests)
-            kept += [r.request_id for r in decoding if not r.in_prefill and r.request_id not in kept][:k - len(kept)]
+            kept += [r.request_id for r in running if not r.in_prefill and r.request_id not in kept][:k - len(kept)]
         self._sample = kept
         return kept
 
@@ -1009,7 +1004,7 @@ class Engine:
         seconds = time.perf_counter() - t_step
         if self.gate is not None and self._forced is None and plan.decodes:
             # (a step that read nothing, the first after a synchronous one, timed its host work alone)
-            self.gate.observe(len(plan.decodes), 0, seconds, 0, prefill_rows=_prefill_rows(plan),
+            self.gate.observe(len(plan.decodes), 0, seconds, 0, prefill_rows=plan.prefill_rows,
                               steady=prev is not None)
             self._drafted_before = set()
         self._record(plan, 0, None, False, False, None, 0, 0.0, 0.0, 0, 0.0, seconds)

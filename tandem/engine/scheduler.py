@@ -59,6 +59,11 @@ class StepPlan:
         return [s for s in self.scheduled if s.kind == "prefill"]
 
     @property
+    def prefill_rows(self) -> int:
+        """The prompt rows the step runs beside its decodes."""
+        return sum([s.rows for s in self.scheduled if s.kind == "prefill"])
+
+    @property
     def decodes(self) -> list[ScheduledRows]:
         return [s for s in self.scheduled if s.kind == "decode"]
 
