@@ -50,8 +50,8 @@ def build(args, concurrency: int) -> Engine:
 
 
 class _Off:
-    """A draft gate that keeps drafting off (the engine still feeds its feature drafter)."""
-    decisions_off = 0
+    """A draft gate that keeps drafting off, its drafters dormant (the engine feeds its sample's only)."""
+    decisions_off, sample, dormant = 0, 4, True
 
     def plan(self, requests: int) -> int:
         return 0

@@ -127,8 +127,12 @@ def build(args, concurrency: int) -> Engine:
 
 class _Off:
     """A draft gate that never drafts (its off streak counts, so the drafters go dormant as with DraftGate)."""
-    decisions_off = off_streak = refreshes = probes = 0
+    decisions_off = off_streak = probes = 0
     sample, dormant_after = 4, 16
+
+    @property
+    def dormant(self) -> bool:
+        return self.off_streak >= self.dormant_after
 
     def plan(self, requests: int) -> int:
         self.off_streak += requests > 0

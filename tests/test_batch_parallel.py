@@ -352,7 +352,7 @@ def test_the_draft_gate_weighs_measured_step_costs_against_accepted_tokens():
 
     # plain steps 10 ms at any batch; drafting 20 ms for one request, 30 for 4, 50 ms for 8
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.030, 0.050))
-    g = DraftGate(costs, sample=4, alpha=1.0, min_samples=1, probe_every=3, probe_budget=10.0)
+    g = DraftGate(costs, sample=4, alpha=1.0, a_alpha=1.0, min_samples=1, probe_every=3, probe_budget=10.0)
     assert [g.plan(8), g.plan(8)] == [4, 4]  # learning: a sample of 4 drafts, two steps
     g.observe(8, 4, 0.030, accepted=4)  # 1 accepted token each; drafting's extra as measured
     assert g.accepted == 1.0 and g.extra_scale == 1.0
@@ -365,18 +365,24 @@ def test_the_draft_gate_weighs_measured_step_costs_against_accepted_tokens():
     assert g.predicted(2) == pytest.approx((0.010, 0.020 + 0.010 / 3))  # (linear between the measured points)
 
 
-def test_the_draft_gate_learns_the_acceptance_as_the_mean_of_its_first_samples():
-    """While learning (min_samples steps) every sample weighs the same, so a request's slow first
-    step (its drafter just started) does not dominate; after that a moving average follows."""
+def test_the_draft_gate_learns_the_acceptance_per_drafted_request():
+    """a is accepted tokens per drafted request: while learning (min_samples steps) every request
+    weighs the same, so a request's slow first step (its drafter just started) does not dominate;
+    after that older steps fade by a_alpha a step, and a step weighs by its drafted requests (a
+    probe's 4 requests far less than a step where 64 draft)."""
     from tandem.engine.draft_gate import DraftGate, StepCosts
 
-    g = DraftGate(StepCosts((1,), (0.01,), (0.02,)), alpha=0.5, min_samples=3)
+    g = DraftGate(StepCosts((1,), (0.01,), (0.02,)), a_alpha=0.5, min_samples=3)
     for accepted in (0, 3, 6):
         assert g.plan(1) == 1  # learning
         g.observe(1, 1, 0.02, accepted=accepted)
     assert g.accepted == 3.0
-    g.observe(1, 1, 0.02, accepted=1)
-    assert g.accepted == 2.0
+    g.observe(1, 1, 0.02, accepted=1)  # (0.5 x 9 + 1) / (0.5 x 3 + 1)
+    assert g.accepted == pytest.approx(2.2)
+    g.observe(64, 64, 0.02, accepted=64 * 5)  # a full step at 64: 5 each
+    g.observe(64, 4, 0.02, accepted=4 * 9)  # then a probe's 4: 9 each
+    assert g.accepted == pytest.approx((0.25 * 5.5 + 0.5 * 320 + 36) / (0.25 * 2.5 + 0.5 * 64 + 4))
+    assert 5 < g.accepted < 5.6
 
 
 def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their_budget():
@@ -389,8 +395,8 @@ def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their
     from tandem.engine.draft_gate import DraftGate, PlainFit, StepCosts
 
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.040, 0.050))
-    g = DraftGate(costs, sample=4, alpha=0.5, min_samples=1, probe_every=16, probe_max=1024, probe_budget=0.03,
-                  plain=PlainFit(unit=1e-4, alpha=0.5, prior=0.0))
+    g = DraftGate(costs, sample=4, alpha=0.5, a_alpha=0.5, min_samples=1, probe_every=16, probe_max=1024,
+                  probe_budget=0.03, plain=PlainFit(unit=1e-4, alpha=0.5, prior=0.0))
     g.observe(8, 4, 0.040, accepted=4)  # a = 1: off at 8 requests
     decisions = [g.plan(8) for _ in range(340)]
     assert [i for i, k in enumerate(decisions) if k] == [167, 168, 336, 337] and decisions[167] == 4  # ceil(50 / 0.3)
@@ -398,6 +404,7 @@ def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their
     assert 4 * 0.025 <= 0.03 * 334 * 0.010
     assert g.probe_interval(1) == 16  # alone: 20 ms for 2 tokens against 10 ms for 1, no loss: the floor
     assert DraftGate(costs, probe_every=80).probe_interval(1) == 80
+    assert g.dormant  # (16 plain decisions in a row: plain steps now run as the off regime runs them)
     g.observe(8, 0, 0.020, accepted=0)  # plain steps take twice the measured time
     assert g.plain_scale == pytest.approx(2.0)
     g.observe(8, 0, 0.025, accepted=0, prefill_rows=100)  # and 100 prompt rows beside them 5 ms more
@@ -410,8 +417,9 @@ def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their
     g.observe(8, 8, 0.065, accepted=8, prefill_rows=100)  # the same, and 100 prompt rows' 5 ms
     assert g.extra_scale == pytest.approx(1.0)
     # a drafting step whose drafter first caught up (not steady) teaches the acceptance, not the cost
+    # (a: 4 + 8 + 8 accepted of 4 + 8 + 8 drafted, faded by half a step, then 40 of 8)
     g.observe(8, 8, 5.0, accepted=40, steady=False)
-    assert g.extra_scale == pytest.approx(1.0) and g.accepted == 3.0
+    assert g.extra_scale == pytest.approx(1.0) and g.accepted == pytest.approx((6.5 + 40) / (6.5 + 8))
     g.observe(8, 8, 0.140, accepted=8)  # the extra 120 ms: 3x
     assert g.extra_scale == pytest.approx(2.0)  # (1 + 3) / 2: alpha 0.5
     g.observe(8, 4, 0.140, accepted=4)  # a probe's second step: 4 requests' extra, 120 ms: 4x
@@ -481,33 +489,27 @@ def test_a_probe_is_judged_against_the_measured_probe_step():
 
 
 def test_the_draft_gate_keeps_both_step_kinds_current_whichever_runs():
-    """A start-up measurement that was off must not decide the whole run. With `refresh`, while drafting is on,
-    two plain steps now and then (spaced by what they lose) keep t_plain current: plain steps
-    faster than measured turn drafting off. While it is off, a probe's second step (steady)
-    corrects drafting's extra: drafting cheaper than measured turns it back on."""
+    """A start-up measurement that was off must not decide the whole run. Plain steps teach
+    t_plain once the drafters outside the sample are dormant (the off regime, as P(R) is
+    measured), not the plain steps before that, which feed every drafter; plain steps faster than
+    measured turn drafting off. While it is off, a probe's second step (steady) corrects
+    drafting's extra: drafting cheaper than measured turns it back on."""
     from tandem.engine.draft_gate import DraftGate, PlainFit, StepCosts
 
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.030, 0.050))
-    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03, refresh=True,
+    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03, dormant_after=2,
                   plain=PlainFit(unit=1e-4, alpha=1.0, prior=0.0))
     g.observe(8, 8, 0.050, accepted=40)  # a = 5: 48 tokens in 50 ms against 8 in 10: on
-    off = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03)
-    off.observe(8, 8, 0.050, accepted=40)
-    assert [off.plan(8) for _ in range(7)] == [8] * 7 and off.refreshes == 0  # (no refreshes by default)
-    # two plain steps lose 2 x (10 - 50 / 6) ms: one pair per ceil(3.33 / 1.5) drafting steps, at least 4
-    assert g.refresh_interval(8) == 4
-    assert [g.plan(8) for _ in range(7)] == [8, 8, 8, 8, 0, 0, 8] and g.refreshes == 2 and g.decisions_off == 0
-    g.observe(8, 0, 0.001, accepted=0, steady=False)  # the first read no pass: not timed
+    assert [g.plan(8) for _ in range(3)] == [8] * 3 and not g.dormant
+    g.observe(8, 0, 0.004, accepted=0)  # a plain step between drafting ones: its drafters fed, it does not teach
     assert g.plain_scale == 1.0
-    g.observe(8, 0, 0.004, accepted=0)  # plain steps take 4 ms, not 10
-    assert g.plain_scale == pytest.approx(0.4) and g.predicted(8) == pytest.approx((0.004, 0.044))
-    assert g.plan(8) == 0 and g.decisions_off == 1  # 6 x 4 < 44 ms: drafting does not pay
-    # the drafting step after a refresh catches its drafters up: once seen, its extra spaces the refreshes
-    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03, refresh=True)
-    g.observe(8, 8, 0.050, accepted=40)
-    g.observe(8, 8, 0.065, accepted=40, steady=False)  # 15 ms over a steady one
-    assert g.switch_extra == pytest.approx(0.015) and g.extra_scale == 1.0
-    assert g.refresh_interval(8) == 13  # ceil((3.33 + 15) / 1.5)
+    g.extra_scale = 3.0  # (drafting got dear: 6 x 10 < 10 + 3 x 40 ms)
+    assert [g.plan(8) for _ in range(3)] == [0, 0, 0] and g.dormant  # dormant from the third (after 2 off)
+    g.observe(8, 0, 0.004, accepted=0)  # now plain steps take 4 ms, not 10
+    assert g.plain_scale == pytest.approx(0.4) and g.predicted(8) == pytest.approx((0.004, 0.124))
+    assert g.plan(8) == 0
+    g.extra_scale = 0.4  # (drafting got cheap: 6 x 4 >= 4 + 0.4 x 40 ms) every drafter restarts
+    assert g.plan(8) == 8 and not g.dormant
 
     g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=2, probe_budget=10.0)
     g.observe(8, 4, 0.030, accepted=12)  # a = 3: 32 tokens in 50 ms against 8 in 10: off

@@ -493,7 +493,7 @@ def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind, ahead, 
     last_drafted = 3 if kind == "eagle3" else 2  # (the step whose start holds what it ran)
 
     class Pattern:  # drafts on its first two decode steps, not on the next three, then again
-        decisions_off, calls = 0, 0
+        decisions_off, calls, dormant = 0, 0, True  # (its sample, the one request, stays fed)
 
         def plan(self, requests):
             if requests == 0:
@@ -538,7 +538,7 @@ def test_a_step_the_gate_keeps_from_drafting_reserves_one_row_a_request(models, 
                                                  draft_gate=True, debug_check=True))
 
     class Off:  # drafts on the first two decoding steps, then never
-        decisions_off, calls = 0, 0
+        decisions_off, calls, dormant = 0, 0, True
 
         def plan(self, requests):
             self.calls += requests > 0
@@ -564,7 +564,7 @@ def test_the_gates_sample_stays_while_its_requests_decode(models, solo):
                                                  draft_gate=True, debug_check=True))
 
     class Two:  # a sample of two every step
-        decisions_off = 0
+        decisions_off, dormant = 0, True
 
         def plan(self, requests):
             return min(requests, 2)
@@ -613,7 +613,7 @@ def test_while_the_gate_keeps_drafting_off_only_its_samples_feature_drafters_are
     fed_while_off = []
 
     class OnOffOn:  # all draft for two decode steps, none for four, then all again
-        decisions_off, calls, sample = 0, 0, 2
+        decisions_off, calls, sample, dormant = 0, 0, 2, True
 
         def plan(self, requests):
             if requests == 0:
@@ -649,7 +649,7 @@ def test_rows_kept_for_a_drafter_that_is_gone_are_not_handed_over():
     seen = {}
 
     class OffThenOn:  # all draft for two decode steps, none for five, then all again
-        decisions_off, sample, off_streak, dormant_after = 0, 4, 0, 100
+        decisions_off, sample, off_streak, dormant_after, dormant = 0, 4, 0, 100, False
 
         def plan(self, requests):
             if requests == 0:
@@ -697,6 +697,10 @@ def test_drafters_go_dormant_only_after_the_gates_off_streak_reaches_dormant_aft
 
     class Streak:  # all draft for two decode steps, then none (counting its off streak), then all again
         decisions_off, calls, sample, off_streak, dormant_after = 0, 0, 2, 0, 3
+
+        @property
+        def dormant(self):  # (as DraftGate's: since the streak reached dormant_after, until all draft)
+            return self.off_streak >= self.dormant_after
 
         def plan(self, requests):
             if requests == 0:

@@ -287,8 +287,8 @@ def gate_summary(gate, c: int) -> str:
     tp, td = gate.predicted(c)
     return (f"a {gate.accepted or 0:.2f}, plain x{gate.plain_scale:.2f} + {gate.plain.per_row * 1e6:.2f} us a "
             f"prefill row, drafting's extra x{gate.extra_scale:.2f}; predicted at {c}: plain {tp * 1e3:.3f} / "
-            f"drafting {td * 1e3:.3f} ms; {gate.decisions_off} steps kept off, {gate.probes} probe steps, "
-            f"{gate.refreshes} refresh steps")
+            f"drafting {td * 1e3:.3f} ms; {gate.decisions_off} steps kept off, {gate.probes} probe steps"
+            + (f"; measured: {gate.arms.summary()}" if gate.arms is not None else ""))
 
 
 class _StepTimes:

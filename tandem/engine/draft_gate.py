@@ -31,14 +31,14 @@ at 8 requests where it paid 1.3x, kept on at 64 where it lost 0.73x):
   step that drafts corrects `extra_scale`: a step where all draft by D(R) - P(R), a probe's
   second step (its sample drafted the step before too: steady) by D(k) - P(k);
 - probes come in pairs (the first catches up: `probe_extra`; the second is steady);
-- with `refresh`, while drafting is on, two plain steps now and then (with async scheduling the
-  first one after a drafting step reads nothing, the second is timed) keep `plain_scale`
-  current, spaced by what they lose as the probes are (the drafting step after them, which
-  catches its drafters up, included: `switch_extra`). Off by default: such a step feeds every
-  request's drafter, which an off-regime plain step (dormant drafters) does not, so it taught
-  t_plain 1.5-1.7x what plain steps cost once drafting was off, and drafting looked cheaper by
-  a x that (H200, 2026-12-03: on at 32 requests where `tree` ran 0.64x `ar`). Without it, host
-  drift while drafting is on lands in extra_scale, which errs toward plain decoding.
+- plain steps teach t_plain only in the off regime, the drafters outside the sample dormant, as
+  P(R) is measured at start-up: a plain step that feeds every drafter (one between drafting
+  steps) cost 1.5-1.7x an off-regime one and taught drafting to look cheaper by a x that
+  (H200, 2026-12-03: on at 32 requests where `tree` ran 0.64x `ar`).
+
+That model decides until it is measured. With `arms` (tandem.engine.gate_arms; the engine's gate
+has them), once drafting has run in a concurrency bucket, what decides there is the measured
+throughput of both regimes.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from tandem.engine.gate_arms import GateArms
 from tandem.engine.row_selection import polyline
 
 
@@ -134,10 +135,10 @@ class DraftGate:
     sample: int = 4  # requests a learning or probe step drafts (the others decode plain)
     alpha: float = 0.25  # weight of the newest observation in each moving average
     min_samples: int = 3  # drafting steps observed before the gate trusts a
-    probe_every: int = 16  # fewest steps between two probes (or two plain refreshes)
-    probe_max: int = 1024  # most steps between two probes (or two plain refreshes)
-    probe_budget: float = 0.03  # the share of the time probes (and refreshes) may lose
-    refresh: bool = False  # plain refresh steps while drafting is on (see the module's note)
+    probe_every: int = 16  # fewest steps between two probes
+    probe_max: int = 1024  # most steps between two probes
+    probe_budget: float = 0.03  # the share of the time probes may lose
+    a_alpha: float = 1 / 16  # weight of the newest drafting step in a (its requests weigh in it)
     # plain steps in a row after which the engine lets the drafters outside the sample go dormant
     # (not fed; restarted from their whole context when drafting resumes). Near break-even the
     # gate turns drafting on and off often, and restarting 60 drafters cost a step 130 ms at 64
@@ -146,16 +147,18 @@ class DraftGate:
     dormant_after: int = 16
     accepted: float | None = None  # a: accepted draft tokens per drafted request-step
     samples: int = 0  # drafting steps observed
+    arms: GateArms | None = None  # measured throughput of both regimes: what decides, where measured
     plain: PlainFit | None = None  # plain steps: observed = plain_scale x measured + c x prefill rows
     extra_scale: float = 1.0  # observed / measured drafting's extra over a plain step (D - P; moving average)
     probe_extra: float | None = None  # seconds a probe's first step cost over a plain one (moving average)
-    switch_extra: float | None = None  # seconds the first full drafting step after plain ones cost over a steady one
     off_streak: int = 0
-    on_streak: int = 0  # drafting steps since the last plain refresh
+    # the drafters outside the sample are dormant (the engine reads this): since off_streak
+    # reached dormant_after, until a step where every request drafts
+    dormant: bool = False
     decisions_off: int = 0  # steps it kept drafting off
     probes: int = 0  # steps it drafted for a sample only (learning included)
-    refreshes: int = 0  # plain steps taken while drafting was on, to keep t_plain current
     _queued: list[int] = field(default_factory=list)  # the next decisions, already taken (pairs)
+    _a_sums: tuple[float, float] = (0.0, 0.0)  # accepted tokens, drafted requests: decayed sums
 
     def __post_init__(self) -> None:
         if self.plain is None:  # (a prefill row's expected cost: a 64th of a one-request step)
@@ -170,23 +173,31 @@ class DraftGate:
         """How many of the next step's R decoding requests draft: R, none, or a sample."""
         if requests == 0:
             return 0
-        if self._queued:  # (the second step of a probe or of a plain refresh)
+        k = self._decide(requests)
+        if k >= requests:
+            self.off_streak = 0
+            self.dormant = False
+        else:
+            self.dormant = self.dormant or self.off_streak >= self.dormant_after
+        return k
+
+    def _decide(self, requests: int) -> int:
+        if self._queued:  # (the second step of a probe)
             return min(self._queued.pop(0), requests)
+        if self.arms is not None:  # measured: the faster regime here (or the slower one's window)
+            on = self.arms.choose(requests)
+            if on is not None:
+                return requests if on else self._off()
         if self.accepted is None or self.samples < self.min_samples:
             return self._probe(requests)  # still learning a
         if self.pays(requests):
-            self.off_streak = 0
-            self.on_streak += 1
-            if self.refresh and self.on_streak > self.refresh_interval(requests):
-                self.on_streak = 0
-                self.refreshes += 2
-                self._queued = [0]
-                return 0
             return requests
-        self.on_streak = 0
         if self.off_streak >= self.probe_interval(requests):
             self.off_streak = 0
             return self._probe(requests)
+        return self._off()
+
+    def _off(self) -> int:
         self.off_streak += 1
         self.decisions_off += 1
         return 0
@@ -226,15 +237,6 @@ class DraftGate:
         loss = max(0.0, first - gain) + max(0.0, steady - gain)
         return self._spacing(loss, t_plain)
 
-    def refresh_interval(self, requests: int) -> int:
-        """Drafting steps between two plain refreshes: two plain steps of t_plain(R) make 2R
-        tokens, which drafting steps make in 2 t_draft(R) / (1 + a); spaced by n drafting steps,
-        the refreshes lose at most `probe_budget` of the time."""
-        t_plain, t_draft = self.predicted(requests)
-        loss = max(0.0, 2 * (t_plain - t_draft / (1 + (self.accepted or 0.0))))
-        # (and the drafting step after them catches its drafters up: what such steps cost, once seen)
-        return self._spacing(loss + (self.switch_extra or 0.0), t_draft)
-
     def _spacing(self, loss: float, step: float) -> int:
         n = math.ceil(loss / (self.probe_budget * step)) if step > 0 else self.probe_max
         return max(self.probe_every, min(self.probe_max, n))
@@ -251,20 +253,30 @@ class DraftGate:
         drafting step look dear and kept drafting off (H200, 2026-12-02: a scale of 33-60 at
         32-64 requests, 2.0 at one). What a non-steady sample step costs over a plain one is what
         a probe's first step costs (`probe_extra`), which spaces the probes. The prefill rows'
-        cost (the plain fit's c) comes off every drafting step before it teaches."""
+        cost (the plain fit's c) comes off every drafting step before it teaches. A plain step
+        teaches only in the off regime (`dormant`), as P(R) was measured. With `arms`, every
+        step also joins its regime's measured throughput (tokens: a token a request, plus the
+        accepted ones)."""
         if requests == 0:
             return
+        if self.arms is not None:
+            on = True if drafted >= requests else (False if drafted == 0 else None)
+            self.arms.observe(requests, on, requests + accepted, seconds, counts=steady and (bool(on) or self.dormant))
         if drafted:
             self.samples += 1
-            if self.samples <= self.min_samples:  # learning: the plain mean, not the first step's weight
-                self.accepted = ((self.accepted or 0.0) * (self.samples - 1) + accepted / drafted) / self.samples
-            else:
-                self.accepted = self._ema(self.accepted, accepted / drafted)
+            # a, request-weighted: a probe's 4 requests weigh 4 / 64 of a full step at 64 (its
+            # moving average of per-step means read 7.5 where a drafted request made 5.6 tokens
+            # in all, H200 2026-12-03); the first steps weigh alike (a just-started drafter's weak
+            # first step must not dominate), then older steps fade by a_alpha a step
+            k = 1.0 if self.samples <= self.min_samples else 1 - self.a_alpha
+            acc, n = self._a_sums
+            self._a_sums = acc, n = k * acc + accepted, k * n + drafted
+            self.accepted = acc / n
         p = self.costs.plain_s(requests)
         if drafted == 0:
             # (not a step that is mostly prefill, as when a wave of prompts arrives: two or three
             # of those taught a scale of 2.7 at 32-64 requests, H200 2026-12-03, drafting's favour)
-            if steady and prefill_rows <= PREFILL_ROWS_MAX + 4 * requests:
+            if steady and self.dormant and prefill_rows <= PREFILL_ROWS_MAX + 4 * requests:
                 self.plain.observe(p, prefill_rows, seconds)
             return
         over = seconds - self.plain.seconds(p, prefill_rows)  # (what drafting added)
@@ -274,9 +286,6 @@ class DraftGate:
                 self.extra_scale = self._ema(self.extra_scale, max(0.0, over) / extra)
         elif drafted < requests:  # a probe's first step (or a learning step): its cost over a plain step
             self.probe_extra = self._ema(self.probe_extra, max(0.0, over))
-        else:  # every request drafting after plain steps: its cost over a steady drafting step
-            t_draft = self.predicted(requests)[1] + self.plain.per_row * prefill_rows
-            self.switch_extra = self._ema(self.switch_extra, max(0.0, seconds - t_draft))
 
     def _probe(self, requests: int) -> int:
         """A sample drafts this step and the next (the second one steady: it teaches the cost)."""

@@ -32,8 +32,9 @@ Two modes change which rows a step holds, never an output:
 
 The draft gate (tandem.engine.draft_gate; with row selection, or `draft_gate=True`) decides before
 planning which requests draft this step (all, none, or a sample of them while it learns the
-acceptance), from plain and drafting step costs measured on throwaway requests when the engine
-starts (`measure_step_costs`).
+acceptance): in each concurrency bucket, by the throughput both regimes measured there
+(tandem.engine.gate_arms), and where they have not, by plain and drafting step costs measured on
+throwaway requests when the engine starts (`measure_step_costs`).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ from tandem.engine.batched_model import BatchedModel, BatchRows, PackColumns
 from tandem.engine.config import EngineConfig
 from tandem.engine import batched_draft, device_verify, draft_length
 from tandem.engine.draft_gate import DraftGate, StepCosts
+from tandem.engine.gate_arms import GateArms
 from tandem.engine.request import Request, RequestOutput, RequestState, SamplingParams
 from tandem.engine.row_selection import RowCost, select_step
 from tandem.engine.scheduler import Scheduler, ScheduledRows, StepPlan
@@ -258,7 +260,7 @@ class Engine:
         # row selection's draft-cost term: whether a step drafts at all (None: always drafts),
         # from this engine's step costs, measured now on throwaway requests
         if gated:
-            self.gate = DraftGate(config.step_costs or self.measure_step_costs())
+            self.gate = DraftGate(config.step_costs or self.measure_step_costs(), arms=GateArms())
         warm = config.warmup_request if config.warmup_request is not None else target.device.type == "cuda"
         if warm:
             self.warmup_request()
@@ -595,18 +597,25 @@ class Engine:
         if self.gate is None and self._forced is None:
             return None
         running = self.scheduler.running
-        if self._forced is not None:
-            n = sum([not r.in_prefill for r in running])  # (measure_step_costs, before the gate exists: every drafter fed)
-            if isinstance(self._forced, bool):
-                return None if self._forced and n else set()
-            k = min(self._forced, n)  # (a probe's shape: a sample of k drafts)
-            return None if k >= n else set(self._pick_sample(running, k))
+        if self._forced is not None:  # (measure_step_costs and warm-ups, before the gate exists)
+            n = sum([not r.in_prefill for r in running])
+            k = n if self._forced is True else (0 if self._forced is False else min(self._forced, n))
+            if k >= n and k:
+                self._dormant = self._swept = False
+                return None
+            # (a plain step or a probe's shape, a sample of k drafting, as the gate's off regime runs
+            # them: only the sample's drafters fed, the others dormant; a plain step that fed them
+            # all cost 1.5-1.7x, H200 2026-12-03, and made drafting look cheaper by a x that)
+            sample = self._pick_sample(running, k or DraftGate.sample)
+            self._swept = self._swept and self._dormant
+            self._dormant, self._keep_fed = True, set(sample)
+            return set(sample) if k else set()
         n = sum([not r.in_prefill for r in running])  # (the decoding requests)
         k = self.gate.plan(n)
         if k >= n and k:
             self._dormant = self._swept = False
             return None
-        self._dormant = self._dormant or getattr(self.gate, "off_streak", 0) >= getattr(self.gate, "dormant_after", 0)
+        self._dormant = self.gate.dormant
         self._swept = self._swept and self._dormant
         sample = self._pick_sample(running, k or getattr(self.gate, "sample", 4))
         if self._dormant:
