@@ -8,7 +8,8 @@ chosen (on the H200, 2026-12-02: the engine's EAGLE-3 `tree` at 1.35x `ar` with 
 
     draft every request  when  (1 + a) t_plain(R) >= t_draft(R)      (more tokens per second)
 
-a the accepted draft tokens per drafted request-step (a moving average of this engine's steps),
+a the accepted draft tokens per drafted request-step (this engine's recent steps, each weighing
+by its drafted requests),
 t_plain(R) and t_draft(R) the wall seconds of a step of R decoding requests without and with
 drafting. Those two are *measured* (`StepCosts`, Engine.measure_step_costs: real steps of
 throwaway requests when the engine starts, every cost of a step included: packing, the pass,
