@@ -209,7 +209,20 @@ def test_a_gated_run_measures_its_step_costs_once(tiny, tmp_path, capsys, monkey
                    "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     assert calls == [2]  # the warm-up engine's; the measured one reused them
-    assert json.loads((out / "results.json").read_text())["check"]["mismatch_count"] == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["check"]["mismatch_count"] == 0
+    # the gate's step-by-step view, apart: runs of steps alike whose tokens are the run's new tokens
+    trace = json.loads((out / "gate_trace.json").read_text())
+    assert trace["columns"][:5] == ["R", "regime", "steps", "seconds", "tokens"]
+    assert all("gate_trace" not in r for r in results["runs"])
+    rows = trace["runs"]["tree+gate C=2"]
+    run = next(r for r in results["runs"] if r["name"] == "tree+gate")
+    assert {r[1] for r in rows} <= {"on", "off", "probe"} and all(r[0] in (1, 2) for r in rows)
+    # every decode step is in one row (the run's other steps are prefill-only), and every decoded token
+    # is a step's (a request's first token comes from its prefill; a step's count may pass max_tokens,
+    # whose excess the request drops)
+    assert 0 < sum(r[2] for r in rows) <= run["steps"]
+    assert sum(r[4] for r in rows) >= run["new_tokens"] - 2
 
 
 def test_engine_mode_errors_are_one_line(tiny, tmp_path, capsys):

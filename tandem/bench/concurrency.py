@@ -98,6 +98,7 @@ class RunResult:
     plain_step_ms: float | None = None  # engine: mean wall ms of the others (prefill-only steps included)
     step_costs: object = None  # engine with a draft gate: its measured StepCosts (handed to the next engine)
     gate: str | None = None  # engine with a draft gate: what it learned and decided, in words
+    gate_trace: list | None = None  # engine with a draft gate: its steps, runs alike (DraftGate.trace)
 
     @property
     def new_tokens(self) -> int:
@@ -117,6 +118,7 @@ class RunResult:
                 "cached_tokens": self.cached_tokens, "preemptions": self.preemptions,
                 "step_ms": self.step_ms, "drafting_ms": self.drafting_ms, "drafted_steps": self.drafted_steps,
                 "drafted_step_ms": self.drafted_step_ms, "plain_step_ms": self.plain_step_ms, "gate": self.gate,
+                "gate_trace": self.gate_trace,
                 "ttft_s": summarize([r.ttft for r in reqs]).to_dict(),
                 "itl_s": summarize([r.itl for r in reqs if r.itl is not None]).to_dict(),
                 "e2e_s": summarize([r.e2e for r in reqs]).to_dict(),
@@ -249,6 +251,8 @@ def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], pr
     overrides: EngineConfig fields (a warm-up run's measured `step_costs`)."""
     c = concurrency or len(prompts)
     engine = _engine(pair, method, spec, prompts, params, num_batched, c, **overrides)
+    if engine.gate is not None:
+        engine.gate.trace = []
     harness._sync(pair.target.device)
     t0 = time.perf_counter()
     reqs = [engine.add_request(p, params) for p in prompts]
@@ -279,7 +283,8 @@ def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], pr
                      drafted_step_ms=1e3 * sum(drafted) / len(drafted) if drafted else None,
                      plain_step_ms=1e3 * sum(plain) / len(plain) if plain else None,
                      step_costs=engine.gate.costs if engine.gate is not None else None,
-                     gate=gate_summary(engine.gate, c) if engine.gate is not None else None)
+                     gate=gate_summary(engine.gate, c) if engine.gate is not None else None,
+                     gate_trace=engine.gate.trace if engine.gate is not None else None)
 
 
 def gate_summary(gate, c: int) -> str:
@@ -622,6 +627,12 @@ def write(results: dict, out: Path, plots: bool = True) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json", out / "results.md"]
+    traces = {f"{r['name']} C={r['concurrency']}": t for r in results["runs"]
+              if (t := r.pop("gate_trace", None))}
+    if traces:  # (the gate's step-by-step view, apart: long, and read only to see why a gate run went as it did)
+        write_json(out / "gate_trace.json", {"columns": ["R", "regime", "steps", "seconds", "tokens", "counted",
+                                                         "dormant"], "runs": traces})
+        written.append(out / "gate_trace.json")
     if plots:
         png = plot(results, out / "tokens_per_s_vs_concurrency.png")
         if png is not None:

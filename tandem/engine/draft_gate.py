@@ -158,6 +158,10 @@ class DraftGate:
     dormant: bool = False
     decisions_off: int = 0  # steps it kept drafting off
     probes: int = 0  # steps it drafted for a sample only (learning included)
+    # what it saw, step by step, when a list: runs of steps alike, [R, "on" / "off" / "probe",
+    # steps, seconds, tokens (made: a step may pass a request's max_tokens), counted (by the arms),
+    # dormant] (bench: gate_trace.json)
+    trace: list[list] | None = None
     _queued: list[int] = field(default_factory=list)  # the next decisions, already taken (pairs)
     _a_sums: tuple[float, float] = (0.0, 0.0)  # accepted tokens, drafted requests: decayed sums
 
@@ -260,9 +264,17 @@ class DraftGate:
         accepted ones)."""
         if requests == 0:
             return
+        on = True if drafted >= requests else (False if drafted == 0 else None)
+        counts = steady and (bool(on) or self.dormant)
         if self.arms is not None:
-            on = True if drafted >= requests else (False if drafted == 0 else None)
-            self.arms.observe(requests, on, requests + accepted, seconds, counts=steady and (bool(on) or self.dormant))
+            self.arms.observe(requests, on, requests + accepted, seconds, counts=counts)
+        if self.trace is not None:
+            kind = {True: "on", False: "off", None: "probe"}[on]
+            last = self.trace[-1] if self.trace else None
+            if last is not None and (last[0], last[1], last[6]) == (requests, kind, self.dormant):
+                last[2:6] = [last[2] + 1, last[3] + seconds, last[4] + requests + accepted, last[5] + counts]
+            else:
+                self.trace.append([requests, kind, 1, seconds, requests + accepted, int(counts), self.dormant])
         if drafted:
             self.samples += 1
             # a, request-weighted: a probe's 4 requests weigh 4 / 64 of a full step at 64 (its
