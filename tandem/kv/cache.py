@@ -57,6 +57,10 @@ class KVCache:
         rope_store_kv(qkv, positions, inv_freq, n_q, n_kv, self.k[layer], self.v[layer], slots)
         return self.k[layer, :, :, :width], self.v[layer, :, :, :width]
 
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V buffers [batch, kv_heads, capacity, D] (the fused layer kernels write them)."""
+        return self.k[layer], self.v[layer]
+
     # ---- bookkeeping ----------------------------------------------------------------------
     def reserve_rows(self, n: int) -> int:
         """Append n rows to the tree region (counted in tree_len); returns the first row's index."""

@@ -32,7 +32,7 @@ from tandem.config import ConfigError, ModelConfig
 from tandem.kernels.fused import add_rmsnorm
 from tandem.models.files import check_names, check_shapes
 from tandem.models.layers import RMSNorm, fuse_decoder_layers, rope_inv_freq
-from tandem.models.transformer import DecoderLayer
+from tandem.models.transformer import DecoderLayer, additive_off_gpu
 
 ARCHITECTURE = "TandemBlockDrafter"
 
@@ -137,8 +137,7 @@ class BlockDrafter(nn.Module):
 
     # ---- the pass ----------------------------------------------------------------------------
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, cache=None, slots=None, mask=None) -> torch.Tensor:
-        if mask is not None and mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+        mask = additive_off_gpu(mask, x)
         delta = None
         for layer in self.layers:
             x, delta = layer(x, delta, positions, self.inv_freq, cache, slots, mask)

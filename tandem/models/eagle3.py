@@ -42,7 +42,10 @@ from torch import nn
 
 from tandem.config import ConfigError, ModelConfig
 from tandem.models.files import check_names, check_shapes
-from tandem.models.layers import MLP, Attention, RMSNorm, fuse_decoder_layers, rope_inv_freq
+from tandem.kernels import fused_layer
+from tandem.kernels.attention import cached_attention
+from tandem.kernels.fused import add_rmsnorm, embed_norms
+from tandem.models.layers import MLP, Attention, RMSNorm, fuse_decoder_layers, fused_layer_applies, rope_inv_freq
 
 # the architecture names of the public checkpoints (SGLang / EAGLE repo, vLLM)
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -174,12 +177,34 @@ class Eagle3Head(nn.Module):
         """ids, positions: [B, T]; hidden: [B, T, H] -> (logits [B, T, draft_vocab], out [B, T, H])."""
         m = self.midlayer
         hidden = hidden.to(self.fc.weight.dtype)
+        if cache is not None and fused_layer_applies(m.self_attn, m.mlp, hidden, cache, 2 * hidden.shape[-1]):
+            return self._fused_layer(ids, hidden, positions, cache, slots, mask)
         hn = m.hidden_norm(hidden)
         x = torch.cat([m.input_layernorm(self.embed(ids)), hn], dim=-1)  # [B, T, 2H]
         r = (hn if self.econfig.norm_before_residual else hidden) + m.self_attn(x, positions, self.inv_freq, cache,
                                                                                    slots, mask)
         out = r + m.mlp(m.post_attention_layernorm(r))  # [B, T, H]
         return self.lm_head(self.norm(out)), out
+
+    def _fused_layer(self, ids, hidden, positions, cache, slots, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer` in eight launches where it was sixteen (tandem.kernels.fused_layer): the embedding
+        and both input norms, (q/k/v, RoPE, K/V store), attention, o_proj, (residual add, norm,
+        gate/up, SiLU * up), down_proj, (residual add, the final norm), lm_head."""
+        m, a = self.midlayer, self.midlayer.self_attn
+        _, T, hid = hidden.shape
+        H, D = a.n_heads, a.head_dim
+        x, hn = embed_norms(ids.reshape(T), self.embed_weight(), hidden.reshape(T, hid), m.input_layernorm.weight,
+                            m.hidden_norm.weight, m.input_layernorm.eps)  # [T, 2H], [T, H]
+        k, v = cache.layer_kv(a.layer_idx)
+        _, q = fused_layer.norm_qkv_rope_store(x, None, None, 0.0, a.qkv_weight, a.qkv_bias, positions.reshape(T),
+                                               self.inv_freq, H, a.n_kv, k, v, slots.reshape(T))
+        width = mask.shape[-1]
+        att = a.o_proj(cached_attention(q[None], k[:, :, :width], v[:, :, :width], mask).reshape(T, H * D))
+        base = hn if self.econfig.norm_before_residual else hidden.reshape(T, hid)
+        r, h = fused_layer.norm_gate_up_silu(base, att, m.post_attention_layernorm.weight,
+                                             m.post_attention_layernorm.eps, m.mlp.gate_up_weight)
+        out, normed = add_rmsnorm(r, m.mlp.down_proj(h), self.norm.weight, self.norm.eps)  # out = r + mlp (in place)
+        return self.lm_head(normed)[None], out[None]
 
     def forward(self, input_ids, positions=None, cache=None, slots=None, mask=None) -> torch.Tensor:
         B, T = input_ids.shape

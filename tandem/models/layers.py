@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -9,8 +10,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import fused_layer
 from tandem.kernels.attention import cached_attention
 from tandem.kernels.fused import add_rmsnorm, rmsnorm_ref, rope_, silu_mul, triton_enabled
+from tandem.kv.cache import KVCache
 
 if TYPE_CHECKING:
     from tandem.config import ModelConfig
@@ -160,3 +163,35 @@ def fuse_decoder_layers(layers) -> None:
         if layer.self_attn.qkv_weight is None:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+
+def fused_layer_applies(attn: Attention, mlp: MLP, x: torch.Tensor, cache, qkv_input: int | None = None) -> bool:
+    """Whether a decoder layer's pass over x [1, T, hidden] against `cache` can run as the fused
+    kernels (tandem.kernels.fused_layer): CUDA, a small model, the single-sequence KVCache, and no
+    q/k norm, sliding window or tensor parallelism (those keep the unfused path). `qkv_input`: the
+    q/k/v projection's input width where it is not x's (an EAGLE-3 layer's 2 x hidden)."""
+    return (type(cache) is KVCache and x.shape[0] == 1 and attn.qkv_weight is not None
+            and mlp.gate_up_weight is not None and attn.q_norm is None and attn.window is None
+            and attn.head_dim in (32, 64, 128, 256)  # (two rotary halves of >= 16 columns: tl.dot's smallest)
+            and attn.tp_group is None and mlp.tp_group is None and os.environ.get("TANDEM_FUSED_LAYER", "1") != "0"
+            and fused_layer.applies(x[0], attn.qkv_weight, qkv_input) and fused_layer.applies(x[0], mlp.gate_up_weight))
+
+
+def fused_layer_forward(attn: Attention, mlp: MLP, ln1: RMSNorm, ln2: RMSNorm, x, delta, positions, inv_freq, cache,
+                        slots, mask, resid_out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DecoderLayer.forward as five launches: (x + delta, norm, q/k/v, RoPE, K/V store), attention,
+    o_proj, (residual add, norm, gate/up, SiLU * up), down_proj. Returns (residual, MLP output);
+    x may be a strided slice (rows [1, T, hidden] with a unit column stride); `resid_out` [T,
+    hidden]: where x + delta goes."""
+    _, T, hid = x.shape
+    H, D = attn.n_heads, attn.head_dim
+    k, v = cache.layer_kv(attn.layer_idx)  # [1, Hkv, capacity, D] each
+    d = None if delta is None else delta.reshape(T, hid)
+    s, q = fused_layer.norm_qkv_rope_store(x[0], d, ln1.weight, ln1.eps, attn.qkv_weight, attn.qkv_bias,
+                                           positions.reshape(T), inv_freq, H, attn.n_kv, k, v, slots.reshape(T),
+                                           resid_out)
+    width = mask.shape[-1]
+    out = cached_attention(q[None], k[:, :, :width], v[:, :, :width], mask)  # [1, T, H, D]
+    a = attn.o_proj(out.reshape(1, T, H * D))
+    s, h = fused_layer.norm_gate_up_silu(s, a[0], ln2.weight, ln2.eps, mlp.gate_up_weight)
+    return s[None], mlp.down_proj(h)[None]

@@ -10,14 +10,25 @@ import torch
 from torch import nn
 
 from tandem.config import ModelConfig
-from tandem.kernels.fused import add_rmsnorm
-from tandem.models.layers import MLP, Attention, RMSNorm, fuse_decoder_layers, rope_inv_freq
+from tandem.kernels.fused import add_rmsnorm, triton_enabled
+from tandem.models.layers import (MLP, Attention, RMSNorm, fuse_decoder_layers, fused_layer_applies,
+                                  fused_layer_forward, rope_inv_freq)
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's low / middle / high feature layers, (2, L // 2, L - 3), clipped into a target
     of `num_layers` layers (a tiny target may repeat one: the feature width stays 3 x hidden)."""
     return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))
+
+
+def additive_off_gpu(mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """A pass's bool mask as an additive one (0 / -inf) where attention runs through SDPA (the CPU):
+    converted once per pass, not once per layer inside SDPA. On CUDA the mask stays bool: the
+    cached-attention kernel (tandem.kernels.attention) reads bool masks only, and a float mask
+    sent every layer to SDPA, a memset and a transpose copy (three launches a layer)."""
+    if mask is None or mask.dtype != torch.bool or triton_enabled(x):
+        return mask
+    return torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
 
 
 class DecoderLayer(nn.Module):
@@ -28,17 +39,26 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, delta, positions, inv_freq, cache=None, slots=None, mask=None):
+    def forward(self, x, delta, positions, inv_freq, cache=None, slots=None, mask=None, resid_out=None):
         """x: residual stream [B, T, hidden]; delta: the previous layer's MLP output to add first.
 
         Returns (residual, this layer's MLP output): the add is deferred so it fuses with the
-        next RMSNorm (one kernel for `x += delta; h = norm(x)`).
+        next RMSNorm (one kernel for `x += delta; h = norm(x)`). `resid_out` [T, hidden] (fused
+        path only, see `fused`): where x + delta is written (a slice of the target-feature buffer).
         """
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        x, h = add_rmsnorm(x, delta, ln1.weight, ln1.eps)
+        if self.fused(x, cache):
+            return fused_layer_forward(self.self_attn, self.mlp, ln1, ln2, x, delta, positions, inv_freq, cache,
+                                       slots, mask, resid_out)
+        assert resid_out is None
+        x, h = add_rmsnorm(x.contiguous(), delta, ln1.weight, ln1.eps)  # (x: a strided feature slice after a fused layer)
         a = self.self_attn(h, positions, inv_freq, cache, slots, mask)
         x, h = add_rmsnorm(x, a, ln2.weight, ln2.eps)
         return x, self.mlp(h)
+
+    def fused(self, x: torch.Tensor, cache) -> bool:
+        """Whether this pass runs as the fused layer kernels (tandem.kernels.fused_layer)."""
+        return cache is not None and fused_layer_applies(self.self_attn, self.mlp, x, cache)
 
 
 class Backbone(nn.Module):
@@ -86,17 +106,34 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x, delta = self.model.embed_tokens(input_ids), None
-        if mask is not None and mask.dtype == torch.bool:
-            # NOTE: convert once per pass, not once per layer inside attention.
-            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+        mask = additive_off_gpu(mask, x)
         feats: dict[int, torch.Tensor] = {}
         want = self.feature_layers or ()
+        hid = x.shape[-1]
+        # fused layers write a feature layer's residual straight into its slice of the features
+        # (no add and no cat: four launches a pass); a layer named twice in `want` (a tiny target)
+        # is copied into its other slice
+        buf = torch.empty(B, T, len(want) * hid, dtype=x.dtype, device=x.device) if want and B == 1 else None
         for i, layer in enumerate(self.model.layers):
+            out = None
             if i in want:  # the residual stream entering layer i (the add is deferred, see DecoderLayer)
-                feats[i] = x if delta is None else x + delta
-            x, delta = layer(x, delta, positions, self.inv_freq, cache, slots, mask)
+                if buf is not None and layer.fused(x, cache):
+                    j = want.index(i)
+                    out = buf[0, :, j * hid:(j + 1) * hid]
+                else:
+                    feats[i] = x if delta is None else x + delta
+            x, delta = layer(x, delta, positions, self.inv_freq, cache, slots, mask, resid_out=out)
+            if out is not None:
+                feats[i] = out[None]
         if want:
-            self.last_features = torch.cat([feats[i] for i in want], dim=-1)  # [B, T, len(want) * hidden]
+            if buf is None:
+                self.last_features = torch.cat([feats[i] for i in want], dim=-1)  # [B, T, len(want) * hidden]
+            else:
+                for j, i in enumerate(want):
+                    dst = buf[..., j * hid:(j + 1) * hid]
+                    if feats[i].data_ptr() != dst.data_ptr():
+                        dst.copy_(feats[i])
+                self.last_features = buf
         norm = self.model.norm
         return add_rmsnorm(x, delta, norm.weight, norm.eps)[1]  # [B, T, hidden]
 

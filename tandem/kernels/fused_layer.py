@@ -1,0 +1,270 @@
+"""A small model's decoder layer in five launches instead of nine: RMSNorm folded into the
+projection that reads it, RoPE and the K/V store (or SiLU * up) into its epilogue.
+
+At the bundled pair's size (hidden 384, 8 layers) a step is bound by kernel count, not bytes:
+the whole target is 30 MB, about 8 us of H200 bandwidth, and a verify pass took ~250 us for
+~85 kernels of 1-3 us each (bench/results/h200-2026-12-01-drafters-table/profile_eagle3.txt).
+A layer was
+    add+RMSNorm, q/k/v GEMM, RoPE+K/V store, attention, o GEMM, add+RMSNorm, gate/up GEMM,
+    SiLU*mul, down GEMM
+and here it is
+    norm_qkv_rope_store, attention, o GEMM, norm_gate_up_silu, down GEMM.
+
+Each fused kernel gives every program the whole rows of its input (K <= MAX_K columns): it
+recomputes the rows' x + delta and their RMSNorm itself (a few hundred values a row: nothing
+next to its slice of the weights), so no program waits for another. `norm_qkv_rope_store` has
+one program per head (the head's two rotary halves are two accumulators, so RoPE runs on the
+accumulators), `norm_gate_up_silu` one per block of gate columns with the matching up columns.
+The arithmetic is the unfused path's, rounding for rounding (the sum x + delta, the normalised
+rows, the weight product, the projection's output and the rotation each rounded to the model's
+dtype where the torch ops round), except the order of the projection's fp32 accumulation, which
+cuBLAS does not fix either. Large models (K > MAX_K) keep cuBLAS: there a layer is bandwidth-
+bound and cuBLAS streams at ~96% of the floor (bench/results/h200-2026-11-29).
+
+The `*_ref` functions are the semantics and what runs off CUDA.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels.fused import add_rmsnorm_ref, rmsnorm_ref, rope_store_kv_ref, silu_mul_ref, triton_enabled
+
+try:  # Triton ships with CUDA builds of PyTorch only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU builds
+    triton = None
+
+MAX_K = 1024  # widest input a fused kernel takes (hidden sizes of small models; wider: cuBLAS)
+MAX_M = 128  # most rows (a verify pass of 127 nodes; prefill chunks are wider and keep cuBLAS)
+BLOCK_M = 16  # rows per program: tl.dot's smallest tile. Fixed, so a row's result does not
+#               depend on how many rows share the pass (the GEMM's order is the same for each)
+
+
+# ---- references -----------------------------------------------------------------------------
+def _norm_ref(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float):
+    if weight is None:  # (no norm: an EAGLE-3 layer's input is normalised, in halves, before)
+        return (x, x) if delta is None else (x + delta,) * 2
+    if delta is None:
+        return x, rmsnorm_ref(x, weight, eps)
+    return add_rmsnorm_ref(x, delta, weight, eps)
+
+
+def norm_qkv_rope_store_ref(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache,
+                            slots, s_out=None):
+    """x, delta (or None): [M, K] rows of one sequence -> (x + delta [M, K], q [M, n_q, D] rotated);
+    k (rotated) and v of the rows stored at cache rows `slots` [M] of k_cache, v_cache [1, n_kv, cap, D].
+    ln_w None: the rows go to the projection as they are (no RMSNorm). s_out [M, K] (a view, e.g. a
+    slice of the target-feature buffer): where x + delta is written and returned."""
+    s, h = _norm_ref(x, delta, ln_w, eps)
+    if s_out is not None:
+        s = s_out.copy_(s)
+    M = x.shape[0]
+    D = w_qkv.shape[0] // (n_q + 2 * n_kv)
+    qkv = F.linear(h, w_qkv, b_qkv).view(1, M, n_q + 2 * n_kv, D)
+    rope_store_kv_ref(qkv, positions.view(1, M), inv_freq, n_q, n_kv, k_cache, v_cache, slots.view(1, M))
+    return s, qkv[0, :, :n_q]
+
+
+def norm_gate_up_silu_ref(x, delta, ln_w, eps, w_gate_up):
+    """x, delta: [M, K]; w_gate_up [2 I, K] (gate rows, then up rows) -> (x + delta, SiLU(gate) * up [M, I])."""
+    s, h = _norm_ref(x, delta, ln_w, eps)
+    return s, silu_mul_ref(F.linear(h, w_gate_up))
+
+
+# ---- dispatch -------------------------------------------------------------------------------
+def applies(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool:
+    """Whether the fused kernels take rows x [M, K] against a weight [N, K] (else the unfused path);
+    `k`: the projection's input width where it is not x's (an EAGLE-3 layer reads [embedding, x])."""
+    k = x.shape[-1] if k is None else k
+    return (triton_enabled(x) and x.shape[0] <= MAX_M and k <= MAX_K and weight.shape[1] == k
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dtype == x.dtype
+            and weight.is_contiguous() and x.stride(-1) == 1)
+
+
+def _bk(K: int) -> int:
+    return min(128, triton.next_power_of_2(K))
+
+
+def norm_qkv_rope_store(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots,
+                        s_out=None):
+    """norm_qkv_rope_store_ref as one kernel on CUDA (where `applies`)."""
+    if not applies(x, w_qkv):
+        return norm_qkv_rope_store_ref(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache,
+                                       v_cache, slots, s_out)
+    return launch_norm_qkv(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache,
+                           slots, s_out)
+
+
+def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up):
+    """norm_gate_up_silu_ref as one kernel on CUDA (where `applies`)."""
+    if not applies(x, w_gate_up):
+        return norm_gate_up_silu_ref(x, delta, ln_w, eps, w_gate_up)
+    return launch_norm_gate_up(x, delta, ln_w, eps, w_gate_up)
+
+
+def launch_norm_qkv(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots,
+                    s_out=None):
+    """The kernel of norm_qkv_rope_store, unconditionally (the interpreter checks call it on the CPU)."""
+    M, K = x.shape
+    heads = n_q + 2 * n_kv
+    D = w_qkv.shape[0] // heads
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[0] == 1
+    assert s_out is None or (s_out.shape == x.shape and s_out.stride(-1) == 1)
+    store_s = delta is not None or s_out is not None
+    s = s_out if s_out is not None else torch.empty(M, K, dtype=x.dtype, device=x.device) if store_s else x
+    q = torch.empty(M, n_q, D, dtype=x.dtype, device=x.device)
+    d = delta if delta is not None else x
+    _norm_qkv_kernel[(heads, triton.cdiv(M, BLOCK_M))](
+        x, d, ln_w if ln_w is not None else x, w_qkv, b_qkv if b_qkv is not None else w_qkv, positions, slots, inv_freq,
+        s, q, k_cache, v_cache, M, K, eps, x.stride(0), d.stride(0), s.stride(0), k_cache.stride(1), N_Q=n_q,
+        N_KV=n_kv, HALF=D // 2, HAS_DELTA=delta is not None, STORE_S=store_s, NORM=ln_w is not None,
+        HAS_BIAS=b_qkv is not None,
+        BM=BLOCK_M, BK=_bk(K),
+        IEEE=x.dtype == torch.float32, num_warps=4)
+    return s, q
+
+
+def launch_norm_gate_up(x, delta, ln_w, eps, w_gate_up):
+    """The kernel of norm_gate_up_silu, unconditionally."""
+    M, K = x.shape
+    inter = w_gate_up.shape[0] // 2
+    s = torch.empty(M, K, dtype=x.dtype, device=x.device) if delta is not None else x
+    out = torch.empty(M, inter, dtype=x.dtype, device=x.device)
+    d = delta if delta is not None else x
+    # gate columns a program: the widest block that still spreads the weight's read over 16+ programs
+    BN = 64 if inter >= 64 * 16 else 32 if inter >= 32 * 16 else 16
+    _norm_gate_up_kernel[(triton.cdiv(inter, BN), triton.cdiv(M, BLOCK_M))](
+        x, d, ln_w, w_gate_up, s, out, M, K, inter, eps, x.stride(0), d.stride(0), s.stride(0),
+        HAS_DELTA=delta is not None, BM=BLOCK_M, BK=_bk(K), BN=BN, IEEE=x.dtype == torch.float32, num_warps=4)
+    return s, out
+
+
+# ---- Triton ---------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _rows_sum(x_ptr, d_ptr, rows, rm, kk, km, sx, sd, HAS_DELTA: tl.constexpr):
+        # [BM, BK] of x + delta, rounded to the dtype as `x + delta` rounds
+        m2 = rm[:, None] & km[None, :]
+        xv = tl.load(x_ptr + rows[:, None] * sx + kk[None, :], mask=m2, other=0.0)
+        if HAS_DELTA:
+            dv = tl.load(d_ptr + rows[:, None] * sd + kk[None, :], mask=m2, other=0.0)
+            xv = (xv.to(tl.float32) + dv.to(tl.float32)).to(xv.dtype)
+        return xv
+
+    @triton.jit
+    def _rstd(x_ptr, d_ptr, rows, rm, K, eps, sx, sd, HAS_DELTA: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+        # [BM] 1 / rms of the rows of x + delta, in fp32 (rmsnorm_ref's)
+        acc = tl.zeros([BM], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            v = _rows_sum(x_ptr, d_ptr, rows, rm, kk, kk < K, sx, sd, HAS_DELTA).to(tl.float32)
+            acc += tl.sum(v * v, axis=1)
+        return tl.rsqrt(acc / K + eps)
+
+    @triton.jit
+    def _normed(v, rstd, lw_ptr, kk, km):
+        # rmsnorm_ref's rounding: normalise in fp32, round, times the weight, round
+        y = (v.to(tl.float32) * rstd[:, None]).to(v.dtype)
+        w = tl.load(lw_ptr + kk, mask=km, other=0.0)
+        return (w.to(tl.float32)[None, :] * y.to(tl.float32)).to(v.dtype)
+
+    @triton.jit
+    def _mm(a, b, IEEE: tl.constexpr):
+        if IEEE:  # fp32 models: no TF32 (greedy equality is checked in fp32)
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _norm_qkv_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, b_ptr, pos_ptr, slot_ptr, inv_ptr, s_ptr, q_ptr, k_ptr, v_ptr,
+                         M, K, eps, sx, sd, ss, cache_h, N_Q: tl.constexpr, N_KV: tl.constexpr,
+                         HALF: tl.constexpr, HAS_DELTA: tl.constexpr, STORE_S: tl.constexpr, NORM: tl.constexpr,
+                         HAS_BIAS: tl.constexpr,
+                         BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+        # grid (heads, row blocks): program (head, pm) computes that head's D columns for BM rows
+        head = tl.program_id(0)
+        rows = tl.program_id(1) * BM + tl.arange(0, BM)
+        rm = rows < M
+        if NORM:
+            rstd = _rstd(x_ptr, d_ptr, rows, rm, K, eps, sx, sd, HAS_DELTA, BM, BK)
+        else:
+            rstd = tl.zeros([BM], tl.float32)
+        i = tl.arange(0, HALF)
+        n1 = head * 2 * HALF + i  # the head's first rotary half of weight rows; n1 + HALF the second
+        acc1 = tl.zeros([BM, HALF], tl.float32)
+        acc2 = tl.zeros([BM, HALF], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < K
+            v = _rows_sum(x_ptr, d_ptr, rows, rm, kk, km, sx, sd, HAS_DELTA)
+            if STORE_S:  # the residual x + delta, written once (by the first head's programs)
+                tl.store(s_ptr + rows[:, None] * ss + kk[None, :], v, mask=rm[:, None] & km[None, :] & (head == 0))
+            if NORM:
+                h = _normed(v, rstd, lw_ptr, kk, km)
+            else:
+                h = v
+            w1 = tl.load(w_ptr + n1[None, :] * K + kk[:, None], mask=km[:, None], other=0.0)  # [BK, HALF]
+            w2 = tl.load(w_ptr + (n1 + HALF)[None, :] * K + kk[:, None], mask=km[:, None], other=0.0)
+            acc1 = acc1 + _mm(h, w1, IEEE)
+            acc2 = acc2 + _mm(h, w2, IEEE)
+        if HAS_BIAS:
+            acc1 = acc1 + tl.load(b_ptr + n1).to(tl.float32)[None, :]
+            acc2 = acc2 + tl.load(b_ptr + n1 + HALF).to(tl.float32)[None, :]
+        dt = x_ptr.dtype.element_ty
+        a = acc1.to(dt)  # the projection's output, rounded as F.linear's
+        b = acc2.to(dt)
+        if head < N_Q + N_KV:  # q and k heads: RoPE (rope_ref's arithmetic: cos / sin rounded to the dtype)
+            pos = tl.load(pos_ptr + rows, mask=rm, other=0).to(tl.float32)
+            f = pos[:, None] * tl.load(inv_ptr + i)[None, :]
+            c = tl.cos(f).to(dt).to(tl.float32)
+            sn = tl.sin(f).to(dt).to(tl.float32)
+            a32 = a.to(tl.float32)
+            b32 = b.to(tl.float32)
+            a = (a32 * c - b32 * sn).to(dt)
+            b = (b32 * c + a32 * sn).to(dt)
+        m2 = rm[:, None]
+        if head < N_Q:
+            dst = q_ptr + rows[:, None] * (N_Q * 2 * HALF) + head * 2 * HALF + i[None, :]
+            tl.store(dst, a, mask=m2)
+            tl.store(dst + HALF, b, mask=m2)
+        else:
+            cell = tl.load(slot_ptr + rows, mask=rm, other=0)[:, None] * (2 * HALF) + i[None, :]  # [BM, HALF]
+            if head < N_Q + N_KV:
+                dst = k_ptr + (head - N_Q) * cache_h + cell
+            else:
+                dst = v_ptr + (head - N_Q - N_KV) * cache_h + cell
+            tl.store(dst, a, mask=m2)
+            tl.store(dst + HALF, b, mask=m2)
+
+    @triton.jit
+    def _norm_gate_up_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, s_ptr, out_ptr, M, K, I, eps, sx, sd, ss,
+                             HAS_DELTA: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                             IEEE: tl.constexpr):
+        # grid (column blocks, row blocks): gate columns [pn BN, pn BN + BN) and the same up columns
+        pn = tl.program_id(0)
+        rows = tl.program_id(1) * BM + tl.arange(0, BM)
+        rm = rows < M
+        rstd = _rstd(x_ptr, d_ptr, rows, rm, K, eps, sx, sd, HAS_DELTA, BM, BK)
+        cols = pn * BN + tl.arange(0, BN)
+        cm = cols < I
+        accg = tl.zeros([BM, BN], tl.float32)
+        accu = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < K
+            v = _rows_sum(x_ptr, d_ptr, rows, rm, kk, km, sx, sd, HAS_DELTA)
+            if HAS_DELTA:
+                tl.store(s_ptr + rows[:, None] * ss + kk[None, :], v, mask=rm[:, None] & km[None, :] & (pn == 0))
+            h = _normed(v, rstd, lw_ptr, kk, km)
+            wm = km[:, None] & cm[None, :]
+            wg = tl.load(w_ptr + cols[None, :] * K + kk[:, None], mask=wm, other=0.0)  # [BK, BN]
+            wu = tl.load(w_ptr + (I + cols)[None, :] * K + kk[:, None], mask=wm, other=0.0)
+            accg = accg + _mm(h, wg, IEEE)
+            accu = accu + _mm(h, wu, IEEE)
+        dt = x_ptr.dtype.element_ty
+        g = accg.to(dt).to(tl.float32)  # gate and up rounded as F.linear's output, then silu_mul_ref
+        u = accu.to(dt).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+        tl.store(out_ptr + rows[:, None] * I + cols[None, :], y.to(dt), mask=rm[:, None] & cm[None, :])

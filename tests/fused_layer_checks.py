@@ -1,0 +1,187 @@
+"""Checks of the fused decoder-layer kernels (tandem.kernels.fused_layer), shared by
+tests/test_fused_layer.py.
+
+They run the kernels on the CPU through Triton's interpreter (which reads TRITON_INTERPRET when
+Triton is imported, so in a process of its own: `TRITON_INTERPRET=1 python tests/fused_layer_checks.py`,
+what the test starts), in fp32 (the interpreter's bf16 is not the GPU's), against the unfused
+references: row counts across the 16-row blocks, K not a power of two, with and without the
+residual delta and the q/k/v bias, K/V rows at scattered cache slots with every other row left
+as it was. Each check raises AssertionError on failure; the script prints one line per passed check.
+"""
+from __future__ import annotations
+
+import torch
+
+from tandem.kernels import fused_layer as fl
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    assert torch.allclose(got, want, **TOL), (name, (got - want).abs().max().item())
+
+
+def check_norm_qkv() -> None:
+    g = torch.Generator().manual_seed(0)
+    n_q, n_kv, D, cap = 3, 1, 32, 70
+    for M, K, delta, bias, norm in ((1, 96, True, False, True), (5, 96, False, True, True),
+                                    (33, 160, True, True, True), (17, 96, False, False, False)):
+        x = torch.randn(M, K, generator=g)
+        d = torch.randn(M, K, generator=g) if delta else None
+        ln_w = 1 + 0.1 * torch.randn(K, generator=g) if norm else None
+        w = torch.randn((n_q + 2 * n_kv) * D, K, generator=g) / K ** 0.5
+        b = torch.randn(w.shape[0], generator=g) if bias else None
+        pos = torch.randint(0, 400, (M,), generator=g)
+        slots = torch.randperm(cap, generator=g)[:M]
+        inv = 1.0 / (10000 ** (torch.arange(0, D, 2).double() / D)).float()
+        caches = [torch.randn(2, 1, n_kv, cap, D, generator=g) for _ in range(2)]  # (kernel's, reference's)
+        caches[1].copy_(caches[0])
+        s_ref, q_ref = fl.norm_qkv_rope_store_ref(x.clone(), d, ln_w, 1e-5, w, b, pos, inv, n_q, n_kv,
+                                                  caches[1][0], caches[1][1], slots)
+        feats = torch.zeros(M, 3 * K)  # the residual written into a strided slice (a target-feature buffer)
+        s_out = feats[:, K:2 * K] if M != 5 else None
+        s, q = fl.launch_norm_qkv(x.clone(), d, ln_w, 1e-5, w, b, pos, inv, n_q, n_kv, caches[0][0], caches[0][1],
+                                  slots, s_out)
+        _close("residual", s, s_ref)
+        if s_out is not None:
+            assert s.data_ptr() == s_out.data_ptr() and not feats[:, :K].any() and not feats[:, 2 * K:].any()
+        _close("q", q, q_ref)
+        _close("k/v cache", caches[0], caches[1])  # the rows at `slots` written alike, every other row untouched
+        untouched = torch.ones(cap, dtype=torch.bool)
+        untouched[slots] = False
+        assert torch.equal(caches[0][..., untouched, :], caches[1][..., untouched, :])
+    print("norm_qkv_rope_store: ok")
+
+
+def check_norm_gate_up() -> None:
+    g = torch.Generator().manual_seed(1)
+    for M, K, inter, delta in ((1, 96, 80, True), (17, 160, 48, False), (40, 64, 1040, True)):
+        x = torch.randn(M, K, generator=g)
+        d = torch.randn(M, K, generator=g) if delta else None
+        ln_w = 1 + 0.1 * torch.randn(K, generator=g)
+        w = torch.randn(2 * inter, K, generator=g) / K ** 0.5
+        s_ref, a_ref = fl.norm_gate_up_silu_ref(x, d, ln_w, 1e-5, w)
+        s, a = fl.launch_norm_gate_up(x, d, ln_w, 1e-5, w)
+        _close("residual", s, s_ref)
+        _close("silu(gate) * up", a, a_ref)
+    print("norm_gate_up_silu: ok")
+
+
+def _passes(model) -> list[torch.Tensor]:
+    """Logits of a 7-token prefill and a 4-node tree after it ([-1, 0, 0, 1]), through a KVCache,
+    and the cache's K/V at the end."""
+    from tandem.kv.cache import KVCache
+
+    cache = KVCache.for_model(model, 32)
+    g = torch.Generator().manual_seed(2)
+    V = model.config.vocab_size
+    ids = torch.randint(0, V, (1, 7), generator=g)
+    pos = torch.arange(7)[None]
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()[None, None]
+    out = [model(ids, pos, cache, pos.clone(), causal)[0]]
+    if model.feature_layers:
+        out.append(model.last_features.clone())
+    tree = torch.randint(0, V, (1, 4), generator=g)
+    tpos = torch.tensor([[7, 8, 8, 9]])
+    anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(4, 7, dtype=torch.bool), anc], dim=1)[None, None]  # [1, 1, 4, 11]
+    out.append(model(tree, tpos, cache, torch.arange(7, 11)[None], mask)[0])
+    if model.feature_layers:
+        out.append(model.last_features.clone())
+    out.append(cache.kv[..., :11, :].clone())
+    return out
+
+
+def check_model() -> None:
+    """A Transformer's passes through the fused layers (the interpreter standing in for CUDA: the
+    dispatchers' device test lifted) equal its unfused passes: the glue (views, strides, cache
+    layout, the bool mask kept for the attention kernel) is checked, not only the kernels."""
+    from models_for_tests import tiny_model
+
+    import tandem.kernels.attention as att
+    import tandem.models.layers as layers
+    import tandem.models.transformer as tr
+
+    for family, feats in (("llama", None), ("qwen2", None), ("llama", (1, 1, 0)), ("llama", (2, 0, 1))):
+        # (qwen2: q/k/v bias; feature layers: one named twice, layer 0 (no delta to add), out of order)
+        model = tiny_model(seed=3, hidden=128, family=family, layers=3).fuse_projections()  # head_dim 32
+        if feats:
+            model.enable_features(feats)
+        want = _passes(model)
+        calls = []
+        saved = fl.applies, att.triton_enabled, tr.triton_enabled, layers.fused_layer_forward
+
+        def counted(*a, **k):
+            calls.append(1)
+            return saved[3](*a, **k)
+
+        fl.applies = lambda x, w, k=None: x.shape[0] <= fl.MAX_M and w.shape[1] == (x.shape[-1] if k is None else k)
+        att.triton_enabled = tr.triton_enabled = lambda t: True
+        tr.fused_layer_forward = counted
+        try:
+            got = _passes(model)
+        finally:
+            fl.applies, att.triton_enabled, tr.triton_enabled, tr.fused_layer_forward = saved
+        assert len(calls) == 2 * model.config.num_hidden_layers, calls  # every layer of both passes was fused
+        assert len(got) == len(want) == (5 if feats else 3)
+        for n, (a, b) in enumerate(zip(got, want)):
+            _close(f"{family} {feats} output {n}", a, b)
+    print("model through the fused layers: ok")
+
+
+def check_eagle3_layer() -> None:
+    """An EAGLE-3 head's layer (q/k/v over [embedding, hidden], no norm in the projection's kernel)
+    through the fused kernels equals its unfused layer: logits, output hidden and K/V."""
+    import dataclasses
+
+    from models_for_tests import tiny_model
+
+    import tandem.kernels.attention as att
+    from tandem.kv.cache import KVCache
+    from tandem.models.eagle3 import Eagle3Config, Eagle3Head
+
+    target = tiny_model(seed=4, hidden=128)
+    tc = target.config
+    cfg = Eagle3Config(llama=dataclasses.replace(tc, num_hidden_layers=1), draft_vocab_size=tc.vocab_size,
+                       target_hidden_size=tc.hidden_size, feature_layers=(0, 1, 1))
+    head = Eagle3Head(cfg, target.model.embed_tokens)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    head.materialize_buffers("cpu", torch.float32)
+    head = head.eval().requires_grad_(False).fuse_projections()
+
+    def passes() -> list[torch.Tensor]:
+        cache = KVCache.for_model(head, 16)
+        ids = torch.randint(0, tc.vocab_size, (1, 5), generator=torch.Generator().manual_seed(6))
+        hidden = torch.randn(1, 5, tc.hidden_size, generator=torch.Generator().manual_seed(7))
+        pos = torch.arange(3, 8)[None]
+        mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+        logits, out = head.layer(ids, hidden, pos, cache, torch.arange(5)[None], mask)
+        return [logits, out, cache.kv[..., :5, :].clone()]
+
+    want = passes()
+    saved = fl.applies, att.triton_enabled
+    fl.applies = lambda x, w, k=None: x.shape[0] <= fl.MAX_M and w.shape[1] == (x.shape[-1] if k is None else k)
+    att.triton_enabled = lambda t: True
+    calls = []
+    real = head._fused_layer
+    head._fused_layer = lambda *a: calls.append(1) or real(*a)
+    try:
+        got = passes()
+    finally:
+        fl.applies, att.triton_enabled = saved
+    assert calls == [1]
+    for name, a, b in zip(("logits", "hidden out", "K/V"), got, want):
+        _close(f"EAGLE-3 {name}", a, b)
+    print("EAGLE-3 layer through the fused kernels: ok")
+
+
+if __name__ == "__main__":
+    check_norm_qkv()
+    check_norm_gate_up()
+    check_model()
+    check_eagle3_layer()
