@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.fused import add_rmsnorm_ref, rmsnorm_ref, rope_store_kv_ref, silu_mul_ref, triton_enabled
+from tandem.kernels.fused import add_rmsnorm_ref, rmsnorm_ref, rope_, rope_store_kv_ref, silu_mul_ref, triton_enabled
 
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - CPU builds
     triton = None
 
 MAX_K = 1024  # widest input a fused kernel takes (hidden sizes of small models; wider: cuBLAS)
+MAX_WEIGHT_BYTES = 4 << 20  # largest weight: beyond it the read, not the launch, is the cost (cuBLAS)
 MAX_M = 128  # most rows (a verify pass of 127 nodes; prefill chunks are wider and keep cuBLAS)
 BLOCK_M = 16  # rows per program: tl.dot's smallest tile. Fixed, so a row's result does not
 #               depend on how many rows share the pass (the GEMM's order is the same for each)
@@ -54,7 +55,8 @@ def _norm_ref(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor 
 def norm_qkv_rope_store_ref(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache,
                             slots, s_out=None):
     """x, delta (or None): [M, K] rows of one sequence -> (x + delta [M, K], q [M, n_q, D] rotated);
-    k (rotated) and v of the rows stored at cache rows `slots` [M] of k_cache, v_cache [1, n_kv, cap, D].
+    k (rotated) and v of the rows stored at cache rows `slots` [M] of k_cache, v_cache [1, n_kv, cap, D]
+    (KVCache's layer buffers) or [slots, n_kv, D] (the paged pool's).
     ln_w None: the rows go to the projection as they are (no RMSNorm). s_out [M, K] (a view, e.g. a
     slice of the target-feature buffer): where x + delta is written and returned."""
     s, h = _norm_ref(x, delta, ln_w, eps)
@@ -63,7 +65,12 @@ def norm_qkv_rope_store_ref(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_fr
     M = x.shape[0]
     D = w_qkv.shape[0] // (n_q + 2 * n_kv)
     qkv = F.linear(h, w_qkv, b_qkv).view(1, M, n_q + 2 * n_kv, D)
-    rope_store_kv_ref(qkv, positions.view(1, M), inv_freq, n_q, n_kv, k_cache, v_cache, slots.view(1, M))
+    if k_cache.dim() == 3:  # paged: [slots, n_kv, D]
+        rope_(qkv, positions.view(1, M), inv_freq, n_q + n_kv)
+        k_cache.index_copy_(0, slots, qkv[0, :, n_q:n_q + n_kv])
+        v_cache.index_copy_(0, slots, qkv[0, :, n_q + n_kv:])
+    else:
+        rope_store_kv_ref(qkv, positions.view(1, M), inv_freq, n_q, n_kv, k_cache, v_cache, slots.view(1, M))
     return s, qkv[0, :, :n_q]
 
 
@@ -79,6 +86,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool
     `k`: the projection's input width where it is not x's (an EAGLE-3 layer reads [embedding, x])."""
     k = x.shape[-1] if k is None else k
     return (triton_enabled(x) and x.shape[0] <= MAX_M and k <= MAX_K and weight.shape[1] == k
+            and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dtype == x.dtype
             and weight.is_contiguous() and x.stride(-1) == 1)
 
@@ -110,7 +118,10 @@ def launch_norm_qkv(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q,
     M, K = x.shape
     heads = n_q + 2 * n_kv
     D = w_qkv.shape[0] // heads
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[0] == 1
+    # K/V cells: [1, n_kv, capacity, D] (KVCache's) or [slots, n_kv, D] (the paged pool's)
+    paged = k_cache.dim() == 3
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and (paged or k_cache.shape[0] == 1)
+    cache_h, cache_s = (k_cache.stride(1), k_cache.stride(0)) if paged else (k_cache.stride(1), k_cache.stride(2))
     assert s_out is None or (s_out.shape == x.shape and s_out.stride(-1) == 1)
     store_s = delta is not None or s_out is not None
     s = s_out if s_out is not None else torch.empty(M, K, dtype=x.dtype, device=x.device) if store_s else x
@@ -118,7 +129,7 @@ def launch_norm_qkv(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q,
     d = delta if delta is not None else x
     _norm_qkv_kernel[(heads, triton.cdiv(M, BLOCK_M))](
         x, d, ln_w if ln_w is not None else x, w_qkv, b_qkv if b_qkv is not None else w_qkv, positions, slots, inv_freq,
-        s, q, k_cache, v_cache, M, K, eps, x.stride(0), d.stride(0), s.stride(0), k_cache.stride(1), N_Q=n_q,
+        s, q, k_cache, v_cache, M, K, eps, x.stride(0), d.stride(0), s.stride(0), cache_h, cache_s, N_Q=n_q,
         N_KV=n_kv, HALF=D // 2, HAS_DELTA=delta is not None, STORE_S=store_s, NORM=ln_w is not None,
         HAS_BIAS=b_qkv is not None,
         BM=BLOCK_M, BK=_bk(K),
@@ -179,7 +190,7 @@ if triton is not None:
 
     @triton.jit
     def _norm_qkv_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, b_ptr, pos_ptr, slot_ptr, inv_ptr, s_ptr, q_ptr, k_ptr, v_ptr,
-                         M, K, eps, sx, sd, ss, cache_h, N_Q: tl.constexpr, N_KV: tl.constexpr,
+                         M, K, eps, sx, sd, ss, cache_h, cache_s, N_Q: tl.constexpr, N_KV: tl.constexpr,
                          HALF: tl.constexpr, HAS_DELTA: tl.constexpr, STORE_S: tl.constexpr, NORM: tl.constexpr,
                          HAS_BIAS: tl.constexpr,
                          BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
@@ -230,7 +241,7 @@ if triton is not None:
             tl.store(dst, a, mask=m2)
             tl.store(dst + HALF, b, mask=m2)
         else:
-            cell = tl.load(slot_ptr + rows, mask=rm, other=0)[:, None] * (2 * HALF) + i[None, :]  # [BM, HALF]
+            cell = tl.load(slot_ptr + rows, mask=rm, other=0)[:, None] * cache_s + i[None, :]  # [BM, HALF]
             if head < N_Q + N_KV:
                 dst = k_ptr + (head - N_Q) * cache_h + cell
             else:
