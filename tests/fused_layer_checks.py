@@ -40,16 +40,18 @@ def check_norm_qkv() -> None:
                                                   caches[1][0], caches[1][1], slots)
         feats = torch.zeros(M, 3 * K)  # the residual written into a strided slice (a target-feature buffer)
         s_out = feats[:, K:2 * K] if M != 5 else None
-        s, q = fl.launch_norm_qkv(x.clone(), d, ln_w, 1e-5, w, b, pos, inv, n_q, n_kv, caches[0][0], caches[0][1],
-                                  slots, s_out)
-        _close("residual", s, s_ref)
-        if s_out is not None:
-            assert s.data_ptr() == s_out.data_ptr() and not feats[:, :K].any() and not feats[:, 2 * K:].any()
-        _close("q", q, q_ref)
-        _close("k/v cache", caches[0], caches[1])  # the rows at `slots` written alike, every other row untouched
-        untouched = torch.ones(cap, dtype=torch.bool)
-        untouched[slots] = False
-        assert torch.equal(caches[0][..., untouched, :], caches[1][..., untouched, :])
+        for bk in (32, 256):  # a loop over K (a pass for the norm first), and one step (BK >= K)
+            kv = caches[0].clone()
+            s, q = fl.launch_norm_qkv(x.clone(), d, ln_w, 1e-5, w, b, pos, inv, n_q, n_kv, kv[0], kv[1], slots,
+                                      s_out, bk=bk)
+            _close("residual", s, s_ref)
+            if s_out is not None:
+                assert s.data_ptr() == s_out.data_ptr() and not feats[:, :K].any() and not feats[:, 2 * K:].any()
+            _close("q", q, q_ref)
+            _close("k/v cache", kv, caches[1])  # the rows at `slots` written alike, every other row untouched
+            untouched = torch.ones(cap, dtype=torch.bool)
+            untouched[slots] = False
+            assert torch.equal(kv[..., untouched, :], caches[1][..., untouched, :])
     # the paged pool's layout, [slots, n_kv, D]
     M, K = 9, 96
     x, d = torch.randn(M, K, generator=g), torch.randn(M, K, generator=g)
@@ -76,9 +78,10 @@ def check_norm_gate_up() -> None:
         ln_w = 1 + 0.1 * torch.randn(K, generator=g)
         w = torch.randn(2 * inter, K, generator=g) / K ** 0.5
         s_ref, a_ref = fl.norm_gate_up_silu_ref(x, d, ln_w, 1e-5, w)
-        s, a = fl.launch_norm_gate_up(x, d, ln_w, 1e-5, w)
-        _close("residual", s, s_ref)
-        _close("silu(gate) * up", a, a_ref)
+        for bk in (32, 256):
+            s, a = fl.launch_norm_gate_up(x, d, ln_w, 1e-5, w, bk=bk)
+            _close("residual", s, s_ref)
+            _close("silu(gate) * up", a, a_ref)
     print("norm_gate_up_silu: ok")
 
 

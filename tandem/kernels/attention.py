@@ -45,8 +45,13 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool
             and q.shape[2] % k.shape[1] == 0)
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """cached_attention_ref, on CUDA by one Triton kernel where it applies."""
+BLOCK_N, NUM_WARPS = 64, 4  # columns a step, warps a program (bench/gpu_fused_layer.py times others)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """cached_attention_ref, on CUDA by one Triton kernel where it applies (block_n, num_warps: its
+    launch shape, default BLOCK_N, NUM_WARPS)."""
     if not applies(q, k, mask):
         return cached_attention_ref(q, k, v, mask)
     B, T, H, D = q.shape
@@ -62,7 +67,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                               v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(2), m.stride(3),
                               out.stride(0), out.stride(1), out.stride(2), HKV=Hkv, G=G, GP=GP, BLOCK_T=BLOCK_T,
-                              BLOCK_N=64, D=D, IEEE=q.dtype == torch.float32, num_warps=4)
+                              BLOCK_N=block_n or BLOCK_N, D=D, IEEE=q.dtype == torch.float32,
+                              num_warps=num_warps or NUM_WARPS)
     return out
 
 

@@ -91,8 +91,20 @@ def applies(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool
             and weight.is_contiguous() and x.stride(-1) == 1)
 
 
-def _bk(K: int) -> int:
-    return min(128, triton.next_power_of_2(K))
+# Launch shapes (bench/gpu_fused_layer.py times the alternatives on the GPU). BK: columns of the
+# input per step of the projection's loop; a BK >= K makes it one step, the rows' norm taken from
+# the same tile (no second read). BN: gate columns a program of norm_gate_up_silu.
+QKV_BK, QKV_WARPS = 128, 4
+GATE_UP_BK, GATE_UP_WARPS = 128, 4
+
+
+def _bk(K: int, bk: int) -> int:
+    return min(bk, triton.next_power_of_2(K))
+
+
+def _gate_up_bn(inter: int) -> int:
+    """The widest block of gate columns that still spreads the weight's read over 16+ programs."""
+    return 64 if inter >= 64 * 16 else 32 if inter >= 32 * 16 else 16
 
 
 def norm_qkv_rope_store(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots,
@@ -113,8 +125,9 @@ def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up):
 
 
 def launch_norm_qkv(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots,
-                    s_out=None):
-    """The kernel of norm_qkv_rope_store, unconditionally (the interpreter checks call it on the CPU)."""
+                    s_out=None, bk: int | None = None, num_warps: int | None = None):
+    """The kernel of norm_qkv_rope_store, unconditionally (the interpreter checks call it on the CPU);
+    bk, num_warps: the launch shape (default QKV_BK, QKV_WARPS)."""
     M, K = x.shape
     heads = n_q + 2 * n_kv
     D = w_qkv.shape[0] // heads
@@ -131,24 +144,24 @@ def launch_norm_qkv(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q,
         x, d, ln_w if ln_w is not None else x, w_qkv, b_qkv if b_qkv is not None else w_qkv, positions, slots, inv_freq,
         s, q, k_cache, v_cache, M, K, eps, x.stride(0), d.stride(0), s.stride(0), cache_h, cache_s, N_Q=n_q,
         N_KV=n_kv, HALF=D // 2, HAS_DELTA=delta is not None, STORE_S=store_s, NORM=ln_w is not None,
-        HAS_BIAS=b_qkv is not None,
-        BM=BLOCK_M, BK=_bk(K),
-        IEEE=x.dtype == torch.float32, num_warps=4)
+        HAS_BIAS=b_qkv is not None, BM=BLOCK_M, BK=_bk(K, bk or QKV_BK), IEEE=x.dtype == torch.float32,
+        num_warps=num_warps or QKV_WARPS)
     return s, q
 
 
-def launch_norm_gate_up(x, delta, ln_w, eps, w_gate_up):
-    """The kernel of norm_gate_up_silu, unconditionally."""
+def launch_norm_gate_up(x, delta, ln_w, eps, w_gate_up, bk: int | None = None, bn: int | None = None,
+                        num_warps: int | None = None):
+    """The kernel of norm_gate_up_silu, unconditionally; bk, bn, num_warps: the launch shape."""
     M, K = x.shape
     inter = w_gate_up.shape[0] // 2
     s = torch.empty(M, K, dtype=x.dtype, device=x.device) if delta is not None else x
     out = torch.empty(M, inter, dtype=x.dtype, device=x.device)
     d = delta if delta is not None else x
-    # gate columns a program: the widest block that still spreads the weight's read over 16+ programs
-    BN = 64 if inter >= 64 * 16 else 32 if inter >= 32 * 16 else 16
+    BN = bn or _gate_up_bn(inter)
     _norm_gate_up_kernel[(triton.cdiv(inter, BN), triton.cdiv(M, BLOCK_M))](
         x, d, ln_w, w_gate_up, s, out, M, K, inter, eps, x.stride(0), d.stride(0), s.stride(0),
-        HAS_DELTA=delta is not None, BM=BLOCK_M, BK=_bk(K), BN=BN, IEEE=x.dtype == torch.float32, num_warps=4)
+        HAS_DELTA=delta is not None, BM=BLOCK_M, BK=_bk(K, bk or GATE_UP_BK), BN=BN, IEEE=x.dtype == torch.float32,
+        num_warps=num_warps or GATE_UP_WARPS)
     return s, out
 
 
@@ -198,7 +211,8 @@ if triton is not None:
         head = tl.program_id(0)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
         rm = rows < M
-        if NORM:
+        # (one step, BK >= K: the norm from the tile itself; else a first pass over the rows for it)
+        if NORM and BK < K:
             rstd = _rstd(x_ptr, d_ptr, rows, rm, K, eps, sx, sd, HAS_DELTA, BM, BK)
         else:
             rstd = tl.zeros([BM], tl.float32)
@@ -213,6 +227,9 @@ if triton is not None:
             if STORE_S:  # the residual x + delta, written once (by the first head's programs)
                 tl.store(s_ptr + rows[:, None] * ss + kk[None, :], v, mask=rm[:, None] & km[None, :] & (head == 0))
             if NORM:
+                if BK >= K:
+                    v32 = v.to(tl.float32)
+                    rstd = tl.rsqrt(tl.sum(v32 * v32, axis=1) / K + eps)
                 h = _normed(v, rstd, lw_ptr, kk, km)
             else:
                 h = v
@@ -257,7 +274,10 @@ if triton is not None:
         pn = tl.program_id(0)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
         rm = rows < M
-        rstd = _rstd(x_ptr, d_ptr, rows, rm, K, eps, sx, sd, HAS_DELTA, BM, BK)
+        if BK < K:
+            rstd = _rstd(x_ptr, d_ptr, rows, rm, K, eps, sx, sd, HAS_DELTA, BM, BK)
+        else:
+            rstd = tl.zeros([BM], tl.float32)
         cols = pn * BN + tl.arange(0, BN)
         cm = cols < I
         accg = tl.zeros([BM, BN], tl.float32)
@@ -268,6 +288,9 @@ if triton is not None:
             v = _rows_sum(x_ptr, d_ptr, rows, rm, kk, km, sx, sd, HAS_DELTA)
             if HAS_DELTA:
                 tl.store(s_ptr + rows[:, None] * ss + kk[None, :], v, mask=rm[:, None] & km[None, :] & (pn == 0))
+            if BK >= K:
+                v32 = v.to(tl.float32)
+                rstd = tl.rsqrt(tl.sum(v32 * v32, axis=1) / K + eps)
             h = _normed(v, rstd, lw_ptr, kk, km)
             wm = km[:, None] & cm[None, :]
             wg = tl.load(w_ptr + cols[None, :] * K + kk[:, None], mask=wm, other=0.0)  # [BK, BN]

@@ -1,0 +1,102 @@
+"""Launch shapes of the fused layer kernels and the cached attention, timed on the GPU.
+
+For the bundled target's and draft's layer widths (and the EAGLE-3 head's q/k/v over 2 x hidden),
+at 1 row (an AR step) and 33 (a tree verify of N = 32): the unfused launches a fused kernel
+replaces, then each fused launch shape (BK: the loop's column step, BK >= K one step; warps;
+BN for gate/up), and the cached attention's BLOCK_N x warps at attention widths 256 and 512.
+Times are per call inside a CUDA graph of back-to-back calls (bench/gpu_timing.graph_ms: the GPU's
+own time, as the runners' graphs see it), median over replays; bf16.
+    python bench/gpu_fused_layer.py [--iters 400]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from gpu_timing import graph_ms
+from tandem.kernels import attention, fused, fused_layer as fl
+from tandem.models.layers import rope_inv_freq
+from tandem.models.loader import read_config
+from tandem.runtime.pair import BUNDLED_DRAFT, BUNDLED_TARGET
+
+
+def _r(*shape, scale=1.0, dtype=torch.bfloat16):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=400)
+    a = ap.parse_args()
+    rows_out = []
+
+    def rec(**kw):
+        rows_out.append(kw)
+        print(json.dumps(kw), flush=True)
+
+    torch.set_grad_enabled(False)
+    for name, path in (("target", BUNDLED_TARGET), ("draft", BUNDLED_DRAFT)):
+        c = read_config(path)
+        K, D, nq, nkv, inter = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, \
+            c.intermediate_size
+        inv = rope_inv_freq(c).cuda()
+        for M in (1, 33):
+            x, d, ln = _r(M, K), _r(M, K), 1 + _r(K, scale=0.1)
+            pos = torch.arange(100, 100 + M, device="cuda")
+            slots = torch.arange(M, device="cuda")
+            kv = _r(2, 1, nkv, 512, D)
+            for qkv_in, norm in ((K, True), (2 * K, False)) if name == "target" else ((K, True),):
+                xi = x if qkv_in == K else _r(M, qkv_in)
+                w = _r((nq + 2 * nkv) * D, qkv_in, scale=qkv_in ** -0.5)
+                label = "qkv" if norm else "qkv_eagle3"
+
+                def unfused():
+                    h = fused.add_rmsnorm(xi.clone() if norm else xi, d if norm else None, ln, 1e-5)[1] if norm else xi
+                    qkv = F.linear(h, w).view(1, M, nq + 2 * nkv, D)
+                    fused.rope_store_kv(qkv, pos[None], inv, nq, nkv, kv[0], kv[1], slots[None])
+                rec(shape=name, op=label, rows=M, variant="unfused", us=1e3 * graph_ms([unfused], a.iters))
+                for bk, nw in itertools.product((64, 128, 1024), (4, 8)):
+                    def f(bk=bk, nw=nw):
+                        fl.launch_norm_qkv(xi, d if norm else None, ln if norm else None, 1e-5, w, None, pos, inv,
+                                           nq, nkv, kv[0], kv[1], slots, bk=bk, num_warps=nw)
+                    rec(shape=name, op=label, rows=M, variant=f"bk{min(bk, 1 << (qkv_in - 1).bit_length())}_w{nw}",
+                        us=1e3 * graph_ms([f], a.iters))
+            wgu = _r(2 * inter, K, scale=K ** -0.5)
+
+            def unfused_gu():
+                h = fused.add_rmsnorm(x.clone(), d, ln, 1e-5)[1]
+                fused.silu_mul(F.linear(h, wgu))
+            rec(shape=name, op="gate_up", rows=M, variant="unfused", us=1e3 * graph_ms([unfused_gu], a.iters))
+            for bk, bn, nw in itertools.product((128, 1024), (16, 32, 64), (4, 8)):
+                def g(bk=bk, bn=bn, nw=nw):
+                    fl.launch_norm_gate_up(x, d, ln, 1e-5, wgu, bk=bk, bn=bn, num_warps=nw)
+                rec(shape=name, op="gate_up", rows=M, variant=f"bk{min(bk, 1 << (K - 1).bit_length())}_bn{bn}_w{nw}",
+                    us=1e3 * graph_ms([g], a.iters))
+            for W in (256, 512):
+                q = _r(1, M, nq, D)
+                k, v = _r(1, nkv, W, D), _r(1, nkv, W, D)
+                mask = torch.ones(1, 1, M, W, dtype=torch.bool, device="cuda")
+                for bn, nw in itertools.product((32, 64, 128, 256), (4, 8)):
+                    def at(bn=bn, nw=nw):
+                        attention.cached_attention(q, k, v, mask, block_n=bn, num_warps=nw)
+                    rec(shape=name, op=f"attention_w{W}", rows=M, variant=f"bn{bn}_w{nw}",
+                        us=1e3 * graph_ms([at], a.iters))
+    # the best variant of each (shape, op, rows)
+    best: dict = {}
+    for r in rows_out:
+        k = (r["shape"], r["op"], r["rows"])
+        if r["variant"] != "unfused" and (k not in best or r["us"] < best[k]["us"]):
+            best[k] = r
+    print("\nbest per (shape, op, rows), against the unfused launches:")
+    for k, r in best.items():
+        base = next((x["us"] for x in rows_out if (x["shape"], x["op"], x["rows"]) == k and x["variant"] == "unfused"),
+                    None)
+        print(f"  {k}: {r['variant']} {r['us']:.2f} us" + (f" (unfused {base:.2f} us)" if base else ""))
+
+
+if __name__ == "__main__":
+    main()
