@@ -28,10 +28,12 @@ def _randn(*shape, dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).mul_(scale).to(dtype)
 
 
+@pytest.mark.parametrize("bk", [64, 1024], ids=["loop", "one-step"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_norm_qkv_rope_store(shape, rows, dtype):
+def test_norm_qkv_rope_store(shape, rows, dtype, bk, monkeypatch):
+    monkeypatch.setattr(fl, "QKV_BK", bk)
     c = SHAPES[shape]
     K, D, nq, nkv, cap = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, 300
     x, d = _randn(rows, K, dtype=dtype, seed=0), _randn(rows, K, dtype=dtype, seed=1)
@@ -53,10 +55,12 @@ def test_norm_qkv_rope_store(shape, rows, dtype):
     assert torch.equal(kv[0][:, :, :, other], kv[1][:, :, :, other])
 
 
+@pytest.mark.parametrize("bk", [64, 1024], ids=["loop", "one-step"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_norm_gate_up_silu(shape, rows, dtype):
+def test_norm_gate_up_silu(shape, rows, dtype, bk, monkeypatch):
+    monkeypatch.setattr(fl, "GATE_UP_BK", bk)
     c = SHAPES[shape]
     K, inter = c.hidden_size, c.intermediate_size
     x, d = _randn(rows, K, dtype=dtype, seed=0), _randn(rows, K, dtype=dtype, seed=1)
