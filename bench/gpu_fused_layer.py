@@ -2,7 +2,7 @@
 
 For the bundled target's and draft's layer widths (and the EAGLE-3 head's q/k/v over 2 x hidden),
 at 1 row (an AR step) and 33 (a tree verify of N = 32): the unfused launches a fused kernel
-replaces, then each fused launch shape (BK: the loop's column step, BK >= K one step; warps;
+replaces, then each fused launch shape (BK: the loop's column step; warps;
 BN for gate/up), and the cached attention's BLOCK_N x warps at attention widths 256 and 512.
 Times are per call inside a CUDA graph of back-to-back calls (bench/gpu_timing.graph_ms: the GPU's
 own time, as the runners' graphs see it), median over replays; bf16.
@@ -59,7 +59,7 @@ def main() -> None:
                     qkv = F.linear(h, w).view(1, M, nq + 2 * nkv, D)
                     fused.rope_store_kv(qkv, pos[None], inv, nq, nkv, kv[0], kv[1], slots[None])
                 rec(shape=name, op=label, rows=M, variant="unfused", us=1e3 * graph_ms([unfused], a.iters))
-                for bk, nw in itertools.product((64, 128, 1024), (4, 8)):
+                for bk, nw in itertools.product((64, 128), (4, 8)):
                     def f(bk=bk, nw=nw):
                         fl.launch_norm_qkv(xi, d if norm else None, ln if norm else None, 1e-5, w, None, pos, inv,
                                            nq, nkv, kv[0], kv[1], slots, bk=bk, num_warps=nw)
@@ -71,7 +71,7 @@ def main() -> None:
                 h = fused.add_rmsnorm(x.clone(), d, ln, 1e-5)[1]
                 fused.silu_mul(F.linear(h, wgu))
             rec(shape=name, op="gate_up", rows=M, variant="unfused", us=1e3 * graph_ms([unfused_gu], a.iters))
-            for bk, bn, nw in itertools.product((128, 1024), (16, 32, 64), (4, 8)):
+            for bk, bn, nw in itertools.product((64, 128), (16, 32, 64), (4, 8)):
                 def g(bk=bk, bn=bn, nw=nw):
                     fl.launch_norm_gate_up(x, d, ln, 1e-5, wgu, bk=bk, bn=bn, num_warps=nw)
                 rec(shape=name, op="gate_up", rows=M, variant=f"bk{min(bk, 1 << (K - 1).bit_length())}_bn{bn}_w{nw}",

@@ -40,7 +40,7 @@ def check_norm_qkv() -> None:
                                                   caches[1][0], caches[1][1], slots)
         feats = torch.zeros(M, 3 * K)  # the residual written into a strided slice (a target-feature buffer)
         s_out = feats[:, K:2 * K] if M != 5 else None
-        for bk in (32, 256):  # a loop over K (a pass for the norm first), and one step (BK >= K)
+        for bk in (32, 256):  # a loop of steps over K, and one step (BK >= K)
             kv = caches[0].clone()
             s, q = fl.launch_norm_qkv(x.clone(), d, ln_w, 1e-5, w, b, pos, inv, n_q, n_kv, kv[0], kv[1], slots,
                                       s_out, bk=bk)
