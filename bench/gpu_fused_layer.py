@@ -3,7 +3,8 @@
 For the bundled target's and draft's layer widths (and the EAGLE-3 head's q/k/v over 2 x hidden),
 at 1 row (an AR step) and 33 (a tree verify of N = 32): the unfused launches a fused kernel
 replaces, then each fused launch shape (BK: the loop's column step; warps;
-BN for gate/up), and the cached attention's BLOCK_N x warps at attention widths 256 and 512.
+BN for gate/up), and the cached attention's BLOCK_N x warps at attention widths 256 and 512; each variant's output is
+checked against its reference (relative error; the best shape is picked among those under 2e-2).
 Times are per call inside a CUDA graph of back-to-back calls (bench/gpu_timing.graph_ms: the GPU's
 own time, as the runners' graphs see it), median over replays; bf16.
     python bench/gpu_fused_layer.py [--iters 400]
@@ -59,43 +60,50 @@ def main() -> None:
                     qkv = F.linear(h, w).view(1, M, nq + 2 * nkv, D)
                     fused.rope_store_kv(qkv, pos[None], inv, nq, nkv, kv[0], kv[1], slots[None])
                 rec(shape=name, op=label, rows=M, variant="unfused", us=1e3 * graph_ms([unfused], a.iters))
-                for bk, nw in itertools.product((64, 128), (4, 8)):
-                    def f(bk=bk, nw=nw):
-                        fl.launch_norm_qkv(xi, d if norm else None, ln if norm else None, 1e-5, w, None, pos, inv,
-                                           nq, nkv, kv[0], kv[1], slots, bk=bk, num_warps=nw)
-                    rec(shape=name, op=label, rows=M, variant=f"bk{min(bk, 1 << (qkv_in - 1).bit_length())}_w{nw}",
-                        us=1e3 * graph_ms([f], a.iters))
+                want = fl.norm_qkv_rope_store_ref(xi, d if norm else None, ln if norm else None, 1e-5, w, None, pos,
+                                                  inv, nq, nkv, kv[0].clone(), kv[1].clone(), slots)[1]
+                for bk, nw, cb in ((64, 4, 32), (128, 4, 32), (128, 8, 32), (128, 4, 16), (64, 4, 16), (128, 2, 16)):
+                    def f(bk=bk, nw=nw, cb=cb):
+                        return fl.launch_norm_qkv(xi, d if norm else None, ln if norm else None, 1e-5, w, None, pos,
+                                                  inv, nq, nkv, kv[0], kv[1], slots, bk=bk, num_warps=nw, cb=cb)[1]
+                    err = ((f().float() - want.float()).norm() / want.float().norm()).item()
+                    rec(shape=name, op=label, rows=M, variant=f"bk{bk}_w{nw}_cb{cb}", us=1e3 * graph_ms([f], a.iters),
+                        rel_err=err)
             wgu = _r(2 * inter, K, scale=K ** -0.5)
 
             def unfused_gu():
                 h = fused.add_rmsnorm(x.clone(), d, ln, 1e-5)[1]
                 fused.silu_mul(F.linear(h, wgu))
             rec(shape=name, op="gate_up", rows=M, variant="unfused", us=1e3 * graph_ms([unfused_gu], a.iters))
-            for bk, bn, nw in itertools.product((64, 128), (16, 32, 64), (4, 8)):
+            want = fl.norm_gate_up_silu_ref(x, d, ln, 1e-5, wgu)[1]
+            for bk, bn, nw in itertools.product((64, 128), (16, 32, 64), (2, 4)):
                 def g(bk=bk, bn=bn, nw=nw):
-                    fl.launch_norm_gate_up(x, d, ln, 1e-5, wgu, bk=bk, bn=bn, num_warps=nw)
-                rec(shape=name, op="gate_up", rows=M, variant=f"bk{min(bk, 1 << (K - 1).bit_length())}_bn{bn}_w{nw}",
-                    us=1e3 * graph_ms([g], a.iters))
+                    return fl.launch_norm_gate_up(x, d, ln, 1e-5, wgu, bk=bk, bn=bn, num_warps=nw)[1]
+                err = ((g().float() - want.float()).norm() / want.float().norm()).item()
+                rec(shape=name, op="gate_up", rows=M, variant=f"bk{bk}_bn{bn}_w{nw}", us=1e3 * graph_ms([g], a.iters),
+                    rel_err=err)
             for W in (256, 512):
                 q = _r(1, M, nq, D)
                 k, v = _r(1, nkv, W, D), _r(1, nkv, W, D)
                 mask = torch.ones(1, 1, M, W, dtype=torch.bool, device="cuda")
-                for bn, nw in itertools.product((32, 64, 128, 256), (4, 8)):
+                want = attention.cached_attention_ref(q, k, v, mask)
+                for bn, nw in itertools.product((32, 64, 128, 256), (2, 4, 8)):
                     def at(bn=bn, nw=nw):
-                        attention.cached_attention(q, k, v, mask, block_n=bn, num_warps=nw)
+                        return attention.cached_attention(q, k, v, mask, block_n=bn, num_warps=nw)
+                    err = ((at().float() - want.float()).norm() / want.float().norm()).item()
                     rec(shape=name, op=f"attention_w{W}", rows=M, variant=f"bn{bn}_w{nw}",
-                        us=1e3 * graph_ms([at], a.iters))
+                        us=1e3 * graph_ms([at], a.iters), rel_err=err)
     # the best variant of each (shape, op, rows)
     best: dict = {}
     for r in rows_out:
         k = (r["shape"], r["op"], r["rows"])
-        if r["variant"] != "unfused" and (k not in best or r["us"] < best[k]["us"]):
+        if r["variant"] != "unfused" and r.get("rel_err", 1) < 2e-2 and (k not in best or r["us"] < best[k]["us"]):
             best[k] = r
     print("\nbest per (shape, op, rows), against the unfused launches:")
     for k, r in best.items():
         base = next((x["us"] for x in rows_out if (x["shape"], x["op"], x["rows"]) == k and x["variant"] == "unfused"),
                     None)
-        print(f"  {k}: {r['variant']} {r['us']:.2f} us" + (f" (unfused {base:.2f} us)" if base else ""))
+        print(f"  {k}: {r['variant']} {r['us']:.2f} us, rel err {r['rel_err']:.1e}" + (f" (unfused {base:.2f} us)" if base else ""))
 
 
 if __name__ == "__main__":

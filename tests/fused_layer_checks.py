@@ -23,7 +23,7 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 def check_norm_qkv() -> None:
     g = torch.Generator().manual_seed(0)
-    n_q, n_kv, D, cap = 3, 1, 32, 70
+    n_q, n_kv, D, cap = 3, 1, 64, 70
     for M, K, delta, bias, norm in ((1, 96, True, False, True), (5, 96, False, True, True),
                                     (33, 160, True, True, True), (17, 96, False, False, False)):
         x = torch.randn(M, K, generator=g)
@@ -40,10 +40,10 @@ def check_norm_qkv() -> None:
                                                   caches[1][0], caches[1][1], slots)
         feats = torch.zeros(M, 3 * K)  # the residual written into a strided slice (a target-feature buffer)
         s_out = feats[:, K:2 * K] if M != 5 else None
-        for bk in (32, 256):  # a loop of steps over K, and one step (BK >= K)
+        for bk, cb in ((32, 16), (256, 32)):  # a loop of steps over K, one step; two programs a head, one
             kv = caches[0].clone()
             s, q = fl.launch_norm_qkv(x.clone(), d, ln_w, 1e-5, w, b, pos, inv, n_q, n_kv, kv[0], kv[1], slots,
-                                      s_out, bk=bk)
+                                      s_out, bk=bk, cb=cb)
             _close("residual", s, s_ref)
             if s_out is not None:
                 assert s.data_ptr() == s_out.data_ptr() and not feats[:, :K].any() and not feats[:, 2 * K:].any()

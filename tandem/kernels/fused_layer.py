@@ -96,6 +96,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool
 # H200, 5.8 against 5.5 us at one row, and ran out of shared memory in fp32). BN: gate columns a
 # program of norm_gate_up_silu.
 QKV_BK, QKV_WARPS = 128, 4
+QKV_CB = 64  # columns of each rotary half a program (at most the half: one program a head)
 GATE_UP_BK, GATE_UP_WARPS = 128, 4
 
 
@@ -126,9 +127,9 @@ def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up):
 
 
 def launch_norm_qkv(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots,
-                    s_out=None, bk: int | None = None, num_warps: int | None = None):
+                    s_out=None, bk: int | None = None, num_warps: int | None = None, cb: int | None = None):
     """The kernel of norm_qkv_rope_store, unconditionally (the interpreter checks call it on the CPU);
-    bk, num_warps: the launch shape (default QKV_BK, QKV_WARPS)."""
+    bk, num_warps, cb: the launch shape (default QKV_BK, QKV_WARPS, QKV_CB)."""
     M, K = x.shape
     heads = n_q + 2 * n_kv
     D = w_qkv.shape[0] // heads
@@ -141,11 +142,12 @@ def launch_norm_qkv(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q,
     s = s_out if s_out is not None else torch.empty(M, K, dtype=x.dtype, device=x.device) if store_s else x
     q = torch.empty(M, n_q, D, dtype=x.dtype, device=x.device)
     d = delta if delta is not None else x
-    _norm_qkv_kernel[(heads, triton.cdiv(M, BLOCK_M))](
+    CB = min(cb or QKV_CB, D // 2)
+    _norm_qkv_kernel[(heads * (D // 2 // CB), triton.cdiv(M, BLOCK_M))](
         x, d, ln_w if ln_w is not None else x, w_qkv, b_qkv if b_qkv is not None else w_qkv, positions, slots, inv_freq,
         s, q, k_cache, v_cache, M, K, eps, x.stride(0), d.stride(0), s.stride(0), cache_h, cache_s, N_Q=n_q,
         N_KV=n_kv, HALF=D // 2, HAS_DELTA=delta is not None, STORE_S=store_s, NORM=ln_w is not None,
-        HAS_BIAS=b_qkv is not None, BM=BLOCK_M, BK=_bk(K, bk or QKV_BK), IEEE=x.dtype == torch.float32,
+        HAS_BIAS=b_qkv is not None, BM=BLOCK_M, BK=_bk(K, bk or QKV_BK), CB=CB, IEEE=x.dtype == torch.float32,
         num_warps=num_warps or QKV_WARPS)
     return s, q
 
@@ -206,31 +208,33 @@ if triton is not None:
     def _norm_qkv_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, b_ptr, pos_ptr, slot_ptr, inv_ptr, s_ptr, q_ptr, k_ptr, v_ptr,
                          M, K, eps, sx, sd, ss, cache_h, cache_s, N_Q: tl.constexpr, N_KV: tl.constexpr,
                          HALF: tl.constexpr, HAS_DELTA: tl.constexpr, STORE_S: tl.constexpr, NORM: tl.constexpr,
-                         HAS_BIAS: tl.constexpr,
-                         BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-        # grid (heads, row blocks): program (head, pm) computes that head's D columns for BM rows
-        head = tl.program_id(0)
+                         HAS_BIAS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, CB: tl.constexpr,
+                         IEEE: tl.constexpr):
+        # grid (heads x HALF / CB, row blocks): program (head, cb) computes columns [cb CB, cb CB + CB)
+        # of the head's two rotary halves for BM rows (each column's RoPE partner is in the same program)
+        pid = tl.program_id(0)
+        head = pid // (HALF // CB)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
         rm = rows < M
         if NORM:
             rstd = _rstd(x_ptr, d_ptr, rows, rm, K, eps, sx, sd, HAS_DELTA, BM, BK)
         else:
             rstd = tl.zeros([BM], tl.float32)
-        i = tl.arange(0, HALF)
-        n1 = head * 2 * HALF + i  # the head's first rotary half of weight rows; n1 + HALF the second
-        acc1 = tl.zeros([BM, HALF], tl.float32)
-        acc2 = tl.zeros([BM, HALF], tl.float32)
+        i = (pid % (HALF // CB)) * CB + tl.arange(0, CB)  # columns of the first half; i + HALF their partners
+        n1 = head * 2 * HALF + i  # weight rows
+        acc1 = tl.zeros([BM, CB], tl.float32)
+        acc2 = tl.zeros([BM, CB], tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             km = kk < K
             v = _rows_sum(x_ptr, d_ptr, rows, rm, kk, km, sx, sd, HAS_DELTA)
-            if STORE_S:  # the residual x + delta, written once (by the first head's programs)
-                tl.store(s_ptr + rows[:, None] * ss + kk[None, :], v, mask=rm[:, None] & km[None, :] & (head == 0))
+            if STORE_S:  # the residual x + delta, written once (by the first program of each row block)
+                tl.store(s_ptr + rows[:, None] * ss + kk[None, :], v, mask=rm[:, None] & km[None, :] & (pid == 0))
             if NORM:
                 h = _normed(v, rstd, lw_ptr, kk, km)
             else:
                 h = v
-            w1 = tl.load(w_ptr + n1[None, :] * K + kk[:, None], mask=km[:, None], other=0.0)  # [BK, HALF]
+            w1 = tl.load(w_ptr + n1[None, :] * K + kk[:, None], mask=km[:, None], other=0.0)  # [BK, CB]
             w2 = tl.load(w_ptr + (n1 + HALF)[None, :] * K + kk[:, None], mask=km[:, None], other=0.0)
             acc1 = acc1 + _mm(h, w1, IEEE)
             acc2 = acc2 + _mm(h, w2, IEEE)
@@ -255,7 +259,7 @@ if triton is not None:
             tl.store(dst, a, mask=m2)
             tl.store(dst + HALF, b, mask=m2)
         else:
-            cell = tl.load(slot_ptr + rows, mask=rm, other=0)[:, None] * cache_s + i[None, :]  # [BM, HALF]
+            cell = tl.load(slot_ptr + rows, mask=rm, other=0)[:, None] * cache_s + i[None, :]  # [BM, CB]
             if head < N_Q + N_KV:
                 dst = k_ptr + (head - N_Q) * cache_h + cell
             else:
