@@ -44,7 +44,7 @@ from tandem.kernels import fused_layer
 from tandem.kernels import paged_attention as pk
 from tandem.kernels.fused import add_rmsnorm, rope_, silu_mul
 from tandem.kv.paged import PagedKVPool
-from tandem.models.layers import MLP
+from tandem.models.layers import MLP, fusable
 from tandem.models.transformer import Transformer
 from tandem.tree.draft_tree import node_masks
 from tandem.kernels.upload import upload
@@ -981,11 +981,7 @@ class BatchedModel:
         """Whether a layer's pass over x [1, M, hidden] runs as the fused kernels: not in deterministic
         mode (its GEMMs are the batch-invariant ones), a small model, M <= fused_layer.MAX_M rows
         (a step of decodes and trees; prefill chunks keep cuBLAS), the paged attention kernel's case."""
-        attn, mlp = layer.self_attn, layer.mlp
-        return (not self.deterministic and attn.qkv_weight is not None and mlp.gate_up_weight is not None
-                and attn.q_norm is None and attn.window is None and attn.tp_group is None and mlp.tp_group is None
-                and attn.head_dim in (32, 64, 128, 256) and os.environ.get("TANDEM_FUSED_LAYER", "1") != "0"
-                and fused_layer.applies(x[0], attn.qkv_weight) and fused_layer.applies(x[0], mlp.gate_up_weight))
+        return not self.deterministic and fusable(layer.self_attn, layer.mlp, x[0])
 
     def _fused_layer(self, layer, layer_idx: int, x: torch.Tensor, delta: torch.Tensor | None,
                      rows: BatchRows) -> tuple[torch.Tensor, torch.Tensor]:

@@ -165,16 +165,22 @@ def fuse_decoder_layers(layers) -> None:
             layer.mlp.fuse()
 
 
-def fused_layer_applies(attn: Attention, mlp: MLP, x: torch.Tensor, cache, qkv_input: int | None = None) -> bool:
-    """Whether a decoder layer's pass over x [1, T, hidden] against `cache` can run as the fused
-    kernels (tandem.kernels.fused_layer): CUDA, a small model, the single-sequence KVCache, and no
-    q/k norm, sliding window or tensor parallelism (those keep the unfused path). `qkv_input`: the
-    q/k/v projection's input width where it is not x's (an EAGLE-3 layer's 2 x hidden)."""
-    return (type(cache) is KVCache and x.shape[0] == 1 and attn.qkv_weight is not None
-            and mlp.gate_up_weight is not None and attn.q_norm is None and attn.window is None
+def fusable(attn: Attention, mlp: MLP, x: torch.Tensor, qkv_input: int | None = None) -> bool:
+    """Whether a layer's rows x [..., M, hidden] can run as the fused kernels (tandem.kernels.fused_layer),
+    whatever holds its K/V: CUDA, a small model, fused q/k/v and gate/up weights, and no q/k norm,
+    sliding window or tensor parallelism (those keep the unfused path). `qkv_input`: the q/k/v
+    projection's input width where it is not x's (an EAGLE-3 layer's 2 x hidden)."""
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return (attn.qkv_weight is not None and mlp.gate_up_weight is not None and attn.q_norm is None
+            and attn.window is None and attn.tp_group is None and mlp.tp_group is None
             and attn.head_dim in (32, 64, 128, 256)  # (two rotary halves of >= 16 columns: tl.dot's smallest)
-            and attn.tp_group is None and mlp.tp_group is None and os.environ.get("TANDEM_FUSED_LAYER", "1") != "0"
-            and fused_layer.applies(x[0], attn.qkv_weight, qkv_input) and fused_layer.applies(x[0], mlp.gate_up_weight))
+            and os.environ.get("TANDEM_FUSED_LAYER", "1") != "0"
+            and fused_layer.applies(rows, attn.qkv_weight, qkv_input) and fused_layer.applies(rows, mlp.gate_up_weight))
+
+
+def fused_layer_applies(attn: Attention, mlp: MLP, x: torch.Tensor, cache, qkv_input: int | None = None) -> bool:
+    """`fusable`, against the single-sequence KVCache (the runners'): x [1, T, hidden]."""
+    return type(cache) is KVCache and x.shape[0] == 1 and fusable(attn, mlp, x[0], qkv_input)
 
 
 def fused_layer_forward(attn: Attention, mlp: MLP, ln1: RMSNorm, ln2: RMSNorm, x, delta, positions, inv_freq, cache,
