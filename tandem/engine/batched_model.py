@@ -955,15 +955,15 @@ class BatchedModel:
         want = (m.feature_layers or ()) if self.features else ()
         feats: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.model.layers):
-            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             if self._fused(layer, x):  # five launches a layer (tandem.kernels.fused_layer)
-                x, delta = self._fused_layer(layer, i, x, delta, rows)
-                if i in want:  # (the fused kernel's residual x + delta is the stream entering layer i)
-                    feats[i] = self._fused_in
+                entering, x, delta = self._fused_layer(layer, i, x, delta, rows)
+                if i in want:
+                    feats[i] = entering
                 continue
             if i in want:  # the residual stream entering layer i (the add is deferred)
                 feats[i] = x if delta is None else x + delta
-            x, h = add_rmsnorm(x.contiguous(), delta, ln1.weight, ln1.eps)
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            x, h = add_rmsnorm(x, delta, ln1.weight, ln1.eps)
             a = self._attention(layer.self_attn, i, h, rows)
             x, h = add_rmsnorm(x, a, ln2.weight, ln2.eps)
             delta = self._rowwise(layer.mlp, h)
@@ -984,27 +984,27 @@ class BatchedModel:
         return not self.deterministic and fusable(layer.self_attn, layer.mlp, x[0])
 
     def _fused_layer(self, layer, layer_idx: int, x: torch.Tensor, delta: torch.Tensor | None,
-                     rows: BatchRows) -> tuple[torch.Tensor, torch.Tensor]:
+                     rows: BatchRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoder layer as fused kernels over the paged pool: (x + delta, norm, q/k/v, RoPE, K/V
         store at the rows' slots), the paged attention, o_proj, (add, norm, gate/up, SiLU * up), down.
-        Returns (residual [1, M, hidden], MLP output); keeps x + delta in `_fused_in`."""
+        Returns (x + delta: the stream entering the layer, the residual after it [1, M, hidden], its
+        MLP output)."""
         attn, mlp = layer.self_attn, layer.mlp
         ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
         M = x.shape[1]
         H, D = attn.n_heads, attn.head_dim
         k_cache, v_cache = self.pool.layer(layer_idx)  # [num_slots, Hkv, D]
         d = None if delta is None else delta[0]
-        s, q = fused_layer.norm_qkv_rope_store(x[0], d, ln1.weight, ln1.eps, attn.qkv_weight, attn.qkv_bias,
-                                               rows.positions, self.model.inv_freq, H, attn.n_kv, k_cache, v_cache,
-                                               rows.slots)
-        self._fused_in = s[None]
+        entering, q = fused_layer.norm_qkv_rope_store(x[0], d, ln1.weight, ln1.eps, attn.qkv_weight, attn.qkv_bias,
+                                                      rows.positions, self.model.inv_freq, H, attn.n_kv, k_cache,
+                                                      v_cache, rows.slots)
         if pk.applies(q, k_cache, rows.words):
             out = pk.paged_attention(q, k_cache, v_cache, rows)  # [M, H, D]
         else:
             out = paged_attention_ref(q, k_cache, v_cache, rows, None)
         a = attn.o_proj(out.reshape(M, H * D))
-        s, h = fused_layer.norm_gate_up_silu(s, a, ln2.weight, ln2.eps, mlp.gate_up_weight)
-        return s[None], mlp.down_proj(h)[None]
+        s, h = fused_layer.norm_gate_up_silu(entering, a, ln2.weight, ln2.eps, mlp.gate_up_weight)
+        return entering[None], s[None], mlp.down_proj(h)[None]
 
     def _rowwise(self, fn, x: torch.Tensor) -> torch.Tensor:
         """fn (a row-wise layer) over the rows of x [..., M, h]. In deterministic mode batch-invariant:

@@ -39,8 +39,7 @@ except ImportError:  # pragma: no cover - CPU builds
 MAX_K = 1024  # widest input a fused kernel takes (hidden sizes of small models; wider: cuBLAS)
 MAX_WEIGHT_BYTES = 4 << 20  # largest weight: beyond it the read, not the launch, is the cost (cuBLAS)
 MAX_M = 128  # most rows (a verify pass of 127 nodes; prefill chunks are wider and keep cuBLAS)
-BLOCK_M = 16  # rows per program: tl.dot's smallest tile. Fixed, so a row's result does not
-#               depend on how many rows share the pass (the GEMM's order is the same for each)
+BLOCK_M = 16  # rows per program: tl.dot's smallest tile, the same for every row count
 
 
 # ---- references -----------------------------------------------------------------------------

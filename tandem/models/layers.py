@@ -166,16 +166,15 @@ def fuse_decoder_layers(layers) -> None:
 
 
 def fusable(attn: Attention, mlp: MLP, x: torch.Tensor, qkv_input: int | None = None) -> bool:
-    """Whether a layer's rows x [..., M, hidden] can run as the fused kernels (tandem.kernels.fused_layer),
+    """Whether a layer's rows x [M, hidden] can run as the fused kernels (tandem.kernels.fused_layer),
     whatever holds its K/V: CUDA, a small model, fused q/k/v and gate/up weights, and no q/k norm,
     sliding window or tensor parallelism (those keep the unfused path). `qkv_input`: the q/k/v
     projection's input width where it is not x's (an EAGLE-3 layer's 2 x hidden)."""
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     return (attn.qkv_weight is not None and mlp.gate_up_weight is not None and attn.q_norm is None
             and attn.window is None and attn.tp_group is None and mlp.tp_group is None
             and attn.head_dim in (32, 64, 128, 256)  # (two rotary halves of >= 16 columns: tl.dot's smallest)
             and os.environ.get("TANDEM_FUSED_LAYER", "1") != "0"
-            and fused_layer.applies(rows, attn.qkv_weight, qkv_input) and fused_layer.applies(rows, mlp.gate_up_weight))
+            and fused_layer.applies(x, attn.qkv_weight, qkv_input) and fused_layer.applies(x, mlp.gate_up_weight))
 
 
 def fused_layer_applies(attn: Attention, mlp: MLP, x: torch.Tensor, cache, qkv_input: int | None = None) -> bool:
