@@ -16,11 +16,12 @@ from safetensors.torch import load_file, save_file
 
 from models_for_tests import tiny_model
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
-from tandem.kernels.gdn import conv_tree, conv_windows, gdn_replay, gdn_snapshots_ref, gdn_tree_walk
+from tandem.kernels.gdn import (conv_tree, conv_windows, gdn_chain_chunked, gdn_replay, gdn_snapshots_ref, gdn_tree_walk,
+                                gdn_tree_wy, gdn_wy_commit)
 from tandem.models.loader import load_model
 from tandem.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen35Config
 from tandem.runtime.hybrid import HybridTarget, generate_hybrid
-from tandem.tree.draft_tree import DraftTree
+from tandem.tree.draft_tree import DraftTree, ancestor_mask
 
 TOL = 1e-4
 VOCAB = 96
@@ -264,6 +265,112 @@ def test_chain_walk_equals_step_by_step():
         S = gdn_replay(S, k[:, sl], v[:, sl], decay[:, sl], beta[:, sl], [0])
     assert torch.equal(chain, torch.cat(rows, 1))
     assert torch.equal(S, gdn_replay(S0, k, v, decay, beta, list(range(9))))
+
+
+@st.composite
+def forests(draw):
+    """Topologically ordered parents in which any node may hang from the committed state (-1)."""
+    n = draw(st.integers(1, 40))
+    return [-1] + [draw(st.integers(-1, i - 1)) for i in range(1, n)]
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def test_ancestor_mask_of_a_forest():
+    # 0 -> 1, and 2 a second root with child 3: no row sees the other tree
+    assert ancestor_mask([-1, 0, -1, 2]).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(parents=forests(), seed=st.integers(0, 2**16))
+def test_wy_equals_the_walk_on_random_forests(parents, seed):
+    """The WY form (one triangular solve for every root path) gives the walk's outputs, and its
+    commit the walked state after any root path, to fp32 rounding; strong decays included."""
+    S0, q, k, v, decay, beta = _gdn_inputs(len(parents), seed, B=2)
+    decay = decay * 4  # per-token decays down to exp(-4): path products far below 1
+    ref, snaps = gdn_snapshots_ref(S0, q, k, v, decay, beta, parents)
+    o, U, G = gdn_tree_wy(S0, q, k, v, decay, beta, ancestor_mask(parents))
+    assert torch.allclose(o, ref, atol=2e-5, rtol=1e-5), (o - ref).abs().max()
+    node = random.Random(seed).randrange(len(parents))
+    S = gdn_wy_commit(S0, k, U, G, _path(parents, node))
+    assert torch.allclose(S, snaps[node], atol=2e-5, rtol=1e-5), (S - snaps[node]).abs().max()
+
+
+@pytest.mark.parametrize("n,chunk", [(1, 64), (64, 64), (150, 64), (37, 8)])
+def test_chunked_chain_equals_the_walk(n, chunk):
+    """A prefill in WY chunks, the state carried between chunks, equals the walk's outputs and the
+    state after every row (a chunk boundary inside the chain and a ragged last chunk)."""
+    S0, q, k, v, decay, beta = _gdn_inputs(n, 11, B=2)
+    chain = list(range(-1, n - 1))
+    ref = gdn_tree_walk(S0, q, k, v, decay, beta, chain)
+    o, S = gdn_chain_chunked(S0, q, k, v, decay, beta, chunk=chunk)
+    assert torch.allclose(o, ref, atol=5e-5, rtol=1e-5), (o - ref).abs().max()
+    walked = gdn_replay(S0, k, v, decay, beta, list(range(n)))
+    assert torch.allclose(S, walked, atol=5e-5, rtol=1e-5), (S - walked).abs().max()
+
+
+def test_long_prefill_matches_transformers(pair):
+    """A 150-token prompt (three WY chunks) prefilled through the cache, then decoded a token at a
+    time: every row within TOL of transformers' full forward."""
+    _, hf, ours = pair("mixed")
+    ids = torch.randint(0, VOCAB, (156,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = _hf_logits(hf, ids)
+    target = HybridTarget(ours, capacity=200)
+    target.prefill(ids[:150])
+    rows = []
+    for t in ids[150:]:
+        logits, rec = target.logits(DraftTree.chain([t]))
+        target.commit(rec, [0])
+        rows.append(logits)
+    assert _diff(torch.cat(rows), ref[150:]) < TOL
+
+
+@pytest.mark.parametrize("name", DECODING)
+def test_wy_tree_kernel_in_the_model(pair, name):
+    """TANDEM_GDN_TREE=wy: a tree pass's logits and its committed state within TOL of the walk's;
+    greedy tree decoding then still equals ar on this pair (built far from ties)."""
+    _, _, ours = pair(name)
+    rng = random.Random(8)
+    prefix = [rng.randrange(VOCAB) for _ in range(10)]
+    parents = [-1] + [rng.randrange(i) for i in range(1, 16)]
+    tree = DraftTree([rng.randrange(VOCAB) for _ in parents], parents, [0.0] * len(parents))
+    out = {}
+    for kernel in ("walk", "wy"):
+        ours.gdn_tree = kernel
+        target = HybridTarget(ours, capacity=64)
+        target.prefill(prefix)
+        logits, rec = target.logits(tree)
+        assert rec.kernel == kernel
+        target.commit(rec, _path(parents, len(parents) - 1))
+        out[kernel] = (logits, target.state.delta)
+    ours.gdn_tree = "walk"
+    assert _diff(out["wy"][0], out["walk"][0]) < TOL
+    assert max(_diff(a, b) for a, b in zip(out["wy"][1], out["walk"][1])) < TOL
+    prompt, gen = [5, 9, 1, 77, 30], GenerationConfig(max_new_tokens=32, ignore_eos=True)
+    ar = generate_hybrid(ours, prompt, "ar", gen=gen)
+    ours.gdn_tree = "wy"
+    try:
+        res = generate_hybrid(ours, prompt, "tree", spec=SpecConfig(nodes=12), gen=gen,
+                              drafter=OracleTreeDrafter(ar.token_ids, nodes=12, seed=1))
+    finally:
+        ours.gdn_tree = "walk"
+    assert res.token_ids == ar.token_ids
+
+
+def test_unknown_gdn_tree_kernel_is_a_config_error(pair):
+    _, _, ours = pair("default")
+    ours.gdn_tree = "fast"
+    try:
+        with pytest.raises(ConfigError, match="unknown GDN tree kernel 'fast'.*walk, wy"):
+            HybridTarget(ours, capacity=16).logits(DraftTree.chain([1, 2]))
+    finally:
+        ours.gdn_tree = "walk"
 
 
 # ---- greedy decoding: ar, chain, tree ---------------------------------------------------------

@@ -17,9 +17,15 @@ Every node's state is computed by the same `_decay_update` on the same inputs, w
 pass is a chain (prefill, AR decode), a tree, or the commit replay, so the replayed state
 equals the walked state bit for bit, and a chain walk equals token-by-token decoding.
 
-NOTE: these are the semantics; a Triton path kernel (one program per node walking its root
-path with S in registers) and the WY formulation (all paths as matrix products, fp32 state as
-three bf16 pieces) are to match them and are not written yet.
+The *WY formulation* (`gdn_tree_wy`, SpecPilot s4.2) solves every root path at once with
+matrix products instead of n rank-one updates: a node's state is the decayed committed state
+plus a sum of rank-one terms k_j u_j^T over its path, and the pseudo-values u come from one
+unit lower-triangular solve whose off-diagonal entries are the ancestor pairs. It equals the
+walk up to fp32 rounding (not bitwise), so the exact loops keep the walk for tree passes and
+use the chunked WY form for prefill, where every row is committed and all methods share it
+(`gdn_chain_chunked`). A Triton path kernel (one program per node walking its root path with S
+in registers) and a Triton WY kernel (fp32 state as three bf16 pieces on tensor cores) are to
+match these and are not written yet.
 """
 from __future__ import annotations
 
@@ -139,3 +145,73 @@ def gdn_snapshots_ref(S0: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         states.append(S)
         outs.append(_read(S, q[:, i]))
     return torch.stack(outs, 1), torch.stack(states)
+
+
+# ---- WY: every root path as matrix products -----------------------------------------------
+# With a_i = exp(g_i), G_i the sum of g over node i's root path (itself included) and u_i a
+# pseudo-value, each node's state after its path is
+#     S_i = exp(G_i) S0 + sum_{j on the path to i, i included} exp(G_i - G_j) k_j u_j^T,
+# which the update S_i = a_i S_p + k_i (beta_i (v_i - (a_i S_p)^T k_i))^T satisfies when
+#     u_i + beta_i sum_{j strict ancestor of i} exp(G_i - G_j) (k_i . k_j) u_j
+#         = beta_i (v_i - exp(G_i) S0^T k_i).
+# Nodes are in topological order, so that system is unit lower triangular: one solve for all
+# paths at once, and o_i = S_i^T q_i is two more products. Only ancestor pairs enter, so the
+# tree's other branches never leak into a node (the chain is the causal special case).
+def path_log_decay(g: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+    """[B, H, n] fp32: G_i, the sum of the log decays g [B, n, H] over node i's root path (i
+    included); anc: [n, n] bool ancestor-or-self mask (tandem.tree.draft_tree.ancestor_mask)."""
+    return g.transpose(1, 2) @ anc.to(g.dtype).t()
+
+
+def gdn_tree_wy(S0: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-node outputs of the gated delta rule over a tree, all paths at once (the WY form).
+
+    S0: [B, H, dk, dv] fp32 (read only); q (scaled), k: [B, n, H, dk] fp32; v: [B, n, H, dv];
+    g, beta: [B, n, H]; anc: [n, n] bool ancestor-or-self mask, on S0's device.
+    Returns (o [B, n, H, dv] fp32, U [B, H, n, dv] pseudo-values, G [B, H, n] path log decays):
+    `gdn_wy_commit` turns U and G into the state after any root path.
+    """
+    n = anc.shape[0]
+    G = path_log_decay(g, anc)  # [B, H, n]
+    # NOTE: masked before the exp: for a non-ancestor pair G_i - G_j may be large and positive
+    diff = G[..., :, None] - G[..., None, :]  # [B, H, n, n]
+    decay = torch.where(anc, diff, float("-inf")).exp()  # exp(G_i - G_j) on ancestor-or-self pairs, else 0
+    K, Q, V = k.transpose(1, 2), q.transpose(1, 2), v.transpose(1, 2)  # [B, H, n, d]
+    eG = G.exp()[..., None]  # [B, H, n, 1]
+    b = beta.transpose(1, 2)[..., None]  # [B, H, n, 1]
+    # the solve reads only the strict lower triangle (unitriangular), so the diagonal of the
+    # product may stay as it is
+    L = b * (K @ K.transpose(-1, -2)) * decay  # [B, H, n, n]
+    rhs = b * (V - eG * (K @ S0))  # [B, H, n, dv]
+    U = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    o = eG * (Q @ S0) + ((Q @ K.transpose(-1, -2)) * decay) @ U  # [B, H, n, dv]
+    return o.transpose(1, 2), U, G
+
+
+def gdn_wy_commit(S0: torch.Tensor, k: torch.Tensor, U: torch.Tensor, G: torch.Tensor, path: list[int]
+                  ) -> torch.Tensor:
+    """The delta state [B, H, dk, dv] after the root path `path` (root first) of a WY pass:
+    exp(G_last) S0 + sum over the path of exp(G_last - G_j) k_j u_j^T, one product."""
+    idx = torch.tensor(path, device=U.device)
+    last = G[..., path[-1]]  # [B, H]
+    w = (last[..., None] - G[..., idx]).exp()[..., None]  # [B, H, m, 1]
+    Kp = k.transpose(1, 2)[:, :, idx]  # [B, H, m, dk]
+    return last.exp()[..., None, None] * S0 + Kp.transpose(-1, -2) @ (w * U[:, :, idx])
+
+
+def gdn_chain_chunked(S0: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chain (prefill) in WY chunks of `chunk` rows, the state carried from chunk to chunk.
+    Shapes as `gdn_tree_walk`. Returns (o [B, n, H, dv] fp32, the state after the last row)."""
+    n = q.shape[1]
+    outs, S = [], S0
+    w = min(chunk, n)
+    causal = torch.ones(w, w, dtype=torch.bool, device=q.device).tril()
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        sl = slice(s, e)
+        o, U, G = gdn_tree_wy(S, q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], causal[:e - s, :e - s])
+        outs.append(o)
+        S = gdn_wy_commit(S, k[:, sl], U, G, list(range(e - s)))
+    return torch.cat(outs, 1), S

@@ -14,10 +14,17 @@ mask; GDN layers read the committed `RecurrentState` without changing it and wal
 path (tandem.kernels.gdn). The pass returns a `TreeRecord` of the GDN inputs; `commit_state`
 replays the accepted path from it into the committed state. So verification keeps no state
 per node, and a chain pass equals token-by-token decoding.
+
+Which GDN kernel a pass runs (`GDN_KERNELS`): a prefill, whose rows are all committed and which
+every method runs alike, takes the chunked WY form (matrix products, not one update per token);
+a tree pass takes `Qwen3_5ForCausalLM.gdn_tree`, the walk by default (bitwise what
+token-by-token decoding computes, so greedy `chain` / `tree` equal `ar` exactly) or the WY form
+(`TANDEM_GDN_TREE=wy`: every path at once, equal to the walk up to fp32 rounding).
 """
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,12 +34,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import ConfigError
-from tandem.kernels.gdn import conv_commit, conv_tree, conv_windows, gdn_replay, gdn_tree_walk
+from tandem.kernels.gdn import (conv_commit, conv_tree, conv_windows, gdn_chain_chunked, gdn_replay, gdn_tree_walk,
+                                gdn_tree_wy, gdn_wy_commit)
 from tandem.kv.cache import KVCache
 from tandem.models.layers import MLP
 from tandem.tree.draft_tree import ancestor_mask
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+# a tree pass's GDN kernel: "walk" (exact: the updates token-by-token decoding does) or "wy"
+GDN_KERNELS = ("walk", "wy")
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 
 
@@ -148,12 +158,17 @@ class GDNRecord:
     v: torch.Tensor  # [B, n, Hv, dv] fp32
     g: torch.Tensor  # [B, n, Hv] fp32 log decay
     beta: torch.Tensor  # [B, n, Hv] fp32
+    U: torch.Tensor | None = None  # WY passes: [B, Hv, n, dv] pseudo-values
+    G: torch.Tensor | None = None  # WY passes: [B, Hv, n] path log decays
+    final: torch.Tensor | None = None  # chunked prefills: [B, Hv, dk, dv] the state after every row
 
 
 @dataclass
 class TreeRecord:
     parents: list[int]
     windows: torch.Tensor  # [n, K] conv windows (tandem.kernels.gdn.conv_windows)
+    kernel: str = "walk"  # "walk", "wy" (a tree pass, all paths at once) or "chunked" (a prefill chain)
+    anc: torch.Tensor | None = None  # "wy": [n, n] bool ancestor-or-self mask, on the model's device
     layers: list[GDNRecord] = field(default_factory=list)  # one per GDN layer, in layer order
 
 
@@ -281,8 +296,14 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x)).float()  # [B, n, Hv]
         # NOTE: in fp32 even for 16-bit weights, or exp(A_log) can overflow to inf in fp16
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [B, n, Hv]
-        o = gdn_tree_walk(p.state.delta[self.state_layer], q, k, v, g, beta, p.record.parents)  # [B, n, Hv, dv]
-        p.record.layers.append(GDNRecord(ext, k, v, g, beta))
+        S0, rec = p.state.delta[self.state_layer], GDNRecord(ext, k, v, g, beta)
+        if p.record.kernel == "chunked":
+            o, rec.final = gdn_chain_chunked(S0, q, k, v, g, beta)  # [B, n, Hv, dv]
+        elif p.record.kernel == "wy":
+            o, rec.U, rec.G = gdn_tree_wy(S0, q, k, v, g, beta, p.record.anc)
+        else:
+            o = gdn_tree_walk(S0, q, k, v, g, beta, p.record.parents)
+        p.record.layers.append(rec)
         z = self.in_proj_z(x).view(B, n, self.Hv, self.dv)
         o = self.norm(o.to(x.dtype), z)  # [B, n, Hv, dv]
         return self.out_proj(o.reshape(B, n, self.value_dim))
@@ -341,6 +362,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         # target features for feature drafters (EAGLE-3 heads, block drafters), as Transformer keeps them
         self.feature_layers: tuple[int, ...] | None = None
         self.last_features: torch.Tensor | None = None  # [B, n, len(feature_layers) * hidden]
+        self.gdn_tree = os.environ.get("TANDEM_GDN_TREE", "walk")  # a tree pass's GDN kernel (GDN_KERNELS)
 
     def enable_features(self, layers: tuple[int, ...] | None = None) -> tuple[int, ...]:
         """Keep the residual stream entering `layers` (default: a low, a middle and a high layer)
@@ -404,21 +426,27 @@ class Qwen3_5ForCausalLM(nn.Module):
         parents = list(range(-1, T - 1))
         pos = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = self._rope(pos, self.dtype)
-        rec = TreeRecord(parents, conv_windows(parents, self.config.linear_conv_kernel_dim))
+        rec = TreeRecord(parents, conv_windows(parents, self.config.linear_conv_kernel_dim), "chunked")
         return self._run(input_ids, _Pass(pos, cos, sin, state or self.new_state(B), rec))
 
     @torch.no_grad()
-    def tree_forward(self, tokens: list[int], parents: list[int], state: RecurrentState, cache: KVCache
-                     ) -> tuple[torch.Tensor, TreeRecord]:
+    def tree_forward(self, tokens: list[int], parents: list[int], state: RecurrentState, cache: KVCache,
+                     prefill: bool = False) -> tuple[torch.Tensor, TreeRecord]:
         """One pass over a tree (or a chain) that hangs from the committed sequence.
 
         tokens, parents: [n], parents in topological order with -1 for node(s) that follow the
         committed sequence directly. The nodes' K/V go to the cache's tree region (reserved
         here); a node attends to the verified prefix and to its own ancestors. The GDN layers
         read `state` and leave it as it is. Returns (logits [n, vocab], the pass's record for
-        `commit`).
+        `commit`). `prefill`: the nodes are a chain that will be committed whole (the GDN layers
+        take the chunked WY form, and the commit of every row costs nothing more).
         """
         n, dev = len(tokens), self.device
+        if prefill and list(parents) != list(range(-1, n - 1)):
+            raise ValueError("a prefill pass is a chain: parents must be [-1, 0, 1, ...]")
+        if self.gdn_tree not in GDN_KERNELS:
+            raise ConfigError(f"unknown GDN tree kernel {self.gdn_tree!r} (TANDEM_GDN_TREE); choose one of "
+                              f"{', '.join(GDN_KERNELS)}")
         start = cache.reserve_rows(n)
         prefix = cache.prefix_len
         depth = [0] * n
@@ -427,9 +455,12 @@ class Qwen3_5ForCausalLM(nn.Module):
         pos = torch.tensor([[prefix + d for d in depth]], device=dev)  # [1, n]
         mask = torch.zeros(n, start + n, dtype=torch.bool, device=dev)  # [n, S]
         mask[:, :prefix] = True
-        mask[:, start:] = ancestor_mask(parents).to(dev)
+        anc = ancestor_mask(parents).to(dev)  # [n, n]
+        mask[:, start:] = anc
         cos, sin = self._rope(pos, self.dtype)
-        rec = TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim))
+        kernel = "chunked" if prefill else ("wy" if self.gdn_tree == "wy" and n > 1 else "walk")
+        rec = TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim), kernel,
+                         anc if kernel == "wy" else None)
         p = _Pass(pos, cos, sin, state, rec, cache, torch.arange(start, start + n, device=dev), mask[None, None])
         return self._run(torch.tensor([tokens], device=dev), p)[0], rec
 
@@ -439,8 +470,14 @@ class Qwen3_5ForCausalLM(nn.Module):
         of the pass `record` into `state`, in place, layer by layer."""
         if not path:
             return
+        whole = path == list(range(len(record.parents)))  # a chain committed whole (a prefill)
         for li, r in enumerate(record.layers):
-            state.delta[li] = gdn_replay(state.delta[li], r.k, r.v, r.g, r.beta, path)
+            if r.final is not None and whole:
+                state.delta[li] = r.final
+            elif r.U is not None:
+                state.delta[li] = gdn_wy_commit(state.delta[li], r.k, r.U, r.G, path)
+            else:  # the walk's updates again (and a chunked prefill committed in part, which nothing does)
+                state.delta[li] = gdn_replay(state.delta[li], r.k, r.v, r.g, r.beta, path)
             state.conv[li] = conv_commit(r.ext, record.windows, path[-1]).to(state.conv[li].dtype)
 
 

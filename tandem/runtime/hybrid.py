@@ -54,7 +54,8 @@ class HybridTarget:
         """Feed `tokens` as one chain and commit them all (the prompt minus its last token)."""
         if not tokens:
             return
-        _, record = self.model.tree_forward(tokens, list(range(-1, len(tokens) - 1)), self.state, self.cache)
+        _, record = self.model.tree_forward(tokens, list(range(-1, len(tokens) - 1)), self.state, self.cache,
+                                            prefill=True)
         self.commit(record, list(range(len(tokens))))
 
     def logits(self, tree: DraftTree):

@@ -67,7 +67,8 @@ def children_of(parents: list[int]) -> list[list[int]]:
 def ancestor_mask(parents: list[int] | torch.Tensor, device=None) -> torch.Tensor:
     """[n, n] bool: mask[i, j] is True when node j is node i or one of its ancestors.
 
-    Parents must be in topological order (parents[i] < i), parents[root] = -1.
+    Parents must be in topological order (parents[i] < i); -1 marks a root (a forest may have
+    several).
     """
     p = parents.tolist() if isinstance(parents, torch.Tensor) else parents
     n = len(p)
@@ -76,7 +77,8 @@ def ancestor_mask(parents: list[int] | torch.Tensor, device=None) -> torch.Tenso
     # op per node is ~10x cheaper than device-style pointer jumping for trees of <= 256 nodes,
     # and this runs once per target pass on the critical path.
     for i in range(1, n):
-        anc[i] |= anc[p[i]]
+        if p[i] >= 0:  # a root's row is itself alone (anc[-1] would be the last row)
+            anc[i] |= anc[p[i]]
     out = torch.from_numpy(anc)
     return out if device is None else out.to(device)
 
