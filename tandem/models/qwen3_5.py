@@ -18,8 +18,10 @@ per node, and a chain pass equals token-by-token decoding.
 Which GDN kernel a pass runs (`GDN_KERNELS`): a prefill, whose rows are all committed and which
 every method runs alike, takes the chunked WY form (matrix products, not one update per token);
 a tree pass takes `Qwen3_5ForCausalLM.gdn_tree`, the walk by default (bitwise what
-token-by-token decoding computes, so greedy `chain` / `tree` equal `ar` exactly) or the WY form
-(`TANDEM_GDN_TREE=wy`: every path at once, equal to the walk up to fp32 rounding).
+token-by-token decoding computes, so greedy `chain` / `tree` equal `ar` exactly), the WY form
+(`TANDEM_GDN_TREE=wy`: every path at once, equal to the walk up to fp32 rounding) or the Triton
+path kernel (`TANDEM_GDN_TREE=path`, CUDA: one launch walks every node's path; exact as the
+walk is, decode steps included, since they run it too).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import ConfigError
+from tandem.kernels.gdn_path import gdn_path_commit, gdn_path_tree, path_kernel_runs, root_paths
 from tandem.kernels.gdn import (conv_commit, conv_tree, conv_windows, gdn_chain_chunked, gdn_replay, gdn_tree_walk,
                                 gdn_tree_wy, gdn_wy_commit)
 from tandem.kv.cache import KVCache
@@ -42,7 +45,7 @@ from tandem.tree.draft_tree import ancestor_mask
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 # a tree pass's GDN kernel: "walk" (exact: the updates token-by-token decoding does) or "wy"
-GDN_KERNELS = ("walk", "wy")
+GDN_KERNELS = ("walk", "wy", "path")
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 
 
@@ -167,8 +170,9 @@ class GDNRecord:
 class TreeRecord:
     parents: list[int]
     windows: torch.Tensor  # [n, K] conv windows (tandem.kernels.gdn.conv_windows)
-    kernel: str = "walk"  # "walk", "wy" (a tree pass, all paths at once) or "chunked" (a prefill chain)
+    kernel: str = "walk"  # "walk", "wy", "path" (GDN_KERNELS) or "chunked" (a prefill chain)
     anc: torch.Tensor | None = None  # "wy": [n, n] bool ancestor-or-self mask, on the model's device
+    paths: tuple[torch.Tensor, torch.Tensor] | None = None  # "path": root paths [n, depth], lengths [n]
     layers: list[GDNRecord] = field(default_factory=list)  # one per GDN layer, in layer order
 
 
@@ -301,6 +305,9 @@ class GatedDeltaNet(nn.Module):
             o, rec.final = gdn_chain_chunked(S0, q, k, v, g, beta)  # [B, n, Hv, dv]
         elif p.record.kernel == "wy":
             o, rec.U, rec.G = gdn_tree_wy(S0, q, k, v, g, beta, p.record.anc)
+        elif p.record.kernel == "path":
+            rec.v = v = v.contiguous()  # (a slice of the conv output in fp32 models)
+            o = gdn_path_tree(S0, q, k, v, g, beta, *p.record.paths)
         else:
             o = gdn_tree_walk(S0, q, k, v, g, beta, p.record.parents)
         p.record.layers.append(rec)
@@ -447,6 +454,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         if self.gdn_tree not in GDN_KERNELS:
             raise ConfigError(f"unknown GDN tree kernel {self.gdn_tree!r} (TANDEM_GDN_TREE); choose one of "
                               f"{', '.join(GDN_KERNELS)}")
+        if self.gdn_tree == "path" and not path_kernel_runs(dev):
+            raise ConfigError("the GDN path kernel (TANDEM_GDN_TREE=path) runs on CUDA with Triton (or under "
+                              "TRITON_INTERPRET=1); use TANDEM_GDN_TREE=walk on this device")
         start = cache.reserve_rows(n)
         prefix = cache.prefix_len
         depth = [0] * n
@@ -458,9 +468,11 @@ class Qwen3_5ForCausalLM(nn.Module):
         anc = ancestor_mask(parents).to(dev)  # [n, n]
         mask[:, start:] = anc
         cos, sin = self._rope(pos, self.dtype)
-        kernel = "chunked" if prefill else ("wy" if self.gdn_tree == "wy" and n > 1 else "walk")
+        # NOTE: "path" runs decode steps (n = 1) too: the same program for every pass is what
+        # makes a tree node's state the bits token-by-token decoding reaches
+        kernel = "chunked" if prefill else ("walk" if self.gdn_tree == "wy" and n == 1 else self.gdn_tree)
         rec = TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim), kernel,
-                         anc if kernel == "wy" else None)
+                         anc if kernel == "wy" else None, tuple(t.to(dev) for t in root_paths(parents)) if kernel == "path" else None)
         p = _Pass(pos, cos, sin, state, rec, cache, torch.arange(start, start + n, device=dev), mask[None, None])
         return self._run(torch.tensor([tokens], device=dev), p)[0], rec
 
@@ -476,6 +488,9 @@ class Qwen3_5ForCausalLM(nn.Module):
                 state.delta[li] = r.final
             elif r.U is not None:
                 state.delta[li] = gdn_wy_commit(state.delta[li], r.k, r.U, r.G, path)
+            elif record.kernel == "path":  # in place, the kernel's own steps: the bits the pass read
+                state.delta[li] = gdn_path_commit(state.delta[li].contiguous(), r.k, r.v, r.g, r.beta,
+                                                  *record.paths, path[-1])
             else:  # the walk's updates again (and a chunked prefill committed in part, which nothing does)
                 state.delta[li] = gdn_replay(state.delta[li], r.k, r.v, r.g, r.beta, path)
             state.conv[li] = conv_commit(r.ext, record.windows, path[-1]).to(state.conv[li].dtype)
