@@ -111,11 +111,11 @@ def _tiny_target() -> Qwen3_5ForCausalLM:
     return model
 
 
-def check_model() -> None:
+def check_model(device: str = "cpu") -> None:
     """A tiny hybrid target with TANDEM_GDN_TREE=path: a tree pass's logits and committed state equal
     the walk's to fp32 rounding, and greedy tree decoding (an oracle tree holding the ar path)
     gives ar's tokens."""
-    model = _tiny_target()
+    model = _tiny_target().to(device)
     rng = random.Random(2)
     prefix = [rng.randrange(96) for _ in range(9)]
     parents = [-1] + [rng.randrange(i) for i in range(1, 12)]

@@ -6,7 +6,6 @@ same checks compiled (tests/gpu/test_gpu_gdn_path.py).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from triton_interpreter import NEEDS_TRITON, run_checks
 from tandem.config import ConfigError

@@ -172,7 +172,6 @@ def gdn_tree_wy(S0: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     Returns (o [B, n, H, dv] fp32, U [B, H, n, dv] pseudo-values, G [B, H, n] path log decays):
     `gdn_wy_commit` turns U and G into the state after any root path.
     """
-    n = anc.shape[0]
     G = path_log_decay(g, anc)  # [B, H, n]
     # NOTE: masked before the exp: for a non-ancestor pair G_i - G_j may be large and positive
     diff = G[..., :, None] - G[..., None, :]  # [B, H, n, n]
