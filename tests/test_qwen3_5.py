@@ -569,3 +569,19 @@ def test_feature_drafters_over_a_hybrid_target_equal_ar(pair, kind, tmp_path):
         assert ours.last_features.shape[-1] == 3 * ours.config.hidden_size
     finally:
         ours.feature_layers, ours.last_features = None, None  # the shared model: back to no features
+
+
+def test_acceptance_replay_with_a_hybrid_target(pair):
+    """forced_accepts (the bench's simulated acceptance) reaches the hybrid loop through Generator:
+    each pass accepts the recorded count along the draft's most probable path (the trees here are
+    deep enough for every count), so the accept lengths are the recorded ones in order, cycled."""
+    from tandem.runtime.generate import Generator
+
+    _, _, ours = pair("default")
+    draft = tiny_model(vocab=VOCAB, seed=5)
+    forced = [3, 0, 2, 1]
+    res = Generator(ours, draft).generate([7, 7, 21, 64, 3, 90], "chain", SpecConfig(k=4),
+                                          gen=GenerationConfig(max_new_tokens=40, ignore_eos=True),
+                                          forced_accepts=forced)
+    n = len(res.accept_lengths)
+    assert n >= 8 and res.accept_lengths[:-1] == (forced * n)[:n - 1]  # (the last pass may be cut by max_tokens)

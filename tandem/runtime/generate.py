@@ -199,7 +199,8 @@ class Generator:
             from tandem.runtime.hybrid import generate_hybrid
 
             return generate_hybrid(self.target_model, prompt_ids, method, self.draft_model, spec, gen, self.tokenizer,
-                                   on_tokens, use_graphs=self.use_graphs, sampling=sampling)
+                                   on_tokens, use_graphs=self.use_graphs, sampling=sampling,
+                                   forced_accepts=forced_accepts)
         if method == "auto":  # the measured fastest method (tandem.runtime.auto); --method overrides
             if (tensor_parallel_size, draft_tensor_parallel_size) != (1, 1) or split_search is not None:
                 raise ConfigError("--tensor-parallel-size / --split-search need --method async, not auto")

@@ -24,10 +24,10 @@ import torch
 
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.runtime.plan import RequestPlan, plan_request
-from tandem.runtime.target import Launch
+from tandem.runtime.target import Launch, replayed_accept
 from tandem.tree.draft_tree import DraftTree
 from tandem.verify.sampling import probs_from_logits
-from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept
+from tandem.verify.verifier import VerifyResult, greedy_accept, rejection_accept, replay_accept
 
 HYBRID_METHODS = ("ar", "chain", "tree")
 
@@ -70,11 +70,15 @@ class HybridTarget:
         self.model.commit_state(self.state, record, path)
 
     def verify(self, tree: DraftTree, sampling: SamplingConfig | None = None,
-               generator: torch.Generator | None = None) -> VerifyResult:
+               generator: torch.Generator | None = None, forced: int | None = None) -> VerifyResult:
         """Greedy accept, or (sampling not greedy) recursive rejection sampling over the tree with
-        the target's processed distributions: the committed tokens follow the target's law."""
+        the target's processed distributions: the committed tokens follow the target's law.
+        `forced`: acceptance replay (simulated) takes that many nodes along the draft's most
+        probable path instead (tandem.verify.verifier.replay_accept); the pass and commit are real."""
         logits, record = self.logits(tree)
-        if sampling is None or sampling.greedy:
+        if forced is not None:
+            result = replay_accept(tree, logits.argmax(-1).tolist(), forced)
+        elif sampling is None or sampling.greedy:
             result = greedy_accept(tree, logits.argmax(-1).tolist())
         else:
             result = rejection_accept(tree, probs_from_logits(logits, sampling), generator)
@@ -103,9 +107,7 @@ class HybridTargetWorker:
 
     def finish(self, launch) -> VerifyResult:
         t0 = time.perf_counter()
-        if launch.forced is not None:
-            raise ConfigError("acceptance replay does not run with hybrid targets")
-        result = self.target.verify(launch.tree, self.sampling, self.generator)
+        result = self.target.verify(launch.tree, self.sampling, self.generator, launch.forced)
         self.busy_s += time.perf_counter() - t0
         return result
 
@@ -152,11 +154,13 @@ def hybrid_drafter(method: str, draft_model, spec: SpecConfig, plan: RequestPlan
 def generate_hybrid(target_model, prompt_ids: list[int], method: str = "tree", draft_model=None,
                     spec: SpecConfig = SpecConfig(), gen: GenerationConfig = GenerationConfig(), tokenizer=None,
                     on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter | None = None,
-                    use_graphs: bool | str | None = None, sampling: SamplingConfig = SamplingConfig()):
+                    use_graphs: bool | str | None = None, sampling: SamplingConfig = SamplingConfig(),
+                    forced_accepts: list[int] | None = None):
     """Decoding of one request with a hybrid target. Greedy: `ar`, `chain` and `tree` give the
     same tokens. Sampled: the drafters' best-first trees are point masses, so recursive rejection
     sampling keeps the target's distribution. `drafter` (optional) replaces the one built from
-    `draft_model`."""
+    `draft_model`. `forced_accepts`: acceptance replay (simulated, benchmarks only): pass i accepts
+    forced_accepts[i % len] nodes; the tokens are then not a decoding of anything."""
     from tandem.runtime.emit import Emitter
     from tandem.runtime.result import GenerationResult
 
@@ -201,7 +205,8 @@ def generate_hybrid(target_model, prompt_ids: list[int], method: str = "tree", d
     g = torch.Generator().manual_seed(sampling.seed)  # as the attention-only loop seeds a request
     while True:
         tree = drafter.propose() if drafter is not None else DraftTree.chain([root])  # ar: the root alone
-        result = target.verify(tree, sampling, g)
+        forced = replayed_accept(forced_accepts, target.passes) if drafter is not None else None
+        result = target.verify(tree, sampling, g, forced)
         if drafter is not None and feature_layers:  # the root's and the accepted nodes' features
             drafter.observe(result, tree, target_model.last_features[0][result.path])
         elif drafter is not None:
