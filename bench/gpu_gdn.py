@@ -1,7 +1,7 @@
 """GDN tree verification and commit per kernel: the torch walk, the WY form, the Triton path kernel.
 
-At the Qwen3.5-4B GDN shape by default (32 value heads of 128 x 128, 16 key heads; 24 of its 32
-layers are GDN), for trees of N = 16, 32 and 64 nodes shaped as best-first trees are (each node
+At transformers' default Qwen3.5 GDN shape (`Qwen3_5TextConfig()`: 32 value heads of 128 x 128, 16
+key heads, 24 of its 32 layers GDN; pass a checkpoint's own values with --heads / --dim / --gdn-layers), for trees of N = 16, 32 and 64 nodes shaped as best-first trees are (each node
 under one of the 4 previous ones, so paths run deep), and the commit of an accepted path of 6.
 Times are one layer's gated delta rule alone (inputs ready: q, k, v, g, beta), eager and inside a
 CUDA graph; `x layers` multiplies by the GDN layer count (the paper's H100 figure is over 48 GDN
@@ -74,7 +74,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--heads", type=int, default=32, help="value heads (linear_num_value_heads)")
     ap.add_argument("--dim", type=int, default=128, help="linear_key_head_dim = linear_value_head_dim")
-    ap.add_argument("--gdn-layers", type=int, default=24, help="GDN layers of the model (Qwen3.5-4B: 24)")
+    ap.add_argument("--gdn-layers", type=int, default=24, help="GDN layers of the model (transformers' default config: 24)")
     ap.add_argument("--nodes", default="16,32,64")
     ap.add_argument("--accepted", type=int, default=6, help="length of the committed path")
     ap.add_argument("--iters", type=int, default=200)

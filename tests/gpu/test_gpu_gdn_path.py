@@ -1,5 +1,5 @@
-"""GPU lane: the GDN path kernel (tandem.kernels.gdn_path) compiled, at the Qwen3.5-4B GDN shape
-(32 value heads of 128 x 128, 16 key heads), against the torch walk and the WY form; its bitwise
+"""GPU lane: the GDN path kernel (tandem.kernels.gdn_path) compiled, at transformers' default Qwen3.5
+GDN shape (32 value heads of 128 x 128, 16 key heads), against the torch walk and the WY form; its bitwise
 exactness (a tree node equals committing its parent's path and decoding it alone); and a random
 hybrid target decoding through it (greedy tree equals ar, fp32).
 """
