@@ -585,3 +585,73 @@ def test_acceptance_replay_with_a_hybrid_target(pair):
                                           forced_accepts=forced)
     n = len(res.accept_lengths)
     assert n >= 8 and res.accept_lengths[:-1] == (forced * n)[:n - 1]  # (the last pass may be cut by max_tokens)
+
+
+# ---- a hybrid draft ---------------------------------------------------------------------------
+def test_hybrid_draft_runner_rows_equal_a_forward_of_their_paths(pair):
+    """The hybrid draft runner (GDN inputs kept per tree row, no state per node) through steps,
+    commits with a kept subtree and commits without: every fed row's logits equal the full
+    forward of prefix + its root path, and the committed state continues the sequence."""
+    from tandem.runtime.hybrid_runner import HybridDraftRunner
+
+    _, _, ours = pair("mixed")
+    runner = HybridDraftRunner(ours, capacity=64)
+    prefix = [3, 17, 42, 8, 11, 60, 2]
+
+    def want(seq):
+        return ours(torch.tensor([seq]))[0, -1]
+
+    assert _diff(runner.prefill(prefix), want(prefix)) < TOL
+    P = len(prefix)
+    # rows 0 (a), 1 (b) under the root; then 2 (c, under a), 3 (d, under b), 4 (e, under c) in one step
+    out = runner.step([10, 20], [P, P], torch.eye(2, dtype=torch.bool))
+    assert _diff(out[0], want(prefix + [10])) < TOL and _diff(out[1], want(prefix + [20])) < TOL
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[0, [0, 2]] = mask[1, [1, 3]] = mask[2, [0, 2, 4]] = True
+    out = runner.step([30, 40, 50], [P + 1, P + 1, P + 2], mask)
+    for row, seq in zip(out, ([10, 30], [20, 40], [10, 30, 50])):
+        assert _diff(row, want(prefix + seq)) < TOL, seq
+    # the target accepts a: a joins the prefix, its subtree (c, e) stays with its K/V and GDN inputs
+    runner.cache.commit([0], keep=[2, 4])
+    assert runner.cache.prefix_len == P + 1 and runner.cache.tree_len == 2 and runner.cache.parents == [-1, 0]
+    out = runner.step([60], [P + 3], torch.tensor([[True, True, True]]))  # f under e
+    assert _diff(out[0], want(prefix + [10, 30, 50, 60])) < TOL
+    # accept c, e, f: nothing kept; the next row hangs from f
+    runner.cache.commit([0, 1, 2])
+    assert runner.cache.prefix_len == P + 4 and runner.cache.tree_len == 0
+    out = runner.step([70], [P + 4], torch.tensor([[True]]))
+    assert _diff(out[0], want(prefix + [10, 30, 50, 60, 70])) < TOL
+    with pytest.raises(ValueError, match="truncates to 0 or its prefix"):
+        runner.cache.truncate(3)
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_hybrid_draft_equals_ar(pair, method):
+    """A Qwen3.5 draft for a Qwen3.5 target through the evolving tree: greedy output equals ar; with
+    the target itself as the draft every chain step accepts all k tokens (the draft's state across
+    re-roots is the target's), and trees accept several."""
+    from tandem.runtime.generate import Generator
+
+    _, _, ours = pair("default")
+    _, _, other = pair("mixed")
+    prompt, gen = [5, 9, 1, 77, 30], GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    ar = generate_hybrid(ours, prompt, "ar", gen=gen)
+    spec = SpecConfig(nodes=12, width=2, k=4)
+    for draft in (other, ours):
+        res = Generator(ours, draft).generate(prompt, method, spec, gen=gen)
+        assert res.token_ids == ar.token_ids
+    if method == "chain":
+        assert res.accept_lengths[:-1] == [4] * (len(res.accept_lengths) - 1)
+    else:
+        assert min(res.accept_lengths[:-1]) >= 2 and res.target_passes <= ar.target_passes / 3
+
+
+def test_hybrid_draft_errors(pair):
+    from tandem.runtime.generate import Generator
+
+    _, _, ours = pair("default")
+    gen = GenerationConfig(max_new_tokens=4)
+    with pytest.raises(ConfigError, match="async with a hybrid draft"):
+        Generator(ours, ours).generate([1, 2, 3], "async", SpecConfig(nodes=4), gen=gen)
+    with pytest.raises(ConfigError, match="drafts for Qwen3.5 targets only"):
+        Generator(tiny_model(vocab=VOCAB), ours).generate([1, 2, 3], "tree", SpecConfig(nodes=4), gen=gen)

@@ -167,6 +167,18 @@ class GDNRecord:
 
 
 @dataclass
+class RowInputs:
+    """One GDN layer's inputs for rows already in a draft's tree region (`draft_step`): what the
+    delta rule and the conv of their descendants read, so those rows are never run again."""
+
+    conv_in: torch.Tensor  # [B, m, conv_dim] the rows' conv inputs, model dtype
+    k: torch.Tensor  # [B, m, Hv, dk] fp32
+    v: torch.Tensor  # [B, m, Hv, dv] fp32
+    g: torch.Tensor  # [B, m, Hv] fp32
+    beta: torch.Tensor  # [B, m, Hv] fp32
+
+
+@dataclass
 class TreeRecord:
     parents: list[int]
     windows: torch.Tensor  # [n, K] conv windows (tandem.kernels.gdn.conv_windows)
@@ -188,6 +200,7 @@ class _Pass:
     cache: KVCache | None = None
     slots: torch.Tensor | None = None  # [n] cache rows of the nodes
     mask: torch.Tensor | None = None  # [B, 1, n, S] bool over cache columns; None = causal, no cache
+    history: list[RowInputs] | None = None  # draft steps: per GDN layer, the earlier tree rows' inputs
 
 
 # ---- layers -----------------------------------------------------------------------------
@@ -290,8 +303,11 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, p: _Pass) -> torch.Tensor:
         B, n, _ = x.shape  # x: [B, n, hidden]
         conv_state = p.state.conv[self.state_layer]  # [B, conv_dim, K - 1]
-        ext = torch.cat([conv_state.transpose(1, 2).to(x.dtype), self.in_proj_qkv(x)], dim=1)  # [B, K-1+n, C]
-        mixed = conv_tree(ext, self.conv1d.weight[:, 0], p.record.windows)  # [B, n, C]
+        old = p.history[self.state_layer] if p.history else None  # a draft step's earlier tree rows
+        m = 0 if old is None else old.k.shape[1]
+        cols = [conv_state.transpose(1, 2).to(x.dtype)] + ([old.conv_in] if m else []) + [self.in_proj_qkv(x)]
+        ext = torch.cat(cols, dim=1)  # [B, K-1 + m + n, C]
+        mixed = conv_tree(ext, self.conv1d.weight[:, 0], p.record.windows[m:])  # [B, n, C]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.Hv // self.Hk  # each q/k head serves `rep` consecutive value heads
         q = _l2norm(q.reshape(B, n, self.Hk, self.dk).float()).repeat_interleave(rep, dim=2) * self.dk ** -0.5
@@ -301,6 +317,9 @@ class GatedDeltaNet(nn.Module):
         # NOTE: in fp32 even for 16-bit weights, or exp(A_log) can overflow to inf in fp16
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [B, n, Hv]
         S0, rec = p.state.delta[self.state_layer], GDNRecord(ext, k, v, g, beta)
+        if m:  # the earlier rows walk again (their inputs kept, no projection rerun); only new rows' o is used
+            q = torch.cat([torch.zeros_like(old.k), q], 1)
+            k, v, g, beta = (torch.cat(ab, 1) for ab in ((old.k, k), (old.v, v), (old.g, g), (old.beta, beta)))
         if p.record.kernel == "chunked":
             o, rec.final = gdn_chain_chunked(S0, q, k, v, g, beta)  # [B, n, Hv, dv]
         elif p.record.kernel == "wy":
@@ -310,6 +329,7 @@ class GatedDeltaNet(nn.Module):
             o = gdn_path_tree(S0, q, k, v, g, beta, *p.record.paths)
         else:
             o = gdn_tree_walk(S0, q, k, v, g, beta, p.record.parents)
+        o = o[:, m:]
         p.record.layers.append(rec)
         z = self.in_proj_z(x).view(B, n, self.Hv, self.dv)
         o = self.norm(o.to(x.dtype), z)  # [B, n, Hv, dv]
@@ -474,6 +494,34 @@ class Qwen3_5ForCausalLM(nn.Module):
         rec = TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim), kernel,
                          anc if kernel == "wy" else None, tuple(t.to(dev) for t in root_paths(parents)) if kernel == "path" else None)
         p = _Pass(pos, cos, sin, state, rec, cache, torch.arange(start, start + n, device=dev), mask[None, None])
+        return self._run(torch.tensor([tokens], device=dev), p)[0], rec
+
+    @torch.no_grad()
+    def draft_step(self, tokens: list[int], positions: list[int], parents: list[int], state: RecurrentState,
+                   cache: KVCache, history: list[RowInputs] | None) -> tuple[torch.Tensor, TreeRecord]:
+        """A draft's expansion step (tandem.runtime.hybrid_runner): len(tokens) new rows appended to
+        the cache's tree region after the m rows already there, whose GDN inputs `history` holds.
+
+        parents: [m + T] over all tree rows (topological; -1 = hangs from the last prefix row);
+        positions: [T]. A new row attends to the prefix and its ancestor rows; its GDN layers walk
+        its root path from the committed `state` over the stored inputs. Returns (logits [T, vocab],
+        the record: its layers hold the new rows' inputs, `ext` with the conv inputs last).
+        """
+        T, dev = len(tokens), self.device
+        m = len(parents) - T
+        start = cache.reserve_rows(T)
+        prefix = cache.prefix_len
+        anc = ancestor_mask(parents)  # [m + T, m + T]
+        mask = torch.zeros(T, start + T, dtype=torch.bool)
+        mask[:, :prefix] = True
+        mask[:, prefix:] = anc[m:]
+        pos = torch.tensor([positions], device=dev)
+        cos, sin = self._rope(pos, self.dtype)
+        kernel = "walk" if self.gdn_tree == "path" else self.gdn_tree  # (the path kernel's draft use is untried)
+        rec = TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim), kernel,
+                         anc.to(dev) if kernel == "wy" else None)
+        p = _Pass(pos, cos, sin, state, rec, cache, torch.arange(start, start + T, device=dev),
+                  mask.to(dev)[None, None], history)
         return self._run(torch.tensor([tokens], device=dev), p)[0], rec
 
     @torch.no_grad()

@@ -103,6 +103,9 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
         raise ConfigError("the prompt is empty; give at least one token of text")
     if draft_model is None:
         raise ConfigError("method 'async' needs a draft model; pass --draft DIR or use --method ar")
+    if getattr(draft_model, "is_hybrid", False):
+        raise ConfigError("async with a hybrid draft (Qwen3.5) is not built; use --method tree or chain with it, "
+                          "or an attention-only draft")
     on_cuda = target_model.device.type == "cuda"
     hybrid = getattr(target_model, "is_hybrid", False)
     if transport == "auto":

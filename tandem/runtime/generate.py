@@ -201,6 +201,10 @@ class Generator:
             return generate_hybrid(self.target_model, prompt_ids, method, self.draft_model, spec, gen, self.tokenizer,
                                    on_tokens, use_graphs=self.use_graphs, sampling=sampling,
                                    forced_accepts=forced_accepts)
+        if getattr(self.draft_model, "is_hybrid", False) and method != "ar" and \
+                not getattr(self.target_model, "is_hybrid", False):
+            raise ConfigError("a Qwen3.5 (hybrid) draft drafts for Qwen3.5 targets only (their loop keeps its "
+                              "recurrent state); pair this target with an attention-only draft")
         if method == "auto":  # the measured fastest method (tandem.runtime.auto); --method overrides
             if (tensor_parallel_size, draft_tensor_parallel_size) != (1, 1) or split_search is not None:
                 raise ConfigError("--tensor-parallel-size / --split-search need --method async, not auto")

@@ -11,8 +11,9 @@
 
 The target keeps no recurrent state per tree node: `verify` reads the committed state, and
 the commit replays the accepted path into it (tandem.models.qwen3_5, tandem.kernels.gdn).
-The draft is any attention-only Tandem draft model over the same vocabulary (e.g. the
-bundled-style small draft), run by the usual drafters.
+The draft is any Tandem draft model over the same vocabulary (e.g. the bundled-style small
+draft), an EAGLE-3 head, a block drafter, or a Qwen3.5 draft (tandem.runtime.hybrid_runner:
+its tree rows keep their GDN inputs, not states), run by the usual drafters.
 """
 from __future__ import annotations
 
@@ -141,6 +142,14 @@ def hybrid_drafter(method: str, draft_model, spec: SpecConfig, plan: RequestPlan
     drafter = feature_drafter(draft_model, spec, method == "chain", plan.target_rows,
                               lambda model, rows: ModelRunner(model, rows, use_graphs))
     if drafter is not None:
+        return drafter
+    if getattr(draft_model, "is_hybrid", False):  # a Qwen3.5 draft: its GDN inputs kept per tree row
+        from tandem.runtime.hybrid_runner import HybridDraftRunner
+
+        runner = HybridDraftRunner(draft_model, plan.draft_rows)
+        sub = spec if method == "tree" else SpecConfig(method="tree", nodes=spec.k, width=1, depth=spec.k - 1)
+        drafter = TreeDrafter(runner, sub)
+        drafter.tree.device_rounds = False  # (the device rounds drive ModelRunner's graphs)
         return drafter
     if not isinstance(draft_model, Transformer):
         raise ConfigError(f"method {method!r} with a hybrid target needs a small draft model (llama / qwen families), "
