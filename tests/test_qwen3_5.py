@@ -655,3 +655,26 @@ def test_hybrid_draft_errors(pair):
         Generator(ours, ours).generate([1, 2, 3], "async", SpecConfig(nodes=4), gen=gen)
     with pytest.raises(ConfigError, match="drafts for Qwen3.5 targets only"):
         Generator(tiny_model(vocab=VOCAB), ours).generate([1, 2, 3], "tree", SpecConfig(nodes=4), gen=gen)
+
+
+def test_load_pair_takes_a_hybrid_draft(pair, tmp_path):
+    """`load_pair` (what the CLI, bench and server load through) accepts a Qwen3.5 draft folder (it
+    read an attention-only config from it before), and the pair decodes as ar does."""
+    import shutil
+
+    from tandem.runtime.generate import Generator
+    from tandem.runtime.pair import BUNDLED_TARGET, load_pair
+
+    dirs = []
+    for name in ("default", "mixed"):
+        d = tmp_path / name
+        shutil.copytree(pair(name)[0], d)
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(BUNDLED_TARGET / f, d / f)
+        dirs.append(d)
+    p = load_pair(dirs[0], dirs[1])
+    assert isinstance(p.draft, Qwen3_5ForCausalLM) and isinstance(p.target, Qwen3_5ForCausalLM)
+    gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    eng = Generator(p.target, p.draft)
+    assert eng.generate([4, 8, 15, 16], "tree", SpecConfig(nodes=8), gen=gen).token_ids == \
+        eng.generate([4, 8, 15, 16], "ar", gen=gen).token_ids

@@ -102,7 +102,8 @@ def load_pair(target: str | Path | None = None, draft: str | Path | None = None,
     target, tokenizer = target_tokenizer(target)
     kind = draft_kind(draft) if draft is not None else None
     if kind == "model":
-        read_config(draft)
+        if not _is_hybrid(draft):  # (a Qwen3.5 draft reads its own config, as a Qwen3.5 target does)
+            read_config(draft)
         if load_tokenizer(draft).get_vocab() != tokenizer.get_vocab():
             raise ConfigError(f"draft {str(draft)!r} and target {str(target)!r} use different tokenizers; "
                               "speculative decoding needs one shared vocabulary")
