@@ -505,16 +505,16 @@ def test_generator_dispatches_a_hybrid_target(pair):
     assert a.token_ids == b.token_ids and len(a.token_ids) == 20  # sampled, and the seed reproduces it
 
 
-@pytest.mark.parametrize("method", ["ar", "tree"])
-def test_sampling_with_a_hybrid_target_follows_the_target(pair, method):
+@pytest.mark.parametrize("method,drafter", [("ar", None), ("tree", "model"), ("tree", "hybrid")])
+def test_sampling_with_a_hybrid_target_follows_the_target(pair, method, drafter):
     """Recursive rejection sampling over a hybrid target's tree pass (GDN paths recomputed): the
     first two sampled tokens follow the target's own distributions (total variation over 500
-    seeds), whatever the draft proposes."""
+    seeds), whatever the draft proposes: an attention-only draft or a Qwen3.5 one."""
     from tandem.config import SamplingConfig
     from tandem.verify.sampling import probs_from_logits
 
     _, _, ours = pair("default")
-    draft = tiny_model(vocab=VOCAB, seed=5)
+    draft = pair("mixed")[2] if drafter == "hybrid" else tiny_model(vocab=VOCAB, seed=5)
     prompt, n = [7, 7, 21, 64, 3, 90], 500
     sampling = SamplingConfig(temperature=1.0)
     with torch.no_grad():
@@ -678,3 +678,11 @@ def test_load_pair_takes_a_hybrid_draft(pair, tmp_path):
     eng = Generator(p.target, p.draft)
     assert eng.generate([4, 8, 15, 16], "tree", SpecConfig(nodes=8), gen=gen).token_ids == \
         eng.generate([4, 8, 15, 16], "ar", gen=gen).token_ids
+
+
+def test_batched_engine_refuses_a_hybrid_target_in_one_line(pair):
+    from tandem.engine.engine import Engine
+
+    _, _, ours = pair("default")
+    with pytest.raises(ConfigError, match="does not run hybrid \\(Qwen3.5\\) targets yet"):
+        Engine(ours)

@@ -171,6 +171,9 @@ class _BatchedFeatureHandle:
 class Engine:
     def __init__(self, target, draft=None, tokenizer=None, config: EngineConfig = EngineConfig()):
         config.validate()
+        if getattr(target, "is_hybrid", False):
+            raise ConfigError("the batched engine (tandem.LLM, tandem serve, bench --concurrency) does not run "
+                              "hybrid (Qwen3.5) targets yet; decode them with tandem generate / Generator")
         if config.method != "ar" and draft is None:
             raise ConfigError(f"method {config.method!r} needs a draft model; pass one or use method 'ar'")
         # a feature drafter (block drafter, EAGLE-3 head) reads the target's features of every pass
