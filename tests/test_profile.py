@@ -299,7 +299,7 @@ def test_profile_draft_block_cli(tmp_path, capsys):
 def test_profile_draft_over_a_hybrid_target(tmp_path, capsys):
     """`tandem profile --target QWEN3.5 --draft DIR`: the hybrid target's verify passes are timed as
     the hybrid loop runs them (GDN paths from the committed state), ar included; a feature drafter
-    over a hybrid target is a one-line error."""
+    or a Qwen3.5 draft over a hybrid target is a one-line error."""
     import sys
 
     from conftest import save_tiny_checkpoint
@@ -323,6 +323,9 @@ def test_profile_draft_over_a_hybrid_target(tmp_path, capsys):
     rc = cli.main(["profile", "--target", str(target), "--draft", "block", "--device", "cpu", "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    rc = cli.main(["profile", "--target", str(target), "--draft", str(target), "--device", "cpu", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "a Qwen3.5 (hybrid) draft is not profiled yet" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_profile_draft_errors(tmp_path, capsys):

@@ -757,6 +757,9 @@ def run_drafters(args: argparse.Namespace) -> int:
     target = pair.target
     device = target.device
     hybrid = getattr(target, "is_hybrid", False)
+    if getattr(pair.draft, "is_hybrid", False):
+        raise ConfigError("tandem profile times attention-only draft models; a Qwen3.5 (hybrid) draft is not "
+                          "profiled yet (decode with it through tandem generate)")
     if hybrid and any(d.kind in ("block", "eagle3") for d in drafters):
         raise ConfigError("tandem profile times a hybrid (Qwen3.5) target with draft models only; give --draft DIR of a "
                           "small draft model, not block / eagle3")
