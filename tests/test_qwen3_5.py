@@ -592,6 +592,7 @@ def test_hybrid_draft_runner_rows_equal_a_forward_of_their_paths(pair):
     """The hybrid draft runner (GDN inputs kept per tree row, no state per node) through steps,
     commits with a kept subtree and commits without: every fed row's logits equal the full
     forward of prefix + its root path, and the committed state continues the sequence."""
+    from tandem.runtime.async_workers import time_step
     from tandem.runtime.hybrid_runner import HybridDraftRunner
 
     _, _, ours = pair("mixed")
@@ -606,6 +607,8 @@ def test_hybrid_draft_runner_rows_equal_a_forward_of_their_paths(pair):
     # rows 0 (a), 1 (b) under the root; then 2 (c, under a), 3 (d, under b), 4 (e, under c) in one step
     out = runner.step([10, 20], [P, P], torch.eye(2, dtype=torch.bool))
     assert _diff(out[0], want(prefix + [10])) < TOL and _diff(out[1], want(prefix + [20])) < TOL
+    time_step(runner, 2, repeats=1)  # async's profile: steps of its own, then tree_len lowered back
+    assert runner.cache.tree_len == 2
     mask = torch.zeros(3, 5, dtype=torch.bool)
     mask[0, [0, 2]] = mask[1, [1, 3]] = mask[2, [0, 2, 4]] = True
     out = runner.step([30, 40, 50], [P + 1, P + 1, P + 2], mask)
@@ -625,11 +628,11 @@ def test_hybrid_draft_runner_rows_equal_a_forward_of_their_paths(pair):
         runner.cache.truncate(3)
 
 
-@pytest.mark.parametrize("method", ["chain", "tree"])
+@pytest.mark.parametrize("method", ["chain", "tree", "async"])
 def test_hybrid_draft_equals_ar(pair, method):
     """A Qwen3.5 draft for a Qwen3.5 target through the evolving tree: greedy output equals ar; with
     the target itself as the draft every chain step accepts all k tokens (the draft's state across
-    re-roots is the target's), and trees accept several."""
+    re-roots is the target's), and trees (serial and async) accept several."""
     from tandem.runtime.generate import Generator
 
     _, _, ours = pair("default")
@@ -642,6 +645,8 @@ def test_hybrid_draft_equals_ar(pair, method):
         assert res.token_ids == ar.token_ids
     if method == "chain":
         assert res.accept_lengths[:-1] == [4] * (len(res.accept_lengths) - 1)
+    elif method == "async":  # (SwiftSpec's loop, inline transport: the draft worker's evolving tree)
+        assert res.target_passes <= ar.target_passes / 3
     else:
         assert min(res.accept_lengths[:-1]) >= 2 and res.target_passes <= ar.target_passes / 3
 
@@ -651,8 +656,6 @@ def test_hybrid_draft_errors(pair):
 
     _, _, ours = pair("default")
     gen = GenerationConfig(max_new_tokens=4)
-    with pytest.raises(ConfigError, match="async with a hybrid draft"):
-        Generator(ours, ours).generate([1, 2, 3], "async", SpecConfig(nodes=4), gen=gen)
     with pytest.raises(ConfigError, match="drafts for Qwen3.5 targets only"):
         Generator(tiny_model(vocab=VOCAB), ours).generate([1, 2, 3], "tree", SpecConfig(nodes=4), gen=gen)
 

@@ -103,11 +103,12 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
         raise ConfigError("the prompt is empty; give at least one token of text")
     if draft_model is None:
         raise ConfigError("method 'async' needs a draft model; pass --draft DIR or use --method ar")
-    if getattr(draft_model, "is_hybrid", False):
-        raise ConfigError("async with a hybrid draft (Qwen3.5) is not built; use --method tree or chain with it, "
-                          "or an attention-only draft")
     on_cuda = target_model.device.type == "cuda"
     hybrid = getattr(target_model, "is_hybrid", False)
+    hybrid_draft = getattr(draft_model, "is_hybrid", False)
+    if hybrid_draft and not hybrid:
+        raise ConfigError("a Qwen3.5 (hybrid) draft drafts for Qwen3.5 targets only; pair this target with an "
+                          "attention-only draft")
     if transport == "auto":
         transport = "streams" if on_cuda and not hybrid else "inline"
     if hybrid and transport != "inline":
@@ -150,8 +151,15 @@ def generate_async(target_model, draft_model, prompt_ids: list[int], spec: SpecC
         else:
             target = TargetWorker(runner_for(runners, "target", target_model, plan.target_rows, use_graphs), sampling,
                                   generator, stream=t_stream, deferred=not streams)
-        draft = DraftWorker(runner_for(runners, "draft", draft_model, plan.draft_rows, use_graphs), spec, plan.tree_rows,
-                            inline=not streams, stream=d_stream)
+        if hybrid_draft:  # its tree rows keep GDN inputs, not states (runtime.hybrid_runner)
+            from tandem.runtime.hybrid_runner import HybridDraftRunner
+
+            draft_runner = HybridDraftRunner(draft_model, plan.draft_rows)
+        else:
+            draft_runner = runner_for(runners, "draft", draft_model, plan.draft_rows, use_graphs)
+        draft = DraftWorker(draft_runner, spec, plan.tree_rows, inline=not streams, stream=d_stream)
+        if hybrid_draft:
+            draft.tree.device_rounds = False  # (the device rounds drive ModelRunner's graphs)
         # NOTE: profiling and graph capture happen before the clock starts, as the serial loop
         # builds its runners before its clock; a server would do both once, not per request.
         if not hybrid:

@@ -36,15 +36,22 @@ class HybridDraftCache(KVCache):
         self.rows: list[RowInputs] | None = None  # per GDN layer, the tree region's rows in row order
         self.parents: list[int] = []  # [tree_len] each tree row's parent row, -1 = the prefix's last row
 
+    def history(self, m: int) -> list[RowInputs] | None:
+        """The first m tree rows' inputs (a profile may have dropped rows by lowering tree_len)."""
+        if m == 0 or self.rows is None:
+            return None
+        return [RowInputs(*(t[:, :m] for t in vars(r).values())) for r in self.rows]
+
     def append(self, record, parents: list[int]) -> None:
-        """A step's new rows (their GDN inputs from the step's record) join the tree region."""
+        """A step's new rows (their GDN inputs from the step's record) join the m rows before them
+        (parents: [m + T] over all of them)."""
         K1 = self.model.config.linear_conv_kernel_dim - 1
-        new = [RowInputs(r.ext[:, K1 + len(self.parents):], r.k, r.v, r.g, r.beta) for r in record.layers]
-        if self.rows is None or not self.parents:
-            self.rows = new
-        else:
-            self.rows = [RowInputs(*(torch.cat([a, b], 1) for a, b in zip(vars(o).values(), vars(n).values())))
-                         for o, n in zip(self.rows, new)]
+        m = len(parents) - record.layers[0].k.shape[1] if record.layers else 0
+        new = [RowInputs(r.ext[:, K1 + m:], r.k, r.v, r.g, r.beta) for r in record.layers]
+        old = self.history(m)
+        self.rows = new if old is None else [
+            RowInputs(*(torch.cat([a, b], 1) for a, b in zip(vars(o).values(), vars(n).values())))
+            for o, n in zip(old, new)]
         self.parents = list(parents)
 
     def commit(self, path: list[int], keep: list[int] | None = None) -> None:
@@ -89,6 +96,8 @@ class HybridDraftCache(KVCache):
 class HybridDraftRunner:
     """`ModelRunner`'s interface (step, prefill, cache, capacity) over a Qwen3.5 draft model, eager."""
 
+    use_graphs = False
+
     def __init__(self, model, capacity: int):
         self.model, self.capacity = model, capacity
         self.cache = HybridDraftCache(model, capacity)
@@ -103,12 +112,12 @@ class HybridDraftRunner:
         tree_mask: [T, tree_len_after] bool over the tree region including the new rows (last T)."""
         T, base = len(tokens), self.cache.tree_len
         assert tree_mask.shape == (T, base + T), (tree_mask.shape, T, base)
-        parents = list(self.cache.parents)
+        parents = list(self.cache.parents[:base])
         for j in range(T):  # a new row's parent: its deepest ancestor row (rows are in topological order)
             anc = torch.nonzero(tree_mask[j, :base + j]).flatten().tolist()
             parents.append(anc[-1] if anc else -1)
         logits, record = self.model.draft_step(tokens, positions, parents, self.cache.state, self.cache,
-                                               self.cache.rows if base else None)
+                                               self.cache.history(base))
         self.cache.append(record, parents)
         return logits
 
