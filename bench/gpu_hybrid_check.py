@@ -1,7 +1,7 @@
 """A random-weight Qwen3.5 (hybrid) target on one device: greedy `tree` over random trees that
 contain the target's own greedy continuation must equal `ar`; prints passes, tau and per-pass
-times (torch reference path: no Triton path kernel, no CUDA graphs, so the times are not a
-figure for the README).
+times. The GDN tree kernel comes from TANDEM_GDN_TREE (walk, wy, path: tandem.models.qwen3_5);
+no CUDA graphs for hybrid passes yet, so the times are eager ones.
 
     python bench/gpu_hybrid_check.py --device cuda --dtype float32
     python bench/gpu_hybrid_check.py --device cuda --dtype bfloat16 --hidden 1024 --layers 16
