@@ -517,9 +517,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         mask[:, prefix:] = anc[m:]
         pos = torch.tensor([positions], device=dev)
         cos, sin = self._rope(pos, self.dtype)
-        kernel = "walk" if self.gdn_tree == "path" else self.gdn_tree  # (the path kernel's draft use is untried)
-        rec = TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim), kernel,
-                         anc.to(dev) if kernel == "wy" else None)
+        # NOTE: the WY form whatever gdn_tree says: a draft's rounding never reaches the output (the
+        # target verifies every token), and WY solves all m + T rows in ~10 ops a layer where the
+        # walk needs ~6 per row (20x at a 32-head GDN layer on the CPU; bench/gpu_gdn.py)
+        rec = TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim), "wy", anc.to(dev))
         p = _Pass(pos, cos, sin, state, rec, cache, torch.arange(start, start + T, device=dev),
                   mask.to(dev)[None, None], history)
         return self._run(torch.tensor([tokens], device=dev), p)[0], rec

@@ -9,9 +9,9 @@ tree would need one per node. So the cache here keeps, beside the attention laye
 - per tree-region row, only that row's GDN inputs (`RowInputs`: conv input, k, v, g, beta of
   every GDN layer): what a re-root can reuse without recomputation.
 
-A step runs the new rows' layers once; their GDN layers walk each new row's root path from the
-committed state over the stored inputs (`Qwen3_5ForCausalLM.draft_step`), so no row is projected
-twice. A re-root's commit replays the accepted rows' inputs into the committed state and moves
+A step runs the new rows' layers once; their GDN layers solve each new row's root path from the
+committed state over the stored inputs (`Qwen3_5ForCausalLM.draft_step`, the WY form: a draft's
+rounding never reaches the output), so no row is projected twice. A re-root's commit replays the accepted rows' inputs into the committed state and moves
 the kept rows' inputs with their K/V; everything else is dropped. The states of tree nodes are
 never stored: they are recomputed along the paths, as the hybrid target's verification does.
 """
