@@ -681,11 +681,3 @@ def test_load_pair_takes_a_hybrid_draft(pair, tmp_path):
     eng = Generator(p.target, p.draft)
     assert eng.generate([4, 8, 15, 16], "tree", SpecConfig(nodes=8), gen=gen).token_ids == \
         eng.generate([4, 8, 15, 16], "ar", gen=gen).token_ids
-
-
-def test_batched_engine_refuses_a_hybrid_target_in_one_line(pair):
-    from tandem.engine.engine import Engine
-
-    _, _, ours = pair("default")
-    with pytest.raises(ConfigError, match="does not run hybrid \\(Qwen3.5\\) targets yet"):
-        Engine(ours)

@@ -103,6 +103,10 @@ class PackColumns:
     # [R] the pool's block-table versions (SeqBlocks.version): a static buffer rewrites only the
     # tables that changed since its last pass; None: rewrite every table
     versions: "list[int] | None" = None
+    # a hybrid target's pass (tandem.engine.hybrid_model): [R] each request's sequence id, and
+    # [tree rows] every tree's tree-local parents in row order (its GDN layers walk them)
+    seq_ids: "list[str] | None" = None
+    parents: "list[int] | None" = None
 
     @staticmethod
     def of(segments: list[Segment]) -> "PackColumns":

@@ -63,6 +63,8 @@ from tandem.engine.gate_arms import GateArms
 from tandem.engine.request import Request, RequestOutput, RequestState, SamplingParams
 from tandem.engine.row_selection import RowCost, select_step
 from tandem.engine.scheduler import Scheduler, ScheduledRows, StepPlan
+from tandem.engine.hybrid_model import HybridBatchedModel
+from tandem.kv.hybrid_pool import HybridKVPool
 from tandem.kv.paged import PagedKVPool
 from tandem.models.block_drafter import BlockDrafter
 from tandem.models.eagle3 import Eagle3Head
@@ -168,12 +170,27 @@ class _BatchedFeatureHandle:
     # (no observe: the step hands every request's committed rows over at once, Engine._feed)
 
 
+def _check_hybrid(config: EngineConfig, draft) -> None:
+    """One-line errors for what the batched engine does not run with a hybrid (Qwen3.5) target."""
+    if getattr(draft, "is_hybrid", False):
+        raise ConfigError("the batched engine drafts with attention-only draft models, EAGLE-3 heads or block "
+                          "drafters; a Qwen3.5 (hybrid) draft runs in tandem generate / Generator")
+    if config.async_scheduling:
+        raise ConfigError("async_scheduling does not run hybrid (Qwen3.5) targets (each pass's recurrent state "
+                          "is committed before the next is planned); leave it unset or False")
+    if config.deterministic:
+        raise ConfigError("deterministic (batch-invariant) mode does not cover hybrid (Qwen3.5) targets' GDN "
+                          "layers; leave it off")
+
+
 class Engine:
     def __init__(self, target, draft=None, tokenizer=None, config: EngineConfig = EngineConfig()):
         config.validate()
-        if getattr(target, "is_hybrid", False):
-            raise ConfigError("the batched engine (tandem.LLM, tandem serve, bench --concurrency) does not run "
-                              "hybrid (Qwen3.5) targets yet; decode them with tandem generate / Generator")
+        # a hybrid (Qwen3.5) target: its GDN layers' recurrent state in the pool beside the K/V
+        # blocks (tandem.kv.hybrid_pool), its pass tandem.engine.hybrid_model's
+        self.hybrid = getattr(target, "is_hybrid", False)
+        if self.hybrid:
+            _check_hybrid(config, draft)
         if config.method != "ar" and draft is None:
             raise ConfigError(f"method {config.method!r} needs a draft model; pass one or use method 'ar'")
         # a feature drafter (block drafter, EAGLE-3 head) reads the target's features of every pass
@@ -190,7 +207,10 @@ class Engine:
         self.spec, _ = config.spec.capped(self.context_window)
         num_blocks = config.num_blocks or config.max_num_seqs * -(-(self.context_window + config.draft_rows())
                                                                    // config.block_size)
-        self.pool = PagedKVPool.for_model(target, num_blocks, config.block_size, config.enable_prefix_caching)
+        if self.hybrid:
+            self.pool = HybridKVPool(target, num_blocks, config.block_size, config.max_num_seqs)
+        else:
+            self.pool = PagedKVPool.for_model(target, num_blocks, config.block_size, config.enable_prefix_caching)
         # a request's block table holds at most its context window plus one verify pass's rows
         seq_blocks = self.pool.blocks_for(self.context_window + config.draft_rows())
         graphs = None if not config.enforce_eager else False
@@ -201,11 +221,14 @@ class Engine:
         # gate keeps every request from drafting, queued before the last one is read (an engine
         # that has neither keeps its passes free of the device-token feed)
         self._async = (config.async_scheduling if config.async_scheduling is not None
-                       else target.device.type == "cuda") and (config.method == "ar" or gated)
-        self.model = BatchedModel(target, self.pool, deterministic=config.deterministic,
-                                  max_seqs=config.max_num_seqs, max_seq_blocks=seq_blocks, use_graphs=graphs,
-                                  features=bool(self.feature_layers),
-                                  device_tokens=config.max_num_batched_tokens if self._async else 0)
+                       else target.device.type == "cuda") and (config.method == "ar" or gated) and not self.hybrid
+        if self.hybrid:
+            self.model = HybridBatchedModel(target, self.pool, features=bool(self.feature_layers))
+        else:
+            self.model = BatchedModel(target, self.pool, deterministic=config.deterministic,
+                                      max_seqs=config.max_num_seqs, max_seq_blocks=seq_blocks, use_graphs=graphs,
+                                      features=bool(self.feature_layers),
+                                      device_tokens=config.max_num_batched_tokens if self._async else 0)
         self._inflight: _Inflight | None = None  # the async step queued last, not read yet
         # the feature drafters' rows of async plain steps, not handed over yet (_hand_over):
         # (request, its handle then, [tokens], its step's fed rows [fed, F], its row in them), in step order
@@ -779,7 +802,7 @@ class Engine:
         scheduled request a greedy decode that drafts the full tree with the batched tree drafter;
         none of the modes that read trees on the host), else None."""
         cfg = self.config
-        if (not cfg.device_verify or cfg.method != "tree" or plain or not drafts or len(drafts) != len(plan.scheduled)
+        if (not cfg.device_verify or self.hybrid or cfg.method != "tree" or plain or not drafts or len(drafts) != len(plan.scheduled)
                 or cfg.row_selection or cfg.adaptive_draft or self.batches is not None or self.fault_hook is not None
                 or self._reads_accepts([s.request for s in drafts]) or not isinstance(self.batched, BatchedTreeDrafter)):
             return None
@@ -1218,8 +1241,10 @@ class Engine:
                 logits.append(True)
         bits, depth, words = tree_masks(parents, sizes)
         self._deepest = deepest_depths(depth, sizes)  # (what each decode's emit reads of its tree: no walk of its own)
-        return self.model.rows(PackColumns(tokens, T, S, prefix, logits, tables, bits, None, np.asarray(depth),
-                                           words, versions))
+        cols = PackColumns(tokens, T, S, prefix, logits, tables, bits, None, np.asarray(depth), words, versions)
+        if self.hybrid:  # (its GDN layers walk each request's tree from that request's state)
+            cols.seq_ids, cols.parents = [s.request.request_id for s in plan.scheduled], parents
+        return self.model.rows(cols)
 
     def _apply(self, plan: StepPlan, trees: dict[str, DraftTree] | None, logits: torch.Tensor,
                given: list[tuple[VerifyResult, list[int]]] | None = None, ran: str | None = None

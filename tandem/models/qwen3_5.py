@@ -469,14 +469,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         take the chunked WY form, and the commit of every row costs nothing more).
         """
         n, dev = len(tokens), self.device
-        if prefill and list(parents) != list(range(-1, n - 1)):
-            raise ValueError("a prefill pass is a chain: parents must be [-1, 0, 1, ...]")
-        if self.gdn_tree not in GDN_KERNELS:
-            raise ConfigError(f"unknown GDN tree kernel {self.gdn_tree!r} (TANDEM_GDN_TREE); choose one of "
-                              f"{', '.join(GDN_KERNELS)}")
-        if self.gdn_tree == "path" and not path_kernel_runs(dev):
-            raise ConfigError("the GDN path kernel (TANDEM_GDN_TREE=path) runs on CUDA with Triton (or under "
-                              "TRITON_INTERPRET=1); use TANDEM_GDN_TREE=walk on this device")
+        rec = self.pass_record(parents, prefill)
         start = cache.reserve_rows(n)
         prefix = cache.prefix_len
         depth = [0] * n
@@ -485,16 +478,34 @@ class Qwen3_5ForCausalLM(nn.Module):
         pos = torch.tensor([[prefix + d for d in depth]], device=dev)  # [1, n]
         mask = torch.zeros(n, start + n, dtype=torch.bool, device=dev)  # [n, S]
         mask[:, :prefix] = True
-        anc = ancestor_mask(parents).to(dev)  # [n, n]
-        mask[:, start:] = anc
+        mask[:, start:] = rec.anc if rec.anc is not None else ancestor_mask(parents).to(dev)  # [n, n]
         cos, sin = self._rope(pos, self.dtype)
+        p = _Pass(pos, cos, sin, state, rec, cache, torch.arange(start, start + n, device=dev), mask[None, None])
+        return self._run(torch.tensor([tokens], device=dev), p)[0], rec
+
+    def check_gdn_kernel(self) -> None:
+        """One-line errors for a tree kernel (gdn_tree, TANDEM_GDN_TREE) this device cannot run."""
+        if self.gdn_tree not in GDN_KERNELS:
+            raise ConfigError(f"unknown GDN tree kernel {self.gdn_tree!r} (TANDEM_GDN_TREE); choose one of "
+                              f"{', '.join(GDN_KERNELS)}")
+        if self.gdn_tree == "path" and not path_kernel_runs(self.device):
+            raise ConfigError("the GDN path kernel (TANDEM_GDN_TREE=path) runs on CUDA with Triton (or under "
+                              "TRITON_INTERPRET=1); use TANDEM_GDN_TREE=walk on this device")
+
+    def pass_record(self, parents: list[int], prefill: bool = False) -> TreeRecord:
+        """The empty record of a tree pass over `parents` (its GDN layers fill it in): which kernel
+        the pass runs, its conv windows and what that kernel reads (tree_forward; the batched
+        engine's passes, one per request, tandem.engine.hybrid_model)."""
+        n, dev = len(parents), self.device
+        if prefill and list(parents) != list(range(-1, n - 1)):
+            raise ValueError("a prefill pass is a chain: parents must be [-1, 0, 1, ...]")
+        self.check_gdn_kernel()
         # NOTE: "path" runs decode steps (n = 1) too: the same program for every pass is what
         # makes a tree node's state the bits token-by-token decoding reaches
         kernel = "chunked" if prefill else ("walk" if self.gdn_tree == "wy" and n == 1 else self.gdn_tree)
-        rec = TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim), kernel,
-                         anc if kernel == "wy" else None, tuple(t.to(dev) for t in root_paths(parents)) if kernel == "path" else None)
-        p = _Pass(pos, cos, sin, state, rec, cache, torch.arange(start, start + n, device=dev), mask[None, None])
-        return self._run(torch.tensor([tokens], device=dev), p)[0], rec
+        return TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim), kernel,
+                          ancestor_mask(parents).to(dev) if kernel == "wy" else None,
+                          tuple(t.to(dev) for t in root_paths(parents)) if kernel == "path" else None)
 
     @torch.no_grad()
     def draft_step(self, tokens: list[int], positions: list[int], parents: list[int], state: RecurrentState,

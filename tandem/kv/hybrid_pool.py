@@ -1,0 +1,114 @@
+"""The batched engine's pool for a hybrid target (Qwen3.5): K/V blocks and recurrent-state slots.
+
+A hybrid target's attention layers keep K/V as any target's do, in the paged blocks of
+`PagedKVPool` (one pool layer per attention layer). Its Gated DeltaNet layers keep a fixed-size
+state per sequence instead: the last K - 1 conv inputs and the delta rule's matrix S per head.
+This pool holds those beside the blocks, one *slot* per open sequence:
+
+    conv[g]  [slots, conv_dim, K - 1]   model dtype
+    delta[g] [slots, Hv, dk, dv]        fp32
+
+A pass reads a sequence's slot and never writes it (every row of a tree walks its own root path
+from the committed state, tandem.models.qwen3_5); it leaves a `TreeRecord` per sequence here,
+and `commit_many` replays each accepted path from it into the slot, beside the blocks' commit.
+So a step keeps no state per tree node, and a sequence's slot always holds its committed rows.
+
+What that changes against PagedKVPool:
+- prefix caching is off: a cached block's K/V is no use without the recurrent state after its
+  rows, which no block keeps (a state per block boundary would cost a slot per block);
+- a sequence opens with a zeroed slot and frees it on close: preemption (recompute) starts the
+  state over with the prompt, abort and finish give the slot back;
+- `check()` also finds a slot owned twice, leaked, or missing, and a record of a closed sequence.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from tandem.kv.paged import PagedKVPool, PoolExhausted
+
+
+class HybridKVPool(PagedKVPool):
+    def __init__(self, model, num_blocks: int, block_size: int, max_seqs: int):
+        c = model.config
+        super().__init__(len(c.attention_layers), c.num_key_value_heads, c.head_dim, num_blocks, block_size,
+                         model.dtype, model.device, prefix_caching=False)
+        blank = model.new_state(max_seqs)
+        self.conv, self.delta = blank.conv, blank.delta  # per GDN layer [slots, ...] (see the module doc)
+        self.num_slots = max_seqs
+        self.free_slots: deque[int] = deque(range(max_seqs))
+        self.slot_of: dict[str, int] = {}
+        # each sequence's record of the last pass it had rows in (HybridBatchedModel.forward
+        # replaces them all per pass), what its commit replays
+        self.records: dict[str, object] = {}
+        self._commit_state = model.commit_state
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def allocate(self, seq_id: str, tokens: list[int], max_cached: int) -> int:
+        """Open a sequence with a zeroed state slot (no rows cached: prefix caching is off)."""
+        if not self.free_slots:
+            raise PoolExhausted(f"no recurrent-state slot free for {seq_id}: all {self.num_slots} are held "
+                                "(the scheduler admits at most max_num_seqs requests)")
+        rows = super().allocate(seq_id, tokens, max_cached)
+        slot = self.free_slots.popleft()
+        self.slot_of[seq_id] = slot
+        for t in self.conv + self.delta:
+            t[slot].zero_()
+        return rows
+
+    def free(self, seq_id: str) -> None:
+        super().free(seq_id)
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+        self.records.pop(seq_id, None)
+
+    def state(self, seq_id: str):
+        """The sequence's committed state as a RecurrentState of [1, ...] views of its slot."""
+        from tandem.models.qwen3_5 import RecurrentState
+
+        s = self.slot_of[seq_id]
+        return RecurrentState([c[s:s + 1] for c in self.conv], [d[s:s + 1] for d in self.delta])
+
+    def commit_many(self, commits: list[tuple[str, list[int], list[int]]], keep_later: bool = False) -> None:
+        """The blocks' commit (PagedKVPool), then each path replayed into its sequence's slot from
+        the record of the pass that computed its rows."""
+        if keep_later:
+            raise ValueError("a hybrid pool commits each pass before the next is planned (no async scheduling)")
+        super().commit_many(commits)
+        for seq_id, path, _ in commits:
+            if not path:
+                continue
+            record = self.records.pop(seq_id, None)
+            assert record is not None, f"{seq_id}: committed rows that no pass of this pool computed"
+            st = self.state(seq_id)
+            views = st.conv + st.delta
+            self._commit_state(st, record, path)  # (rebinds the lists' entries; the path kernel writes in place)
+            for view, new in zip(views, st.conv + st.delta):
+                if new.data_ptr() != view.data_ptr():
+                    view.copy_(new)
+
+    # ---- invariants ------------------------------------------------------------------------
+    def check(self) -> list[str]:
+        problems = super().check()
+        owners = [0] * self.num_slots
+        for sid in self.seqs:
+            if sid not in self.slot_of:
+                problems.append(f"{sid}: an open sequence without a recurrent-state slot")
+        for sid, slot in self.slot_of.items():
+            owners[slot] += 1
+            if sid not in self.seqs:
+                problems.append(f"{sid}: holds state slot {slot} but is not open")
+        free = set(self.free_slots)
+        if len(free) != len(self.free_slots):
+            problems.append("a state slot is on the free list twice")
+        for slot in range(self.num_slots):
+            if owners[slot] > 1:
+                problems.append(f"state slot {slot}: owned by {owners[slot]} sequences (double-owned)")
+            if slot in free and owners[slot]:
+                problems.append(f"state slot {slot}: free and owned (double-owned)")
+            if slot not in free and not owners[slot]:
+                problems.append(f"state slot {slot}: leaked (neither free nor owned)")
+        for sid in self.records:
+            if sid not in self.seqs:
+                problems.append(f"{sid}: a pass record kept for a closed sequence")
+        return problems
