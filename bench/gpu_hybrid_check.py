@@ -62,22 +62,11 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--nodes", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--engine", type=int, nargs="*", default=[],
+                    help="also the batched engine (ar, and tree over a small random attention draft) at these "
+                         "concurrencies: every request's output must equal its solo ar")
     args = ap.parse_args()
-    h = args.hidden
-    cfg = Qwen35Config(vocab_size=4096, hidden_size=h, intermediate_size=3 * h, num_hidden_layers=args.layers,
-                       num_attention_heads=8, num_key_value_heads=2, head_dim=h // 8,
-                       layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                                         for i in range(args.layers)),
-                       linear_key_head_dim=h // 8, linear_value_head_dim=h // 8, linear_num_key_heads=4,
-                       linear_num_value_heads=8, max_position_embeddings=4096)
-    torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-        model.lm_head.weight.mul_(3.0)
-    model = model.to(args.device, getattr(torch, args.dtype)).eval().requires_grad_(False)
+    model, cfg = random_target(args.hidden, args.layers, args.device, args.dtype)
     prompt = torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(1)).tolist()
     gen = GenerationConfig(max_new_tokens=args.new, ignore_eos=True)
     ar = generate_hybrid(model, prompt, "ar", gen=gen)
@@ -92,9 +81,65 @@ def main() -> int:
         rows.append({"method": f"tree N={n}", "equal_ar": same, "passes": res.target_passes, "tau": round(res.tau, 2),
                      "seconds": round(time.perf_counter() - t0, 3),
                      "ms_per_pass": round(1e3 * (res.seconds - res.ttft) / max(1, res.target_passes - 1), 2)})
-    print(json.dumps({"device": args.device, "dtype": args.dtype, "hidden": h, "layers": args.layers, "rows": rows},
-                     indent=1))
+    for c in args.engine:
+        for row in engine_rows(model, cfg, c, args.new, gen):
+            ok &= row["equal_solo_ar"]
+            rows.append(row)
+    print(json.dumps({"device": args.device, "dtype": args.dtype, "hidden": args.hidden, "layers": args.layers,
+                      "rows": rows}, indent=1))
     return 0 if ok else 1
+
+
+def engine_rows(model, cfg, concurrency: int, new: int, gen: GenerationConfig) -> list[dict]:
+    """The batched engine over `concurrency` prompts at once, `ar` and `tree` (a random 2-layer
+    attention draft of the same vocabulary: low acceptance, but every step verifies a tree)."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.engine import Engine
+    from tandem.engine.request import SamplingParams
+    from tandem.models.transformer import ModelConfig, Transformer
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, cfg.vocab_size, (int(torch.randint(8, 96, (), generator=g)),), generator=g).tolist()
+               for _ in range(concurrency)]
+    refs = [generate_hybrid(model, p, "ar", gen=gen).token_ids for p in prompts]
+    dcfg = ModelConfig(family="llama", vocab_size=cfg.vocab_size, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       max_position_embeddings=cfg.max_position_embeddings)
+    torch.manual_seed(3)
+    draft = Transformer(dcfg).to(model.device, model.dtype).eval().requires_grad_(False)
+    rows = []
+    for method in ("ar", "tree"):
+        engine = Engine(model, draft if method == "tree" else None,
+                        config=EngineConfig(method=method, spec=SpecConfig(nodes=16, width=2), max_num_seqs=concurrency,
+                                            debug_check=True))
+        reqs = [engine.add_request(p, SamplingParams(max_tokens=new, ignore_eos=True)) for p in prompts]
+        t0 = time.perf_counter()
+        done = {o.request_id: o for o in engine.run()}
+        secs = time.perf_counter() - t0
+        outs = [done[r.request_id].token_ids for r in reqs]
+        same = sum(o == r for o, r in zip(outs, refs))
+        rows.append({"method": f"engine {method} C={concurrency}", "equal_solo_ar": same == len(refs),
+                     "equal": f"{same}/{len(refs)}", "steps": engine.counters.steps,
+                     "tok_s": round(concurrency * new / secs, 1), "pool_check": engine.pool.check()})
+    return rows
+
+
+def random_target(h: int, layers: int, device: str, dtype: str):
+    """A random-weight Qwen3.5 model, 3 GDN layers to 1 attention layer (its head sharpened)."""
+    cfg = Qwen35Config(vocab_size=4096, hidden_size=h, intermediate_size=3 * h, num_hidden_layers=layers,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=h // 8,
+                       layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                         for i in range(layers)),
+                       linear_key_head_dim=h // 8, linear_value_head_dim=h // 8, linear_num_key_heads=4,
+                       linear_num_value_heads=8, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+        model.lm_head.weight.mul_(3.0)
+    return model.to(device, getattr(torch, dtype)).eval().requires_grad_(False), cfg
 
 
 if __name__ == "__main__":
