@@ -278,6 +278,28 @@ def test_replay_with_an_eagle3_head_of_a_preset_shape(tiny_pair, tmp_path, capsy
     assert "unknown preset 'eagle3-huge'" in capsys.readouterr().err
 
 
+def test_replay_at_a_hybrid_preset_shape(tiny_pair, tmp_path, capsys):
+    """--preset qwen3.5-tiny: a random Qwen3.5 target and a Qwen3.5 draft run the hybrid loop with
+    the recorded accepts (a chain of k replays them exactly); an EAGLE-3 draft preset is refused."""
+    trace_dir, out = tmp_path / "trace", tmp_path / "replay"
+    rc = cli.main(["bench", *_pair_args(tiny_pair, prefer_bundled=True), "--workload", str(_prompts_file(tmp_path)),
+                   "--num-prompts", "1", "--max-new-tokens", "16", "--methods", "ar,chain,tree", "--k", "3",
+                   "--nodes", "8", "--warmup", "0", "--no-plots", "--out", str(trace_dir)])
+    assert rc == 0, capsys.readouterr().err
+    rc = cli.main(["bench", "--preset", "qwen3.5-tiny", "--replay", str(trace_dir / "results.json"),
+                   "--methods", "ar,chain,tree", "--no-plots", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["preset"] == "qwen3.5-tiny" and res["config"]["draft_preset"] == "qwen3.5-tiny"
+    assert set(res["summary"]) == {"ar", "chain", "tree"} and "simulated acceptance" in res["acceptance"]
+    recorded = {(r["method"], r["prompt_index"]): r for r in json.loads((trace_dir / "results.json").read_text())["requests"]}
+    chains = [r for r in res["requests"] if r["method"] == "chain"]
+    assert chains and all(r["accept_lengths"] == recorded[("chain", r["prompt_index"])]["accept_lengths"] for r in chains)
+    assert cli.main(["bench", "--preset", "qwen3.5-tiny", "--draft-preset", "eagle3-tiny", "--replay",
+                     str(trace_dir / "results.json"), "--out", str(out)]) == 2
+    assert "is an EAGLE-3 head of an attention-only target" in capsys.readouterr().err
+
+
 def test_replay_needs_a_preset_and_a_real_trace(tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text("{}")

@@ -512,7 +512,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay", default=None, metavar="TRACE",
                    help="acceptance replay: a results.json recorded with a real pair; time its methods at "
                         "--preset shapes with random weights (labelled simulated acceptance)")
-    p.add_argument("--preset", default=None, help="with --replay: target shapes (llama3-8b, qwen2.5-7b, ...)")
+    p.add_argument("--preset", default=None, help="with --replay: target shapes (llama3-8b, qwen2.5-7b, qwen3.5-4b, ...)")
     p.add_argument("--draft-preset", default=None, help="with --replay: draft shapes (default: the preset's usual draft; "
                    "eagle3-llama3.1-8b: an EAGLE-3 head of the published shape)")
 

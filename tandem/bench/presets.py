@@ -35,11 +35,70 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def _hybrid_presets() -> dict:
+    """Qwen3.5 (hybrid) shapes, as their published config.json files give them: 3 Gated DeltaNet
+    layers to 1 attention layer, attention heads of 256 with a quarter rotary, GDN heads of 128."""
+    from tandem.models.qwen3_5 import Qwen35Config
+
+    def qwen3_5(hidden: int, inter: int, layers: int, heads: int, kv: int, gdn_k: int, gdn_v: int) -> Qwen35Config:
+        types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers))
+        return Qwen35Config(vocab_size=248320, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                            num_attention_heads=heads, num_key_value_heads=kv, head_dim=256, layer_types=types,
+                            linear_num_key_heads=gdn_k, linear_num_value_heads=gdn_v, rope_theta=1e7,
+                            max_position_embeddings=262144, tie_word_embeddings=True, eos_token_ids=(248044,))
+
+    return {"qwen3.5-4b": qwen3_5(2560, 9216, 32, 16, 4, 16, 32),
+            "qwen3.5-0.8b": qwen3_5(1024, 3584, 24, 8, 2, 16, 16),
+            "qwen3.5-tiny": Qwen35Config(  # (for tests: 4 layers of 64)
+                vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32, layer_types=("linear_attention",) * 3 + ("full_attention",),
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                max_position_embeddings=2048, tie_word_embeddings=True)}
+
+
+# hybrid (Qwen3.5) target shapes, and the natural draft of each (a smaller model of the family)
+HYBRID_PRESETS = _hybrid_presets()
+DEFAULT_HYBRID_DRAFT = {"qwen3.5-4b": "qwen3.5-0.8b", "qwen3.5-0.8b": "qwen3.5-tiny", "qwen3.5-tiny": "qwen3.5-tiny"}
+
+
+def random_hybrid(name: str, device: str | torch.device = "cpu", dtype=torch.bfloat16, seed: int = 0):
+    """A Qwen3.5 model of a hybrid preset's shape, built on `device` in `dtype`: N(0, 0.02)
+    matrices, norms at identity, GDN decays in transformers' initial range (A = U(0, 16),
+    dt_bias 1), so the delta rule's state neither explodes nor vanishes."""
+    from tandem.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    if name not in HYBRID_PRESETS:
+        raise ConfigError(f"unknown hybrid preset {name!r}; choose one of {', '.join(HYBRID_PRESETS)}")
+    cfg = HYBRID_PRESETS[name]
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g, device=device).mul(16).clamp(min=1e-3).log())
+            elif pname.endswith("dt_bias") or pname.endswith("linear_attn.norm.weight"):
+                p.fill_(1.0)  # (the GDN output norm applies its weight as is)
+            elif "norm" in pname or pname.endswith("bias"):
+                p.zero_()  # (every other norm is zero-centred: 0 is the identity)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    r = cfg.rotary_dim
+    model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))).to(device)
+    return model.eval().requires_grad_(False)
+
+
 def random_model(name_or_cfg: str | ModelConfig, device: str | torch.device = "cpu", dtype=torch.bfloat16, seed: int = 0):
-    """A Transformer of a preset's shape with N(0, 0.02) weights, built directly on `device` in `dtype`."""
+    """A Transformer of a preset's shape with N(0, 0.02) weights, built directly on `device` in `dtype`
+    (a hybrid preset's name: random_hybrid)."""
     from tandem.models.layers import rope_inv_freq
     from tandem.models.transformer import Transformer
 
+    if isinstance(name_or_cfg, str) and name_or_cfg in HYBRID_PRESETS:
+        return random_hybrid(name_or_cfg, device, dtype, seed)
     cfg = preset_config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
     with torch.device("meta"):
         model = Transformer(cfg)

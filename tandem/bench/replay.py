@@ -36,19 +36,24 @@ def run_replay(args) -> int:
     from tandem.bench.env import environment
     from tandem.bench.harness import (REFERENCE, Request, markdown_table, speedups, summarize_method, timeline_of,
                                       write_outputs)
-    from tandem.bench.presets import DEFAULT_DRAFT, EAGLE3_PRESETS, PRESETS, random_eagle3, random_model
+    from tandem.bench.presets import (DEFAULT_DRAFT, DEFAULT_HYBRID_DRAFT, EAGLE3_PRESETS, HYBRID_PRESETS, PRESETS,
+                                      random_eagle3, random_model)
     from tandem.models.loader import resolve_dtype
     from tandem.runtime.generate import Generator
     from tandem.runtime.pair import resolve_device
 
     if not args.preset:
         raise ConfigError("--replay needs --preset NAME (the shapes to time), e.g. --preset llama3-8b")
+    known = {**PRESETS, **HYBRID_PRESETS}
     for name in (args.preset, args.draft_preset):
-        if name is not None and name not in PRESETS and (name != args.draft_preset or name not in EAGLE3_PRESETS):
-            raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}"
+        if name is not None and name not in known and (name != args.draft_preset or name not in EAGLE3_PRESETS):
+            raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(known)}"
                               + (f" (drafts also: {', '.join(EAGLE3_PRESETS)})" if name == args.draft_preset else ""))
+    if args.preset in HYBRID_PRESETS and args.draft_preset in EAGLE3_PRESETS:
+        raise ConfigError(f"--draft-preset {args.draft_preset} is an EAGLE-3 head of an attention-only target; a hybrid "
+                          f"preset takes a draft model preset (e.g. {DEFAULT_HYBRID_DRAFT[args.preset]})")
     trace = load_trace(args.replay)
-    draft_preset = args.draft_preset or DEFAULT_DRAFT[args.preset]
+    draft_preset = args.draft_preset or {**DEFAULT_DRAFT, **DEFAULT_HYBRID_DRAFT}[args.preset]
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     specs = trace["config"]["method_specs"]
     wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -73,7 +78,10 @@ def run_replay(args) -> int:
         # shallow and a recorded accept count of 7 would not fit in them. Sharpening its output
         # (final-norm gain, which leaves tied embeddings alone) makes them peaked like a trained
         # draft's; the replayed tau is reported beside the trace's so any shortfall shows.
-        final_norm.weight.mul_(SHARPEN)
+        if getattr(draft, "is_hybrid", False):  # (a zero-centred norm: gain 1 + w)
+            final_norm.weight.add_(1.0).mul_(SHARPEN).sub_(1.0)
+        else:
+            final_norm.weight.mul_(SHARPEN)
     engine = Generator(target, draft)
     g = torch.Generator().manual_seed(0)
     vocab = min(target.config.vocab_size, draft.config.vocab_size)
