@@ -17,6 +17,7 @@ from models_for_tests import assert_clean, run_all, tiny_model
 from test_qwen3_5 import VOCAB, build_hf
 from tandem.config import ConfigError, GenerationConfig, SpecConfig
 from tandem.engine.config import EngineConfig
+from tandem.engine.draft_gate import StepCosts
 from tandem.engine.engine import Engine
 from tandem.engine.request import RequestState, SamplingParams
 from tandem.models.loader import load_model
@@ -111,6 +112,22 @@ def test_concurrent_requests_equal_their_solo_ar_outputs(target, solo, method, s
     assert_clean(engine)
     assert _slots_free(engine)
     assert engine.counters.steps > 0 and all(o.figures.target_passes >= 1 for o in outs)
+
+
+@pytest.mark.parametrize("mode", [dict(batch_parallel=True), dict(row_selection=True), dict(adaptive_draft=True),
+                                  # (given step costs: measuring them takes seconds of steps)
+                                  dict(draft_gate=True, step_costs=StepCosts((1, 4, 8), plain=(0.01,) * 3,
+                                                                             drafting=(0.02, 0.03, 0.05)))],
+                         ids=lambda m: next(iter(m)))
+def test_engine_modes_over_a_hybrid_target_equal_solo_ar(target, solo, mode):
+    """MineDraft's two batches, batch-aware row selection, adaptive draft lengths and the draft
+    gate change which rows a pass holds, never what the hybrid pass computes for them."""
+    prompts, refs = solo
+    engine = _engine(target, tiny_model(vocab=VOCAB, seed=5), method="tree", spec=SpecConfig(nodes=8, width=2), **mode)
+    outs = run_all(engine, prompts[:6])
+    assert [o.token_ids for o in outs] == refs[:6]
+    assert_clean(engine)
+    assert _slots_free(engine)
 
 
 @pytest.mark.parametrize("kernel", ["walk", "wy"])
