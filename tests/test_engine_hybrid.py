@@ -114,6 +114,29 @@ def test_concurrent_requests_equal_their_solo_ar_outputs(target, solo, method, s
     assert engine.counters.steps > 0 and all(o.figures.target_passes >= 1 for o in outs)
 
 
+def test_one_row_decodes_share_one_gdn_call(target, solo):
+    """An `ar` step's decodes run each GDN layer as one batched call over their gathered states
+    (one shared record, a batch row each), and the commit scatters each row's state back."""
+    prompts, refs = solo
+    engine = _engine(target, method="ar", max_num_batched_tokens=400)
+    seen = []  # each commit's records, as the pass left them
+    commit = engine.pool.commit_many
+
+    def spy(commits, keep_later=False):
+        seen.append({sid: (id(rec), row) for sid, (rec, row) in engine.pool.records.items()})
+        return commit(commits, keep_later)
+
+    engine.pool.commit_many = spy
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for p in prompts[:4]]
+    engine.step()  # every prompt's prefill
+    assert len({rec for rec, _ in seen[-1].values()}) == 4  # (prefill chunks: one record each)
+    engine.step()  # four one-row decodes
+    assert len({rec for rec, _ in seen[-1].values()}) == 1 and sorted(row for _, row in seen[-1].values()) == [0, 1, 2, 3]
+    done = {o.request_id: o for o in engine.run()}
+    assert [done[r.request_id].token_ids for r in reqs] == refs[:4]
+    assert_clean(engine)
+
+
 @pytest.mark.parametrize("mode", [dict(batch_parallel=True), dict(row_selection=True), dict(adaptive_draft=True),
                                   # (given step costs: measuring them takes seconds of steps)
                                   dict(draft_gate=True, step_costs=StepCosts((1, 4, 8), plain=(0.01,) * 3,

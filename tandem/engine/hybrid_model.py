@@ -79,9 +79,28 @@ class HybridBatchedModel:
         M = b.num_rows
         x = m.model.embed_tokens(b.tokens[:M])[None]  # [1, M, hidden]
         cos, sin = m._rope(b.positions[:M][None], m.dtype)  # [1, M, rotary_dim]
-        # per request: its committed state (views of its slot) and its record, which the GDN layers fill
-        passes = [(b.offsets[r], b.offsets[r + 1], _Pass(None, None, None, pool.state(sid), rec))
-                  for r, (sid, rec) in enumerate(zip(rows.seq_ids, rows.records))]
+        # The GDN calls: the one-row decodes (`ar` steps, plain rows of a gated step) together, one
+        # batched call a layer over their gathered states; every other request (a tree, a prefill
+        # chunk) alone, over views of its slot. Each fills its record.
+        singles = [r for r, rec in enumerate(rows.records)
+                   if b.offsets[r + 1] - b.offsets[r] == 1 and rec.kernel != "chunked"]
+        if len(singles) < 2:
+            singles = []
+        passes: list[tuple[torch.Tensor | slice, _Pass]] = []
+        kept: dict[str, tuple[object, int]] = {}
+        if singles:
+            sids = [rows.seq_ids[r] for r in singles]
+            state, _ = pool.states(sids)
+            p = _Pass(None, None, None, state, rows.records[singles[0]])
+            at = torch.tensor([b.offsets[r] for r in singles], device=m.device)  # [s] their rows in the pass
+            passes.append((at, p))
+            kept.update((sid, (p.record, j)) for j, sid in enumerate(sids))
+        alone = set(range(len(rows.seq_ids))) - set(singles)
+        for r in sorted(alone):
+            sid = rows.seq_ids[r]
+            p = _Pass(None, None, None, pool.state(sid), rows.records[r])
+            passes.append((slice(b.offsets[r], b.offsets[r + 1]), p))
+            kept[sid] = (p.record, 0)
         want = (m.feature_layers or ()) if self.features else ()
         feats: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.model.layers):
@@ -89,14 +108,19 @@ class HybridBatchedModel:
                 feats[i] = x
             h = layer.input_layernorm(x)
             if layer.kind == "linear_attention":
-                out = torch.cat([layer.linear_attn(h[:, lo:hi], p) for lo, hi, p in passes], dim=1)
+                out = torch.empty_like(h)
+                for at, p in passes:
+                    if isinstance(at, slice):  # a request alone: [1, T, hidden]
+                        out[:, at] = layer.linear_attn(h[:, at], p)
+                    else:  # the one-row decodes as a batch: [s, 1, hidden]
+                        out[0, at] = layer.linear_attn(h[0, at][:, None], p)[:, 0]
             else:
                 out = self._attention(layer.self_attn, h, cos, sin, b)
             x = x + out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         self._features = torch.cat([feats[i] for i in want], dim=-1)[0] if want else None  # [M, F]
         # what each request's commit replays (records of requests outside this pass are stale)
-        pool.records = {sid: p.record for sid, (_, _, p) in zip(rows.seq_ids, passes)}
+        pool.records = kept
         if not logits:
             return None
         h = m.model.norm(x[0, b.logit_rows])  # [n, hidden]

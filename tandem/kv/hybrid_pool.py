@@ -24,7 +24,25 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
+
 from tandem.kv.paged import PagedKVPool, PoolExhausted
+
+
+class _Gather:
+    """Layer i of several slots, gathered on first use: [b, ...] (a list's indexing, read only)."""
+
+    def __init__(self, tensors: list[torch.Tensor], idx: torch.Tensor):
+        self.tensors, self.idx = tensors, idx
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tensors[i].index_select(0, self.idx)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 class HybridKVPool(PagedKVPool):
@@ -38,8 +56,9 @@ class HybridKVPool(PagedKVPool):
         self.free_slots: deque[int] = deque(range(max_seqs))
         self.slot_of: dict[str, int] = {}
         # each sequence's record of the last pass it had rows in (HybridBatchedModel.forward
-        # replaces them all per pass), what its commit replays
-        self.records: dict[str, object] = {}
+        # replaces them all per pass), what its commit replays: (TreeRecord, its batch row in it;
+        # a record shared by the pass's one-row decodes holds one batch row per sequence)
+        self.records: dict[str, tuple[object, int]] = {}
         self._commit_state = model.commit_state
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -69,23 +88,50 @@ class HybridKVPool(PagedKVPool):
         s = self.slot_of[seq_id]
         return RecurrentState([c[s:s + 1] for c in self.conv], [d[s:s + 1] for d in self.delta])
 
+    def states(self, seq_ids: list[str]):
+        """Several sequences' committed states, [b, ...] each: a RecurrentState whose layers are
+        gathered from the slots when a GDN layer reads them (one layer's copy at a time)."""
+        from tandem.models.qwen3_5 import RecurrentState
+
+        idx = torch.tensor([self.slot_of[s] for s in seq_ids], device=self.delta[0].device)
+        return RecurrentState(_Gather(self.conv, idx), _Gather(self.delta, idx)), idx
+
     def commit_many(self, commits: list[tuple[str, list[int], list[int]]], keep_later: bool = False) -> None:
         """The blocks' commit (PagedKVPool), then each path replayed into its sequence's slot from
-        the record of the pass that computed its rows."""
+        the record of the pass that computed its rows: one replay per record (a shared record's
+        sequences together, when their paths are alike), written back to the slots."""
         if keep_later:
             raise ValueError("a hybrid pool commits each pass before the next is planned (no async scheduling)")
         super().commit_many(commits)
+        groups: dict[tuple[int, tuple[int, ...]], list[tuple[str, int]]] = {}
+        held: dict[int, object] = {}
         for seq_id, path, _ in commits:
             if not path:
                 continue
-            record = self.records.pop(seq_id, None)
+            record, row = self.records.pop(seq_id, (None, 0))
             assert record is not None, f"{seq_id}: committed rows that no pass of this pool computed"
-            st = self.state(seq_id)
-            views = st.conv + st.delta
-            self._commit_state(st, record, path)  # (rebinds the lists' entries; the path kernel writes in place)
-            for view, new in zip(views, st.conv + st.delta):
-                if new.data_ptr() != view.data_ptr():
-                    view.copy_(new)
+            held[id(record)] = record
+            groups.setdefault((id(record), tuple(path)), []).append((seq_id, row))
+        for (rid, path), members in groups.items():
+            record = held[rid]
+            if len(members) == 1 and record.layers[0].k.shape[0] == 1:  # (a sequence's own record)
+                self._commit_one(members[0][0], record, list(path))
+                continue
+            rows = torch.tensor([row for _, row in members], device=self.delta[0].device)
+            slots = torch.tensor([self.slot_of[sid] for sid, _ in members], device=self.delta[0].device)
+            st, _ = self.states([sid for sid, _ in members])
+            st.conv, st.delta = list(st.conv), list(st.delta)  # (gathered now: the replay rebinds them)
+            self._commit_state(st, record.rows(rows), list(path))
+            for pool_t, new in zip(self.conv + self.delta, st.conv + st.delta):
+                pool_t.index_copy_(0, slots, new.to(pool_t.dtype))
+
+    def _commit_one(self, seq_id: str, record, path: list[int]) -> None:
+        st = self.state(seq_id)
+        views = st.conv + st.delta
+        self._commit_state(st, record, path)  # (rebinds the lists' entries; the path kernel writes in place)
+        for view, new in zip(views, st.conv + st.delta):
+            if new.data_ptr() != view.data_ptr():
+                view.copy_(new)
 
     # ---- invariants ------------------------------------------------------------------------
     def check(self) -> list[str]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +186,15 @@ class TreeRecord:
     anc: torch.Tensor | None = None  # "wy": [n, n] bool ancestor-or-self mask, on the model's device
     paths: tuple[torch.Tensor, torch.Tensor] | None = None  # "path": root paths [n, depth], lengths [n]
     layers: list[GDNRecord] = field(default_factory=list)  # one per GDN layer, in layer order
+
+    def rows(self, idx: torch.Tensor) -> "TreeRecord":
+        """The record of batch rows `idx` [b] of a pass over several sequences at once (the batched
+        engine's one-row decodes share one GDN call per layer); the tree fields are shared."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, idx)
+
+        return TreeRecord(self.parents, self.windows, self.kernel, self.anc, self.paths,
+                          [GDNRecord(*(pick(getattr(r, f.name)) for f in fields(GDNRecord))) for r in self.layers])
 
 
 @dataclass
