@@ -8,18 +8,17 @@
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 NP=${NP:-4}
-DEADLINE=${DEADLINE:-500}
+source bench/deadline.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/env.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/env.txt"
 M="ar,chain,tree@16,tree@32,tree@64"
 echo "== trace: the bundled pair, MBPP, bf16, $M"
-timeout 120 python3 -m tandem bench --device cuda --dtype bfloat16 --workload mbpp --data-dir .data --num-prompts 10 \
+within 120 python3 -m tandem bench --device cuda --dtype bfloat16 --workload mbpp --data-dir .data --num-prompts 10 \
   --max-new-tokens 128 --methods "$M" --warmup 1 --max-prompt-tokens 384 --draft draft --no-plots --allow-mismatch \
   --out "$OUT/trace" 2>&1 | grep -e "^|" -e "rror"
 replay() {  # replay NAME KERNEL METHODS
-  if [ "$SECONDS" -gt "$DEADLINE" ]; then echo "== $1: skipped (deadline)"; return; fi
   echo "== replay $1: qwen3.5-4b / qwen3.5-0.8b, bf16, TANDEM_GDN_TREE=$2, $3"
-  TANDEM_GDN_TREE=$2 timeout "${RT:-240}" python3 -m tandem bench --preset qwen3.5-4b --replay "$OUT/trace/results.json" \
+  TANDEM_GDN_TREE=$2 within "${RT:-240}" python3 -m tandem bench --preset qwen3.5-4b --replay "$OUT/trace/results.json" \
     --device cuda --dtype bfloat16 --methods "$3" --num-prompts "$NP" --no-plots --out "$OUT/$1" 2>&1 \
     | grep -e "^|" -e "replayed tau" -e "rror"
 }
