@@ -52,6 +52,7 @@ class HybridKVPool(PagedKVPool):
                          model.dtype, model.device, prefix_caching=False)
         blank = model.new_state(max_seqs)
         self.conv, self.delta = blank.conv, blank.delta  # per GDN layer [slots, ...] (see the module doc)
+        self._state = type(blank)  # the model's RecurrentState record (the models layer sits above this one)
         self.num_slots = max_seqs
         self.free_slots: deque[int] = deque(range(max_seqs))
         self.slot_of: dict[str, int] = {}
@@ -83,18 +84,14 @@ class HybridKVPool(PagedKVPool):
 
     def state(self, seq_id: str):
         """The sequence's committed state as a RecurrentState of [1, ...] views of its slot."""
-        from tandem.models.qwen3_5 import RecurrentState
-
         s = self.slot_of[seq_id]
-        return RecurrentState([c[s:s + 1] for c in self.conv], [d[s:s + 1] for d in self.delta])
+        return self._state([c[s:s + 1] for c in self.conv], [d[s:s + 1] for d in self.delta])
 
     def states(self, seq_ids: list[str]):
         """Several sequences' committed states, [b, ...] each: a RecurrentState whose layers are
         gathered from the slots when a GDN layer reads them (one layer's copy at a time)."""
-        from tandem.models.qwen3_5 import RecurrentState
-
         idx = torch.tensor([self.slot_of[s] for s in seq_ids], device=self.delta[0].device)
-        return RecurrentState(_Gather(self.conv, idx), _Gather(self.delta, idx)), idx
+        return self._state(_Gather(self.conv, idx), _Gather(self.delta, idx)), idx
 
     def commit_many(self, commits: list[tuple[str, list[int], list[int]]], keep_later: bool = False) -> None:
         """The blocks' commit (PagedKVPool), then each path replayed into its sequence's slot from
