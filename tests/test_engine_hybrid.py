@@ -283,3 +283,54 @@ def test_what_the_engine_does_not_run_with_a_hybrid_target_is_one_line(target, t
     build_hf("mixed").save_pretrained(d)
     with pytest.raises(ConfigError, match="a Qwen3.5 \\(hybrid\\) draft runs in tandem generate"):
         _engine(target, load_model(d), method="tree")
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    """A tiny random Qwen3.5 checkpoint over the bundled pair's tokenizer (its 8,192 ids), so that
+    the bundled draft drafts for it and text goes in and out."""
+    import shutil
+
+    from tandem.runtime.pair import BUNDLED_TARGET, bundled_available
+
+    if not bundled_available():
+        pytest.skip("the bundled pair is not in this checkout")
+    d = tmp_path_factory.mktemp("qwen3_5-text")
+    build_hf("default", vocab=8192).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED_TARGET / f, d / f)
+    return d
+
+
+def test_llm_and_the_server_run_a_hybrid_target(hybrid_dir):
+    """tandem.LLM and `tandem serve` (a real uvicorn server on loopback) over a hybrid target with
+    the bundled draft model: greedy text equals the single-request loop's `ar`."""
+    import httpx
+
+    from test_serve import LiveServer
+    from tandem import LLM
+    from tandem.runtime.pair import BUNDLED_DRAFT
+    from tandem.serve.app import Server
+    from tandem.serve.chat_template import ChatTemplate
+    from tandem.serve.config import ServerConfig
+
+    llm = LLM(target=hybrid_dir, draft=BUNDLED_DRAFT, spec=SpecConfig(nodes=8, width=2))
+    prompts = ["def fib(n):", "import os\n", "class Stack:"]
+    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    tok, model = llm.tokenizer, llm.engine.target
+    refs = [generate_hybrid(model, tok.encode(p).ids, "ar", gen=gen).token_ids for p in prompts]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))
+    assert [o.token_ids for o in outs] == refs
+    assert outs[0].text == tok.decode(refs[0])
+    server = LiveServer(Server(model, llm.engine.draft, tok, ServerConfig(methods=("tree", "ar")),
+                               EngineConfig(num_blocks=128, max_num_seqs=4, debug_check=True),
+                               ChatTemplate.for_checkpoint(hybrid_dir)))
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            for method in ("tree", "ar"):
+                r = c.post("/v1/completions", json={"model": "tandem", "prompt": prompts[1], "max_tokens": 12,
+                                                     "temperature": 0, "method": method, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == tok.decode(refs[1]), method
+    finally:
+        server.stop()

@@ -39,13 +39,13 @@ CONFIGS = {
 DECODING = ["default", "mixed"]
 
 
-def build_hf(name: str, seed: int = 0):
+def build_hf(name: str, seed: int = 0, vocab: int = VOCAB):
     from transformers import Qwen3_5ForCausalLM as HF
     from transformers import Qwen3_5TextConfig
 
-    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+    kw = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-              linear_num_value_heads=4, max_position_embeddings=256, eos_token_id=VOCAB - 1)
+              linear_num_value_heads=4, max_position_embeddings=256, eos_token_id=vocab - 1)
     cfg = Qwen3_5TextConfig(**{**kw, **CONFIGS[name]})
     cfg.architectures = ["Qwen3_5ForCausalLM"]
     torch.manual_seed(seed)
