@@ -681,3 +681,63 @@ def test_load_pair_takes_a_hybrid_draft(pair, tmp_path):
     eng = Generator(p.target, p.draft)
     assert eng.generate([4, 8, 15, 16], "tree", SpecConfig(nodes=8), gen=gen).token_ids == \
         eng.generate([4, 8, 15, 16], "ar", gen=gen).token_ids
+
+
+# ---- captured tree passes (runtime.hybrid_graphs), emulated on the CPU ------------------------
+def _random_tree(rng: random.Random, n: int, root: int) -> DraftTree:
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    return DraftTree([root] + [rng.randrange(VOCAB) for _ in range(n - 1)], parents, [0.0] * n)
+
+
+def test_captured_tree_passes_equal_eager_ones(pair, monkeypatch):
+    """A pass padded to its bucket (padding roots at the scratch row, static-width attention,
+    the tree as static tensors) gives the eager pass's logits; committing the same paths leaves
+    the same state and cache; the state's tensors stay the ones a graph would read."""
+    _, _, ours = pair("default")
+    monkeypatch.setattr(ours, "gdn_tree", "wy")
+    prompt = [5, 9, 2, 77, 31, 8, 40]
+    eager, graphed = HybridTarget(ours, 96, graphs=False), HybridTarget(ours, 96, graphs="emulate")
+    held = [t.data_ptr() for t in graphed.state.conv + graphed.state.delta]
+    for t in (eager, graphed):
+        t.prefill(prompt[:-1])
+    rng, root = random.Random(3), prompt[-1]
+    for n in (1, 5, 3, 16, 9, 1, 30):
+        tree = _random_tree(rng, n, root)
+        (la, ra), (lb, rb) = eager.logits(tree), graphed.logits(tree)
+        assert lb.shape == la.shape and _diff(la, lb) < 1e-5, n
+        path = [0]
+        while any(p == path[-1] for p in tree.parents):  # the first child, down to a leaf
+            path.append(tree.parents.index(path[-1]))
+        eager.commit(ra, path)
+        graphed.commit(rb, path)
+        assert eager.cache.prefix_len == graphed.cache.prefix_len and graphed.cache.tree_len == 0
+        for a, b in zip(eager.state.conv + eager.state.delta, graphed.state.conv + graphed.state.delta):
+            assert _diff(a, b) < 1e-5
+        root = tree.tokens[path[-1]]
+    assert graphed.graphs.replays == 7 and sorted(graphed.graphs.buckets) == [1, 4, 8, 16, 32]
+    assert [t.data_ptr() for t in graphed.state.conv + graphed.state.delta] == held
+
+
+def test_greedy_decoding_with_captured_passes_equals_ar(pair, monkeypatch):
+    """generate_hybrid with every tree pass replayed (emulated): ar, chain and tree over a small
+    draft model and the oracle trees give the eager ar output."""
+    from tandem.runtime import hybrid_graphs
+
+    _, _, ours = pair("default")
+    prompt = [7, 7, 21, 64, 3, 90]
+    gen = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    ref = generate_hybrid(ours, prompt, "ar", gen=gen).token_ids
+    monkeypatch.setattr(ours, "gdn_tree", "wy")
+    monkeypatch.setattr(hybrid_graphs, "graphs_apply", lambda model: "emulate")
+    runs = []
+    real_run = hybrid_graphs.HybridGraphs.run
+    monkeypatch.setattr(hybrid_graphs.HybridGraphs, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
+    draft = tiny_model(vocab=VOCAB, seed=5)
+    assert generate_hybrid(ours, prompt, "ar", gen=gen).token_ids == ref
+    for method in ("chain", "tree"):
+        res = generate_hybrid(ours, prompt, method, draft_model=draft, spec=SpecConfig(nodes=8, width=2, k=3), gen=gen)
+        assert res.token_ids == ref, method
+    res = generate_hybrid(ours, prompt, "tree", spec=SpecConfig(nodes=12), gen=gen,
+                          drafter=OracleTreeDrafter(ref, nodes=12, seed=1))
+    assert res.token_ids == ref and max(res.accept_lengths) >= 4
+    assert len(runs) > 60

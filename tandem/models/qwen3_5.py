@@ -462,7 +462,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         parents = list(range(-1, T - 1))
         pos = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = self._rope(pos, self.dtype)
-        rec = TreeRecord(parents, conv_windows(parents, self.config.linear_conv_kernel_dim), "chunked")
+        rec = TreeRecord(parents, conv_windows(parents, self.config.linear_conv_kernel_dim).to(input_ids.device), "chunked")
         return self._run(input_ids, _Pass(pos, cos, sin, state or self.new_state(B), rec))
 
     @torch.no_grad()
@@ -512,7 +512,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         # NOTE: "path" runs decode steps (n = 1) too: the same program for every pass is what
         # makes a tree node's state the bits token-by-token decoding reaches
         kernel = "chunked" if prefill else ("walk" if self.gdn_tree == "wy" and n == 1 else self.gdn_tree)
-        return TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim), kernel,
+        # (the windows on the device once: each GDN layer's conv indexes with them)
+        return TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim).to(dev), kernel,
                           ancestor_mask(parents).to(dev) if kernel == "wy" else None,
                           tuple(t.to(dev) for t in root_paths(parents)) if kernel == "path" else None)
 
@@ -540,7 +541,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         # NOTE: the WY form whatever gdn_tree says: a draft's rounding never reaches the output (the
         # target verifies every token), and WY solves all m + T rows in ~10 ops a layer where the
         # walk needs ~6 per row (20x at a 32-head GDN layer on the CPU; bench/gpu_gdn.py)
-        rec = TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim), "wy", anc.to(dev))
+        rec = TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim).to(dev), "wy", anc.to(dev))
         p = _Pass(pos, cos, sin, state, rec, cache, torch.arange(start, start + T, device=dev),
                   mask.to(dev)[None, None], history)
         return self._run(torch.tensor([tokens], device=dev), p)[0], rec

@@ -45,10 +45,18 @@ class HybridTarget:
     """A hybrid target's side of verification: its KV cache (attention layers), its committed
     recurrent state (GDN layers), one tree pass per `verify`, and the commit of the path."""
 
-    def __init__(self, model, capacity: int):
+    def __init__(self, model, capacity: int, graphs: bool | str | None = None):
+        """graphs: capture the tree passes (runtime.hybrid_graphs; None: where they apply, on
+        CUDA with the path or WY kernel; "emulate": their static buffers, run eagerly)."""
+        from tandem.runtime.hybrid_graphs import HybridGraphs, graphs_apply
+
         self.model = model
-        self.cache = model.new_cache(capacity)
+        if graphs is None:
+            graphs = graphs_apply(model)
+        # (a captured pass's padding rows write one row past the plan's: the scratch row)
+        self.cache = model.new_cache(capacity + 1 if graphs else capacity)
         self.state = model.new_state()
+        self.graphs = HybridGraphs(model, self.state, self.cache, emulate=graphs == "emulate") if graphs else None
         self.passes = 0
 
     def prefill(self, tokens: list[int]) -> None:
@@ -62,13 +70,25 @@ class HybridTarget:
     def logits(self, tree: DraftTree):
         """[n, vocab] per-node logits of one tree pass, and the pass's record (commit replays it)."""
         self.passes += 1
+        if self.graphs is not None:
+            out = self.graphs.run(tree.tokens, tree.parents)
+            if out is not None:
+                return out
         return self.model.tree_forward(tree.tokens, tree.parents, self.state, self.cache)
 
     def commit(self, record, path: list[int]) -> None:
         """The accepted path (root first) joins the verified prefix: its K/V rows move into
-        the prefix, its GDN inputs are replayed into the committed state; the rest is dropped."""
+        the prefix, its GDN inputs are replayed into the committed state; the rest is dropped.
+        The state's tensors stay the same ones (a captured pass reads them where they are)."""
         self.cache.commit(path)
-        self.model.commit_state(self.state, record, path)
+        st = self.state
+        held = st.conv + st.delta
+        self.model.commit_state(st, record, path)
+        for old, new in zip(held, st.conv + st.delta):
+            if new is not old:
+                old.copy_(new)
+        n = len(st.conv)
+        st.conv[:], st.delta[:] = held[:n], held[n:]
 
     def verify(self, tree: DraftTree, sampling: SamplingConfig | None = None,
                generator: torch.Generator | None = None, forced: int | None = None) -> VerifyResult:
