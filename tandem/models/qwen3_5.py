@@ -17,11 +17,12 @@ per node, and a chain pass equals token-by-token decoding.
 
 Which GDN kernel a pass runs (`GDN_KERNELS`): a prefill, whose rows are all committed and which
 every method runs alike, takes the chunked WY form (matrix products, not one update per token);
-a tree pass takes `Qwen3_5ForCausalLM.gdn_tree`, the walk by default (bitwise what
-token-by-token decoding computes, so greedy `chain` / `tree` equal `ar` exactly), the WY form
-(`TANDEM_GDN_TREE=wy`: every path at once, equal to the walk up to fp32 rounding) or the Triton
-path kernel (`TANDEM_GDN_TREE=path`, CUDA: one launch walks every node's path; exact as the
-walk is, decode steps included, since they run it too).
+a tree pass takes `Qwen3_5ForCausalLM.gdn_tree`: on CUDA the Triton path kernel by default
+(one launch walks every node's path; exact as the walk is, decode steps included, since they
+run it too; the fastest at N <= 32 on the H100, bench/NOTES.md 2026-12-06), elsewhere the walk
+(bitwise what token-by-token decoding computes, so greedy `chain` / `tree` equal `ar` exactly),
+or as TANDEM_GDN_TREE says: walk, path, or the WY form (`wy`: every path at once, equal to the
+walk up to fp32 rounding).
 """
 from __future__ import annotations
 
@@ -398,7 +399,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         # target features for feature drafters (EAGLE-3 heads, block drafters), as Transformer keeps them
         self.feature_layers: tuple[int, ...] | None = None
         self.last_features: torch.Tensor | None = None  # [B, n, len(feature_layers) * hidden]
-        self.gdn_tree = os.environ.get("TANDEM_GDN_TREE", "walk")  # a tree pass's GDN kernel (GDN_KERNELS)
+        self._gdn_tree = os.environ.get("TANDEM_GDN_TREE")  # a tree pass's GDN kernel (GDN_KERNELS), if chosen
 
     def enable_features(self, layers: tuple[int, ...] | None = None) -> tuple[int, ...]:
         """Keep the residual stream entering `layers` (default: a low, a middle and a high layer)
@@ -411,6 +412,19 @@ class Qwen3_5ForCausalLM(nn.Module):
             raise ValueError(f"feature layers {layers} outside the target's {L} layers")
         self.feature_layers = layers
         return layers
+
+    @property
+    def gdn_tree(self) -> str:
+        """A tree pass's GDN kernel: TANDEM_GDN_TREE (or what was set), else the path kernel where
+        it runs compiled (CUDA: one launch a layer, exact as the walk is; its passes are captured,
+        runtime.hybrid_graphs) and the walk elsewhere."""
+        if self._gdn_tree is not None:
+            return self._gdn_tree
+        return "path" if self.device.type == "cuda" and path_kernel_runs(self.device) else "walk"
+
+    @gdn_tree.setter
+    def gdn_tree(self, kernel: str) -> None:
+        self._gdn_tree = kernel
 
     @property
     def device(self) -> torch.device:
