@@ -11,15 +11,14 @@ source bench/deadline.sh
 TRACE=${TRACE:-.data/trace/results.json}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/env.txt"
 echo "== GPU lane: captured hybrid passes"
-within 120 python3 -m pytest -q -m cuda tests/gpu/test_gpu_hybrid_graphs.py -p no:cacheprovider > "$OUT/lane.log" 2>&1
+within "${LT:-120}" python3 -m pytest -q -m cuda tests/gpu/test_gpu_hybrid_graphs.py -p no:cacheprovider > "$OUT/lane.log" 2>&1
 rc=$?; tail -3 "$OUT/lane.log"
 if [ "$rc" != 0 ]; then grep -B30 -m2 "Error" "$OUT/lane.log" | head -80; fi
 echo "== random hybrid target, fp32, default kernel (path, captured), hybrid loop and engine"
 within 90 python3 bench/gpu_hybrid_check.py --device cuda --dtype float32 --hidden 1024 --layers 16 --nodes 16 32 \
-  --engine 1 8 > "$OUT/hybrid_path.txt" 2>&1; echo "rc $?"
+  ${ENGINE- --engine 1 8} > "$OUT/hybrid_path.txt" 2>&1; echo "rc $?"
 tail -60 "$OUT/hybrid_path.txt" | grep -v '^ *[{}]' | tr -d '\n'; echo
-echo "== replay: qwen3.5-4b / qwen2.5-0.5b, bf16, ar,tree@32"
-within 150 python3 -m tandem bench --preset qwen3.5-4b --draft-preset qwen2.5-0.5b --replay "$TRACE" --device cuda \
+[ "${REPLAY:-1}" = 1 ] && echo "== replay: qwen3.5-4b / qwen2.5-0.5b, bf16, ar,tree@32" && within 150 python3 -m tandem bench --preset qwen3.5-4b --draft-preset qwen2.5-0.5b --replay "$TRACE" --device cuda \
   --dtype bfloat16 --methods ar,tree@32 --num-prompts "${NP:-2}" --no-plots --out "$OUT/replay" 2>&1 \
   | grep -e "^|" -e "replayed tau" -e "rror"
 tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"

@@ -20,6 +20,7 @@ updates depends on the tree's shape. Prefills stay eager (one per request).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ import torch
 from tandem.kernels.gdn import conv_windows
 from tandem.kernels.gdn_path import root_paths
 from tandem.tree.draft_tree import ancestor_mask
+
+log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GRAPH_KERNELS = ("path", "wy")
@@ -69,6 +72,7 @@ class HybridGraphs:
         self.scratch = cache.capacity - 1  # padding rows write (and see) this row only
         self.buckets: dict[int, _Bucket] = {}
         self._pool = None  # one memory pool for every bucket's graph
+        self.disabled = False  # a capture failed: every pass eager
         self.replays = 0
 
     def run(self, tokens: list[int], parents: list[int]):
@@ -76,9 +80,16 @@ class HybridGraphs:
         as an eager pass reserves them; None when no bucket takes it (the caller runs it eagerly)."""
         n, cache = len(tokens), self.cache
         b = next((x for x in BUCKETS if x >= n), None)
-        if b is None or cache.length + n > self.scratch:
+        if b is None or self.disabled or cache.length + n > self.scratch:
             return None
-        bk = self.buckets.get(b) or self._capture(b)
+        bk = self.buckets.get(b)
+        if bk is None:
+            try:
+                bk = self._capture(b)
+            except RuntimeError as e:  # (a capture this build cannot take: eager passes from now on, same results)
+                log.warning("hybrid tree passes run eagerly: capturing a %d-node pass failed (%s)", b, e)
+                self.disabled = True
+                return None
         start = cache.reserve_rows(n)
         prefix = cache.prefix_len
         padded = list(parents) + [-1] * (b - n)
