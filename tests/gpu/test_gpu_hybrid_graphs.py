@@ -59,6 +59,10 @@ def test_greedy_decoding_through_graphs_equals_eager_ar(model, monkeypatch):
     monkeypatch.setattr(model, "gdn_tree", "walk")
     ref = generate_hybrid(model, prompt, "ar", gen=gen).token_ids  # eager (the walk is not captured)
     monkeypatch.setattr(model, "gdn_tree", "path")
+    monkeypatch.setenv("TANDEM_HYBRID_GRAPHS", "1")  # (opt-in until this lane has passed)
+    from tandem.runtime.hybrid_graphs import graphs_apply
+
+    assert graphs_apply(model)
     assert generate_hybrid(model, prompt, "ar", gen=gen).token_ids == ref
     from gpu_hybrid_check import OracleTrees
 
