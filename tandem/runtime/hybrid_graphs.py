@@ -1,7 +1,7 @@
 """CUDA graphs of a hybrid (Qwen3.5) target's tree passes: one per node bucket, replayed.
 
 An eager Qwen3.5 pass launches some 30 kernels a layer from the host; at the 4B shape on the
-H100 that made a one-row pass 40-77 ms against ~3 ms of bytes (bench/NOTES.md, 2026-12-06). A
+H100 that made a one-row pass 40-77 ms, where its weights take ~2.5 ms to read (bench/NOTES.md, 2026-12-06). A
 pass of n nodes replays the graph of the smallest bucket b >= n instead:
 
     static inputs  tokens [1, b], positions [1, b], slots [b], mask [1, 1, b, capacity + 1],
