@@ -8,13 +8,12 @@ would hide; sampling through the engine follows the target's distribution."""
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 
 from models_for_tests import assert_clean, run_all, tiny_model
-from test_qwen3_5 import VOCAB, build_hf
+from test_qwen3_5 import VOCAB, OracleTreeDrafter, build_hf
 from tandem.config import ConfigError, GenerationConfig, SpecConfig
 from tandem.engine.config import EngineConfig
 from tandem.engine.draft_gate import StepCosts
@@ -22,7 +21,6 @@ from tandem.engine.engine import Engine
 from tandem.engine.request import RequestState, SamplingParams
 from tandem.models.loader import load_model
 from tandem.runtime.hybrid import generate_hybrid
-from tandem.tree.draft_tree import DraftTree
 
 MAX_NEW = 24
 
@@ -44,33 +42,20 @@ def solo(target):
     return prompts, [generate_hybrid(target, p, "ar", gen=gen).token_ids for p in prompts]
 
 
-class OracleDrafter:
-    """Random trees whose spine follows the request's reference output for a random length, so
-    trees are accepted 0-6 deep: the commit replays paths that leave the tree's first rows."""
+class OracleDrafter(OracleTreeDrafter):
+    """The single-request tests' oracle trees (a spine along the reference for a random length,
+    so trees are accepted 0-6 deep), started from a request's tokens so far (again after a
+    preemption) and fed as the engine feeds a drafter."""
 
     def __init__(self, prompt_len: int, reference: list[int], nodes: int, seed: int):
-        self.prompt_len, self.ref, self.nodes = prompt_len, reference, nodes
-        self.rng = random.Random(seed)
+        super().__init__(reference, nodes, seed)
+        self.prompt_len = prompt_len
 
-    def start(self, ids: list[int]) -> None:  # (again after a preemption: the outputs so far)
-        self.done = len(ids) - self.prompt_len
-
-    def propose(self) -> DraftTree:
-        rng, spine_len = self.rng, self.rng.randrange(0, 7)
-        tokens, parents, spine = [0], [-1], [0]  # (the engine puts the root's token)
-        while len(tokens) <= self.nodes:
-            if len(spine) <= spine_len and rng.random() < 0.6:
-                j = self.done + len(spine) - 1  # the spine's next node: the reference that far ahead
-                tokens.append(self.ref[j] if j < len(self.ref) else rng.randrange(VOCAB))
-                parents.append(spine[-1])
-                spine.append(len(tokens) - 1)
-            else:
-                tokens.append(rng.randrange(VOCAB))
-                parents.append(rng.randrange(len(tokens) - 1))
-        return DraftTree(tokens, parents, [0.0] * len(tokens))
+    def start(self, ids: list[int]) -> None:
+        self.done, self.root = len(ids) - self.prompt_len, ids[-1]
 
     def observe(self, result, tree, feats=None) -> None:
-        self.done += len(result.tokens)
+        super().observe(result, tree)
 
 
 class OracleEngine(Engine):
