@@ -122,6 +122,28 @@ def test_one_row_decodes_share_one_gdn_call(target, solo):
     assert_clean(engine)
 
 
+def test_chains_of_one_shape_share_one_gdn_call(target, solo):
+    """A `chain` step's full chains have one shape: their GDN layers run as one batched call (a
+    shared record, a batch row each), each committed by its own accepted path; outputs equal ar."""
+    prompts, refs = solo
+    engine = _engine(target, tiny_model(vocab=VOCAB, seed=5), method="chain", spec=SpecConfig(k=3),
+                     max_num_batched_tokens=400)
+    shared = []
+    commit = engine.pool.commit_many
+
+    def spy(commits, keep_later=False):
+        recs = [rec for rec, _ in engine.pool.records.values()]
+        ids = [id(rec) for rec in recs]
+        shared.extend(rec for rec in recs if ids.count(id(rec)) > 1 and len(rec.parents) == 4)
+        return commit(commits, keep_later)
+
+    engine.pool.commit_many = spy
+    outs = run_all(engine, prompts[:4])
+    assert [o.token_ids for o in outs] == refs[:4]
+    assert shared  # (some step verified two or more 4-row chains in one call)
+    assert_clean(engine)
+
+
 @pytest.mark.parametrize("mode", [dict(batch_parallel=True), dict(row_selection=True), dict(adaptive_draft=True),
                                   # (given step costs: measuring them takes seconds of steps)
                                   dict(draft_gate=True, step_costs=StepCosts((1, 4, 8), plain=(0.01,) * 3,

@@ -79,24 +79,32 @@ class HybridBatchedModel:
         M = b.num_rows
         x = m.model.embed_tokens(b.tokens[:M])[None]  # [1, M, hidden]
         cos, sin = m._rope(b.positions[:M][None], m.dtype)  # [1, M, rotary_dim]
-        # The GDN calls: the one-row decodes (`ar` steps, plain rows of a gated step) together, one
-        # batched call a layer over their gathered states; every other request (a tree, a prefill
-        # chunk) alone, over views of its slot. Each fills its record.
-        singles = [r for r, rec in enumerate(rows.records)
-                   if b.offsets[r + 1] - b.offsets[r] == 1 and rec.kernel != "chunked"]
-        if len(singles) < 2:
-            singles = []
+        # The GDN calls: requests whose trees have the same shape (the one-row decodes of `ar` steps
+        # and of the draft gate's plain rows; `chain` steps' full chains) together, one batched
+        # call a layer over their gathered states; every other request (a tree of its own shape,
+        # a prefill chunk) alone, over views of its slot. Each call fills its record.
+        shapes: dict[tuple[int, ...], list[int]] = {}
+        for r, rec in enumerate(rows.records):
+            if rec.kernel != "chunked":
+                shapes.setdefault(tuple(rec.parents), []).append(r)
         passes: list[tuple[torch.Tensor | slice, _Pass]] = []
         kept: dict[str, tuple[object, int]] = {}
-        if singles:
-            sids = [rows.seq_ids[r] for r in singles]
+        grouped: set[int] = set()
+        for members in shapes.values():
+            if len(members) < 2:
+                continue
+            sids = [rows.seq_ids[r] for r in members]
             state, _ = pool.states(sids)
-            p = _Pass(None, None, None, state, rows.records[singles[0]])
-            at = torch.tensor([b.offsets[r] for r in singles], device=m.device)  # [s] their rows in the pass
+            p = _Pass(None, None, None, state, rows.records[members[0]])
+            n = b.offsets[members[0] + 1] - b.offsets[members[0]]
+            at = torch.tensor([b.offsets[r] for r in members], device=m.device)[:, None] + \
+                torch.arange(n, device=m.device)  # [s, n] their rows in the pass
             passes.append((at, p))
             kept.update((sid, (p.record, j)) for j, sid in enumerate(sids))
-        alone = set(range(len(rows.seq_ids))) - set(singles)
-        for r in sorted(alone):
+            grouped.update(members)
+        for r in range(len(rows.seq_ids)):
+            if r in grouped:
+                continue
             sid = rows.seq_ids[r]
             p = _Pass(None, None, None, pool.state(sid), rows.records[r])
             passes.append((slice(b.offsets[r], b.offsets[r + 1]), p))
@@ -112,8 +120,8 @@ class HybridBatchedModel:
                 for at, p in passes:
                     if isinstance(at, slice):  # a request alone: [1, T, hidden]
                         out[:, at] = layer.linear_attn(h[:, at], p)
-                    else:  # the one-row decodes as a batch: [s, 1, hidden]
-                        out[0, at] = layer.linear_attn(h[0, at][:, None], p)[:, 0]
+                    else:  # requests of one tree shape as a batch: [s, n, hidden]
+                        out[0, at] = layer.linear_attn(h[0, at], p)
             else:
                 out = self._attention(layer.self_attn, h, cos, sin, b)
             x = x + out
