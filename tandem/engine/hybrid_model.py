@@ -8,14 +8,16 @@ state per request (tandem.kv.hybrid_pool.HybridKVPool) rather than K/V:
     per layer:
       attention: q/k/v, norms, RoPE and the output gate over all M rows at once; the new K/V
                  stored at the rows' slots; paged attention under each row's mask
-      GDN:       per request: its rows from its committed state (a prefill chunk: the chunked WY
-                 form; a tree: every root path, the target's tree kernel) -> its pass record
+      GDN:       per request, or per group of requests whose trees have one shape: their rows
+                 from their committed states (a prefill chunk: the chunked WY form; a tree: every
+                 root path, the target's tree kernel) -> the call's pass record
       MLP over all M rows
     logits of the logit rows
 
-The projections, attention and MLPs are batched across requests; the GDN recurrences are one
-call per request, as each walks its own tree from its own state. The pass leaves each request's
-record in the pool, and the pool's commit replays the accepted path into its slot.
+The projections, attention and MLPs are batched across requests; a GDN call batches only the
+requests whose trees share a shape (one-row decodes, full chains), as each walks its own tree
+from its own state. The pass leaves each request's record in the pool, and the pool's commit
+replays the accepted path into its slot.
 
 Not here (the engine turns them off for hybrid targets): CUDA graphs (a request's GDN call
 depends on its tree's shape), the device-token feed of async scheduling, device verification.
@@ -32,14 +34,10 @@ from tandem.models.qwen3_5 import _Pass, _rotate
 
 class HybridRows:
     """A pass's packed rows (BatchRows: tokens, positions, slots, masks) and, per request, what
-    its GDN layers need: its sequence id, its rows' range and its empty pass record."""
+    its GDN layers need: its sequence id and its empty pass record."""
 
     def __init__(self, batch: BatchRows, seq_ids: list[str], records: list):
         self.batch, self.seq_ids, self.records = batch, seq_ids, records
-
-    @property
-    def num_rows(self) -> int:
-        return self.batch.num_rows
 
 
 class HybridBatchedModel:
@@ -47,7 +45,6 @@ class HybridBatchedModel:
         model.check_gdn_kernel()
         self.model, self.pool = model, pool
         self.features = features  # keep the target's features (a feature drafter reads them)
-        self.use_graphs = False
         self._features: torch.Tensor | None = None
         self.tile_rows = pk.tile_rows(model.config.num_attention_heads, model.config.num_key_value_heads)
 
@@ -94,7 +91,7 @@ class HybridBatchedModel:
             if len(members) < 2:
                 continue
             sids = [rows.seq_ids[r] for r in members]
-            state, _ = pool.states(sids)
+            state = pool.states(sids)
             p = _Pass(None, None, None, state, rows.records[members[0]])
             n = b.offsets[members[0] + 1] - b.offsets[members[0]]
             at = torch.tensor([b.offsets[r] for r in members], device=m.device)[:, None] + \

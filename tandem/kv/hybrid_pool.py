@@ -91,7 +91,7 @@ class HybridKVPool(PagedKVPool):
         """Several sequences' committed states, [b, ...] each: a RecurrentState whose layers are
         gathered from the slots when a GDN layer reads them (one layer's copy at a time)."""
         idx = torch.tensor([self.slot_of[s] for s in seq_ids], device=self.delta[0].device)
-        return self._state(_Gather(self.conv, idx), _Gather(self.delta, idx)), idx
+        return self._state(_Gather(self.conv, idx), _Gather(self.delta, idx))
 
     def commit_many(self, commits: list[tuple[str, list[int], list[int]]], keep_later: bool = False) -> None:
         """The blocks' commit (PagedKVPool), then each path replayed into its sequence's slot from
@@ -112,23 +112,15 @@ class HybridKVPool(PagedKVPool):
         for (rid, path), members in groups.items():
             record = held[rid]
             if len(members) == 1 and record.layers[0].k.shape[0] == 1:  # (a sequence's own record)
-                self._commit_one(members[0][0], record, list(path))
+                self._commit_state(self.state(members[0][0]), record, list(path))  # (in place, into its slot)
                 continue
             rows = torch.tensor([row for _, row in members], device=self.delta[0].device)
             slots = torch.tensor([self.slot_of[sid] for sid, _ in members], device=self.delta[0].device)
-            st, _ = self.states([sid for sid, _ in members])
-            st.conv, st.delta = list(st.conv), list(st.delta)  # (gathered now: the replay rebinds them)
+            st = self.states([sid for sid, _ in members])
+            st.conv, st.delta = list(st.conv), list(st.delta)  # (gathered copies, committed in place)
             self._commit_state(st, record.rows(rows), list(path))
             for pool_t, new in zip(self.conv + self.delta, st.conv + st.delta):
-                pool_t.index_copy_(0, slots, new.to(pool_t.dtype))
-
-    def _commit_one(self, seq_id: str, record, path: list[int]) -> None:
-        st = self.state(seq_id)
-        views = st.conv + st.delta
-        self._commit_state(st, record, path)  # (rebinds the lists' entries; the path kernel writes in place)
-        for view, new in zip(views, st.conv + st.delta):
-            if new.data_ptr() != view.data_ptr():
-                view.copy_(new)
+                pool_t.index_copy_(0, slots, new)
 
     # ---- invariants ------------------------------------------------------------------------
     def check(self) -> list[str]:

@@ -563,21 +563,24 @@ class Qwen3_5ForCausalLM(nn.Module):
     @torch.no_grad()
     def commit_state(self, state: RecurrentState, record: TreeRecord, path: list[int]) -> None:
         """Replay the accepted `path` (node indices, root first, each the parent of the next)
-        of the pass `record` into `state`, in place, layer by layer."""
+        of the pass `record` into `state`, layer by layer, in place: the state keeps its tensors
+        (a captured pass, runtime.hybrid_graphs, and the engine's pool slots read them there)."""
         if not path:
             return
         whole = path == list(range(len(record.parents)))  # a chain committed whole (a prefill)
         for li, r in enumerate(record.layers):
+            S = state.delta[li]
             if r.final is not None and whole:
-                state.delta[li] = r.final
+                new = r.final
             elif r.U is not None:
-                state.delta[li] = gdn_wy_commit(state.delta[li], r.k, r.U, r.G, path)
+                new = gdn_wy_commit(S, r.k, r.U, r.G, path)
             elif record.kernel == "path":  # in place, the kernel's own steps: the bits the pass read
-                state.delta[li] = gdn_path_commit(state.delta[li].contiguous(), r.k, r.v, r.g, r.beta,
-                                                  *record.paths, path[-1])
+                new = gdn_path_commit(S.contiguous(), r.k, r.v, r.g, r.beta, *record.paths, path[-1])
             else:  # the walk's updates again (and a chunked prefill committed in part, which nothing does)
-                state.delta[li] = gdn_replay(state.delta[li], r.k, r.v, r.g, r.beta, path)
-            state.conv[li] = conv_commit(r.ext, record.windows, path[-1]).to(state.conv[li].dtype)
+                new = gdn_replay(S, r.k, r.v, r.g, r.beta, path)
+            if new.data_ptr() != S.data_ptr():
+                S.copy_(new)
+            state.conv[li].copy_(conv_commit(r.ext, record.windows, path[-1]))
 
 
 # ---- loading ------------------------------------------------------------------------------

@@ -78,17 +78,10 @@ class HybridTarget:
 
     def commit(self, record, path: list[int]) -> None:
         """The accepted path (root first) joins the verified prefix: its K/V rows move into
-        the prefix, its GDN inputs are replayed into the committed state; the rest is dropped.
-        The state's tensors stay the same ones (a captured pass reads them where they are)."""
+        the prefix, its GDN inputs are replayed into the committed state (in place: a captured
+        pass reads it where it is); the rest is dropped."""
         self.cache.commit(path)
-        st = self.state
-        held = st.conv + st.delta
-        self.model.commit_state(st, record, path)
-        for old, new in zip(held, st.conv + st.delta):
-            if new is not old:
-                old.copy_(new)
-        n = len(st.conv)
-        st.conv[:], st.delta[:] = held[:n], held[n:]
+        self.model.commit_state(self.state, record, path)
 
     def verify(self, tree: DraftTree, sampling: SamplingConfig | None = None,
                generator: torch.Generator | None = None, forced: int | None = None) -> VerifyResult:
