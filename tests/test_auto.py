@@ -1,9 +1,14 @@
-"""`--method auto`: the measured choice, its fallback to ar, and exact output whatever it picks."""
+"""`--method auto`: the measured choice, the cost model's shallower shapes (predicted, then
+confirmed by measurement), its fallback to ar, and exact output whatever it picks."""
 from __future__ import annotations
+
+import dataclasses
+
+import pytest
 
 from models_for_tests import noisy_copy, tiny_model
 from tandem.config import GenerationConfig, SpecConfig
-from tandem.runtime.auto import AutoChoice, AutoSelector
+from tandem.runtime.auto import AutoChoice, AutoSelector, Candidate, TrialRun, levels_of, shallower
 from tandem.runtime.generate import Generator
 
 
@@ -18,8 +23,12 @@ def test_auto_output_equals_ar_and_names_the_method_it_ran(capsys):
         assert res.method in ("ar", "chain", "tree")
     err = capsys.readouterr().err
     assert err.count("tandem: auto:") == 1  # one trial per engine, printed with the measured rates
-    assert eng.auto.choice.method == max(eng.auto.choice.rates, key=eng.auto.choice.rates.get)
-    assert set(eng.auto.choice.rates) == {"ar", "chain", "tree"}
+    choice = eng.auto.choice
+    assert choice.label == max(choice.rates, key=choice.rates.get)  # the fastest measured candidate
+    assert {"ar", "chain", "tree"} <= set(choice.rates)
+    # every shape it measured beyond the three was one the cost model predicted to beat them all
+    for label in set(choice.rates) - {"ar", "chain", "tree"}:
+        assert choice.predicted[label] > max(choice.rates[m] for m in ("ar", "chain", "tree"))
 
 
 def test_auto_without_a_draft_is_ar():
@@ -31,10 +40,109 @@ def test_auto_falls_back_to_ar_when_the_drafter_stops_paying_and_retrials():
     sel = AutoSelector(retrial_every=5, verbose=False)
     sel.choice, sel.requests = AutoChoice("tree", {"ar": 100.0, "tree": 150.0}, "test"), 1
     sel.rates = {"ar": 100.0, "tree": 150.0}
-    assert sel.choose(None, [1], SpecConfig(), None) == "tree"
+    assert sel.choose(None, [1], SpecConfig(), None).method == "tree"
     sel.update("tree", 40.0)  # a workload the drafter does not know: 0.5 * 40 + 0.5 * 150 = 95 < 100
     assert sel.rates["tree"] == 95.0
-    assert sel.choose(None, [1], SpecConfig(), None) == "ar"
+    assert sel.choose(None, [1], SpecConfig(), None).method == "ar"
     sel.update("tree", 200.0)  # it pays again: 0.5 * 200 + 0.5 * 95 = 147.5 > 100
-    assert sel.choose(None, [1], SpecConfig(), None) == "tree"
+    assert sel.choose(None, [1], SpecConfig(), None).method == "tree"
     assert sel.requests == 4  # the 5th (retrial_every) runs the trial again
+
+
+def test_shallower_shapes_are_predicted_from_the_measured_run():
+    """Hand-computed: a tree of depth 4 measured at 100 tok/s, accepting 3, 1, 0, 2 drafts over
+    four passes (deepest offered 4), 0.4 s drafting and 0.2 s verifying a pass. At depth 2 the
+    accepts count at most 2: tau 1 + (2 + 1 + 0 + 2) / 4 = 2.25 against 1 + 6 / 4 = 2.5, and the
+    pass costs 0.4 * 2 / 4 + 0.2 = 0.4 s against 0.6: 100 * 2.25 / 2.5 * 0.6 / 0.4 = 135."""
+    base = Candidate("tree", SpecConfig(nodes=32, width=4, depth=4), "tree")
+    run = TrialRun(100.0, [3, 1, 0, 2], draft_per_pass=0.4, verify_per_pass=0.2, deepest=4)
+    pred = {c.label: (c, r) for c, r in shallower(base, run)}
+    assert sorted(pred) == ["tree d=1", "tree d=2", "tree d=3"]
+    assert pred["tree d=2"][1] == pytest.approx(135.0)
+    assert pred["tree d=2"][0].spec == SpecConfig(nodes=32, width=4, depth=2)
+    # depth 1: tau 1 + (1 + 1 + 0 + 1) / 4 = 1.75, cost 0.1 + 0.2 = 0.3: 100 * 1.75 / 2.5 * 0.6 / 0.3 = 140
+    assert pred["tree d=1"][1] == pytest.approx(140.0)
+    # a chain of 3: k = 1, 2 (each accept counts at most k)
+    chain = shallower(Candidate("chain", SpecConfig(k=3), "chain"),
+                      TrialRun(90.0, [3, 3, 0], draft_per_pass=0.3, verify_per_pass=0.1, deepest=3))
+    got = {c.label: r for c, r in chain}
+    # k = 1: tau 1 + 2/3 against 1 + 2; cost 0.1 + 0.1 against 0.4: 90 * (5/3) / 3 * 2 = 100
+    assert got == {"chain k=1": pytest.approx(100.0), "chain k=2": pytest.approx(90 * (1 + 4 / 3) / 3 * 0.4 / 0.3)}
+    # nothing to predict without the run's per-pass times, or for ar
+    assert shallower(base, dataclasses.replace(run, draft_per_pass=None)) == []
+    assert shallower(Candidate("ar", SpecConfig(), "ar"), run) == []
+
+
+class _Timed:
+    """A real Generator whose trial rates come from a table (the decision is what is tested; the
+    runs themselves are real and their per-pass figures are replaced by the table's)."""
+
+    def __init__(self, gen: Generator, table: dict[tuple[str, int | None], TrialRun]):
+        self.gen, self.table = gen, table
+
+    def __call__(self, generator, ids, cands, greedy, gen, cuda):
+        out = {}
+        for c in cands:
+            generator.generate(ids, c.method, c.spec, greedy, gen)  # the shape really runs
+            out[c.label] = self.table[(c.method, c.spec.depth if c.method == "tree" else c.spec.k)]
+        return out
+
+
+def test_trial_confirms_a_predicted_shape_before_choosing_it(capsys, monkeypatch):
+    target = tiny_model(seed=3)
+    eng = Generator(target, noisy_copy(target, 0.05))
+    spec = SpecConfig(k=4, nodes=16, width=2, depth=4)
+    # the deep tree pays less than ar: its last levels are seldom accepted and cost a draft pass each
+    table = {("ar", 4): TrialRun(100.0), ("chain", 4): TrialRun(80.0, [1, 0, 2, 1], 0.4, 0.1, 4),
+             ("tree", 4): TrialRun(90.0, [1, 1, 2, 0], 0.6, 0.2, 4),
+             ("tree", 1): TrialRun(120.0), ("tree", 2): TrialRun(95.0), ("tree", 3): TrialRun(91.0),
+             ("chain", 1): TrialRun(99.0), ("chain", 2): TrialRun(85.0), ("chain", 3): TrialRun(81.0)}
+    monkeypatch.setattr(AutoSelector, "_measure", staticmethod(_Timed(eng, table)))
+    g = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    want = Generator(target).generate([1, 5, 9, 2], "ar", gen=g).token_ids
+    res = eng.generate([1, 5, 9, 2], "auto", spec, gen=g)
+    choice = eng.auto.choice
+    # tree d=1: tau 1 + 3/4 against 2, cost 0.15 + 0.2 against 0.8: 90 * 0.875 * 0.8 / 0.35 = 180 predicted
+    assert choice.predicted["tree d=1"] == pytest.approx(90 * 0.875 * 0.8 / 0.35)
+    assert choice.label == "tree d=1" and choice.spec == dataclasses.replace(spec, depth=1)
+    assert res.method == "tree" and res.token_ids == want  # the chosen shape ran, and equals ar
+    assert "tandem: auto: tree d=1 (trial" in capsys.readouterr().err
+    # the predictions above the best measured rate (100) were measured, at most `confirm` of them
+    assert set(choice.rates) == {"ar", "chain", "tree", "tree d=1", "chain k=1"}
+
+
+def test_a_confirmed_shape_that_disappoints_is_not_chosen(monkeypatch):
+    target = tiny_model(seed=3)
+    eng = Generator(target, noisy_copy(target, 0.05))
+    table = {("ar", 2): TrialRun(100.0), ("chain", 2): TrialRun(70.0, [2, 2, 2, 2], 0.2, 0.1, 2),
+             ("tree", 2): TrialRun(60.0, [0, 1, 0, 0], 0.5, 0.1, 2), ("chain", 1): TrialRun(50.0),
+             ("tree", 1): TrialRun(80.0)}  # predicted 60 * (1.25 / 1.25) * 0.6 / 0.35 = 103: measured 80
+    monkeypatch.setattr(AutoSelector, "_measure", staticmethod(_Timed(eng, table)))
+    res = eng.generate([1, 5, 9, 2], "auto", SpecConfig(k=2, nodes=8, width=2, depth=2),
+                       gen=GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    assert eng.auto.choice.label == "ar" and res.method == "ar"
+    assert eng.auto.choice.rates["tree d=1"] == 80.0
+
+
+def test_only_level_drafters_get_shallower_shapes():
+    from tandem.runtime.pair import BUNDLED_TARGET, load_pair
+
+    assert levels_of(tiny_model(seed=1)) and not levels_of(None)
+    if not (BUNDLED_TARGET / "config.json").is_file():
+        pytest.skip("no bundled pair")
+    assert not levels_of(load_pair(None, "block", device="cpu").draft)  # one pass proposes every depth
+    assert levels_of(load_pair(None, "eagle3", device="cpu").draft)
+
+
+@pytest.mark.parametrize("resident", [False, True])
+@pytest.mark.parametrize("method,spec", [("chain", SpecConfig(k=1)), ("chain", SpecConfig(k=2)),
+                                         ("tree", SpecConfig(nodes=32, width=4, depth=1)),
+                                         ("tree", SpecConfig(nodes=32, width=4, depth=2))])
+def test_the_shallow_shapes_auto_may_pick_equal_ar(resident, method, spec):
+    target = tiny_model(seed=3)
+    g = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    eng = Generator(target, noisy_copy(target, 0.05), use_graphs=False, resident=resident)
+    for p in ([1, 5, 9, 2], list(range(3, 60))):
+        got = eng.generate(p, method, spec, gen=g)
+        assert got.token_ids == Generator(target).generate(p, "ar", gen=g).token_ids
+        assert got.loop == ("resident" if resident else "host") and got.tau > 1.0

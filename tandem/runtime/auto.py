@@ -1,13 +1,27 @@
-"""`--method auto`: pick the fastest method for this engine, plain `ar` included.
+"""`--method auto`: pick the fastest method and shape for this engine, plain `ar` included.
 
 The cost model of SpecPilot: a speculative method's rate is tau / (t_draft + t_verify(N)) and
 `ar`'s is 1 / t_ar; speculation pays only when the ratio is above 1. Both depend on the pair,
-the device and the workload, so they are measured rather than assumed: on the first `auto`
-request the engine runs a short trial of every candidate on that request's prompt (decode
-rate after the first token, best of two interleaved runs, graph capture excluded by a warm-up
-run on CUDA), keeps the fastest, and prints the choice. Later requests update the chosen method's measured rate; when
-it falls below `ar`'s (a workload the drafter does not know), the next request runs `ar`, and
-every `retrial_every` requests the trial runs again. `--method` overrides all of it.
+the device and the workload, so they are measured rather than assumed. On the first `auto`
+request the engine runs a short trial on that request's prompt:
+
+1. **Measured.** `ar`, `chain` (k) and `tree` (N, w, d) as given: decode rate after the first
+   token, best of two interleaved runs, graph capture excluded by a warm-up run on CUDA. Each
+   run also records its accepted count per pass and its draft and verify time per pass.
+2. **Predicted.** A drafter that grows its tree level by level (a small draft model, an EAGLE-3
+   head) pays one draft pass per level, so a shallower tree or a shorter chain costs less and
+   accepts less. From the measured run of each kind the model predicts every shallower shape
+   (`shallower`): tau(d) = 1 + mean(min(accepted, deepest(d))), a lower bound, since a
+   shallower tree keeps every node of depth <= d that the deeper one selected (the levels above
+   d grow the same way and fewer deep nodes compete for the N), and t_draft(d) in proportion to
+   the levels run. The measured rate, scaled by those two ratios, is the prediction.
+3. **Confirmed.** The predicted shapes that would beat every measured rate are measured too
+   (at most `confirm` of them, best first), and the fastest measured candidate wins.
+
+The choice is printed with the measured and predicted rates. Later requests update the chosen
+candidate's running rate; when it falls below `ar`'s (a workload the drafter does not know),
+the next request runs `ar`, and every `retrial_every` requests the trial runs again.
+`--method` overrides all of it; `--k`, `--nodes`, `--width` and `--depth` bound the shapes it tries.
 """
 from __future__ import annotations
 
@@ -18,49 +32,108 @@ from dataclasses import dataclass, field
 from tandem.config import GenerationConfig, SamplingConfig, SpecConfig
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A method and the shape it runs with."""
+
+    method: str  # ar | chain | tree
+    spec: SpecConfig
+    label: str  # "ar", "chain", "tree" for the shapes as given; "chain k=2", "tree d=3" for shallower ones
+
+
+@dataclass
+class TrialRun:
+    """One candidate's trial: what was measured, and what the cost model reads."""
+
+    rate: float  # decode tokens/s, best of the runs
+    accepts: list[int] = field(default_factory=list)  # accepted drafts per pass, every run
+    draft_per_pass: float | None = None  # seconds (device time on the GPU)
+    verify_per_pass: float | None = None
+    deepest: int = 0  # the deepest depth any of its trees offered
+
+
 @dataclass
 class AutoChoice:
     method: str
-    rates: dict[str, float]  # decode tokens/s measured per candidate in the last trial
+    rates: dict[str, float]  # decode tokens/s measured per candidate label in the last trial
     reason: str
+    spec: SpecConfig | None = None  # the chosen shape (None: the spec the request came with)
+    label: str = ""  # the chosen candidate's label ("" : the method's name)
+    predicted: dict[str, float] = field(default_factory=dict)  # the cost model's rates, per label
+
+    def __post_init__(self):
+        self.label = self.label or self.method
+
+
+def levels_of(draft_model) -> bool:
+    """Whether this drafter pays one draft pass per tree level (a small draft model, an EAGLE-3
+    head), so that its tree depth and chain length trade tau for draft time. A block drafter
+    proposes every depth in one pass: a shallower shape only accepts less."""
+    return draft_model is not None and not hasattr(draft_model, "bconfig")
+
+
+def shallower(base: Candidate, run: TrialRun) -> list[tuple[Candidate, float]]:
+    """The chains shorter and the trees shallower than `base` that a level drafter can run, each
+    with its predicted decode rate (see the module doc). Empty when the run lacks the figures."""
+    if base.method not in ("chain", "tree") or not run.accepts or run.rate <= 0 or not run.draft_per_pass \
+            or run.verify_per_pass is None or run.deepest < 2:
+        return []
+    spec = base.spec
+    levels = spec.k if base.method == "chain" else spec.resolved_depth()
+    t_base = run.draft_per_pass + run.verify_per_pass
+    tau_base = 1 + sum(min(a, run.deepest) for a in run.accepts) / len(run.accepts)
+    out = []
+    for d in range(1, levels):
+        deepest = max(1, round(run.deepest * d / levels))  # the deepest node a shape of d levels offers
+        tau = 1 + sum(min(a, deepest) for a in run.accepts) / len(run.accepts)
+        t = run.draft_per_pass * d / levels + run.verify_per_pass
+        if base.method == "chain":
+            cand = Candidate("chain", dataclasses.replace(spec, k=d), f"chain k={d}")
+        else:
+            cand = Candidate("tree", dataclasses.replace(spec, depth=d), f"tree d={d}")
+        out.append((cand, run.rate * (tau / tau_base) * (t_base / t)))
+    return out
 
 
 @dataclass
 class AutoSelector:
     trial_tokens: int = 24
     retrial_every: int = 32
-    ema: float = 0.5  # weight of the newest request in the chosen method's running rate
+    ema: float = 0.5  # weight of the newest request in the chosen candidate's running rate
+    confirm: int = 2  # predicted shapes measured at most per trial
     choice: AutoChoice | None = None
     requests: int = 0
-    rates: dict[str, float] = field(default_factory=dict)  # running decode rate per method
+    rates: dict[str, float] = field(default_factory=dict)  # running decode rate per candidate label
     verbose: bool = True
 
-    def candidates(self, has_draft: bool) -> list[str]:
-        return ["ar", "chain", "tree"] if has_draft else ["ar"]
+    def candidates(self, has_draft: bool, spec: SpecConfig) -> list[Candidate]:
+        base = [Candidate("ar", spec, "ar")]
+        return base + [Candidate("chain", spec, "chain"), Candidate("tree", spec, "tree")] if has_draft else base
 
-    def choose(self, generator, prompt_ids: list[int], spec: SpecConfig, sampling: SamplingConfig) -> str:
+    def choose(self, generator, prompt_ids: list[int], spec: SpecConfig, sampling: SamplingConfig) -> Candidate:
         self.requests += 1
         if self.choice is None or self.requests % self.retrial_every == 0:
             self.choice = self._trial(generator, prompt_ids, spec, sampling)
             if self.verbose:
                 print(f"tandem: auto: {self.choice.reason}", file=sys.stderr)
-            return self.choice.method
-        m = self.choice.method
-        if m != "ar" and self.rates.get(m, 0.0) < self.rates.get("ar", 0.0):
-            return "ar"  # the drafter stopped paying on this workload: plain decoding until the next trial
-        return m
+        c = self.choice
+        chosen = Candidate(c.method, c.spec if c.spec is not None else spec, c.label)
+        if chosen.method != "ar" and self.rates.get(chosen.label, 0.0) < self.rates.get("ar", 0.0):
+            # the drafter stopped paying on this workload: plain decoding until the next trial
+            return Candidate("ar", chosen.spec, "ar")
+        return chosen
 
-    def update(self, method: str, decode_tokens_per_s: float) -> None:
+    def update(self, label: str, decode_tokens_per_s: float) -> None:
         if decode_tokens_per_s <= 0:
             return
-        old = self.rates.get(method)
-        self.rates[method] = decode_tokens_per_s if old is None else (
+        old = self.rates.get(label)
+        self.rates[label] = decode_tokens_per_s if old is None else (
             self.ema * decode_tokens_per_s + (1 - self.ema) * old)
 
     def _trial(self, generator, prompt_ids, spec, sampling) -> AutoChoice:
-        cands = self.candidates(generator.draft_model is not None)
+        cands = self.candidates(generator.draft_model is not None, spec)
         if len(cands) == 1:
-            return AutoChoice("ar", {}, "ar (no draft model)")
+            return AutoChoice("ar", {}, "ar (no draft model)", spec)
         # a prompt shorter than the window minus the trial's tokens, so each candidate decodes them all
         room = generator.context_window - self.trial_tokens - 1
         ids = prompt_ids[-room:] if room > 0 else prompt_ids[-1:]
@@ -68,17 +141,58 @@ class AutoSelector:
         # on a GPU a trial costs milliseconds: twice the tokens make the rates steadier
         gen = GenerationConfig(max_new_tokens=self.trial_tokens * (2 if cuda else 1), ignore_eos=True)
         greedy = dataclasses.replace(sampling, temperature=0.0)  # the trial's tokens are thrown away
-        if cuda:  # first runs capture graphs
-            for m in cands:
-                generator.generate(ids, m, spec, greedy, gen)
-        # two rounds, interleaved, best of two: one slow run (a host hiccup) does not decide
-        rates = {m: 0.0 for m in cands}
-        for _ in range(2):
-            for m in cands:
-                rates[m] = max(rates[m], generator.generate(ids, m, spec, greedy, gen).decode_tokens_per_s)
+        runs = self._measure(generator, ids, cands, greedy, gen, cuda)
+        # the cost model's shallower shapes (level drafters; a hybrid target's passes cost by path rows)
+        predicted: dict[str, tuple[Candidate, float]] = {}
+        if levels_of(generator.draft_model) and not getattr(generator.target_model, "is_hybrid", False):
+            for c in cands:
+                for v, r in shallower(c, runs[c.label]):
+                    predicted[v.label] = (v, r)
+        best_measured = max(r.rate for r in runs.values())
+        confirm = sorted((p for p in predicted.values() if p[1] > best_measured), key=lambda p: -p[1])[:self.confirm]
+        if confirm:
+            runs.update(self._measure(generator, ids, [c for c, _ in confirm], greedy, gen, cuda))
+        everything = {c.label: c for c in cands} | {c.label: c for c, _ in predicted.values()}
+        rates = {label: r.rate for label, r in runs.items()}
         self.rates = dict(rates)
-        best = max(rates, key=rates.get)
+        best = everything[max(rates, key=rates.get)]
         ar = rates["ar"] or 1e-9
         detail = ", ".join(f"{m} {r:.0f} tok/s ({r / ar:.2f}x)" for m, r in rates.items())
-        return AutoChoice(best, rates, f"{best} (trial on the first request, best of 2 x {gen.max_new_tokens} "
-                                       f"tokens each: {detail}; --method overrides)")
+        extra = ""
+        if predicted:
+            top = sorted(predicted.items(), key=lambda p: -p[1][1])[:3]
+            extra = "; predicted " + ", ".join(f"{m} {r:.0f}" for m, (_, r) in top)
+        return AutoChoice(best.method, rates, f"{best.label} (trial on the first request, best of 2 x "
+                                              f"{gen.max_new_tokens} tokens each: {detail}{extra}; --method "
+                                              f"overrides)", best.spec, best.label,
+                          {m: r for m, (_, r) in predicted.items()})
+
+    @staticmethod
+    def _measure(generator, ids, cands: list[Candidate], greedy, gen, cuda: bool) -> dict[str, TrialRun]:
+        if cuda:  # first runs capture graphs
+            for c in cands:
+                generator.generate(ids, c.method, c.spec, greedy, gen)
+        # two rounds, interleaved, best of two: one slow run (a host hiccup) does not decide
+        runs = {c.label: TrialRun(0.0) for c in cands}
+        draft = {c.label: [0.0, 0.0, 0] for c in cands}  # draft s, verify s, passes
+        for _ in range(2):
+            for c in cands:
+                res = generator.generate(ids, c.method, c.spec, greedy, gen)
+                run = runs[c.label]
+                run.rate = max(run.rate, res.decode_tokens_per_s)
+                run.accepts += res.accept_lengths
+                run.deepest = max([run.deepest, *res_depths(res)])
+                if res.draft_seconds is not None and res.verify_seconds is not None and res.target_passes:
+                    d = draft[c.label]
+                    d[0] += res.draft_seconds
+                    d[1] += res.verify_seconds
+                    d[2] += res.target_passes
+        for label, (ds, vs, n) in draft.items():
+            if n:
+                runs[label].draft_per_pass, runs[label].verify_per_pass = ds / n, vs / n
+        return runs
+
+
+def res_depths(res) -> list[int]:
+    """The depths a request's trees offered (GenerationResult.per_depth: (offered, accepted) per depth 1..)."""
+    return [d + 1 for d, (offered, _) in enumerate(res.per_depth) if offered]

@@ -211,10 +211,10 @@ class Generator:
             if len(prompt_ids) >= self.context_window:
                 raise ConfigError(f"prompt is {len(prompt_ids)} tokens but the context window is "
                                   f"{self.context_window}; shorten the prompt")
-            chosen = self.auto.choose(self, prompt_ids, spec, sampling)
-            res = self.generate(prompt_ids, chosen, spec, sampling, gen, on_tokens=on_tokens,
+            chosen = self.auto.choose(self, prompt_ids, spec, sampling)  # a method and its shape
+            res = self.generate(prompt_ids, chosen.method, chosen.spec, sampling, gen, on_tokens=on_tokens,
                                 forced_accepts=forced_accepts)
-            self.auto.update(chosen, res.decode_tokens_per_s)
+            self.auto.update(chosen.label, res.decode_tokens_per_s)
             return res
         if method != "ar" and self.draft_model is None:
             raise ConfigError(f"method {method!r} needs a draft model; pass --draft DIR or use --method ar")
