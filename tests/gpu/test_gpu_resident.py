@@ -44,8 +44,14 @@ def _pair(device: str, kind: str):
                                               ("block", "tree", SpecConfig(nodes=32)),
                                               ("eagle3", "chain", SpecConfig(k=5)),
                                               ("eagle3", "tree", SpecConfig(nodes=32, width=4)),
-                                              ("draft", "tree", SpecConfig(nodes=32, width=4))],
-                         ids=["ar", "block-chain", "block-tree", "eagle3-chain", "eagle3-tree", "draft-tree"])
+                                              ("draft", "tree", SpecConfig(nodes=32, width=4)),
+                                              # the shallow shapes `auto` may choose (tandem.runtime.auto)
+                                              ("draft", "chain", SpecConfig(k=1)),
+                                              ("draft", "tree", SpecConfig(nodes=32, width=4, depth=2)),
+                                              ("eagle3", "chain", SpecConfig(k=1)),
+                                              ("eagle3", "tree", SpecConfig(nodes=32, width=4, depth=3))],
+                         ids=["ar", "block-chain", "block-tree", "eagle3-chain", "eagle3-tree", "draft-tree",
+                              "draft-chain1", "draft-tree-d2", "eagle3-chain1", "eagle3-tree-d3"])
 @pytest.mark.parametrize("device", [cpu("cpu", id="cpu"), cuda("cuda", id="cuda")])
 def test_resident_loop_matches_an_uncached_forward_and_the_host_loop(device, kind, method, spec):
     target, draft, prompts = _pair(device, kind)
@@ -69,7 +75,8 @@ def test_resident_loop_matches_an_uncached_forward_and_the_host_loop(device, kin
             assert abs(len(r.accept_lengths) - len(h.accept_lengths)) <= 0.1 * len(h.accept_lengths), \
                 (r.accept_lengths, h.accept_lengths)
         if device == "cuda" and method != "ar":
-            assert r.tau > 1.5  # the trained drafter's trees were accepted deep
+            # the trained drafter's trees were accepted deep (a one-token chain commits at most 2)
+            assert r.tau > (1.3 if method == "chain" and spec.k == 1 else 1.5)
 
 
 @pytest.mark.parametrize("device", [cuda("cuda", id="cuda")])
