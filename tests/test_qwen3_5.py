@@ -704,7 +704,10 @@ def test_captured_tree_passes_equal_eager_ones(pair, monkeypatch):
     for n in (1, 5, 3, 16, 9, 1, 30):
         tree = _random_tree(rng, n, root)
         (la, ra), (lb, rb) = eager.logits(tree), graphed.logits(tree)
-        assert lb.shape == la.shape and _diff(la, lb) < 1e-5, n
+        # (the padded pass solves WY's triangular system at the bucket's size, so its fp32
+        # rounding differs from the eager pass's: 2e-5 on logits of ~3 on some CPUs; a wrong
+        # mask or state is off by far more than 1e-4)
+        assert lb.shape == la.shape and _diff(la, lb) < 1e-4, n
         path = [0]
         while any(p == path[-1] for p in tree.parents):  # the first child, down to a leaf
             path.append(tree.parents.index(path[-1]))
@@ -712,7 +715,7 @@ def test_captured_tree_passes_equal_eager_ones(pair, monkeypatch):
         graphed.commit(rb, path)
         assert eager.cache.prefix_len == graphed.cache.prefix_len and graphed.cache.tree_len == 0
         for a, b in zip(eager.state.conv + eager.state.delta, graphed.state.conv + graphed.state.delta):
-            assert _diff(a, b) < 1e-5
+            assert _diff(a, b) < 1e-4
         root = tree.tokens[path[-1]]
     assert graphed.graphs.replays == 7 and sorted(graphed.graphs.buckets) == [1, 4, 8, 16, 32]
     assert [t.data_ptr() for t in graphed.state.conv + graphed.state.delta] == held
