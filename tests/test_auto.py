@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from models_for_tests import noisy_copy, tiny_model
-from tandem.config import GenerationConfig, SpecConfig
+from tandem.config import GenerationConfig, SamplingConfig, SpecConfig
 from tandem.runtime.auto import AutoChoice, AutoSelector, Candidate, TrialRun, levels_of, shallower
 from tandem.runtime.generate import Generator
 
@@ -109,6 +109,24 @@ def test_trial_confirms_a_predicted_shape_before_choosing_it(capsys, monkeypatch
     assert "tandem: auto: tree d=1 (trial" in capsys.readouterr().err
     # the predictions above the best measured rate (100) were measured, at most `confirm` of them
     assert set(choice.rates) == {"ar", "chain", "tree", "tree d=1", "chain k=1"}
+    # a later request keeps its own spec, cut to the chosen depth
+    later = eng.auto.choose(eng, [3, 3], dataclasses.replace(spec, nodes=12), SamplingConfig())
+    assert later == Candidate("tree", SpecConfig(k=4, nodes=12, width=2, depth=1), "tree d=1")
+
+
+def test_auto_with_sampling_runs_the_chosen_shape_sampled():
+    """The trial samples as the request does (tokens thrown away); the request then is exactly
+    the chosen method and shape under the request's own seed."""
+    target = tiny_model(seed=3)
+    eng = Generator(target, noisy_copy(target, 0.05))
+    spec, sampling = SpecConfig(k=3, nodes=8, width=2), SamplingConfig(temperature=0.8, seed=11)
+    g = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    res = eng.generate([1, 5, 9, 2], "auto", spec, sampling, g)
+    c = eng.auto.choice  # the trial's pick: this first request ran it
+    shape = {"chain": dataclasses.replace(spec, k=c.spec.k), "tree": dataclasses.replace(spec, depth=c.spec.depth),
+             "ar": spec}[c.method] if c.label != c.method else spec
+    assert res.method == c.method
+    assert eng.generate([1, 5, 9, 2], c.method, shape, sampling, g).token_ids == res.token_ids
 
 
 def test_a_confirmed_shape_that_disappoints_is_not_chosen(monkeypatch):

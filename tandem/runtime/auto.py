@@ -6,7 +6,8 @@ the device and the workload, so they are measured rather than assumed. On the fi
 request the engine runs a short trial on that request's prompt:
 
 1. **Measured.** `ar`, `chain` (k) and `tree` (N, w, d) as given: decode rate after the first
-   token, best of two interleaved runs, graph capture excluded by a warm-up run on CUDA. Each
+   token, best of two interleaved runs, graph capture excluded by a warm-up run on CUDA, with
+   the request's sampling settings (a sampled draft is accepted less deeply than a greedy one). Each
    run also records its accepted count per pass and its draft and verify time per pass.
 2. **Predicted.** A drafter that grows its tree level by level (a small draft model, an EAGLE-3
    head) pays one draft pass per level, so a shallower tree or a shorter chain costs less and
@@ -18,10 +19,11 @@ request the engine runs a short trial on that request's prompt:
 3. **Confirmed.** The predicted shapes that would beat every measured rate are measured too
    (at most `confirm` of them, best first), and the fastest measured candidate wins.
 
-The choice is printed with the measured and predicted rates. Later requests update the chosen
-candidate's running rate; when it falls below `ar`'s (a workload the drafter does not know),
-the next request runs `ar`, and every `retrial_every` requests the trial runs again.
-`--method` overrides all of it; `--k`, `--nodes`, `--width` and `--depth` bound the shapes it tries.
+The choice is printed with the measured and predicted rates. Later requests run their own spec
+cut to the chosen depth or length, and update the chosen candidate's running rate; when it
+falls below `ar`'s (a workload the drafter does not know), the next request runs `ar`, and
+every `retrial_every` requests the trial runs again. `--method` overrides all of it; `--k`,
+`--nodes`, `--width` and `--depth` bound the shapes it tries.
 """
 from __future__ import annotations
 
@@ -117,7 +119,10 @@ class AutoSelector:
             if self.verbose:
                 print(f"tandem: auto: {self.choice.reason}", file=sys.stderr)
         c = self.choice
-        chosen = Candidate(c.method, c.spec if c.spec is not None else spec, c.label)
+        # the request's own spec, cut to the chosen depth or length when a shallower shape won
+        shaped = spec if c.spec is None or c.label == c.method else \
+            dataclasses.replace(spec, k=c.spec.k) if c.method == "chain" else dataclasses.replace(spec, depth=c.spec.depth)
+        chosen = Candidate(c.method, shaped, c.label)
         if chosen.method != "ar" and self.rates.get(chosen.label, 0.0) < self.rates.get("ar", 0.0):
             # the drafter stopped paying on this workload: plain decoding until the next trial
             return Candidate("ar", chosen.spec, "ar")
@@ -140,8 +145,10 @@ class AutoSelector:
         cuda = generator.target_model.device.type == "cuda"
         # on a GPU a trial costs milliseconds: twice the tokens make the rates steadier
         gen = GenerationConfig(max_new_tokens=self.trial_tokens * (2 if cuda else 1), ignore_eos=True)
-        greedy = dataclasses.replace(sampling, temperature=0.0)  # the trial's tokens are thrown away
-        runs = self._measure(generator, ids, cands, greedy, gen, cuda)
+        # the request's sampling (drafts are accepted less deeply when sampled), its own seed;
+        # the trial's tokens are thrown away
+        trial = dataclasses.replace(sampling, seed=0)
+        runs = self._measure(generator, ids, cands, trial, gen, cuda)
         # the cost model's shallower shapes (level drafters; a hybrid target's passes cost by path rows)
         predicted: dict[str, tuple[Candidate, float]] = {}
         if levels_of(generator.draft_model) and not getattr(generator.target_model, "is_hybrid", False):
@@ -151,7 +158,7 @@ class AutoSelector:
         best_measured = max(r.rate for r in runs.values())
         confirm = sorted((p for p in predicted.values() if p[1] > best_measured), key=lambda p: -p[1])[:self.confirm]
         if confirm:
-            runs.update(self._measure(generator, ids, [c for c, _ in confirm], greedy, gen, cuda))
+            runs.update(self._measure(generator, ids, [c for c, _ in confirm], trial, gen, cuda))
         everything = {c.label: c for c in cands} | {c.label: c for c, _ in predicted.values()}
         rates = {label: r.rate for label, r in runs.items()}
         self.rates = dict(rates)
@@ -168,16 +175,16 @@ class AutoSelector:
                           {m: r for m, (_, r) in predicted.items()})
 
     @staticmethod
-    def _measure(generator, ids, cands: list[Candidate], greedy, gen, cuda: bool) -> dict[str, TrialRun]:
+    def _measure(generator, ids, cands: list[Candidate], sampling, gen, cuda: bool) -> dict[str, TrialRun]:
         if cuda:  # first runs capture graphs
             for c in cands:
-                generator.generate(ids, c.method, c.spec, greedy, gen)
+                generator.generate(ids, c.method, c.spec, sampling, gen)
         # two rounds, interleaved, best of two: one slow run (a host hiccup) does not decide
         runs = {c.label: TrialRun(0.0) for c in cands}
         draft = {c.label: [0.0, 0.0, 0] for c in cands}  # draft s, verify s, passes
         for _ in range(2):
             for c in cands:
-                res = generator.generate(ids, c.method, c.spec, greedy, gen)
+                res = generator.generate(ids, c.method, c.spec, sampling, gen)
                 run = runs[c.label]
                 run.rate = max(run.rate, res.decode_tokens_per_s)
                 run.accepts += res.accept_lengths
