@@ -99,13 +99,23 @@ def shallower(base: Candidate, run: TrialRun) -> list[tuple[Candidate, float]]:
 
 @dataclass
 class AutoSelector:
+    """The trials' record and the choice. A trial is paired (every candidate on one prompt), so
+    each candidate's figure is its rate over `ar`'s in that trial; the choice is the best mean of
+    those ratios over the last `window` trials. One prompt can mislead (its acceptance may be far
+    from the workload's), so trials run on requests 1, 2 and 4, then every `retrial_every`."""
+
     trial_tokens: int = 24
     retrial_every: int = 32
-    ema: float = 0.5  # weight of the newest request in the chosen candidate's running rate
+    early_trials: tuple[int, ...] = (1, 2, 4)
+    window: int = 8  # trials whose ratios are averaged
+    ema: float = 0.5  # weight of the newest request in the running rates
+    fallback: float = 0.9  # run ar when the chosen candidate's running rate drops below this x ar's
     confirm: int = 2  # predicted shapes measured at most per trial
     choice: AutoChoice | None = None
     requests: int = 0
     rates: dict[str, float] = field(default_factory=dict)  # running decode rate per candidate label
+    ratios: dict[str, list[float]] = field(default_factory=dict)  # label -> rate / ar's rate, per trial
+    shapes: dict[str, Candidate] = field(default_factory=dict)  # every candidate measured so far
     verbose: bool = True
 
     def candidates(self, has_draft: bool, spec: SpecConfig) -> list[Candidate]:
@@ -114,7 +124,7 @@ class AutoSelector:
 
     def choose(self, generator, prompt_ids: list[int], spec: SpecConfig, sampling: SamplingConfig) -> Candidate:
         self.requests += 1
-        if self.choice is None or self.requests % self.retrial_every == 0:
+        if self.choice is None or self.requests in self.early_trials or self.requests % self.retrial_every == 0:
             self.choice = self._trial(generator, prompt_ids, spec, sampling)
             if self.verbose:
                 print(f"tandem: auto: {self.choice.reason}", file=sys.stderr)
@@ -123,7 +133,7 @@ class AutoSelector:
         shaped = spec if c.spec is None or c.label == c.method else \
             dataclasses.replace(spec, k=c.spec.k) if c.method == "chain" else dataclasses.replace(spec, depth=c.spec.depth)
         chosen = Candidate(c.method, shaped, c.label)
-        if chosen.method != "ar" and self.rates.get(chosen.label, 0.0) < self.rates.get("ar", 0.0):
+        if chosen.method != "ar" and self.rates.get(chosen.label, 0.0) < self.fallback * self.rates.get("ar", 0.0):
             # the drafter stopped paying on this workload: plain decoding until the next trial
             return Candidate("ar", chosen.spec, "ar")
         return chosen
@@ -139,6 +149,12 @@ class AutoSelector:
         cands = self.candidates(generator.draft_model is not None, spec)
         if len(cands) == 1:
             return AutoChoice("ar", {}, "ar (no draft model)", spec)
+        # shallower shapes an earlier trial confirmed are measured again (on the current spec)
+        for label, c in self.shapes.items():
+            if label not in ("ar", "chain", "tree"):
+                shape = dataclasses.replace(spec, k=c.spec.k) if c.method == "chain" else \
+                    dataclasses.replace(spec, depth=c.spec.depth)
+                cands.append(Candidate(c.method, shape, label))
         # a prompt shorter than the window minus the trial's tokens, so each candidate decodes them all
         room = generator.context_window - self.trial_tokens - 1
         ids = prompt_ids[-room:] if room > 0 else prompt_ids[-1:]
@@ -152,24 +168,32 @@ class AutoSelector:
         # the cost model's shallower shapes (level drafters; a hybrid target's passes cost by path rows)
         predicted: dict[str, tuple[Candidate, float]] = {}
         if levels_of(generator.draft_model) and not getattr(generator.target_model, "is_hybrid", False):
-            for c in cands:
+            for c in cands[:3]:
                 for v, r in shallower(c, runs[c.label]):
-                    predicted[v.label] = (v, r)
+                    if v.label not in runs:
+                        predicted[v.label] = (v, r)
         best_measured = max(r.rate for r in runs.values())
         confirm = sorted((p for p in predicted.values() if p[1] > best_measured), key=lambda p: -p[1])[:self.confirm]
         if confirm:
             runs.update(self._measure(generator, ids, [c for c, _ in confirm], trial, gen, cuda))
-        everything = {c.label: c for c in cands} | {c.label: c for c, _ in predicted.values()}
+        self.shapes |= {c.label: c for c in cands} | {c.label: c for c, _ in confirm}
         rates = {label: r.rate for label, r in runs.items()}
-        self.rates = dict(rates)
-        best = everything[max(rates, key=rates.get)]
         ar = rates["ar"] or 1e-9
+        for label, r in rates.items():  # this trial's pairs, the last `window` of them kept
+            self.ratios[label] = (self.ratios.get(label, []) + [r / ar])[-self.window:]
+        mean = {label: sum(v) / len(v) for label, v in self.ratios.items()}
+        best = self.shapes[max(mean, key=mean.get)]
+        # running rates start from the trial's, on one scale: ar's rate now times each mean ratio
+        self.rates = {label: ar * m for label, m in mean.items()}
         detail = ", ".join(f"{m} {r:.0f} tok/s ({r / ar:.2f}x)" for m, r in rates.items())
         extra = ""
         if predicted:
             top = sorted(predicted.items(), key=lambda p: -p[1][1])[:3]
             extra = "; predicted " + ", ".join(f"{m} {r:.0f}" for m, (_, r) in top)
-        return AutoChoice(best.method, rates, f"{best.label} (trial on the first request, best of 2 x "
+        trials = len(self.ratios["ar"])
+        if trials > 1:
+            extra += f"; mean over {trials} trials: " + ", ".join(f"{m} {v:.2f}x" for m, v in mean.items())
+        return AutoChoice(best.method, rates, f"{best.label} (trial {trials}, on request {self.requests}: best of 2 x "
                                               f"{gen.max_new_tokens} tokens each: {detail}{extra}; --method "
                                               f"overrides)", best.spec, best.label,
                           {m: r for m, (_, r) in predicted.items()})
