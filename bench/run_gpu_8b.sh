@@ -7,7 +7,7 @@
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-540}; source bench/deadline.sh
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+[ -f "$OUT/env.txt" ] || { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
   echo "commit ${TANDEM_COMMIT:-unknown}"; date -u; } > "$OUT/env.txt"; cat "$OUT/env.txt"
 echo "== replay: llama3-8b target + eagle3-llama3.1-8b head, the bundled head's MBPP acceptance (simulated)"
@@ -15,8 +15,8 @@ within 170 python3 -m tandem bench --device cuda --dtype bfloat16 --preset llama
   --replay "${TRACE:-bench/results/h200-2026-12-01-drafters-table/mbpp_eagle3/results.json.gz}" --methods ar,chain,tree \
   --num-prompts "${NP:-6}" --no-plots --out "$OUT/replay_8b_eagle3" > "$OUT/replay_8b_eagle3.log" 2>&1
 grep -v -e "it/s" "$OUT/replay_8b_eagle3.log" | grep -e "^|" -e "replayed" -e "^- " -e "rror" | cut -c1-300
+echo "== peer: gpt-fast compiled AR at the llama3-8b shape (ms/token)"
+within ${PEER_S:-300} python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast llama3-8b 2>&1 | grep '^{' | tee "$OUT/gptfast_8b.jsonl"
 echo "== tandem ar at the llama3-8b shape (random weights)"
 within 100 python3 bench/gpu_core.py --preset llama3-8b > "$OUT/tandem_8b.txt" 2>&1; tail -12 "$OUT/tandem_8b.txt"
-echo "== peer: gpt-fast compiled AR at the llama3-8b shape (ms/token)"
-within 400 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast llama3-8b 2>&1 | grep '^{' | tee "$OUT/gptfast_8b.jsonl"
-tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"
+[ "${TAR:-1}" = 1 ] && tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"

@@ -26,9 +26,8 @@ if [ "${LANE:-1}" = 1 ]; then
   tail -2 "$OUT/lane.log"; grep -e "^FAILED" -e "^ERROR" "$OUT/lane.log" | head -20
 fi
 echo "== peer: gpt-fast compiled AR at the bundled target's shape (ms/token)"
-within 90 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
-for d in ${DRAFTS:-eagle3 block draft}; do
-  bench "mbpp_$d" mbpp "$d" ar,chain,tree,auto
-  bench "gsm8k_$d" gsm8k "$d" ar,tree,auto
-done
-tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"
+[ "${PEER:-1}" = 1 ] && within 90 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
+DRAFTS=${DRAFTS:-eagle3 block draft}
+for d in ${MBPP-$DRAFTS}; do bench "mbpp_$d" mbpp "$d" ar,chain,tree,auto; done
+for d in ${GSM8K-$DRAFTS}; do bench "gsm8k_$d" gsm8k "$d" ar,tree,auto; done
+[ "${TAR:-1}" = 1 ] && tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"
