@@ -14,8 +14,10 @@ request the engine runs a short trial on that request's prompt:
    accepts less. From the measured run of each kind the model predicts every shallower shape
    (`shallower`): tau(d) = 1 + mean(min(accepted, deepest(d))), a lower bound, since a
    shallower tree keeps every node of depth <= d that the deeper one selected (the levels above
-   d grow the same way and fewer deep nodes compete for the N), and t_draft(d) in proportion to
-   the levels run. The measured rate, scaled by those two ratios, is the prediction.
+   d grow the same way and fewer deep nodes compete for the N), and t_draft(d) = fixed + per
+   level x d, the line through the chain's and the tree's measured draft times (`level_costs`;
+   in proportion to the levels where they pin no such line). The measured rate, scaled by the
+   two ratios, is the prediction.
 3. **Confirmed.** The predicted shapes that would beat every measured rate are measured too
    (at most `confirm` of them, best first), and the fastest measured candidate wins.
 
@@ -74,9 +76,23 @@ def levels_of(draft_model) -> bool:
     return draft_model is not None and not hasattr(draft_model, "bconfig")
 
 
-def shallower(base: Candidate, run: TrialRun) -> list[tuple[Candidate, float]]:
+def level_costs(chain: TrialRun, tree: TrialRun, spec: SpecConfig) -> tuple[float, float] | None:
+    """(fixed, per level) seconds of a level drafter's draft per pass, from the chain (k levels)
+    and the tree (d levels) measured in one trial: t = fixed + per_level x levels, the width of a
+    level being nearly free where passes are launch- or weight-bound. None when the two runs do
+    not pin a line with both parts >= 0 (then the draft time is taken in proportion)."""
+    k, d = spec.k, spec.resolved_depth()
+    if k == d or not chain.draft_per_pass or not tree.draft_per_pass:
+        return None
+    per = (tree.draft_per_pass - chain.draft_per_pass) / (d - k)
+    fixed = chain.draft_per_pass - per * k
+    return (fixed, per) if per > 0 and fixed >= 0 else None
+
+
+def shallower(base: Candidate, run: TrialRun, costs: tuple[float, float] | None = None) -> list[tuple[Candidate, float]]:
     """The chains shorter and the trees shallower than `base` that a level drafter can run, each
-    with its predicted decode rate (see the module doc). Empty when the run lacks the figures."""
+    with its predicted decode rate (see the module doc); `costs` (level_costs) replaces the draft
+    time in proportion to the levels. Empty when the run lacks the figures."""
     if base.method not in ("chain", "tree") or not run.accepts or run.rate <= 0 or not run.draft_per_pass \
             or run.verify_per_pass is None or run.deepest < 2:
         return []
@@ -88,7 +104,9 @@ def shallower(base: Candidate, run: TrialRun) -> list[tuple[Candidate, float]]:
     for d in range(1, levels):
         deepest = max(1, round(run.deepest * d / levels))  # the deepest node a shape of d levels offers
         tau = 1 + sum(min(a, deepest) for a in run.accepts) / len(run.accepts)
-        t = run.draft_per_pass * d / levels + run.verify_per_pass
+        draft = run.draft_per_pass * d / levels if costs is None else \
+            run.draft_per_pass + costs[1] * (d - levels)  # the measured pass less the levels not run
+        t = draft + run.verify_per_pass
         if base.method == "chain":
             cand = Candidate("chain", dataclasses.replace(spec, k=d), f"chain k={d}")
         else:
@@ -168,8 +186,9 @@ class AutoSelector:
         # the cost model's shallower shapes (level drafters; a hybrid target's passes cost by path rows)
         predicted: dict[str, tuple[Candidate, float]] = {}
         if levels_of(generator.draft_model) and not getattr(generator.target_model, "is_hybrid", False):
+            costs = level_costs(runs["chain"], runs["tree"], spec)
             for c in cands[:3]:
-                for v, r in shallower(c, runs[c.label]):
+                for v, r in shallower(c, runs[c.label], costs):
                     if v.label not in runs:
                         predicted[v.label] = (v, r)
         best_measured = max(r.rate for r in runs.values())
