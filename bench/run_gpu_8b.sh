@@ -16,7 +16,7 @@ within 170 python3 -m tandem bench --device cuda --dtype bfloat16 --preset llama
   --num-prompts "${NP:-6}" --no-plots --out "$OUT/replay_8b_eagle3" > "$OUT/replay_8b_eagle3.log" 2>&1
 grep -v -e "it/s" "$OUT/replay_8b_eagle3.log" | grep -e "^|" -e "replayed" -e "^- " -e "rror" | cut -c1-300
 echo "== peer: gpt-fast compiled AR at the llama3-8b shape (ms/token)"
-within ${PEER_S:-300} python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast llama3-8b 2>&1 | grep '^{' | tee "$OUT/gptfast_8b.jsonl"
+[ "${PEER_S:-300}" -gt 0 ] && within ${PEER_S:-300} python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast llama3-8b 2>&1 | grep '^{' | tee "$OUT/gptfast_8b.jsonl"
 echo "== tandem ar at the llama3-8b shape (random weights)"
 within 100 python3 bench/gpu_core.py --preset llama3-8b > "$OUT/tandem_8b.txt" 2>&1; tail -12 "$OUT/tandem_8b.txt"
 [ "${TAR:-1}" = 1 ] && tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"
