@@ -3,6 +3,7 @@ confirmed by measurement), its fallback to ar, and exact output whatever it pick
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -215,3 +216,26 @@ def test_level_costs_split_the_draft_into_a_fixed_part_and_levels():
     # a line with a negative part (the draft model's 0.602 at k = 5, 0.995 at d = 8) is no line
     assert level_costs(TrialRun(1.0, draft_per_pass=0.602e-3), TrialRun(1.0, draft_per_pass=0.995e-3), spec) is None
     assert level_costs(chain, tree, SpecConfig(k=8, nodes=32, width=4)) is None  # the same depth: no line
+
+
+def test_bench_reports_what_auto_ran(tmp_path):
+    """`tandem bench --methods ar,auto`: each request records the candidate auto ran, and the
+    summary counts them (results.json and results.md)."""
+    import json
+
+    from tandem import cli
+    from tandem.runtime.pair import BUNDLED_TARGET
+
+    if not (BUNDLED_TARGET / "config.json").is_file():
+        pytest.skip("no bundled pair")
+    out = tmp_path / "b"
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return"}) + "\n" for i in range(3)))
+    assert cli.main(["bench", "--workload", str(src), "--num-prompts", "3", "--max-new-tokens", "8", "--methods", "ar,auto",
+                     "--warmup", "0", "--no-plots", "--allow-mismatch", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    picks = res["summary"]["auto"]["auto_picks"]
+    assert sum(picks.values()) == 3
+    assert all(re.fullmatch(r"ar|chain|tree|chain k=\d+|tree d=\d+", p) for p in picks), picks
+    assert [r["auto_pick"] for r in res["requests"] if r["method"] == "auto"] and "What `auto` ran" in \
+        (out / "results.md").read_text()

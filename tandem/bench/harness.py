@@ -70,6 +70,7 @@ class Request:
     draft_seconds: float | None = None  # serial loop: time drafting / verifying over the request
     verify_seconds: float | None = None
     loop: str | None = None  # Tandem: "resident" (device-resident loop) or "host"; None for peers
+    auto_pick: str | None = None  # method auto: the candidate it ran (e.g. "tree d=3")
 
     @property
     def new_tokens(self) -> int:
@@ -177,7 +178,7 @@ class TandemRunner:
         return Request(self.ms.name, prompt_index, list(r.token_ids), r.seconds, r.ttft, r.finish_reason,
                        r.target_passes, list(r.accept_lengths), list(r.per_depth), timeline_of(r),
                        getattr(r, "draft_seconds", None), getattr(r, "verify_seconds", None),
-                       getattr(r, "loop", None))
+                       getattr(r, "loop", None), getattr(r, "auto_pick", None))
 
 
 def timeline_of(result) -> dict | None:
@@ -387,6 +388,8 @@ def summarize_method(reqs: list[Request]) -> dict:
         "timeline": summarize_timeline([r.timeline for r in reqs if r.timeline]),
         "pass_ms": pass_times(reqs),
         "loop": ",".join(sorted({r.loop for r in reqs if r.loop})) or None,
+        # method auto: how many requests ran each candidate
+        "auto_picks": dict(Counter(r.auto_pick for r in reqs if r.auto_pick).most_common()) or None,
     }
 
 
@@ -464,6 +467,10 @@ def markdown_table(results: dict) -> str:
         loops = {name: s.get("loop") for name, s in results["summary"].items()}
         lines += [f"- {name}: {p['draft_ms']:.3f} / {p['verify_ms']:.3f} ms ({p['draft_over_verify']:.2f}x)"
                   + (f", {loops[name]} loop" if loops.get(name) else "") for name, p in pt_rows]
+    picks = [(name, s["auto_picks"]) for name, s in results["summary"].items() if s.get("auto_picks")]
+    if picks:
+        lines += ["", "What `auto` ran (requests):"]
+        lines += [f"- {name}: " + ", ".join(f"{label} x{n}" for label, n in p.items()) for name, p in picks]
     tl_rows = [(name, s["timeline"]) for name, s in results["summary"].items() if s.get("timeline")]
     if tl_rows:
         lines += ["", "Async timeline (busy time as a share of request time; d = rounds the draft may expand "

@@ -215,6 +215,7 @@ class Generator:
             res = self.generate(prompt_ids, chosen.method, chosen.spec, sampling, gen, on_tokens=on_tokens,
                                 forced_accepts=forced_accepts)
             self.auto.update(chosen.label, res.decode_tokens_per_s)
+            res.auto_pick = chosen.label
             return res
         if method != "ar" and self.draft_model is None:
             raise ConfigError(f"method {method!r} needs a draft model; pass --draft DIR or use --method ar")

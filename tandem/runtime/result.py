@@ -24,6 +24,8 @@ class GenerationResult:
     verify_seconds: float | None = None
     # which loop decoded it: "resident" (tandem.runtime.resident, on the device) or "host"
     loop: str = "host"
+    # --method auto: the candidate it ran ("ar", "chain", "tree", or a shape such as "tree d=3")
+    auto_pick: str | None = None
 
     @property
     def new_tokens(self) -> int:
