@@ -255,6 +255,9 @@ def test_acceptance_replay_times_methods_at_preset_shapes_with_the_recorded_acce
         assert r["new_tokens"] == max(1, rec["new_tokens"])
         if r["method"] == "chain":  # a chain of k always has room for the recorded accept count
             assert r["accept_lengths"] == rec["accept_lengths"]
+        # each replayed request says which loop ran it and how long it drafted and verified
+        assert r["loop"] == "host" and r["verify_seconds"] > 0
+        assert r["draft_seconds"] is not None and (r["method"] == "ar" or r["draft_seconds"] > 0)
 
 
 def test_replay_with_an_eagle3_head_of_a_preset_shape(tiny_pair, tmp_path, capsys):
