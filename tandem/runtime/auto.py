@@ -69,6 +69,14 @@ class AutoChoice:
         self.label = self.label or self.method
 
 
+def cut_to(spec: SpecConfig, c: Candidate) -> SpecConfig:
+    """`spec` cut to the depth or length of `c` where `c` is a shallower shape ("tree d=3",
+    "chain k=2"); `spec` itself for the shapes as given."""
+    if c.label == c.method:
+        return spec
+    return dataclasses.replace(spec, k=c.spec.k) if c.method == "chain" else dataclasses.replace(spec, depth=c.spec.depth)
+
+
 def levels_of(draft_model) -> bool:
     """Whether this drafter pays one draft pass per tree level (a small draft model, an EAGLE-3
     head), so that its tree depth and chain length trade tau for draft time. A block drafter
@@ -148,8 +156,7 @@ class AutoSelector:
                 print(f"tandem: auto: {self.choice.reason}", file=sys.stderr)
         c = self.choice
         # the request's own spec, cut to the chosen depth or length when a shallower shape won
-        shaped = spec if c.spec is None or c.label == c.method else \
-            dataclasses.replace(spec, k=c.spec.k) if c.method == "chain" else dataclasses.replace(spec, depth=c.spec.depth)
+        shaped = spec if c.spec is None else cut_to(spec, Candidate(c.method, c.spec, c.label))
         chosen = Candidate(c.method, shaped, c.label)
         if chosen.method != "ar" and self.rates.get(chosen.label, 0.0) < self.fallback * self.rates.get("ar", 0.0):
             # the drafter stopped paying on this workload: plain decoding until the next trial
@@ -168,11 +175,8 @@ class AutoSelector:
         if len(cands) == 1:
             return AutoChoice("ar", {}, "ar (no draft model)", spec)
         # shallower shapes an earlier trial confirmed are measured again (on the current spec)
-        for label, c in self.shapes.items():
-            if label not in ("ar", "chain", "tree"):
-                shape = dataclasses.replace(spec, k=c.spec.k) if c.method == "chain" else \
-                    dataclasses.replace(spec, depth=c.spec.depth)
-                cands.append(Candidate(c.method, shape, label))
+        cands += [Candidate(c.method, cut_to(spec, c), label) for label, c in self.shapes.items()
+                  if label != c.method]
         # a prompt shorter than the window minus the trial's tokens, so each candidate decodes them all
         room = generator.context_window - self.trial_tokens - 1
         ids = prompt_ids[-room:] if room > 0 else prompt_ids[-1:]
