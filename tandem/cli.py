@@ -149,10 +149,11 @@ def _generate(args) -> int:
             "tokens_per_s": round(res.tokens_per_s, 2), "device": str(pair.target.device),
             "dtype": args.dtype,
             **({"q_agreement": round(res.q_agreement, 4)} if hasattr(res, "q_agreement") else {}),
+            **({"auto_pick": res.auto_pick} if res.auto_pick else {}),  # --method auto: the shape it ran
         }))
     else:
         sys.stdout.write(streamer.finish(text) + "\n")
-        print(f"[{res.method}: {res.new_tokens} tokens in {res.seconds:.2f}s, {res.tokens_per_s:.1f} tok/s, "
+        print(f"[{res.auto_pick or res.method}: {res.new_tokens} tokens in {res.seconds:.2f}s, {res.tokens_per_s:.1f} tok/s, "
               f"tau {res.tau:.2f}, {res.target_passes} target passes]", file=sys.stderr)
     return 0
 

@@ -35,6 +35,12 @@ def test_json_output_has_the_documented_keys(ckpt, capsys):
     code, out2, _ = run_cli(["generate", "hello", "--target", str(ckpt), "--method", "ar", "--max-new-tokens", "8",
                              "--ignore-eos", "--json"], capsys)
     assert json.loads(out2)["token_ids"] == rec["token_ids"] and json.loads(out2)["tau"] == 1.0
+    assert "auto_pick" not in rec  # only auto says which candidate it ran
+    code, out3, err3 = run_cli(["generate", "hello", "--target", str(ckpt), "--draft", str(ckpt), "--max-new-tokens",
+                                "8", "--ignore-eos", "--json"], capsys)  # the default method: auto
+    auto = json.loads(out3)
+    assert auto["token_ids"] == rec["token_ids"] and auto["auto_pick"].split()[0] == auto["method"]
+    assert f"tandem: auto: {auto['auto_pick']} (trial 1" in err3
 
 
 def test_plain_mode_streams_text_and_reports_stats(ckpt, capsys):
