@@ -84,7 +84,7 @@ class _Timed:
     def __init__(self, gen: Generator, table: dict[tuple[str, int | None], TrialRun]):
         self.gen, self.table = gen, table
 
-    def __call__(self, generator, ids, cands, greedy, gen, cuda):
+    def __call__(self, generator, ids, cands, greedy, gen, warm):
         out = {}
         for c in cands:
             generator.generate(ids, c.method, c.spec, greedy, gen)  # the shape really runs
@@ -180,7 +180,7 @@ def test_paired_trials_on_the_first_requests_are_averaged(capsys, monkeypatch):
                  {"ar": 100.0, "chain": 85.0, "tree": 60.0}]
     trials = []
 
-    def measure(generator, ids, cands, sampling, gen, cuda):
+    def measure(generator, ids, cands, sampling, gen, warm):
         table = per_trial[len(trials)]
         trials.append(ids)
         return {c.label: TrialRun(table[c.label]) for c in cands}  # (no per-pass figures: no predictions)
@@ -239,3 +239,25 @@ def test_bench_reports_what_auto_ran(tmp_path):
     assert all(re.fullmatch(r"ar|chain|tree|chain k=\d+|tree d=\d+", p) for p in picks), picks
     assert [r["auto_pick"] for r in res["requests"] if r["method"] == "auto"] and "What `auto` ran" in \
         (out / "results.md").read_text()
+
+
+def test_on_cuda_only_a_candidates_first_trial_has_a_warm_up_run():
+    """A warm-up run captures a candidate's graphs; later trials measure it at once (on CUDA the
+    selector asks for warm-ups by label; the measurements here come from a table)."""
+    import types
+
+    import torch
+
+    warmed = []
+
+    def measure(generator, ids, cands, sampling, gen, warm):
+        warmed.append(sorted(warm))
+        return {c.label: TrialRun(100.0 if c.label == "ar" else 90.0) for c in cands}
+
+    sel = AutoSelector(verbose=False)
+    sel._measure = measure
+    gpu = types.SimpleNamespace(draft_model=tiny_model(seed=1), context_window=512,
+                                target_model=types.SimpleNamespace(device=torch.device("cuda")))
+    for _ in range(2):
+        sel.choose(gpu, [1, 2, 3], SpecConfig(), SamplingConfig())
+    assert warmed == [["ar", "chain", "tree"], []]

@@ -186,7 +186,9 @@ class AutoSelector:
         # the request's sampling (drafts are accepted less deeply when sampled), its own seed;
         # the trial's tokens are thrown away
         trial = dataclasses.replace(sampling, seed=0)
-        runs = self._measure(generator, ids, cands, trial, gen, cuda)
+        # on CUDA a candidate's first run captures its graphs: a warm-up run, in its first trial only
+        warm = {c.label for c in cands if c.label not in self.shapes} if cuda else set()
+        runs = self._measure(generator, ids, cands, trial, gen, warm)
         # the cost model's shallower shapes (level drafters; a hybrid target's passes cost by path rows)
         predicted: dict[str, tuple[Candidate, float]] = {}
         if levels_of(generator.draft_model) and not getattr(generator.target_model, "is_hybrid", False):
@@ -198,7 +200,8 @@ class AutoSelector:
         best_measured = max(r.rate for r in runs.values())
         confirm = sorted((p for p in predicted.values() if p[1] > best_measured), key=lambda p: -p[1])[:self.confirm]
         if confirm:
-            runs.update(self._measure(generator, ids, [c for c, _ in confirm], trial, gen, cuda))
+            runs.update(self._measure(generator, ids, [c for c, _ in confirm], trial, gen,
+                                      {c.label for c, _ in confirm} if cuda else set()))
         self.shapes |= {c.label: c for c in cands} | {c.label: c for c, _ in confirm}
         rates = {label: r.rate for label, r in runs.items()}
         ar = rates["ar"] or 1e-9
@@ -222,9 +225,9 @@ class AutoSelector:
                           {m: r for m, (_, r) in predicted.items()})
 
     @staticmethod
-    def _measure(generator, ids, cands: list[Candidate], sampling, gen, cuda: bool) -> dict[str, TrialRun]:
-        if cuda:  # first runs capture graphs
-            for c in cands:
+    def _measure(generator, ids, cands: list[Candidate], sampling, gen, warm: set[str]) -> dict[str, TrialRun]:
+        for c in cands:  # the candidates in `warm` run once unmeasured (their graphs are captured)
+            if c.label in warm:
                 generator.generate(ids, c.method, c.spec, sampling, gen)
         # two rounds, interleaved, best of two: one slow run (a host hiccup) does not decide
         runs = {c.label: TrialRun(0.0) for c in cands}
