@@ -3,7 +3,7 @@
 The cost model of SpecPilot: a speculative method's rate is tau / (t_draft + t_verify(N)) and
 `ar`'s is 1 / t_ar; speculation pays only when the ratio is above 1. Both depend on the pair,
 the device and the workload, so they are measured rather than assumed. On the first `auto`
-request the engine runs a short trial on that request's prompt:
+request (and a few after it) the engine runs a short trial on that request's prompt:
 
 1. **Measured.** `ar`, `chain` (k) and `tree` (N, w, d) as given: decode rate after the first
    token, best of two interleaved runs, graph capture excluded by a warm-up run on CUDA, with
@@ -19,12 +19,15 @@ request the engine runs a short trial on that request's prompt:
    in proportion to the levels where they pin no such line). The measured rate, scaled by the
    two ratios, is the prediction.
 3. **Confirmed.** The predicted shapes that would beat every measured rate are measured too
-   (at most `confirm` of them, best first), and the fastest measured candidate wins.
+   (at most `confirm` of them, best first), and so are the ones confirmed in earlier trials.
+
+Trials run on requests 1, 2 and 4, then every `retrial_every`, each on its own request's prompt;
+the best score over the last `window` trials wins (`AutoSelector.scores`).
 
 The choice is printed with the measured and predicted rates. Later requests run their own spec
 cut to the chosen depth or length, and update the chosen candidate's running rate; when it
-falls below `ar`'s (a workload the drafter does not know), the next request runs `ar`, and
-every `retrial_every` requests the trial runs again. `--method` overrides all of it; `--k`,
+falls below `fallback` x `ar`'s (a workload the drafter does not know), the next request runs
+`ar` until the next trial. `--method` overrides all of it; `--k`,
 `--nodes`, `--width` and `--depth` bound the shapes it tries.
 """
 from __future__ import annotations
@@ -126,9 +129,10 @@ def shallower(base: Candidate, run: TrialRun, costs: tuple[float, float] | None 
 @dataclass
 class AutoSelector:
     """The trials' record and the choice. A trial is paired (every candidate on one prompt), so
-    each candidate's figure is its rate over `ar`'s in that trial; the choice is the best mean of
-    those ratios over the last `window` trials. One prompt can mislead (its acceptance may be far
-    from the workload's), so trials run on requests 1, 2 and 4, then every `retrial_every`."""
+    each candidate's figure is its rate over `ar`'s in that trial; the choice is the best score
+    (`scores`: mean ratios, paired differences for cut shapes) over the last `window` trials. One
+    prompt can mislead (its acceptance may be far from the workload's), so trials run on
+    requests 1, 2 and 4, then every `retrial_every`."""
 
     trial_tokens: int = 24
     retrial_every: int = 32
@@ -140,9 +144,33 @@ class AutoSelector:
     choice: AutoChoice | None = None
     requests: int = 0
     rates: dict[str, float] = field(default_factory=dict)  # running decode rate per candidate label
-    ratios: dict[str, list[float]] = field(default_factory=dict)  # label -> rate / ar's rate, per trial
+    trials: list[dict[str, float]] = field(default_factory=list)  # per trial: label -> rate / ar's rate
     shapes: dict[str, Candidate] = field(default_factory=dict)  # every candidate measured so far
     verbose: bool = True
+
+    @property
+    def ratios(self) -> dict[str, list[float]]:
+        """label -> its ratio to ar in each of the kept trials that measured it."""
+        out: dict[str, list[float]] = {}
+        for t in self.trials:
+            for label, r in t.items():
+                out.setdefault(label, []).append(r)
+        return out
+
+    def scores(self) -> dict[str, float]:
+        """Each candidate's expected ratio to ar. `ar`, `chain` and `tree` run in every trial: their
+        mean. A cut shape joins later (once predicted and confirmed), so it may have missed the
+        prompts where drafting did badly: its score is its method's mean plus its mean difference
+        from its method on the trials that measured both (a paired difference, not a mean over
+        easier prompts)."""
+        ratios = self.ratios
+        out = {label: sum(v) / len(v) for label, v in ratios.items() if label == self.shapes[label].method}
+        for label, v in ratios.items():
+            base = self.shapes[label].method
+            if label != base:
+                diffs = [t[label] - t[base] for t in self.trials if label in t and base in t]
+                out[label] = out[base] + sum(diffs) / len(diffs)
+        return out
 
     def candidates(self, has_draft: bool, spec: SpecConfig) -> list[Candidate]:
         base = [Candidate("ar", spec, "ar")]
@@ -205,20 +233,20 @@ class AutoSelector:
         self.shapes |= {c.label: c for c in cands} | {c.label: c for c, _ in confirm}
         rates = {label: r.rate for label, r in runs.items()}
         ar = rates["ar"] or 1e-9
-        for label, r in rates.items():  # this trial's pairs, the last `window` of them kept
-            self.ratios[label] = (self.ratios.get(label, []) + [r / ar])[-self.window:]
-        mean = {label: sum(v) / len(v) for label, v in self.ratios.items()}
+        # this trial's pairs, the last `window` trials kept
+        self.trials = (self.trials + [{label: r / ar for label, r in rates.items()}])[-self.window:]
+        mean = self.scores()
         best = self.shapes[max(mean, key=mean.get)]
-        # running rates start from the trial's, on one scale: ar's rate now times each mean ratio
+        # running rates start from the trials', on one scale: ar's rate now times each score
         self.rates = {label: ar * m for label, m in mean.items()}
         detail = ", ".join(f"{m} {r:.0f} tok/s ({r / ar:.2f}x)" for m, r in rates.items())
         extra = ""
         if predicted:
             top = sorted(predicted.items(), key=lambda p: -p[1][1])[:3]
             extra = "; predicted " + ", ".join(f"{m} {r:.0f}" for m, (_, r) in top)
-        trials = len(self.ratios["ar"])
+        trials = len(self.trials)
         if trials > 1:
-            extra += f"; mean over {trials} trials: " + ", ".join(f"{m} {v:.2f}x" for m, v in mean.items())
+            extra += f"; over {trials} trials: " + ", ".join(f"{m} {v:.2f}x" for m, v in mean.items())
         return AutoChoice(best.method, rates, f"{best.label} (trial {trials}, on request {self.requests}: best of 2 x "
                                               f"{gen.max_new_tokens} tokens each: {detail}{extra}; --method "
                                               f"overrides)", best.spec, best.label,
