@@ -72,12 +72,19 @@ class AutoChoice:
         self.label = self.label or self.method
 
 
+def cut(method: str, spec: SpecConfig, levels: int) -> Candidate:
+    """`spec`'s chain cut to length `levels` ("chain k=2") or its tree to depth `levels` ("tree d=3")."""
+    if method == "chain":
+        return Candidate("chain", dataclasses.replace(spec, k=levels), f"chain k={levels}")
+    return Candidate("tree", dataclasses.replace(spec, depth=levels), f"tree d={levels}")
+
+
 def cut_to(spec: SpecConfig, c: Candidate) -> SpecConfig:
     """`spec` cut to the depth or length of `c` where `c` is a shallower shape ("tree d=3",
     "chain k=2"); `spec` itself for the shapes as given."""
     if c.label == c.method:
         return spec
-    return dataclasses.replace(spec, k=c.spec.k) if c.method == "chain" else dataclasses.replace(spec, depth=c.spec.depth)
+    return cut(c.method, spec, c.spec.k if c.method == "chain" else c.spec.depth).spec
 
 
 def levels_of(draft_model) -> bool:
@@ -118,11 +125,7 @@ def shallower(base: Candidate, run: TrialRun, costs: tuple[float, float] | None 
         draft = run.draft_per_pass * d / levels if costs is None else \
             run.draft_per_pass + costs[1] * (d - levels)  # the measured pass less the levels not run
         t = draft + run.verify_per_pass
-        if base.method == "chain":
-            cand = Candidate("chain", dataclasses.replace(spec, k=d), f"chain k={d}")
-        else:
-            cand = Candidate("tree", dataclasses.replace(spec, depth=d), f"tree d={d}")
-        out.append((cand, run.rate * (tau / tau_base) * (t_base / t)))
+        out.append((cut(base.method, spec, d), run.rate * (tau / tau_base) * (t_base / t)))
     return out
 
 
@@ -214,9 +217,11 @@ class AutoSelector:
         # the request's sampling (drafts are accepted less deeply when sampled), its own seed;
         # the trial's tokens are thrown away
         trial = dataclasses.replace(sampling, seed=0)
-        # on CUDA a candidate's first run captures its graphs: a warm-up run, in its first trial only
-        warm = {c.label for c in cands if c.label not in self.shapes} if cuda else set()
-        runs = self._measure(generator, ids, cands, trial, gen, warm)
+        def warm(cs: list[Candidate]) -> set[str]:
+            # on CUDA a candidate's first run captures its graphs: a warm-up run, in its first trial only
+            return {c.label for c in cs if c.label not in self.shapes} if cuda else set()
+
+        runs = self._measure(generator, ids, cands, trial, gen, warm(cands))
         # the cost model's shallower shapes (level drafters; a hybrid target's passes cost by path rows)
         predicted: dict[str, tuple[Candidate, float]] = {}
         if levels_of(generator.draft_model) and not getattr(generator.target_model, "is_hybrid", False):
@@ -228,8 +233,8 @@ class AutoSelector:
         best_measured = max(r.rate for r in runs.values())
         confirm = sorted((p for p in predicted.values() if p[1] > best_measured), key=lambda p: -p[1])[:self.confirm]
         if confirm:
-            runs.update(self._measure(generator, ids, [c for c, _ in confirm], trial, gen,
-                                      {c.label for c, _ in confirm} if cuda else set()))
+            confirmed = [c for c, _ in confirm]
+            runs.update(self._measure(generator, ids, confirmed, trial, gen, warm(confirmed)))
         self.shapes |= {c.label: c for c in cands} | {c.label: c for c, _ in confirm}
         rates = {label: r.rate for label, r in runs.items()}
         ar = rates["ar"] or 1e-9
@@ -266,7 +271,7 @@ class AutoSelector:
                 run = runs[c.label]
                 run.rate = max(run.rate, res.decode_tokens_per_s)
                 run.accepts += res.accept_lengths
-                run.deepest = max([run.deepest, *res_depths(res)])
+                run.deepest = max(run.deepest, len(res.per_depth))  # (a tree offers every depth 1 .. its deepest)
                 if res.draft_seconds is not None and res.verify_seconds is not None and res.target_passes:
                     d = draft[c.label]
                     d[0] += res.draft_seconds
@@ -277,7 +282,3 @@ class AutoSelector:
                 runs[label].draft_per_pass, runs[label].verify_per_pass = ds / n, vs / n
         return runs
 
-
-def res_depths(res) -> list[int]:
-    """The depths a request's trees offered (GenerationResult.per_depth: (offered, accepted) per depth 1..)."""
-    return [d + 1 for d, (offered, _) in enumerate(res.per_depth) if offered]
