@@ -61,6 +61,7 @@ class HeadLevels:
         # [3, nodes] tok, par, lp: the one read back. NOTE: a static buffer that every captured
         # width writes (a tensor allocated inside a capture would be that graph's alone)
         self.out = torch.zeros(3, self.nodes, dtype=torch.float64, device=dev)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused top-k's (left zero by it)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._use_graphs = runner.use_graphs and not runner.emulate
 
@@ -76,36 +77,48 @@ class HeadLevels:
         self.prefix.fill_(prefix)
         width = self.runner.width_for(prefix + self.rows)
         if not self._use_graphs:
-            self._levels(width)
+            self._host_levels(width)
         else:
             if width not in self._graphs:
                 self._capture(width)
             self._graphs[width].replay()
         return self.out.cpu().numpy()
 
-    def _levels(self, width: int) -> None:
-        """All levels at this attention width. Per level: the head's pass over the w fed nodes,
-        their top-w children (one Triton program per row on CUDA) and the glue
-        (tandem.kernels.resident.level_step: the new nodes, the next fed nodes, their ancestry
-        and the next mask; one program on CUDA)."""
+    def _levels(self, width: int, root: tuple[torch.Tensor, ...] | None = None) -> None:
+        """All levels at this attention width. Per level: the head's pass over the w fed nodes and
+        their top-w children (Eagle3Head.layer_topk: with the fused layer, the gather of each fed
+        node's parent hidden row and the top-w ride in the pass's kernels), then the glue
+        (tandem.kernels.resident.level_step: the new nodes, the next fed nodes, their ancestry and
+        the next mask; one program on CUDA).
+
+        root: (log-probs [1, w], draft ids [1, w], hidden [1, H]) of the root's children, when the
+        caller's context pass computed them (the resident loop); else they come from root_logits
+        and root_hidden."""
         w, model, cache = self.w, self.model, self.runner.cache
         prefix = self.prefix  # [1]
-        # positions and cache slots of every level's rows (level d: position prefix - 1 + d)
-        pos = (prefix - 1) + torch.arange(1, self.depth, device=prefix.device)  # [passes]
+        # positions and cache slots of every level's rows (level d: position prefix - 1 + d).
+        # NOTE: a row of its own per node, not an expanded view: the fused kernels read positions
+        # by row offset, so a stride-0 view gave rows 1.. of a level the next levels' positions.
+        pos = ((prefix - 1) + torch.arange(1, self.depth, device=prefix.device))[:, None].expand(
+            self.passes, w).contiguous()  # [passes, w]
         slots = (prefix + torch.arange(self.passes * w, device=prefix.device)).view(self.passes, w)  # [passes, w]
-        lp1, d1 = topk_logprobs(self.root_logits[None], w)  # [1, w] each
+        if root is None:
+            lp1, d1 = topk_logprobs(self.root_logits[None], w)  # [1, w] each
+            hidden = self.root_hidden[None]  # [1, H]
+        else:
+            lp1, d1, hidden = root
         mask = level_step(d1, lp1, model.d2t, self.tok, self.par, self.lp, self.fed, self.ids, self.src, self.anc,
                           prefix, 0, width, self.depth > 1)
-        hidden = self.root_hidden[None].index_select(0, self.src)  # [w, H] (every level-1 node reads the root's)
         for d in range(1, self.depth):
-            logits, out = model.layer(self.ids[None], hidden[None], pos[d - 1:d].expand(1, w), cache,
-                                      slots[d - 1][None], mask[None, None])  # [1, w, V], [1, w, H]
-            clp, cd = topk_logprobs(logits[0], w)  # [w, w] each
-            prep = d + 1 < self.depth
+            # each fed node reads its parent's output row: hidden[src] (level 1: the root's, src = 0)
+            clp, cd, hidden = model.layer_topk(self.ids, hidden, pos[d - 1], cache, slots[d - 1], mask, w,
+                                               src=self.src, counter=self.counter)  # [w, w], [w, w], [w, H]
             mask = level_step(cd, clp, model.d2t, self.tok, self.par, self.lp, self.fed, self.ids, self.src,
-                              self.anc, prefix, d, width, prep)
-            if prep:
-                hidden = out[0].index_select(0, self.src)  # [w, H] each fed node reads its parent's output
+                              self.anc, prefix, d, width, d + 1 < self.depth)
+
+    def _host_levels(self, width: int) -> None:
+        """_levels, then the nodes into the one buffer the host reads."""
+        self._levels(width)
         self.out[0].copy_(self.tok)
         self.out[1].copy_(self.par)
         self.out[2].copy_(self.lp)
@@ -116,11 +129,11 @@ class HeadLevels:
         s = self.runner.capture_stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            self._levels(width)
+            self._host_levels(width)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.runner.graph_pool(), stream=s):
-            self._levels(width)
+            self._host_levels(width)
         self._graphs[width] = graph
 
 
@@ -141,6 +154,16 @@ class DraftAsHead:
         """ids, positions: [B, T] -> (logits [B, T, vocab], an empty hidden [B, T, 0])."""
         logits = self.model(ids, positions, cache, slots, mask)
         return logits, logits.new_zeros(*ids.shape, 0)
+
+    def layer_topk(self, ids, hidden, positions, cache, slots, mask, k: int, rows: int | None = None, src=None,
+                   counter=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Eagle3Head.layer_topk's contract (hidden and src unused): ids, positions, slots [T], mask
+        [T, W] -> the k best children of the last `rows` rows, and an empty hidden [rows, 0]."""
+        T = ids.shape[0]
+        rows = T if rows is None else rows
+        logits = self.model(ids[None], positions[None], cache, slots[None], mask[None, None])  # [1, T, V]
+        lp, tok = topk_logprobs(logits[0, T - rows:], k)
+        return lp, tok, logits.new_zeros(rows, 0)
 
 
 

@@ -392,7 +392,7 @@ if triton is not None:
         bits = s.to(tl.int32, bitcast=True)
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
         key = (ordered.to(tl.int64) << 32) | (BWP - 1 - f).to(tl.int64)
-        key = tl.where(f < BW, key, -(1 << 62))
+        key = tl.where(f < BW, key, tl.full([BWP], -1, tl.int64) << 63)  # INT64_MIN: below every real key (-inf's too)
         key = tl.sort(key, 0, descending=True)
         tl.store(scratch_ptr + f, key)
         tl.debug_barrier()

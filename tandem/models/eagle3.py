@@ -44,7 +44,9 @@ from tandem.config import ConfigError, ModelConfig
 from tandem.models.files import check_names, check_shapes
 from tandem.kernels import fused_layer
 from tandem.kernels.attention import cached_attention
-from tandem.kernels.fused import add_rmsnorm, embed_norms
+from tandem.kernels.fused import add_rmsnorm, embed_norms, embed_norms_gather
+from tandem.kernels import head_level
+from tandem.kernels.resident import topk_logprobs
 from tandem.models.layers import MLP, Attention, RMSNorm, fuse_decoder_layers, fused_layer_applies, rope_inv_freq
 
 # the architecture names of the public checkpoints (SGLang / EAGLE repo, vLLM)
@@ -205,6 +207,48 @@ class Eagle3Head(nn.Module):
                                              m.post_attention_layernorm.eps, m.mlp.gate_up_weight)
         out, normed = add_rmsnorm(r, m.mlp.down_proj(h), self.norm.weight, self.norm.eps)  # out = r + mlp (in place)
         return self.lm_head(normed)[None], out[None]
+
+    def layer_topk(self, ids, hidden, positions, cache, slots, mask, k: int, rows: int | None = None,
+                   src: torch.Tensor | None = None, counter: torch.Tensor | None = None):
+        """`layer` over one sequence's T rows, then the k best children of its last `rows` rows (all:
+        None), for a tree level. ids, positions, slots: [T]; hidden: [T, H], or [S, H] read through
+        src [T] (row t's hidden is hidden[src[t]]: a level reads its parents' outputs); mask [T, W].
+        Returns (log-probs [rows, k] float32, draft ids [rows, k] int64, out [rows, H]).
+
+        With the fused layer (CUDA) the gather rides in the input norms' kernel, and the residual
+        add, the final norm, the LM head and the top-k are one kernel (tandem.kernels.head_level;
+        `counter`: its static int32 [1] zero, for CUDA graphs); else `layer` and a top-k."""
+        m, a = self.midlayer, self.midlayer.self_attn
+        T = ids.shape[0]
+        rows = T if rows is None else rows
+        if (cache is None or not head_level.enabled(hidden)
+                or not fused_layer_applies(m.self_attn, m.mlp, hidden[None], cache, 2 * hidden.shape[-1])):
+            if src is not None:
+                hidden = hidden.index_select(0, src)
+            logits, out = self.layer(ids[None], hidden[None], positions[None], cache, slots[None], mask[None, None])
+            lp, tok = topk_logprobs(logits[0, T - rows:], k)
+            return lp, tok, out[0, T - rows:]
+        hidden = hidden.to(self.fc.weight.dtype)
+        H, D = a.n_heads, a.head_dim
+        if src is None:
+            x, hn = embed_norms(ids, self.embed_weight(), hidden, m.input_layernorm.weight, m.hidden_norm.weight,
+                                m.input_layernorm.eps)  # [T, 2H], [T, H]
+        else:
+            x, hn, hidden = embed_norms_gather(ids, self.embed_weight(), hidden, src, m.input_layernorm.weight,
+                                               m.hidden_norm.weight, m.input_layernorm.eps)
+        kc, vc = cache.layer_kv(a.layer_idx)
+        _, q = fused_layer.norm_qkv_rope_store(x, None, None, 0.0, a.qkv_weight, a.qkv_bias, positions, self.inv_freq,
+                                               H, a.n_kv, kc, vc, slots)
+        width = mask.shape[-1]
+        att = cached_attention(q[None], kc[:, :, :width], vc[:, :, :width], mask[None, None])  # [1, T, H, D]
+        att = a.o_proj(att.reshape(T, H * D))
+        base = hn if self.econfig.norm_before_residual else hidden
+        r, h = fused_layer.norm_gate_up_silu(base, att, m.post_attention_layernorm.weight,
+                                             m.post_attention_layernorm.eps, m.mlp.gate_up_weight)
+        down = m.mlp.down_proj(h[T - rows:])  # only the rows whose children are wanted
+        out, lp, tok = head_level.head_topk(r[T - rows:], down, self.norm.weight, self.norm.eps, self.lm_head.weight,
+                                            k, counter)
+        return lp, tok, out
 
     def forward(self, input_ids, positions=None, cache=None, slots=None, mask=None) -> torch.Tensor:
         B, T = input_ids.shape

@@ -35,7 +35,8 @@ from functools import partial
 import torch
 
 from tandem.config import SamplingConfig, SpecConfig
-from tandem.kernels.resident import accept_fused, ancestors, key_index, lattice, sample_walk, score_keys
+from tandem.kernels.head_level import head_select
+from tandem.kernels.resident import accept_fused, lattice, sample_walk
 from tandem.drafting.device_tree import best_first_tree_device, chain_tokens
 from tandem.drafting.lattice_drafter import CONTEXT_CHUNK
 from tandem.runtime.emit import Emitter
@@ -83,9 +84,6 @@ class ResidentLoop:
             self.pmax = depth + 1
             nodes = self.levels.nodes if chain else min(spec.nodes, self.levels.nodes)
             self.T = self.pmax  # a draft pass: the context rows, then the levels (tree rows of their own)
-            # the depth of each level node (layout: tandem.drafting.eagle_drafter.HeadLevels)
-            d = [1] * width + [2 + (i // (width * width)) for i in range(self.levels.nodes - width)]
-            self.level_depth = torch.tensor(d, **lng)
             # (a draft model reads no target features: one unused column keeps the buffers uniform)
             feature_size = 3 * self.drafter.econfig.target_hidden_size if self.kind == "eagle3" else 1
         else:
@@ -165,24 +163,15 @@ class ResidentLoop:
         head, lv, P = self.drafter, self.levels, self.P
         pos, slots, see = self._context_view(width)
         # a head's row i reads fc(target features of position i - 1) (EagleDrafter's context pass)
-        hidden = head.project(self.ctx_feat)[None] if self.kind == "eagle3" else None
-        logits, out = head.layer(self.ctx_tok[None], hidden, pos[None], self.d.cache,
-                                 slots[None], see[None, None])  # [1, pmax, V_draft], [1, pmax, H]
-        lv.root_logits.copy_(logits[0, -1])
-        lv.root_hidden.copy_(out[0, -1])
+        hidden = head.project(self.ctx_feat) if self.kind == "eagle3" else None  # [pmax, H]
+        # the context pass; the root (its last row) gives the first level's children and hidden
+        root = head.layer_topk(self.ctx_tok, hidden, pos, self.d.cache, slots, see, lv.w, rows=1,
+                               counter=lv.counter)  # [1, w], [1, w], [1, H]
         lv.prefix.copy_(self.dprefix + P)
-        lv._levels(width)  # EAGLE-2's dynamic levels over the head's tree rows
+        lv._levels(width, root)  # EAGLE-2's dynamic levels over the head's tree rows
         # the N nodes of highest cumulative log-prob, ties to the earlier node (eagle_drafter.select_tree)
-        n, total = self.M - 1, lv.lp.shape[0]
-        sel = key_index(score_keys(lv.lp).topk(n).values, total).sort().values  # node order: topological
-        ids = torch.zeros(total, dtype=torch.long, device=sel.device)
-        ids.index_copy_(0, sel, self.ar_M[1:])
-        par = lv.par.index_select(0, sel)
-        self.tree_tok[:1].copy_(self.ctx_tok[self.pmax - 1:])
-        self.tree_tok[1:].copy_(lv.tok.index_select(0, sel))
-        self.tree_par[1:].copy_(torch.where(par < 0, 0, ids.index_select(0, par.clamp(min=0))))
-        self.tree_depth[1:].copy_(self.level_depth.index_select(0, sel))
-        self.anc.copy_(ancestors(self.tree_par, self.B))
+        head_select(lv.lp, lv.tok, lv.par, self.ctx_tok[self.pmax - 1:], lv.w, self.B, self.M - 1,
+                    (self.tree_tok, self.tree_par, self.tree_depth, self.anc))
         self.dprefix.add_(P)
 
     def _draft_block(self, width: int) -> None:

@@ -1,0 +1,258 @@
+"""An EAGLE-3 head's tree levels in fewer launches: its top-k children in one kernel, the tree
+selection in one.
+
+At the bundled size every launch costs about as much as its work (~3-5 us), and a head's draft
+is eight passes of ~11 launches plus ~20 launches of selection. Two pieces fold here:
+
+- `head_topk`: the residual add, the final RMSNorm, the LM head and the top-k of each row's
+  log-softmax (three launches before: add_rmsnorm, a cuBLAS GEMM, the top-k kernel). Programs
+  split the vocabulary; each writes its block's k best logits, max and sum of exp; the last
+  program to finish (an atomic counter, reset by that program, so CUDA graphs replay it) merges
+  the blocks into the k best log-probs of each row.
+- `head_select`: the N nodes of highest cumulative log-prob of the levels' node layout
+  (tandem.drafting.eagle_drafter.HeadLevels), as a tree in node order with its ancestor mask
+  (topk, sort, index ops and a reachability product before: about twenty launches).
+
+Each has a torch reference (the semantics, and what runs on the CPU); the Triton versions equal
+them up to the order of fp32 sums (tests/head_level_checks.py, under Triton's interpreter).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tandem.kernels.fused import pow2, rmsnorm_ref, triton_enabled
+from tandem.kernels.resident import ancestors, key_index, score_keys, topk_logprobs
+
+try:  # Triton ships with CUDA builds of PyTorch only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU builds
+    triton = None
+
+BLOCK_V = 128  # vocabulary entries per program of head_topk
+BLOCK_K = 64  # hidden columns per step of its product
+
+
+# ---- references -----------------------------------------------------------------------------
+def head_topk_ref(r: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps: float, lm_w: torch.Tensor,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """r, delta: [R, H] -> (out = r + delta [R, H], the k best log-probs [R, k] float32 and their
+    draft ids [R, k] int64 of softmax(lm_head(rmsnorm(out))), best first, ties to the lower id)."""
+    out = r + delta
+    logits = rmsnorm_ref(out, norm_w, eps) @ lm_w.t()  # [R, V] in the model dtype
+    lp, tok = topk_logprobs(logits, k)
+    return out, lp, tok
+
+
+def level_depths(width: int, nodes: int, device=None) -> torch.Tensor:
+    """[nodes] the depth of each node of HeadLevels' layout: w at depth 1, then w * w per level."""
+    i = torch.arange(nodes, device=device)
+    return torch.where(i < width, 1, 2 + (i - width).clamp(min=0) // (width * width))
+
+
+def head_select_ref(lp: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, root: torch.Tensor, width: int,
+                    max_depth: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lp, tok, par: [total] the levels' nodes (cumulative log-prob, target id, parent node or -1);
+    root: [1] -> the tree of the n best nodes (ties to the earlier node) in node order, root first:
+    (tokens [n + 1], parents [n + 1] (root -1), depth [n + 1], ancestors [n + 1, n + 1] bool)."""
+    total = lp.shape[0]
+    sel = key_index(score_keys(lp).topk(n).values, total).sort().values  # [n] node order: topological
+    ids = torch.zeros(total, dtype=torch.long, device=lp.device)
+    ids.index_copy_(0, sel, torch.arange(1, n + 1, device=lp.device))
+    p = par.index_select(0, sel)
+    parents = torch.cat([p.new_full((1,), -1), torch.where(p < 0, 0, ids.index_select(0, p.clamp(min=0)))])
+    tokens = torch.cat([root.reshape(1), tok.index_select(0, sel)])
+    depth = torch.cat([p.new_zeros(1), level_depths(width, total, lp.device).index_select(0, sel)])
+    return tokens, parents, depth, ancestors(parents, max_depth)
+
+
+# ---- dispatch -------------------------------------------------------------------------------
+def enabled(t: torch.Tensor) -> bool:
+    """Whether the fused level kernels take tensors like t: on CUDA, unless TANDEM_HEAD_FUSED=0
+    (the A/B switch of bench/run_gpu_head.sh: then a level runs the layer, a cuBLAS LM head and
+    the top-k kernel, and the selection runs as torch ops)."""
+    return triton_enabled(t) and os.environ.get("TANDEM_HEAD_FUSED", "1") != "0"
+
+
+def head_topk(r: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps: float, lm_w: torch.Tensor, k: int,
+              counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """head_topk_ref in one launch on CUDA. counter: an int32 [1] zero that the kernel leaves zero
+    (a static one per caller, so a captured graph replays it); None allocates one."""
+    if not enabled(r):
+        return head_topk_ref(r, delta, norm_w, eps, lm_w, k)
+    return launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter)
+
+
+def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int = BLOCK_V, bk: int = BLOCK_K):
+    R, H = r.shape
+    V = lm_w.shape[0]
+    assert r.stride(-1) == 1 and delta.stride(-1) == 1 and lm_w.is_contiguous() and k <= bv
+    dev = r.device
+    nb = triton.cdiv(V, bv)
+    rp = max(16, pow2(R))  # tl.dot's smallest row block
+    out = torch.empty(R, H, device=dev, dtype=r.dtype)
+    ptok = torch.empty(nb, rp, k, dtype=torch.int32, device=dev)
+    pval = torch.empty(nb, rp, k, dtype=torch.float32, device=dev)
+    pstat = torch.empty(2, nb, rp, dtype=torch.float32, device=dev)
+    tok = torch.empty(R, k, dtype=torch.long, device=dev)
+    lp = torch.empty(R, k, dtype=torch.float32, device=dev)
+    if counter is None:
+        counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    _head_topk_kernel[(nb,)](r, delta, norm_w, lm_w, out, ptok, pval, pstat, counter, tok, lp, R, H, V,
+                             r.stride(0), delta.stride(0), eps, K=k, RP=rp, BV=bv, BK=bk, NB=nb,
+                             NBKP=pow2(nb * k), IEEE=r.dtype == torch.float32, num_warps=4)
+    return out, lp, tok
+
+
+def head_select(lp: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, root: torch.Tensor, width: int,
+                max_depth: int, n: int, out: tuple[torch.Tensor, ...]) -> None:
+    """head_select_ref written into out = (tokens, parents, depth, ancestors); one program on CUDA."""
+    if not enabled(lp):
+        for o, v in zip(out, head_select_ref(lp, tok, par, root, width, max_depth, n)):
+            o.copy_(v)
+        return
+    launch_head_select(lp, tok, par, root, width, max_depth, n, out)
+
+
+def launch_head_select(lp, tok, par, root, width, max_depth, n, out) -> None:
+    total = lp.shape[0]
+    t, p, d, anc = out
+    tp = pow2(total)
+    scratch = torch.empty(tp, dtype=torch.long, device=lp.device)
+    ids = torch.empty(total, dtype=torch.long, device=lp.device)
+    _head_select_kernel[(1,)](lp, tok, par, root, t, p, d, anc, scratch, ids, total, W=width, N=n, NP=pow2(n),
+                              MP=pow2(n + 1), TP=tp, MAXD=max_depth, num_warps=4)
+
+
+# ---- Triton ---------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        if IEEE:  # fp32 models: no TF32 (the reference is an fp32 product)
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _head_topk_kernel(r_ptr, d_ptr, nw_ptr, w_ptr, out_ptr, ptok_ptr, pval_ptr, pstat_ptr, cnt_ptr, tok_ptr,
+                          lp_ptr, R, H, V, sr, sd, eps, K: tl.constexpr, RP: tl.constexpr, BV: tl.constexpr,
+                          BK: tl.constexpr, NB: tl.constexpr, NBKP: tl.constexpr, IEEE: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = tl.arange(0, RP)
+        rm = rows < R
+        # pass 1: each row's sum of squares of out = r + delta (rounded to the model dtype, as `r + delta`)
+        ss = tl.zeros([RP], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, BK)
+            m2 = rm[:, None] & (kk[None, :] < H)
+            x = tl.load(r_ptr + rows[:, None] * sr + kk[None, :], mask=m2, other=0.0)
+            s = (x.to(tl.float32) + tl.load(d_ptr + rows[:, None] * sd + kk[None, :], mask=m2,
+                                            other=0.0).to(tl.float32)).to(x.dtype)
+            if pid == 0:
+                tl.store(out_ptr + rows[:, None] * H + kk[None, :], s, mask=m2)
+            s32 = s.to(tl.float32)
+            ss += tl.sum(s32 * s32, 1)
+        rstd = tl.rsqrt(ss / H + eps)
+        # pass 2: this program's block of logits [RP, BV] = rmsnorm(out) @ W[block].T
+        v = pid * BV + tl.arange(0, BV)
+        vm = v < V
+        acc = tl.zeros([RP, BV], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < H
+            m2 = rm[:, None] & km[None, :]
+            x = tl.load(r_ptr + rows[:, None] * sr + kk[None, :], mask=m2, other=0.0)
+            s = (x.to(tl.float32) + tl.load(d_ptr + rows[:, None] * sd + kk[None, :], mask=m2,
+                                            other=0.0).to(tl.float32)).to(x.dtype)
+            y = (s.to(tl.float32) * rstd[:, None]).to(x.dtype)  # rmsnorm_ref: normalise in fp32, round,
+            nw = tl.load(nw_ptr + kk, mask=km, other=0.0)
+            y = (nw.to(tl.float32)[None, :] * y.to(tl.float32)).to(x.dtype)  # then the weight
+            w = tl.load(w_ptr + v[None, :] * H + kk[:, None], mask=vm[None, :] & km[:, None], other=0.0)  # [BK, BV]
+            acc += _dot(y, w, IEEE)
+        logit = acc.to(r_ptr.dtype.element_ty).to(tl.float32)  # rounded as the product in the model dtype is
+        logit = tl.where(vm[None, :], logit, float("-inf"))
+        # the block's partials: max, sum of exp, the K best (ties to the lower id)
+        mx = tl.max(logit, 1)  # [RP]
+        se = tl.sum(tl.exp(logit - mx[:, None]), 1)
+        tl.store(pstat_ptr + pid * RP + rows, mx)
+        tl.store(pstat_ptr + (NB + pid) * RP + rows, se)
+        for j in tl.static_range(K):
+            best = tl.max(logit, 1)
+            at = tl.min(tl.where(logit == best[:, None], v[None, :], 2147483647), 1)  # [RP]
+            tl.store(pval_ptr + (pid * RP + rows) * K + j, best)
+            tl.store(ptok_ptr + (pid * RP + rows) * K + j, at)
+            logit = tl.where(v[None, :] == at[:, None], float("-inf"), logit)
+        # the last program to finish merges every block's partials
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == NB - 1:
+            b = tl.arange(0, NBKP) // K  # candidate c = b * K + j
+            j = tl.arange(0, NBKP) % K
+            cm = b < NB
+            m2 = rm[:, None] & cm[None, :]
+            bm = tl.load(pstat_ptr + b[None, :] * RP + rows[:, None], mask=m2, other=float("-inf"),
+                         cache_modifier=".cg")  # [RP, NBKP] (each block's max, K times)
+            bs = tl.load(pstat_ptr + (NB + b[None, :]) * RP + rows[:, None], mask=m2 & (j[None, :] == 0),
+                         other=0.0, cache_modifier=".cg")
+            gm = tl.max(bm, 1)  # [RP]
+            lse = gm + tl.log(tl.sum(bs * tl.exp(bm - gm[:, None]), 1))
+            cand = tl.load(pval_ptr + (b[None, :] * RP + rows[:, None]) * K + j[None, :], mask=m2,
+                           other=float("-inf"), cache_modifier=".cg")
+            ctok = tl.load(ptok_ptr + (b[None, :] * RP + rows[:, None]) * K + j[None, :], mask=m2,
+                           other=2147483647, cache_modifier=".cg")
+            for i in tl.static_range(K):
+                best = tl.max(cand, 1)
+                at = tl.min(tl.where(cand == best[:, None], ctok, 2147483647), 1)
+                tl.store(tok_ptr + rows * K + i, at.to(tl.int64), mask=rm)
+                tl.store(lp_ptr + rows * K + i, best - lse, mask=rm)
+                cand = tl.where(ctok == at[:, None], float("-inf"), cand)
+            tl.atomic_xchg(cnt_ptr, 0)
+
+    @triton.jit
+    def _head_select_kernel(lp_ptr, tok_ptr, par_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, scratch_ptr, ids_ptr,
+                            total, W: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
+                            TP: tl.constexpr, MAXD: tl.constexpr):
+        # the N best nodes (keys as tandem.kernels.resident.score_keys: ties to the lower index)
+        f = tl.arange(0, TP)
+        live = f < total
+        s = tl.load(lp_ptr + f, mask=live, other=float("-inf"))
+        bits = s.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        key = (ordered.to(tl.int64) << 32) | (TP - 1 - f).to(tl.int64)
+        key = tl.where(live, key, tl.full([TP], -1, tl.int64) << 63)  # INT64_MIN: below every real key (-inf's too)
+        key = tl.sort(key, 0, descending=True)
+        tl.store(scratch_ptr + f, key)
+        tl.debug_barrier()
+        j = tl.arange(0, NP)
+        valid = j < N
+        top = tl.load(scratch_ptr + j)
+        node = (TP - 1) - (top - ((top >> 32) << 32))
+        sel = tl.sort(tl.where(valid, node, TP), 0)  # ascending node index: a topological order
+        sel = tl.where(valid, sel, 0)  # (in bounds where masked)
+        tl.store(ids_ptr + sel, (j + 1).to(tl.int64), mask=valid)  # each kept node's place in the tree
+        tl.debug_barrier()
+        pn = tl.load(par_ptr + sel, mask=valid, other=-1)
+        parent = tl.where(pn < 0, 0, tl.load(ids_ptr + tl.maximum(pn, 0), mask=valid & (pn >= 0), other=0))
+        depth = tl.where(sel < W, 1, 2 + (sel - W) // (W * W))
+        tl.store(t_ptr + 1 + j, tl.load(tok_ptr + sel, mask=valid, other=0), mask=valid)
+        tl.store(p_ptr + 1 + j, parent, mask=valid)
+        tl.store(d_ptr + 1 + j, depth, mask=valid)
+        tl.store(t_ptr, tl.load(root_ptr))
+        tl.store(p_ptr, -1)
+        tl.store(d_ptr, 0)
+        # the ancestor mask: the identity, then each node's chain of parents
+        M = N + 1
+        i = tl.arange(0, MP)
+        jj = tl.arange(0, MP)
+        inside = (i[:, None] < M) & (jj[None, :] < M)
+        tl.store(anc_ptr + i[:, None] * M + jj[None, :], i[:, None] == jj[None, :], mask=inside)
+        tl.debug_barrier()
+        alive = i < M
+        cur = tl.load(p_ptr + i, mask=alive, other=-1)
+        for _ in tl.static_range(MAXD):
+            ok = alive & (cur >= 0)
+            at = tl.where(ok, cur, 0)
+            tl.store(anc_ptr + i * M + at, tl.full([MP], 1, tl.int1), mask=ok)
+            cur = tl.load(p_ptr + at, mask=ok, other=-1)

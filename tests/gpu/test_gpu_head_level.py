@@ -1,0 +1,99 @@
+"""GPU lane: an EAGLE-3 head's fused level kernels (tandem.kernels.head_level) compiled, against their
+torch references, at the bundled head's shape and the published Llama-3.1-8B head's, fp32 and bf16,
+and the fused top-k replayed in a CUDA graph (its counter must come back to zero every time).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_lane import NEEDS_CUDA, no_grad
+from tandem.kernels import head_level as hl
+from tandem.kernels.fused import rmsnorm_ref
+
+pytestmark = [pytest.mark.cuda, NEEDS_CUDA, pytest.mark.usefixtures(no_grad.__name__)]
+
+SHAPES = {"bundled-head": (384, 8192), "eagle3-llama3.1-8b": (4096, 32000)}  # (hidden, draft vocabulary)
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def _inputs(rows: int, H: int, V: int, dtype, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, device="cuda").mul_(scale).to(dtype)
+
+    return rnd(rows, H), rnd(rows, H), 1 + rnd(H, scale=0.1), rnd(V, H, scale=4 * H ** -0.5)
+
+
+def _check(out, lp, tok, r, d, nw, lm, k, dtype):
+    out_ref, lp_ref, tok_ref = hl.head_topk_ref(r, d, nw, 1e-5, lm, k)
+    assert torch.equal(out, out_ref)
+    if dtype == torch.float32:
+        assert torch.equal(tok, tok_ref)
+        assert (lp - lp_ref).abs().max().item() < 1e-4
+        return
+    # bf16: the kernel rounds its own fp32 sums, cuBLAS its own, so near-ties may swap: each token the
+    # kernel picks must be within a bf16 rounding of the reference's k-th best, and the log-probs close
+    exact = rmsnorm_ref(out_ref, nw, 1e-5).float() @ lm.float().t()  # [R, V]
+    kth = exact.gather(1, tok_ref).min(1, keepdim=True).values
+    assert (exact.gather(1, tok) >= kth - 0.05 * exact.abs().amax(1, keepdim=True)).all()
+    assert (lp - lp_ref).abs().max().item() < 0.1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k", [(1, 8), (8, 8), (4, 1), (16, 4)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_head_topk_equals_the_reference(shape, rows, k, dtype):
+    H, V = SHAPES[shape]
+    r, d, nw, lm = _inputs(rows, H, V, dtype, seed=rows * 10 + k)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out, lp, tok = hl.head_topk(r, d, nw, 1e-5, lm, k, counter)
+    assert counter.item() == 0
+    _check(out, lp, tok, r, d, nw, lm, k, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_topk_replayed_in_a_cuda_graph(dtype):
+    """Fifty replays with new inputs each time: every merge is right (a counter left non-zero, or a
+    merge that read another program's partials before they landed, would show)."""
+    H, V = SHAPES["bundled-head"]
+    r, d, nw, lm = _inputs(8, H, V, dtype, seed=0)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        hl.head_topk(r, d, nw, 1e-5, lm, 8, counter)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lp, tok = hl.head_topk(r, d, nw, 1e-5, lm, 8, counter)
+    for seed in range(50):
+        r2, d2, _, _ = _inputs(8, H, V, dtype, seed=100 + seed)
+        r.copy_(r2)
+        d.copy_(d2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert counter.item() == 0
+        _check(out, lp, tok, r, d, nw, lm, 8, dtype)
+
+
+@pytest.mark.parametrize("w,depth,n", [(1, 8, 8), (4, 6, 32), (8, 8, 32), (8, 4, 64), (10, 6, 60)])
+def test_head_select_equals_the_reference(w, depth, n):
+    g = torch.Generator(device="cuda").manual_seed(w * depth)
+    total = w + (depth - 1) * w * w
+    # a prefix-closed layout (a child's log-prob is its parent's plus a log-prob), one node of probability 0
+    par = torch.where(torch.arange(total, device="cuda") < w, -1,
+                      torch.randint(0, w, (total,), generator=g, device="cuda"))
+    step = -torch.rand(total, generator=g, device="cuda").mul_(4)
+    step[min(1, w - 1)] = float("-inf")
+    lp = torch.where(par < 0, step, step + step[par.clamp(min=0)])
+    tok = torch.randint(0, 128000, (total,), generator=g, device="cuda")
+    root = torch.tensor([9], device="cuda")
+    want = hl.head_select_ref(lp, tok, par, root, w, depth, n)
+    got = (torch.zeros(n + 1, dtype=torch.long, device="cuda"), torch.zeros(n + 1, dtype=torch.long, device="cuda"),
+           torch.zeros(n + 1, dtype=torch.long, device="cuda"),
+           torch.zeros(n + 1, n + 1, dtype=torch.bool, device="cuda"))
+    hl.head_select(lp, tok, par, root, w, depth, n, got)
+    for name, a, b in zip(("tokens", "parents", "depth", "ancestors"), got, want):
+        assert torch.equal(a, b), name

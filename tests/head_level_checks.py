@@ -1,0 +1,200 @@
+"""Checks of an EAGLE-3 head's fused level kernels (tandem.kernels.head_level, and the gathering
+input norms of tandem.kernels.fused), shared by tests/test_head_level.py.
+
+They run the kernels on the CPU through Triton's interpreter (in a process of its own:
+`TRITON_INTERPRET=1 python tests/head_level_checks.py`, what the test starts), in fp32, against
+the torch references. Each check raises AssertionError on failure and prints one line when it passes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tandem.kernels import fused
+from tandem.kernels import head_level as hl
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = 1e-5) -> None:
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    err = (got.double() - want.double()).abs().max().item()
+    assert err <= tol, (name, err)
+
+
+def check_head_topk() -> None:
+    """Tokens equal the reference's, log-probs equal up to fp32 sums, `out` exactly r + delta, over
+    row counts around the 16-row tile, widths that are not a multiple of the column step, a vocabulary
+    that is not a multiple of the block, one block, k from 1 to 8; the counter is left zero, so a
+    second launch (a graph's replay) merges again."""
+    g = torch.Generator().manual_seed(0)
+    counter = torch.zeros(1, dtype=torch.int32)
+    for R, H, V, k, bv, bk in ((1, 96, 1000, 4, 128, 64), (5, 64, 300, 8, 64, 32), (16, 96, 128, 1, 128, 64),
+                               (17, 40, 777, 3, 256, 16), (8, 128, 4096, 8, 128, 64)):
+        r, d = torch.randn(R, H, generator=g), torch.randn(R, H, generator=g)
+        nw = 1 + 0.1 * torch.randn(H, generator=g)
+        lm = torch.randn(V, H, generator=g) * 2 / H ** 0.5
+        out_ref, lp_ref, tok_ref = hl.head_topk_ref(r, d, nw, 1e-5, lm, k)
+        for _ in range(2):
+            out, lp, tok = hl.launch_head_topk(r, d, nw, 1e-5, lm, k, counter, bv=bv, bk=bk)
+            assert torch.equal(out, out_ref), (R, H, V)
+            assert torch.equal(tok, tok_ref), (R, H, V, k, tok, tok_ref)
+            _close(f"log-probs {R}x{H}x{V}", lp, lp_ref)
+            assert counter.item() == 0
+    # ties: equal logits go to the lower id, within a block and across blocks
+    H, V = 32, 512
+    lm = torch.zeros(V, H)
+    lm[[3, 200, 201, 450], 0] = 1.0  # four equal best logits, in three blocks
+    lm[7, 0] = 2.0
+    r = torch.zeros(2, H)
+    r[:, 0] = 1.0
+    _, lp, tok = hl.launch_head_topk(r, torch.zeros_like(r), torch.ones(H), 1e-5, lm, 4, counter, bv=128, bk=32)
+    assert tok.tolist() == [[7, 3, 200, 201]] * 2, tok
+    print("head_topk: ok")
+
+
+def _levels_layout(g: torch.Generator, w: int, depth: int, zero_prob: bool) -> tuple[torch.Tensor, ...]:
+    """A node layout as HeadLevels grows it: (lp, tok, par) with cumulative log-probs."""
+    total = w + (depth - 1) * w * w
+    par = torch.full((total,), -1, dtype=torch.long)
+    lp = torch.zeros(total)
+
+    def children() -> torch.Tensor:
+        c = torch.log_softmax(torch.randn(w + 6, generator=g), 0)[:w].sort(descending=True).values
+        if zero_prob:
+            c[-1] = float("-inf")  # a child of probability 0
+        return c
+
+    lp[:w] = children()
+    fed = list(range(w))
+    for d in range(2, depth + 1):
+        base = w + (d - 2) * w * w
+        for s, f in enumerate(fed):
+            par[base + s * w: base + (s + 1) * w] = f
+            lp[base + s * w: base + (s + 1) * w] = lp[f] + children()
+        fed = (base + hl.key_index(hl.score_keys(lp[base: base + w * w]).topk(w).values, w * w)).tolist()
+    return lp, torch.randint(0, 5000, (total,), generator=g), par
+
+
+def check_head_select() -> None:
+    """The kernel's tree equals head_select_ref's (tokens, parents, depths, ancestors) for widths 1-8,
+    node budgets from 1 to every node, children of probability 0, exact ties, and a layout whose size
+    is not a power of two (the padding keys rank below every real one, -inf included)."""
+    g = torch.Generator().manual_seed(1)
+    root = torch.tensor([42])
+    cases = 0
+    for w, depth in ((1, 6), (2, 5), (4, 5), (8, 4), (3, 3)):
+        for zero_prob in (False, True):
+            lp, tok, par = _levels_layout(g, w, depth, zero_prob)
+            total = lp.shape[0]
+            for n in sorted({1, min(5, total), min(16, total), min(31, total), total}):
+                want = hl.head_select_ref(lp, tok, par, root, w, depth, n)
+                M = n + 1
+                got = (torch.zeros(M, dtype=torch.long), torch.zeros(M, dtype=torch.long),
+                       torch.zeros(M, dtype=torch.long), torch.zeros(M, M, dtype=torch.bool))
+                hl.launch_head_select(lp, tok, par, root, w, depth, n, got)
+                for name, a, b in zip(("tokens", "parents", "depth", "ancestors"), got, want):
+                    assert torch.equal(a, b), (w, depth, n, zero_prob, name, a, b)
+                cases += 1
+    # exact ties: every child of a node at the same log-prob (the earlier node wins)
+    lp = torch.tensor([-1.0, -1.0, -2.0, -2.0, -2.0, -2.0])
+    par = torch.tensor([-1, -1, 0, 0, 1, 1])
+    tok = torch.arange(10, 16)
+    for n in (1, 3, 5):
+        want = hl.head_select_ref(lp, tok, par, root, 2, 2, n)
+        got = (torch.zeros(n + 1, dtype=torch.long), torch.zeros(n + 1, dtype=torch.long),
+               torch.zeros(n + 1, dtype=torch.long), torch.zeros(n + 1, n + 1, dtype=torch.bool))
+        hl.launch_head_select(lp, tok, par, root, 2, 2, n, got)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (n, got, want)
+    assert cases >= 40, cases
+    print("head_select: ok")
+
+
+def check_embed_norms_gather() -> None:
+    g = torch.Generator().manual_seed(2)
+    for S, M, n in ((1, 4, 96), (4, 4, 64), (8, 3, 40)):
+        embed = torch.randn(300, n, generator=g)
+        hidden = torch.randn(S, n, generator=g)
+        ids = torch.randint(0, 300, (M,), generator=g)
+        src = torch.randint(0, S, (M,), generator=g)
+        we, wh = 1 + 0.1 * torch.randn(n, generator=g), 1 + 0.1 * torch.randn(n, generator=g)
+        want = fused.embed_norms_gather_ref(ids, embed, hidden, src, we, wh, 1e-5)
+        got = fused.launch_embed_norms_gather(ids, embed, hidden, src, we, wh, 1e-5)
+        for name, a, b in zip(("x", "hn", "h"), got, want):
+            _close(f"embed_norms_gather {name}", a, b, 1e-6)
+    print("embed_norms_gather: ok")
+
+
+def check_levels() -> None:
+    """A tiny EAGLE-3 head's levels (HeadLevels) with every kernel on (the interpreter standing in for
+    CUDA: the dispatchers' device test lifted) grow the same nodes as with none: the glue (the
+    gather through `src`, rows, the counter, the masks) is checked, not only the kernels."""
+    from models_for_tests import tiny_model
+
+    import tandem.kernels.attention as att
+    import tandem.kernels.fused_layer as fl
+    import tandem.kernels.resident as res
+    from tandem.drafting.eagle_drafter import HeadLevels
+    from tandem.models.eagle3 import Eagle3Config, Eagle3Head
+    from tandem.runtime.runner import ModelRunner
+
+    target = tiny_model(seed=4, hidden=128)
+    tc = target.config
+    cfg = Eagle3Config(llama=dataclasses.replace(tc, num_hidden_layers=1), draft_vocab_size=tc.vocab_size,
+                       target_hidden_size=tc.hidden_size, feature_layers=(0, 1, 1))
+    head = Eagle3Head(cfg, target.model.embed_tokens)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else 3 * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    head.materialize_buffers("cpu", torch.float32)
+    head = head.eval().requires_grad_(False).fuse_projections()
+
+    def grow(w: int, depth: int) -> list[torch.Tensor]:
+        runner = ModelRunner(head, capacity=64, use_graphs=False)
+        lv = HeadLevels(runner, w, depth)
+        prefix = 6
+        ids = torch.randint(0, tc.vocab_size, (prefix,), generator=torch.Generator().manual_seed(6))
+        hidden = torch.randn(prefix, tc.hidden_size, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            mask = torch.ones(prefix, runner.width_for(prefix + lv.rows), dtype=torch.bool).tril()
+            root = head.layer_topk(ids, hidden, torch.arange(prefix), runner.cache, torch.arange(prefix), mask, w,
+                                   rows=1, counter=lv.counter)
+            lv.prefix.fill_(prefix)
+            lv._levels(mask.shape[-1], root)
+        M = min(9, lv.nodes) + 1
+        tree = (torch.zeros(M, dtype=torch.long), torch.zeros(M, dtype=torch.long), torch.zeros(M, dtype=torch.long),
+                torch.zeros(M, M, dtype=torch.bool))
+        hl.head_select(lv.lp, lv.tok, lv.par, ids[-1:], w, depth, M - 1, tree)
+        return [lv.tok.clone(), lv.par.clone(), lv.lp.clone(), *tree]
+
+    for w, depth in ((1, 4), (3, 4), (4, 3)):
+        want = grow(w, depth)
+        mods = (fused, hl, res, att)
+        saved = [m.triton_enabled for m in mods], fl.applies
+        for m in mods:
+            m.triton_enabled = lambda t: True
+        fl.applies = lambda x, wt, k=None: x.shape[0] <= fl.MAX_M and wt.shape[1] == (x.shape[-1] if k is None else k)
+        calls = []
+        real = hl.launch_head_topk
+        hl.launch_head_topk = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            got = grow(w, depth)
+        finally:
+            for m, f in zip(mods, saved[0]):
+                m.triton_enabled = f
+            fl.applies, hl.launch_head_topk = saved[1], real
+        assert len(calls) == depth, calls  # the context pass and every fed level went through the kernel
+        for name, a, b in zip(("tok", "par", "lp", "tree tokens", "parents", "depth", "ancestors"), got, want):
+            if a.dtype.is_floating_point:
+                _close(f"levels {name}", a, b, 1e-4)  # cumulative log-probs, sums in another order
+            else:
+                assert torch.equal(a, b), (w, depth, name, a, b)
+    print("levels through the fused kernels: ok")
+
+
+if __name__ == "__main__":
+    check_head_topk()
+    check_head_select()
+    check_embed_norms_gather()
+    check_levels()
