@@ -193,8 +193,41 @@ def check_levels() -> None:
     print("levels through the fused kernels: ok")
 
 
+def check_pass_views() -> None:
+    """The resident loop's pass views (tandem.kernels.resident.context_view / tree_view): positions,
+    slots and masks equal the torch references, widths beyond one column block included."""
+    import tandem.kernels.resident as res
+
+    for pmax, T, P, pre, width in ((9, 9, 3, 0, 32), (17, 32, 1, 40, 200), (17, 32, 17, 300, 512), (5, 5, 5, 7, 16)):
+        Pt, pt = torch.tensor([P]), torch.tensor([pre])
+        want = res.context_view_ref(Pt, pt, pmax, T, width, 99)
+        got = (torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long),
+               torch.zeros(T, width, dtype=torch.bool))
+        res._context_view_kernel[(1,)](Pt, pt, *got, width, 99, PMAX=pmax, T=T, TP=fused.pow2(T), BW=128)
+        for name, a, b in zip(("positions", "slots", "mask"), got, want):
+            assert torch.equal(a, b), ("context", pmax, T, P, name)
+    g = torch.Generator().manual_seed(3)
+    for M, pre, width in ((1, 5, 16), (33, 0, 64), (33, 100, 256), (65, 200, 300)):
+        par = torch.full((M,), -1, dtype=torch.long)  # a random tree, parents first
+        for i in range(1, M):
+            par[i] = torch.randint(0, i, (1,), generator=g)
+        depth = torch.zeros(M, dtype=torch.long)
+        for i in range(1, M):
+            depth[i] = depth[par[i]] + 1
+        anc = res.ancestors(par, M)
+        pt = torch.tensor([pre])
+        want = res.tree_view_ref(pt, depth, anc, width)
+        got = (torch.zeros(M, dtype=torch.long), torch.zeros(M, dtype=torch.long),
+               torch.zeros(M, width, dtype=torch.bool))
+        res._tree_view_kernel[(1,)](pt, depth, anc, *got, width, M=M, MP=fused.pow2(M), BW=128)
+        for name, a, b in zip(("positions", "slots", "mask"), got, want):
+            assert torch.equal(a, b), ("tree", M, pre, width, name)
+    print("pass views: ok")
+
+
 if __name__ == "__main__":
     check_head_topk()
     check_head_select()
     check_embed_norms_gather()
     check_levels()
+    check_pass_views()

@@ -246,6 +246,55 @@ def level_step(ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, prefix, d: int,
     return mask if prep else None
 
 
+# ---- a pass's rows: positions, cache slots, attention mask ----------------------------------------
+def context_view_ref(P: torch.Tensor, pre: torch.Tensor, pmax: int, T: int, width: int, scratch: int):
+    """The rows of a drafter's context pass: P [1] pending context rows, right-aligned in the first
+    pmax of T rows (then T - pmax mask rows), after the drafter's prefix pre [1] ->
+    (positions [T], cache slots [T], mask [T, width] bool): the real rows are causal after the
+    prefix; padding rows sit at position pre, write the scratch slot and see column 0 only."""
+    r = torch.arange(T, device=P.device)
+    q = r - (pmax - P)  # [T] the row's index among the real rows (< 0: padding)
+    real = q >= 0
+    cols = torch.arange(width, device=P.device)
+    rel = cols[None, :] - pre  # [1, W]
+    see = torch.where(real[:, None], (rel < 0) | (rel <= q[:, None]), cols[None, :] == 0)  # [T, W]
+    return pre + q.clamp(min=0), torch.where(real, pre + q, scratch), see
+
+
+def tree_view_ref(pre: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor, width: int):
+    """The rows of a tree pass over the M nodes after the prefix pre [1]: node i at position
+    pre + depth[i], slot pre + i, seeing the prefix and its ancestors' rows (anc [M, M]) ->
+    (positions [M], slots [M], mask [M, width] bool)."""
+    M = depth.shape[0]
+    cols = torch.arange(width, device=pre.device)
+    rel = cols - pre  # [W]
+    inside = (rel >= 0) & (rel < M)
+    tree = anc.gather(1, rel.clamp(0, M - 1).expand(M, -1)) & inside  # [M, W]
+    return pre + depth, pre + torch.arange(M, device=pre.device), (rel < 0)[None, :] | tree
+
+
+def context_view(P, pre, pmax: int, T: int, width: int, scratch: int, out: tuple[torch.Tensor, ...]) -> None:
+    """context_view_ref written into out = (positions, slots, mask); one program on CUDA (about a
+    dozen small torch kernels otherwise, in every draft pass)."""
+    if not triton_enabled(P):
+        for o, v in zip(out, context_view_ref(P, pre, pmax, T, width, scratch)):
+            o.copy_(v)
+        return
+    pos, slots, see = out
+    _context_view_kernel[(1,)](P, pre, pos, slots, see, width, scratch, PMAX=pmax, T=T, TP=pow2(T), BW=128)
+
+
+def tree_view(pre, depth, anc, width: int, out: tuple[torch.Tensor, ...]) -> None:
+    """tree_view_ref written into out = (positions, slots, mask); one program on CUDA."""
+    if not triton_enabled(pre):
+        for o, v in zip(out, tree_view_ref(pre, depth, anc, width)):
+            o.copy_(v)
+        return
+    pos, slots, see = out
+    M = depth.shape[0]
+    _tree_view_kernel[(1,)](pre, depth, anc, pos, slots, see, width, M=M, MP=pow2(M), BW=128)
+
+
 # ---- the accept ------------------------------------------------------------------------------
 def accept_ref(am, tree_tok, tree_par, tree_depth, anc, prefix, pmax: int):
     """am: [M] the target's argmax after each node; prefix: [1] -> (accepted 0-dim, bonus [1],
@@ -586,3 +635,36 @@ if triton is not None:
                     tl.store(am_ptr + cur, tl.minimum(tok, last).to(tl.int64))
                     done = 1
         tl.store(seed_ptr, seed + 1)
+
+    @triton.jit
+    def _context_view_kernel(P_ptr, pre_ptr, pos_ptr, slot_ptr, see_ptr, width, scratch, PMAX: tl.constexpr,
+                             T: tl.constexpr, TP: tl.constexpr, BW: tl.constexpr):
+        r = tl.arange(0, TP)
+        rm = r < T
+        pre = tl.load(pre_ptr)
+        q = r - (PMAX - tl.load(P_ptr))
+        real = q >= 0
+        tl.store(pos_ptr + r, pre + tl.maximum(q, 0), mask=rm)
+        tl.store(slot_ptr + r, tl.where(real, pre + q, scratch), mask=rm)
+        for c0 in range(0, width, BW):
+            c = c0 + tl.arange(0, BW)
+            rel = c[None, :] - pre
+            see = tl.where(real[:, None], (rel < 0) | (rel <= q[:, None]), c[None, :] == 0)
+            tl.store(see_ptr + r[:, None] * width + c[None, :], see, mask=rm[:, None] & (c[None, :] < width))
+
+    @triton.jit
+    def _tree_view_kernel(pre_ptr, depth_ptr, anc_ptr, pos_ptr, slot_ptr, see_ptr, width, M: tl.constexpr,
+                          MP: tl.constexpr, BW: tl.constexpr):
+        i = tl.arange(0, MP)
+        im = i < M
+        pre = tl.load(pre_ptr)
+        tl.store(pos_ptr + i, pre + tl.load(depth_ptr + i, mask=im, other=0), mask=im)
+        tl.store(slot_ptr + i, pre + i, mask=im)
+        for c0 in range(0, width, BW):
+            c = c0 + tl.arange(0, BW)
+            rel = c - pre
+            inside = (rel >= 0) & (rel < M)
+            j = tl.minimum(tl.maximum(rel, 0), M - 1)
+            a = tl.load(anc_ptr + i[:, None] * M + j[None, :], mask=im[:, None] & inside[None, :], other=0) != 0
+            see = (rel < 0)[None, :] | a
+            tl.store(see_ptr + i[:, None] * width + c[None, :], see, mask=im[:, None] & (c[None, :] < width))

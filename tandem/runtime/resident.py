@@ -36,7 +36,7 @@ import torch
 
 from tandem.config import SamplingConfig, SpecConfig
 from tandem.kernels.head_level import head_select
-from tandem.kernels.resident import accept_fused, lattice, sample_walk
+from tandem.kernels.resident import accept_fused, context_view, lattice, sample_walk, tree_view
 from tandem.drafting.device_tree import best_first_tree_device, chain_tokens
 from tandem.drafting.lattice_drafter import CONTEXT_CHUNK
 from tandem.runtime.emit import Emitter
@@ -91,7 +91,6 @@ class ResidentLoop:
         # drafter cache rows one draft pass writes past its prefix (context, mask rows, tree rows)
         self.draft_rows = self.T + (self.levels.rows if self.kind in ("eagle3", "draft") else 0)
         if draft is not None:
-            self.rows_T = torch.arange(self.T, **lng)
             self.ctx_feat = torch.zeros(self.pmax, feature_size, device=dev, dtype=target.model.dtype)  # [pmax, F]
         self.M = nodes + 1  # tree nodes, root included
         # ---- state (device) -------------------------------------------------------------
@@ -149,15 +148,14 @@ class ResidentLoop:
             self._draft_block(width)
 
     def _context_view(self, width: int):
-        """Positions, slots and the mask [T, W] of a draft pass whose real rows (the P context
-        rows, right-aligned, then any mask rows) are causal after the drafter's prefix."""
-        P, pre, r = self.P, self.dprefix, self.rows_T
-        q = r - (self.pmax - P)  # [T] the row's index among the real rows (< 0: padding)
-        real = q >= 0
-        cols = self.cols(width)
-        rel = cols[None, :] - pre  # [1, W]
-        see = torch.where(real[:, None], (rel < 0) | (rel <= q[:, None]), cols[None, :] == 0)  # [T, W] causal
-        return pre + q.clamp(min=0), torch.where(real, pre + q, self.d.scratch), see
+        """Positions [T], slots [T] and the mask [T, W] of a draft pass whose real rows (the P context
+        rows, right-aligned, then any mask rows) are causal after the drafter's prefix
+        (tandem.kernels.resident.context_view: one program on CUDA)."""
+        dev, T = self.t.device, self.T
+        out = (torch.empty(T, dtype=torch.long, device=dev), torch.empty(T, dtype=torch.long, device=dev),
+               torch.empty(T, width, dtype=torch.bool, device=dev))
+        context_view(self.P, self.dprefix, self.pmax, T, width, self.d.scratch, out)
+        return out
 
     def _draft_levels(self, width: int) -> None:
         head, lv, P = self.drafter, self.levels, self.P
@@ -208,12 +206,11 @@ class ResidentLoop:
             self.rec[3:].copy_(bonus)
             self.prefix.add_(1)
             return
-        rel = cols - pre  # [W]
-        inside = (rel >= 0) & (rel < M)
-        tree = self.anc.gather(1, rel.clamp(0, M - 1).expand(M, -1)) & inside  # [M, W]
-        see = (rel < 0)[None, :] | tree
-        logits = model(self.tree_tok[None], (pre + self.tree_depth)[None], self.t.cache, (pre + self.ar_M)[None],
-                       see[None, None])  # [1, M, V]
+        dev = self.t.device
+        pos, slots, see = (torch.empty(M, dtype=torch.long, device=dev), torch.empty(M, dtype=torch.long, device=dev),
+                           torch.empty(M, width, dtype=torch.bool, device=dev))
+        tree_view(pre, self.tree_depth, self.anc, width, (pos, slots, see))  # the prefix and each node's ancestors
+        logits = model(self.tree_tok[None], pos[None], self.t.cache, slots[None], see[None, None])  # [1, M, V]
         am = self._next(logits[0])  # [M] the next token after each node (greedy: the argmax)
         if self.replay:
             am = self._forced_path(am, logits[0])
