@@ -62,6 +62,10 @@ class HeadLevels:
         # width writes (a tensor allocated inside a capture would be that graph's alone)
         self.out = torch.zeros(3, self.nodes, dtype=torch.float64, device=dev)
         self.counter = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused top-k's (left zero by it)
+        # each level row's position and cache slot past the prefix: level d's rows sit at position
+        # prefix - 1 + d (the root is prefix - 1) and at slots prefix + (d - 1) w + s
+        self.level_pos = torch.arange(self.passes, device=dev)[:, None].expand(self.passes, width).contiguous()
+        self.level_slot = torch.arange(self.passes * width, device=dev).view(self.passes, width)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._use_graphs = runner.use_graphs and not runner.emulate
 
@@ -99,9 +103,8 @@ class HeadLevels:
         # positions and cache slots of every level's rows (level d: position prefix - 1 + d).
         # NOTE: a row of its own per node, not an expanded view: the fused kernels read positions
         # by row offset, so a stride-0 view gave rows 1.. of a level the next levels' positions.
-        pos = ((prefix - 1) + torch.arange(1, self.depth, device=prefix.device))[:, None].expand(
-            self.passes, w).contiguous()  # [passes, w]
-        slots = (prefix + torch.arange(self.passes * w, device=prefix.device)).view(self.passes, w)  # [passes, w]
+        pos = prefix + self.level_pos  # [passes, w]
+        slots = prefix + self.level_slot  # [passes, w]
         if root is None:
             lp1, d1 = topk_logprobs(self.root_logits[None], w)  # [1, w] each
             hidden = self.root_hidden[None]  # [1, H]

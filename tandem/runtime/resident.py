@@ -165,7 +165,7 @@ class ResidentLoop:
         # the context pass; the root (its last row) gives the first level's children and hidden
         root = head.layer_topk(self.ctx_tok, hidden, pos, self.d.cache, slots, see, lv.w, rows=1,
                                counter=lv.counter)  # [1, w], [1, w], [1, H]
-        lv.prefix.copy_(self.dprefix + P)
+        torch.add(self.dprefix, P, out=lv.prefix)
         lv._levels(width, root)  # EAGLE-2's dynamic levels over the head's tree rows
         # the N nodes of highest cumulative log-prob, ties to the earlier node (eagle_drafter.select_tree)
         head_select(lv.lp, lv.tok, lv.par, self.ctx_tok[self.pmax - 1:], lv.w, self.B, self.M - 1,
