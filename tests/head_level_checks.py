@@ -124,6 +124,41 @@ def check_embed_norms_gather() -> None:
     print("embed_norms_gather: ok")
 
 
+def check_eagle_qkv() -> None:
+    """The q/k/v kernel with the EAGLE-3 input norms (and the gather) in its prologue equals the input
+    norms then q/k/v: q, the residual bases, and the K/V rows at scattered slots, every other row untouched."""
+    from tandem.kernels import fused_layer as fl
+
+    g = torch.Generator().manual_seed(4)
+    n_q, n_kv, D, cap = 3, 1, 64, 70
+    for T, S, H, gather in ((1, 1, 96, True), (4, 1, 96, True), (5, 5, 128, False), (17, 4, 64, True)):
+        embed = torch.randn(300, H, generator=g)
+        hidden = torch.randn(S, H, generator=g)
+        ids = torch.randint(0, 300, (T,), generator=g)
+        src = torch.randint(0, S, (T,), generator=g) if gather else None
+        we, wh = 1 + 0.1 * torch.randn(H, generator=g), 1 + 0.1 * torch.randn(H, generator=g)
+        w = torch.randn((n_q + 2 * n_kv) * D, 2 * H, generator=g) / (2 * H) ** 0.5
+        pos = torch.randint(0, 400, (T,), generator=g)
+        slots = torch.randperm(cap, generator=g)[:T]
+        inv = 1.0 / (10000 ** (torch.arange(0, D, 2).double() / D)).float()
+        kv = [torch.randn(2, 1, n_kv, cap, D, generator=g) for _ in range(2)]
+        kv[1].copy_(kv[0])
+        want = hl.eagle_qkv_ref(ids, embed, hidden, src, we, wh, 1e-5, w, pos, inv, n_q, n_kv, kv[1][0], kv[1][1],
+                                slots)
+        for bk, cb in ((32, 16), (128, 32)):
+            got_kv = kv[0].clone()
+            got = hl.launch_eagle_qkv(ids, embed, hidden, src, we, wh, 1e-5, w, pos, inv, n_q, n_kv, got_kv[0],
+                                      got_kv[1], slots, bk=bk, cb=cb)
+            for name, a, b in zip(("q", "hidden", "normed hidden"), got, want):
+                _close(f"eagle_qkv {name}", a, b, 1e-5)
+            _close("eagle_qkv k/v", got_kv, kv[1], 1e-5)
+            untouched = torch.ones(cap, dtype=torch.bool)
+            untouched[slots] = False
+            assert torch.equal(got_kv[..., untouched, :], kv[1][..., untouched, :])
+    assert fl.BLOCK_M == 16  # (the rows 17 case spans two row blocks)
+    print("eagle_qkv: ok")
+
+
 def check_levels() -> None:
     """A tiny EAGLE-3 head's levels (HeadLevels) with every kernel on (the interpreter standing in for
     CUDA: the dispatchers' device test lifted) grow the same nodes as with none: the glue (the
@@ -229,5 +264,6 @@ if __name__ == "__main__":
     check_head_topk()
     check_head_select()
     check_embed_norms_gather()
+    check_eagle_qkv()
     check_levels()
     check_pass_views()

@@ -240,7 +240,14 @@ if triton is not None:
         if HAS_BIAS:
             acc1 = acc1 + tl.load(b_ptr + n1).to(tl.float32)[None, :]
             acc2 = acc2 + tl.load(b_ptr + n1 + HALF).to(tl.float32)[None, :]
-        dt = x_ptr.dtype.element_ty
+        _qkv_store(acc1, acc2, head, i, rows, rm, pos_ptr, inv_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, cache_h, cache_s,
+                   x_ptr.dtype.element_ty, N_Q, N_KV, HALF)
+
+    @triton.jit
+    def _qkv_store(acc1, acc2, head, i, rows, rm, pos_ptr, inv_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, cache_h, cache_s,
+                   dt: tl.constexpr, N_Q: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr):
+        # columns i and i + HALF of a head's projection [BM, CB] each (fp32 sums) -> rounded, rotated
+        # (q and k heads) and stored: q rows, or the K/V cache rows at the rows' slots
         a = acc1.to(dt)  # the projection's output, rounded as F.linear's
         b = acc2.to(dt)
         if head < N_Q + N_KV:  # q and k heads: RoPE (rope_ref's arithmetic: cos / sin rounded to the dtype)

@@ -22,7 +22,8 @@ import os
 
 import torch
 
-from tandem.kernels.fused import pow2, rmsnorm_ref, triton_enabled
+from tandem.kernels import fused_layer
+from tandem.kernels.fused import embed_norms_gather_ref, pow2, rmsnorm_ref, triton_enabled
 from tandem.kernels.resident import ancestors, key_index, score_keys, topk_logprobs
 
 try:  # Triton ships with CUDA builds of PyTorch only
@@ -44,6 +45,18 @@ def head_topk_ref(r: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, ep
     logits = rmsnorm_ref(out, norm_w, eps) @ lm_w.t()  # [R, V] in the model dtype
     lp, tok = topk_logprobs(logits, k)
     return out, lp, tok
+
+
+def eagle_qkv_ref(ids, embed, hidden, src, w_embed, w_hidden, eps, w_qkv, positions, inv_freq, n_q, n_kv, k_cache,
+                  v_cache, slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 layer's input norms and q/k/v: x = cat(rmsnorm(embed[ids]), rmsnorm(hidden[src]))
+    [T, 2H] through the q/k/v projection, RoPE, K/V stored at `slots` (src None: hidden's rows in
+    order) -> (q [T, n_q, D], hidden[src] [T, H], rmsnorm(hidden[src]) [T, H])."""
+    x, hn, h = embed_norms_gather_ref(ids, embed, hidden, src if src is not None else torch.arange(
+        ids.shape[0], device=ids.device), w_embed, w_hidden, eps)
+    _, q = fused_layer.norm_qkv_rope_store_ref(x, None, None, 0.0, w_qkv, None, positions, inv_freq, n_q, n_kv, k_cache,
+                                               v_cache, slots)
+    return q, h, hn
 
 
 def level_depths(width: int, nodes: int, device=None) -> torch.Tensor:
@@ -106,6 +119,37 @@ def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int = BLO
     return out, lp, tok
 
 
+def eagle_qkv(ids, embed, hidden, src, w_embed, w_hidden, eps, w_qkv, positions, inv_freq, n_q, n_kv, k_cache,
+              v_cache, slots):
+    """eagle_qkv_ref in one launch on CUDA (two before: the input norms, then q/k/v)."""
+    if not enabled(hidden):
+        return eagle_qkv_ref(ids, embed, hidden, src, w_embed, w_hidden, eps, w_qkv, positions, inv_freq, n_q, n_kv,
+                             k_cache, v_cache, slots)
+    return launch_eagle_qkv(ids, embed, hidden, src, w_embed, w_hidden, eps, w_qkv, positions, inv_freq, n_q, n_kv,
+                            k_cache, v_cache, slots)
+
+
+def launch_eagle_qkv(ids, embed, hidden, src, w_embed, w_hidden, eps, w_qkv, positions, inv_freq, n_q, n_kv, k_cache,
+                     v_cache, slots, bk: int | None = None, cb: int | None = None):
+    T, H = ids.shape[0], hidden.shape[-1]
+    heads = n_q + 2 * n_kv
+    D = w_qkv.shape[0] // heads
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[0] == 1 and k_cache.dim() == 4
+    assert hidden.stride(-1) == 1 and embed.is_contiguous() and w_qkv.is_contiguous() and w_qkv.shape[1] == 2 * H
+    dev, dt = hidden.device, hidden.dtype
+    q = torch.empty(T, n_q, D, dtype=dt, device=dev)
+    h = torch.empty(T, H, dtype=dt, device=dev)
+    hn = torch.empty(T, H, dtype=dt, device=dev)
+    CB = min(cb or fused_layer.QKV_CB, D // 2)
+    BK = min(bk or fused_layer.QKV_BK, pow2(H))
+    _eagle_qkv_kernel[(heads * (D // 2 // CB), triton.cdiv(T, fused_layer.BLOCK_M))](
+        ids, embed, hidden, src if src is not None else ids, w_embed, w_hidden, w_qkv, positions, slots, inv_freq,
+        h, hn, q, k_cache, v_cache, T, H, eps, hidden.stride(0), k_cache.stride(1), k_cache.stride(2), N_Q=n_q,
+        N_KV=n_kv, HALF=D // 2, GATHER=src is not None, BM=fused_layer.BLOCK_M, BK=BK, CB=CB,
+        IEEE=dt == torch.float32, num_warps=fused_layer.QKV_WARPS)
+    return q, h, hn
+
+
 def head_select(lp: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, root: torch.Tensor, width: int,
                 max_depth: int, n: int, out: tuple[torch.Tensor, ...]) -> None:
     """head_select_ref written into out = (tokens, parents, depth, ancestors); one program on CUDA."""
@@ -128,6 +172,7 @@ def launch_head_select(lp, tok, par, root, width, max_depth, n, out) -> None:
 
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
+    from tandem.kernels.fused_layer import _normed, _qkv_store
 
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):
@@ -256,3 +301,60 @@ if triton is not None:
             at = tl.where(ok, cur, 0)
             tl.store(anc_ptr + i * M + at, tl.full([MP], 1, tl.int1), mask=ok)
             cur = tl.load(p_ptr + at, mask=ok, other=-1)
+
+    @triton.jit
+    def _eagle_qkv_kernel(ids_ptr, e_ptr, h_ptr, src_ptr, we_ptr, wh_ptr, w_ptr, pos_ptr, slot_ptr, inv_ptr, hg_ptr,
+                          hn_ptr, q_ptr, k_ptr, v_ptr, M, H, eps, sh, cache_h, cache_s, N_Q: tl.constexpr,
+                          N_KV: tl.constexpr, HALF: tl.constexpr, GATHER: tl.constexpr, BM: tl.constexpr,
+                          BK: tl.constexpr, CB: tl.constexpr, IEEE: tl.constexpr):
+        # fused_layer's q/k/v kernel (the same grid: heads x column blocks, row blocks) whose input row
+        # is cat(rmsnorm(embed[id]), rmsnorm(hidden[src])), built in its prologue from the two tables
+        pid = tl.program_id(0)
+        head = pid // (HALF // CB)
+        rows = tl.program_id(1) * BM + tl.arange(0, BM)
+        rm = rows < M
+        tok = tl.load(ids_ptr + rows, mask=rm, other=0)
+        if GATHER:
+            hrow = tl.load(src_ptr + rows, mask=rm, other=0)
+        else:
+            hrow = rows
+        # each half's 1 / rms (rmsnorm_ref's: fp32)
+        se = tl.zeros([BM], tl.float32)
+        sq = tl.zeros([BM], tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, BK)
+            m2 = rm[:, None] & (kk[None, :] < H)
+            e = tl.load(e_ptr + tok[:, None] * H + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+            se += tl.sum(e * e, 1)
+            h = tl.load(h_ptr + hrow[:, None] * sh + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+            sq += tl.sum(h * h, 1)
+        rstd_e = tl.rsqrt(se / H + eps)
+        rstd_h = tl.rsqrt(sq / H + eps)
+        i = (pid % (HALF // CB)) * CB + tl.arange(0, CB)  # columns of the first half; i + HALF their partners
+        n1 = head * 2 * HALF + i  # weight rows
+        acc1 = tl.zeros([BM, CB], tl.float32)
+        acc2 = tl.zeros([BM, CB], tl.float32)
+        for k0 in range(0, H, BK):  # the embedding half of the input
+            kk = k0 + tl.arange(0, BK)
+            km = kk < H
+            e = tl.load(e_ptr + tok[:, None] * H + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            y = _normed(e, rstd_e, we_ptr, kk, km)
+            w1 = tl.load(w_ptr + n1[None, :] * (2 * H) + kk[:, None], mask=km[:, None], other=0.0)  # [BK, CB]
+            w2 = tl.load(w_ptr + (n1 + HALF)[None, :] * (2 * H) + kk[:, None], mask=km[:, None], other=0.0)
+            acc1 = acc1 + _dot(y, w1, IEEE)
+            acc2 = acc2 + _dot(y, w2, IEEE)
+        for k0 in range(0, H, BK):  # the hidden half
+            kk = k0 + tl.arange(0, BK)
+            km = kk < H
+            m2 = rm[:, None] & km[None, :]
+            h = tl.load(h_ptr + hrow[:, None] * sh + kk[None, :], mask=m2, other=0.0)
+            y = _normed(h, rstd_h, wh_ptr, kk, km)
+            # the layer's residual base (the row's hidden, or its norm), written by one program a row block
+            tl.store(hg_ptr + rows[:, None] * H + kk[None, :], h, mask=m2 & (pid == 0))
+            tl.store(hn_ptr + rows[:, None] * H + kk[None, :], y, mask=m2 & (pid == 0))
+            w1 = tl.load(w_ptr + n1[None, :] * (2 * H) + (H + kk)[:, None], mask=km[:, None], other=0.0)
+            w2 = tl.load(w_ptr + (n1 + HALF)[None, :] * (2 * H) + (H + kk)[:, None], mask=km[:, None], other=0.0)
+            acc1 = acc1 + _dot(y, w1, IEEE)
+            acc2 = acc2 + _dot(y, w2, IEEE)
+        _qkv_store(acc1, acc2, head, i, rows, rm, pos_ptr, inv_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
+                   cache_h, cache_s, h_ptr.dtype.element_ty, N_Q, N_KV, HALF)

@@ -215,9 +215,10 @@ class Eagle3Head(nn.Module):
         src [T] (row t's hidden is hidden[src[t]]: a level reads its parents' outputs); mask [T, W].
         Returns (log-probs [rows, k] float32, draft ids [rows, k] int64, out [rows, H]).
 
-        With the fused layer (CUDA) the gather rides in the input norms' kernel, and the residual
-        add, the final norm, the LM head and the top-k are one kernel (tandem.kernels.head_level;
-        `counter`: its static int32 [1] zero, for CUDA graphs); else `layer` and a top-k."""
+        With the fused layer (CUDA), tandem.kernels.head_level: the input norms and the gather ride
+        in the q/k/v kernel's prologue, and the residual add, the final norm, the LM head and the
+        top-k are one kernel (`counter`: its static int32 [1] zero, for CUDA graphs); else `layer`
+        and a top-k."""
         m, a = self.midlayer, self.midlayer.self_attn
         T = ids.shape[0]
         rows = T if rows is None else rows
@@ -230,15 +231,20 @@ class Eagle3Head(nn.Module):
             return lp, tok, out[0, T - rows:]
         hidden = hidden.to(self.fc.weight.dtype)
         H, D = a.n_heads, a.head_dim
-        if src is None:
-            x, hn = embed_norms(ids, self.embed_weight(), hidden, m.input_layernorm.weight, m.hidden_norm.weight,
-                                m.input_layernorm.eps)  # [T, 2H], [T, H]
-        else:
-            x, hn, hidden = embed_norms_gather(ids, self.embed_weight(), hidden, src, m.input_layernorm.weight,
-                                               m.hidden_norm.weight, m.input_layernorm.eps)
         kc, vc = cache.layer_kv(a.layer_idx)
-        _, q = fused_layer.norm_qkv_rope_store(x, None, None, 0.0, a.qkv_weight, a.qkv_bias, positions, self.inv_freq,
-                                               H, a.n_kv, kc, vc, slots)
+        if a.qkv_bias is None:  # the input norms (and the gather) in the q/k/v kernel's prologue
+            q, hidden, hn = head_level.eagle_qkv(ids, self.embed_weight(), hidden, src, m.input_layernorm.weight,
+                                                 m.hidden_norm.weight, m.input_layernorm.eps, a.qkv_weight, positions,
+                                                 self.inv_freq, H, a.n_kv, kc, vc, slots)  # [T, H, D], [T, h], [T, h]
+        else:
+            if src is None:
+                x, hn = embed_norms(ids, self.embed_weight(), hidden, m.input_layernorm.weight, m.hidden_norm.weight,
+                                    m.input_layernorm.eps)  # [T, 2h], [T, h]
+            else:
+                x, hn, hidden = embed_norms_gather(ids, self.embed_weight(), hidden, src, m.input_layernorm.weight,
+                                                   m.hidden_norm.weight, m.input_layernorm.eps)
+            _, q = fused_layer.norm_qkv_rope_store(x, None, None, 0.0, a.qkv_weight, a.qkv_bias, positions,
+                                                   self.inv_freq, H, a.n_kv, kc, vc, slots)
         width = mask.shape[-1]
         att = cached_attention(q[None], kc[:, :, :width], vc[:, :, :width], mask[None, None])  # [1, T, H, D]
         att = a.o_proj(att.reshape(T, H * D))
