@@ -97,3 +97,37 @@ def test_head_select_equals_the_reference(w, depth, n):
     hl.head_select(lp, tok, par, root, w, depth, n, got)
     for name, a, b in zip(("tokens", "parents", "depth", "ancestors"), got, want):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,gather", [(1, False), (4, True), (17, False)])
+def test_eagle_qkv_equals_the_reference(rows, gather, dtype):
+    """The bundled head's q/k/v (6 q heads, 2 K/V heads of 64, input 2 x 384) with the input norms in the
+    prologue: q and the K/V rows as the two-kernel path computes them (bf16: within a rounding)."""
+    from tandem.models.layers import rope_inv_freq
+    from tandem.models.loader import read_config
+    from tandem.runtime.pair import BUNDLED_TARGET
+
+    c = read_config(BUNDLED_TARGET)
+    H, D, nq, nkv, cap = 384, 64, 6, 2, 300
+    g = torch.Generator(device="cuda").manual_seed(rows)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, device="cuda").mul_(scale).to(dtype)
+
+    embed, hidden = rnd(8192, H), rnd(4, H)
+    ids = torch.randint(0, 8192, (rows,), device="cuda")
+    src = torch.randint(0, 4, (rows,), device="cuda") if gather else None
+    if not gather:
+        hidden = rnd(rows, H)
+    we, wh, w = 1 + rnd(H, scale=0.1), 1 + rnd(H, scale=0.1), rnd((nq + 2 * nkv) * D, 2 * H, scale=(2 * H) ** -0.5)
+    pos = torch.randint(0, 400, (rows,), device="cuda")
+    slots = torch.randperm(cap, device="cuda")[:rows]
+    inv = rope_inv_freq(c).cuda()
+    kv = [rnd(2, 1, nkv, cap, D) for _ in range(2)]
+    kv[1].copy_(kv[0])
+    want = hl.eagle_qkv_ref(ids, embed, hidden, src, we, wh, 1e-5, w, pos, inv, nq, nkv, kv[1][0], kv[1][1], slots)
+    got = hl.eagle_qkv(ids, embed, hidden, src, we, wh, 1e-5, w, pos, inv, nq, nkv, kv[0][0], kv[0][1], slots)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(list(got) + [kv[0]], list(want) + [kv[1]]):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < tol
