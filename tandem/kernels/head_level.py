@@ -233,25 +233,25 @@ if triton is not None:
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if done == NB - 1:
-            b = tl.arange(0, NBKP) // K  # candidate c = b * K + j
-            j = tl.arange(0, NBKP) % K
-            cm = b < NB
+            cb = tl.arange(0, NBKP) // K  # candidate c = cb * K + cj
+            cj = tl.arange(0, NBKP) % K
+            cm = cb < NB
             m2 = rm[:, None] & cm[None, :]
-            bm = tl.load(pstat_ptr + b[None, :] * RP + rows[:, None], mask=m2, other=float("-inf"),
+            bm = tl.load(pstat_ptr + cb[None, :] * RP + rows[:, None], mask=m2, other=float("-inf"),
                          cache_modifier=".cg")  # [RP, NBKP] (each block's max, K times)
-            bs = tl.load(pstat_ptr + (NB + b[None, :]) * RP + rows[:, None], mask=m2 & (j[None, :] == 0),
+            bs = tl.load(pstat_ptr + (NB + cb[None, :]) * RP + rows[:, None], mask=m2 & (cj[None, :] == 0),
                          other=0.0, cache_modifier=".cg")
             gm = tl.max(bm, 1)  # [RP]
             lse = gm + tl.log(tl.sum(bs * tl.exp(bm - gm[:, None]), 1))
-            cand = tl.load(pval_ptr + (b[None, :] * RP + rows[:, None]) * K + j[None, :], mask=m2,
+            cand = tl.load(pval_ptr + (cb[None, :] * RP + rows[:, None]) * K + cj[None, :], mask=m2,
                            other=float("-inf"), cache_modifier=".cg")
-            ctok = tl.load(ptok_ptr + (b[None, :] * RP + rows[:, None]) * K + j[None, :], mask=m2,
+            ctok = tl.load(ptok_ptr + (cb[None, :] * RP + rows[:, None]) * K + cj[None, :], mask=m2,
                            other=2147483647, cache_modifier=".cg")
-            for i in tl.static_range(K):
+            for n in tl.static_range(K):
                 best = tl.max(cand, 1)
                 at = tl.min(tl.where(cand == best[:, None], ctok, 2147483647), 1)
-                tl.store(tok_ptr + rows * K + i, at.to(tl.int64), mask=rm)
-                tl.store(lp_ptr + rows * K + i, best - lse, mask=rm)
+                tl.store(tok_ptr + rows * K + n, at.to(tl.int64), mask=rm)
+                tl.store(lp_ptr + rows * K + n, best - lse, mask=rm)
                 cand = tl.where(ctok == at[:, None], float("-inf"), cand)
             tl.atomic_xchg(cnt_ptr, 0)
 
