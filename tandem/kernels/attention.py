@@ -46,29 +46,59 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool
 
 
 BLOCK_N, NUM_WARPS = 64, 4  # columns a step, warps a program (bench/gpu_fused_layer.py times others)
+# Split the columns (flash-decoding) when a program would stream at least SPLIT_MIN_BLOCKS column
+# blocks: a program's blocks run one after another, so at the Llama-3-8B shape (8 KV heads, one row:
+# 8 programs) a 800-column step took 22 us a layer where its 2 MB of K/V take ~1. Each split streams
+# SPLIT_BLOCKS blocks; a second launch merges the splits' (max, sum, output) in a fixed order.
+SPLIT_MIN_BLOCKS, SPLIT_BLOCKS, MAX_PROGRAMS = 5, 2, 256
+
+
+def splits_for(programs: int, blocks: int) -> int:
+    """How many column splits a call of `programs` programs over `blocks` column blocks runs (1: none)."""
+    if blocks < SPLIT_MIN_BLOCKS:
+        return 1
+    return max(1, min(triton.cdiv(blocks, SPLIT_BLOCKS), MAX_PROGRAMS // programs))
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                     block_n: int | None = None, num_warps: int | None = None, splits: int | None = None
+                     ) -> torch.Tensor:
     """cached_attention_ref, on CUDA by one Triton kernel where it applies (block_n, num_warps: its
-    launch shape, default BLOCK_N, NUM_WARPS)."""
+    launch shape, default BLOCK_N, NUM_WARPS; splits: column splits, default `splits_for`), two
+    when the columns are split."""
     if not applies(q, k, mask):
         return cached_attention_ref(q, k, v, mask)
+    return launch_cached_attention(q, k, v, mask, block_n, num_warps, splits)
+
+
+def launch_cached_attention(q, k, v, mask, block_n=None, num_warps=None, splits=None) -> torch.Tensor:
+    """The kernel(s) of cached_attention, unconditionally (the interpreter checks call it on the CPU)."""
     B, T, H, D = q.shape
     Hkv, W = k.shape[1], k.shape[2]
     G = H // Hkv
     GP = triton.next_power_of_2(G)
     # rows per program: at least 16 query rows in all (tl.dot's smallest tile), at most 64
     BLOCK_T = max(16 // GP, 1, min(triton.next_power_of_2(T), max(1, 64 // GP)))
+    BN = block_n or BLOCK_N
     out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
     m = mask.expand(B, 1, T, W)  # a view: broadcast dims get stride 0
-    grid = (B * Hkv, triton.cdiv(T, BLOCK_T))
-    _cached_attn_kernel[grid](q, k, v, m, out, T, W, 1.0 / math.sqrt(D),
-                              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                              v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(2), m.stride(3),
-                              out.stride(0), out.stride(1), out.stride(2), HKV=Hkv, G=G, GP=GP, BLOCK_T=BLOCK_T,
-                              BLOCK_N=block_n or BLOCK_N, D=D, IEEE=q.dtype == torch.float32,
-                              num_warps=num_warps or NUM_WARPS)
+    tiles = triton.cdiv(T, BLOCK_T)
+    blocks = triton.cdiv(W, BN)
+    S = splits if splits is not None else splits_for(B * Hkv * tiles, blocks)
+    chunk = triton.cdiv(blocks, max(1, S)) * BN  # columns a split
+    S = triton.cdiv(W, chunk)
+    R = GP * BLOCK_T  # rows of a program's tile
+    acc = torch.empty(S, B * Hkv, tiles, R, D, device=q.device, dtype=torch.float32) if S > 1 else out
+    ml = torch.empty(2, S, B * Hkv, tiles, R, device=q.device, dtype=torch.float32) if S > 1 else out
+    args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), m.stride(0), m.stride(2), m.stride(3), out.stride(0), out.stride(1), out.stride(2))
+    _cached_attn_kernel[(B * Hkv, tiles, S)](q, k, v, m, out, acc, ml, T, W, 1.0 / math.sqrt(D), chunk, *args,
+                                             HKV=Hkv, G=G, GP=GP, BLOCK_T=BLOCK_T, BLOCK_N=BN, D=D,
+                                             IEEE=q.dtype == torch.float32, SPLIT=S > 1,
+                                             num_warps=num_warps or NUM_WARPS)
+    if S > 1:
+        _attn_merge_kernel[(B * Hkv, tiles)](acc, ml, out, T, S, B * Hkv * tiles, out.stride(0), out.stride(1),
+                                             out.stride(2), HKV=Hkv, G=G, GP=GP, BLOCK_T=BLOCK_T, D=D)
     return out
 
 
@@ -100,10 +130,11 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _cached_attn_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, T, W, scale, sq_b, sq_t, sq_h, sk_b, sk_h, sk_w,
-                            sv_b, sv_h, sv_w, sm_b, sm_t, sm_w, so_b, so_t, so_h, HKV: tl.constexpr,
+    def _cached_attn_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, acc_ptr, ml_ptr, T, W, scale, chunk, sq_b, sq_t, sq_h,
+                            sk_b, sk_h, sk_w, sv_b, sv_h, sv_w, sm_b, sm_t, sm_w, so_b, so_t, so_h, HKV: tl.constexpr,
                             G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                            D: tl.constexpr, IEEE: tl.constexpr):
+                            D: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+        # grid (batch x KV heads, row tiles, column splits): columns [split chunk, split chunk + chunk)
         bh = tl.program_id(0)
         b = bh // HKV
         hk = bh % HKV
@@ -118,15 +149,58 @@ if triton is not None:
         m_i = tl.full([GP * BLOCK_T], float("-inf"), tl.float32)
         l_i = tl.zeros([GP * BLOCK_T], tl.float32)
         acc = tl.zeros([GP * BLOCK_T, D], tl.float32)
-        for n0 in range(0, W, BLOCK_N):
+        if SPLIT:
+            lo = tl.program_id(2) * chunk
+            hi = tl.minimum(lo + chunk, W)
+        else:
+            lo = 0
+            hi = W
+        for n0 in range(lo, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = n < W
+            n_ok = n < hi
             k = tl.load(k_ptr + b * sk_b + hk * sk_h + n[:, None] * sk_w + d[None, :], mask=n_ok[:, None], other=0.0)
             s = scores(q, k, scale, IEEE)
             allow = tl.load(m_ptr + b * sm_b + t[:, None] * sm_t + n[None, :] * sm_w,
                             mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
             v = tl.load(v_ptr + b * sv_b + hk * sv_h + n[:, None] * sv_w + d[None, :], mask=n_ok[:, None], other=0.0)
             m_i, l_i, acc = online_softmax_step(tl.where(allow, s, float("-inf")), v, m_i, l_i, acc, IEEE)
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if SPLIT:  # the split's running max, sum and unnormalised output, for _attn_merge_kernel
+            R = GP * BLOCK_T
+            tile = (tl.program_id(2) * tl.num_programs(0) + bh) * tl.num_programs(1) + tl.program_id(1)
+            tl.store(acc_ptr + (tile * R + r)[:, None] * D + d[None, :], acc)
+            tl.store(ml_ptr + tile * R + r, m_i)
+            tl.store(ml_ptr + (tl.num_programs(2) * tl.num_programs(0) * tl.num_programs(1) + tile) * R + r, l_i)
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(o_ptr + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _attn_merge_kernel(acc_ptr, ml_ptr, o_ptr, T, S, tiles_all, so_b, so_t, so_h, HKV: tl.constexpr,
+                           G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):
+        # the splits of one (batch x KV head, row tile), folded in split order (deterministic)
+        bh = tl.program_id(0)
+        b = bh // HKV
+        hk = bh % HKV
+        R = GP * BLOCK_T
+        r = tl.arange(0, GP * BLOCK_T)
+        g = r // BLOCK_T
+        t = tl.program_id(1) * BLOCK_T + r % BLOCK_T
+        row_ok = (g < G) & (t < T)
+        h = hk * G + g
+        d = tl.arange(0, D)
+        base = bh * tl.num_programs(1) + tl.program_id(1)  # the tile's index within a split
+        mx = tl.full([GP * BLOCK_T], float("-inf"), tl.float32)
+        for sp in range(0, S):
+            mx = tl.maximum(mx, tl.load(ml_ptr + (sp * tiles_all + base) * R + r))
+        safe = tl.where(mx == float("-inf"), 0.0, mx)
+        den = tl.zeros([GP * BLOCK_T], tl.float32)
+        num = tl.zeros([GP * BLOCK_T, D], tl.float32)
+        for sp in range(0, S):
+            tile = sp * tiles_all + base
+            wgt = tl.exp(tl.load(ml_ptr + tile * R + r) - safe)  # [R] (0 for a split that saw nothing)
+            den += wgt * tl.load(ml_ptr + (S * tiles_all + tile) * R + r)
+            num += wgt[:, None] * tl.load(acc_ptr + (tile * R + r)[:, None] * D + d[None, :])
+        out = num / tl.where(den == 0.0, 1.0, den)[:, None]
         tl.store(o_ptr + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])

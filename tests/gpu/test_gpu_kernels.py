@@ -125,7 +125,8 @@ def test_rope_in_place(shape, rows, dtype):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_cached_attention(shape, rows, dtype):
     """tandem.kernels.attention: new rows over W cache columns under a boolean mask (a random
-    tree-like mask, and the broadcast [1, 1, 1, W] prefix mask of an AR step), GQA heads."""
+    tree-like mask, and the broadcast [1, 1, 1, W] prefix mask of an AR step), GQA heads, with
+    the columns in one program and split across programs (flash-decoding)."""
     from tandem.kernels import attention
 
     cfg = SHAPES[shape]
@@ -138,10 +139,11 @@ def test_cached_attention(shape, rows, dtype):
     tree[..., 0] = True
     for mask in (tree, torch.arange(W, device="cuda")[None, None, None] < 200):
         assert attention.applies(q, k, mask) == (rows <= attention.MAX_ROWS)
-        got = attention.cached_attention(q, k, v, mask)
         want = attention.cached_attention_ref(q, k, v, mask)
-        assert got.shape == want.shape == (1, rows, H, D)
-        assert rel_err(got, want) < TOL[dtype], (shape, rows)
+        for splits in (1, 3, None):  # one program over the columns, three splits merged, the default
+            got = attention.cached_attention(q, k, v, mask, splits=splits)
+            assert got.shape == want.shape == (1, rows, H, D)
+            assert rel_err(got, want) < TOL[dtype], (shape, rows, splits)
 
 
 def _paged_segments(g: torch.Generator, free: list[int], block: int):
