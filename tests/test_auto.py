@@ -241,6 +241,30 @@ def test_bench_reports_what_auto_ran(tmp_path):
         (out / "results.md").read_text()
 
 
+def test_bench_runs_auto_trials_on_the_workload_not_on_the_warm_up(tmp_path, capsys):
+    """The bench's warm-up requests (its longest prompts) must not be where auto decides: after the
+    warm-up the selector starts again, so trial 1 runs on measured request 1 and trial 2 on request 2."""
+    import json
+
+    from tandem import cli
+    from tandem.runtime.pair import BUNDLED_TARGET
+
+    if not (BUNDLED_TARGET / "config.json").is_file():
+        pytest.skip("no bundled pair")
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"def g{i}(x):\n    return"}) + "\n" for i in range(3)))
+    assert cli.main(["bench", "--workload", str(src), "--num-prompts", "3", "--max-new-tokens", "8", "--methods",
+                     "auto", "--warmup", "1", "--no-plots", "--allow-mismatch", "--out", str(tmp_path / "b")]) == 0
+    err = capsys.readouterr().err
+    trials = re.findall(r"trial (\d+), on request (\d+)", err)
+    # the warm-up's request 1, then the measured requests 1 and 2 (trials on requests 1, 2 and 4)
+    assert trials == [("1", "1"), ("1", "1"), ("2", "2")], trials
+    sel = AutoSelector(verbose=False)
+    sel.requests, sel.trials, sel.rates = 5, [{"ar": 1.0}], {"ar": 9.0}
+    sel.reset()
+    assert (sel.requests, sel.trials, sel.rates, sel.choice) == (0, [], {}, None)
+
+
 def test_on_cuda_only_a_candidates_first_trial_has_a_warm_up_run():
     """A warm-up run captures a candidate's graphs; later trials measure it at once (on CUDA the
     selector asks for warm-ups by label; the measurements here come from a table)."""

@@ -638,6 +638,8 @@ def run_bench(prompts: list[Prompt], specs: list[MethodSpec], sampling: Sampling
             # NOTE: Generator keeps its runners in `_runners`; capture every graph up front.
             for r in engine._runners.values():
                 precapture_graphs(r)
+        if warmup and hasattr(engine, "auto"):
+            engine.auto.reset()  # auto's trials run on the workload, not on the warm-up's longest prompts
 
         by_method: dict[str, list[Request]] = {ms.name: [] for ms in specs}
         bar = tqdm(total=len(ids_list) * len(specs), desc="bench", unit="req", disable=not progress,

@@ -194,6 +194,13 @@ class AutoSelector:
             return Candidate("ar", chosen.spec, "ar")
         return chosen
 
+    def reset(self) -> None:
+        """Forget the trials, the choice and the running rates (not which shapes exist): the next
+        request runs trial 1. `tandem bench` calls it after its warm-up, so that auto's trials run
+        on the workload's requests, as a server's first requests would, rather than on the
+        warm-up's longest prompts."""
+        self.choice, self.requests, self.rates, self.trials = None, 0, {}, []
+
     def update(self, label: str, decode_tokens_per_s: float) -> None:
         if decode_tokens_per_s <= 0:
             return
