@@ -11,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,20 @@ NEEDS_TRITON = pytest.mark.skipif(
 
 
 def run_checks(script: str, checks: int) -> None:
-    """Run tests/<script> under the interpreter; it must exit 0 having printed `checks` "name: ok" lines."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
-    proc = subprocess.run([triton_python(), str(TESTS / script)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(": ok") == checks, proc.stdout
+    """Run tests/<script> under the interpreter; it must exit 0 having printed `checks` "name: ok" lines.
+    Then every kernel variant it launched goes through Triton's code generator, as on a GPU
+    (tests/triton_record.py, tests/triton_frontend.py): the interpreter alone accepts code that a GPU
+    compile rejects."""
+    path = os.pathsep.join([str(TESTS.parent), str(TESTS)])
+    with tempfile.TemporaryDirectory() as tmp:
+        record = os.path.join(tmp, "launches.json")
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+        proc = subprocess.run([triton_python(), str(TESTS / "triton_record.py"), record, str(TESTS / script)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.count(": ok") == checks, proc.stdout
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": path}
+        front = subprocess.run([triton_python(), str(TESTS / "triton_frontend.py"), record], env=env,
+                               capture_output=True, text=True, timeout=600)
+        assert front.returncode == 0, front.stdout + front.stderr
+        assert "frontend: ok" in front.stdout, front.stdout
