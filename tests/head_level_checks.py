@@ -260,6 +260,33 @@ def check_pass_views() -> None:
     print("pass views: ok")
 
 
+def check_block_select() -> None:
+    """The block drafter's tree selection kernel (tandem.kernels.resident.select_tree_fused, which
+    shares the best-N and ancestor-mask helpers with head_select) equals select_tree_ref over level
+    beams of random lattices, with and without padding (B x W not a power of two)."""
+    import tandem.kernels.resident as res
+
+    g = torch.Generator().manual_seed(6)
+    for B, K, W, n in ((4, 4, 4, 8), (3, 4, 4, 10), (5, 8, 2, 9), (16, 16, 8, 32)):
+        tok = torch.randint(0, 1000, (B, K), generator=g)
+        cond = torch.log_softmax(torch.randn(B, K, K, generator=g), -1)
+        scores, cands, pslots = res.beam_levels_ref(cond, W)
+        n = min(n, B * W)
+        root = torch.tensor([3])
+        want = res.select_tree_ref(tok, root, scores, cands, pslots, n)
+        got = (torch.zeros(n + 1, dtype=torch.long), torch.zeros(n + 1, dtype=torch.long),
+               torch.zeros(n + 1, dtype=torch.long), torch.zeros(n + 1, n + 1, dtype=torch.bool))
+        saved = res.triton_enabled
+        res.triton_enabled = lambda t: True
+        try:
+            res.select_tree_fused(tok, root, scores, cands, pslots, n, got)
+        finally:
+            res.triton_enabled = saved
+        for name, a, b in zip(("tokens", "parents", "depth", "ancestors"), got, want):
+            assert torch.equal(a, b), (B, K, W, n, name, a, b)
+    print("block select: ok")
+
+
 if __name__ == "__main__":
     check_head_topk()
     check_head_select()
@@ -267,3 +294,4 @@ if __name__ == "__main__":
     check_eagle_qkv()
     check_levels()
     check_pass_views()
+    check_block_select()

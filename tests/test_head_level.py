@@ -18,8 +18,9 @@ def test_head_level_kernels_under_the_triton_interpreter():
     the reference's across widths, budgets, zero-probability children and ties; the gathering input
     norms equal theirs, and so does the q/k/v kernel with those norms in its prologue; and a tiny head's levels grown with every kernel on equal those grown with none
     (which also catches a level's rows reading another level's positions); the resident loop's pass
-    views (positions, slots, masks of a context pass and of a tree pass) equal theirs."""
-    run_checks("head_level_checks.py", 6)
+    views (positions, slots, masks of a context pass and of a tree pass) equal theirs; and the block
+    drafter's tree selection kernel, which shares its best-N and ancestor helpers, equals its reference."""
+    run_checks("head_level_checks.py", 7)
 
 
 def test_head_select_ref_is_the_best_first_tree_of_the_levels():

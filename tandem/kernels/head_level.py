@@ -172,13 +172,8 @@ def launch_head_select(lp, tok, par, root, width, max_depth, n, out) -> None:
 
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
-    from tandem.kernels.fused_layer import _normed, _qkv_store
-
-    @triton.jit
-    def _dot(a, b, IEEE: tl.constexpr):
-        if IEEE:  # fp32 models: no TF32 (the reference is an fp32 product)
-            return tl.dot(a, b, input_precision="ieee")
-        return tl.dot(a, b)
+    from tandem.kernels.fused_layer import _mm, _normed, _qkv_store
+    from tandem.kernels.resident import _ancestor_mask, _best_n
 
     @triton.jit
     def _head_topk_kernel(r_ptr, d_ptr, nw_ptr, w_ptr, out_ptr, ptok_ptr, pval_ptr, pstat_ptr, cnt_ptr, tok_ptr,
@@ -215,7 +210,7 @@ if triton is not None:
             nw = tl.load(nw_ptr + kk, mask=km, other=0.0)
             y = (nw.to(tl.float32)[None, :] * y.to(tl.float32)).to(x.dtype)  # then the weight
             w = tl.load(w_ptr + v[None, :] * H + kk[:, None], mask=vm[None, :] & km[:, None], other=0.0)  # [BK, BV]
-            acc += _dot(y, w, IEEE)
+            acc += _mm(y, w, IEEE)
         logit = acc.to(r_ptr.dtype.element_ty).to(tl.float32)  # rounded as the product in the model dtype is
         logit = tl.where(vm[None, :], logit, float("-inf"))
         # the block's partials: max, sum of exp, the K best (ties to the lower id)
@@ -259,24 +254,8 @@ if triton is not None:
     def _head_select_kernel(lp_ptr, tok_ptr, par_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, scratch_ptr, ids_ptr,
                             total, W: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
                             TP: tl.constexpr, MAXD: tl.constexpr):
-        # the N best nodes (keys as tandem.kernels.resident.score_keys: ties to the lower index)
-        f = tl.arange(0, TP)
-        live = f < total
-        s = tl.load(lp_ptr + f, mask=live, other=float("-inf"))
-        bits = s.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        key = (ordered.to(tl.int64) << 32) | (TP - 1 - f).to(tl.int64)
-        key = tl.where(live, key, tl.full([TP], -1, tl.int64) << 63)  # INT64_MIN: below every real key (-inf's too)
-        key = tl.sort(key, 0, descending=True)
-        tl.store(scratch_ptr + f, key)
-        tl.debug_barrier()
-        j = tl.arange(0, NP)
-        valid = j < N
-        top = tl.load(scratch_ptr + j)
-        node = (TP - 1) - (top - ((top >> 32) << 32))
-        sel = tl.sort(tl.where(valid, node, TP), 0)  # ascending node index: a topological order
-        sel = tl.where(valid, sel, 0)  # (in bounds where masked)
-        tl.store(ids_ptr + sel, (j + 1).to(tl.int64), mask=valid)  # each kept node's place in the tree
+        # the N best nodes (ties to the earlier node), in node order: a topological one
+        j, valid, sel = _best_n(lp_ptr, scratch_ptr, ids_ptr, total, N, NP, TP)
         tl.debug_barrier()
         pn = tl.load(par_ptr + sel, mask=valid, other=-1)
         parent = tl.where(pn < 0, 0, tl.load(ids_ptr + tl.maximum(pn, 0), mask=valid & (pn >= 0), other=0))
@@ -287,20 +266,8 @@ if triton is not None:
         tl.store(t_ptr, tl.load(root_ptr))
         tl.store(p_ptr, -1)
         tl.store(d_ptr, 0)
-        # the ancestor mask: the identity, then each node's chain of parents
-        M = N + 1
-        i = tl.arange(0, MP)
-        jj = tl.arange(0, MP)
-        inside = (i[:, None] < M) & (jj[None, :] < M)
-        tl.store(anc_ptr + i[:, None] * M + jj[None, :], i[:, None] == jj[None, :], mask=inside)
         tl.debug_barrier()
-        alive = i < M
-        cur = tl.load(p_ptr + i, mask=alive, other=-1)
-        for _ in tl.static_range(MAXD):
-            ok = alive & (cur >= 0)
-            at = tl.where(ok, cur, 0)
-            tl.store(anc_ptr + i * M + at, tl.full([MP], 1, tl.int1), mask=ok)
-            cur = tl.load(p_ptr + at, mask=ok, other=-1)
+        _ancestor_mask(p_ptr, anc_ptr, N + 1, MP, MAXD)
 
     @triton.jit
     def _eagle_qkv_kernel(ids_ptr, e_ptr, h_ptr, src_ptr, we_ptr, wh_ptr, w_ptr, pos_ptr, slot_ptr, inv_ptr, hg_ptr,
@@ -341,8 +308,8 @@ if triton is not None:
             y = _normed(e, rstd_e, we_ptr, kk, km)
             w1 = tl.load(w_ptr + n1[None, :] * (2 * H) + kk[:, None], mask=km[:, None], other=0.0)  # [BK, CB]
             w2 = tl.load(w_ptr + (n1 + HALF)[None, :] * (2 * H) + kk[:, None], mask=km[:, None], other=0.0)
-            acc1 = acc1 + _dot(y, w1, IEEE)
-            acc2 = acc2 + _dot(y, w2, IEEE)
+            acc1 = acc1 + _mm(y, w1, IEEE)
+            acc2 = acc2 + _mm(y, w2, IEEE)
         for k0 in range(0, H, BK):  # the hidden half
             kk = k0 + tl.arange(0, BK)
             km = kk < H
@@ -354,7 +321,7 @@ if triton is not None:
             tl.store(hn_ptr + rows[:, None] * H + kk[None, :], y, mask=m2 & (pid == 0))
             w1 = tl.load(w_ptr + n1[None, :] * (2 * H) + (H + kk)[:, None], mask=km[:, None], other=0.0)
             w2 = tl.load(w_ptr + (n1 + HALF)[None, :] * (2 * H) + (H + kk)[:, None], mask=km[:, None], other=0.0)
-            acc1 = acc1 + _dot(y, w1, IEEE)
-            acc2 = acc2 + _dot(y, w2, IEEE)
+            acc1 = acc1 + _mm(y, w1, IEEE)
+            acc2 = acc2 + _mm(y, w2, IEEE)
         _qkv_store(acc1, acc2, head, i, rows, rm, pos_ptr, inv_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
                    cache_h, cache_s, h_ptr.dtype.element_ty, N_Q, N_KV, HALF)

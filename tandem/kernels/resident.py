@@ -432,26 +432,54 @@ if triton is not None:
         tl.store(cond_ptr + b * K * K + a[:, None] * K + c[None, :], g)
 
     @triton.jit
-    def _select_kernel(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, scratch_ptr,
-                       ids_ptr, BW, W: tl.constexpr, K: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-                       MP: tl.constexpr, BWP: tl.constexpr, MAXD: tl.constexpr):
-        # the N best of the B * W beam entries (keys as in device_tree.score_keys: ties to the lower index)
-        f = tl.arange(0, BWP)
-        s = tl.load(score_ptr + f, mask=f < BW, other=float("-inf"))
+    def _best_n(score_ptr, scratch_ptr, ids_ptr, n_all, N: tl.constexpr, NP: tl.constexpr, TP: tl.constexpr):
+        # the N best of n_all scores (keys as score_keys: ties to the lower index), in ascending
+        # index order (a topological one where parents precede children) -> (j [NP], valid, index
+        # [NP]: 0 where not valid); ids[index] = j + 1, each kept entry's node id (NOTE: the caller
+        # reads ids only after a barrier)
+        f = tl.arange(0, TP)
+        live = f < n_all
+        s = tl.load(score_ptr + f, mask=live, other=float("-inf"))
         bits = s.to(tl.int32, bitcast=True)
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        key = (ordered.to(tl.int64) << 32) | (BWP - 1 - f).to(tl.int64)
-        key = tl.where(f < BW, key, tl.full([BWP], -1, tl.int64) << 63)  # INT64_MIN: below every real key (-inf's too)
+        key = (ordered.to(tl.int64) << 32) | (TP - 1 - f).to(tl.int64)
+        key = tl.where(live, key, tl.full([TP], -1, tl.int64) << 63)  # INT64_MIN: below every real key (-inf's too)
         key = tl.sort(key, 0, descending=True)
         tl.store(scratch_ptr + f, key)
         tl.debug_barrier()
         j = tl.arange(0, NP)
         valid = j < N
         top = tl.load(scratch_ptr + j)
-        flat = (BWP - 1) - (top - ((top >> 32) << 32))
-        sel = tl.sort(tl.where(valid, flat, 1 << 40), 0)  # ascending: level-major, a topological order
+        idx = (TP - 1) - (top - ((top >> 32) << 32))
+        idx = tl.sort(tl.where(valid, idx, TP), 0)
+        idx = tl.where(valid, idx, 0)  # (in bounds where masked)
+        tl.store(ids_ptr + idx, (j + 1).to(tl.int64), mask=valid)
+        return j, valid, idx
+
+    @triton.jit
+    def _ancestor_mask(p_ptr, anc_ptr, M: tl.constexpr, MP: tl.constexpr, MAXD: tl.constexpr):
+        # anc [M, M] bool of the tree whose parents (root -1) were just written to p: the identity,
+        # then each node's chain of parents, MAXD steps up
+        i = tl.arange(0, MP)
+        jj = tl.arange(0, MP)
+        inside = (i[:, None] < M) & (jj[None, :] < M)
+        tl.store(anc_ptr + i[:, None] * M + jj[None, :], i[:, None] == jj[None, :], mask=inside)
+        tl.debug_barrier()
+        alive = i < M
+        cur = tl.load(p_ptr + i, mask=alive, other=-1)
+        for _ in tl.static_range(MAXD):
+            ok = alive & (cur >= 0)
+            at = tl.where(ok, cur, 0)
+            tl.store(anc_ptr + i * M + at, tl.full([MP], 1, tl.int1), mask=ok)
+            cur = tl.load(p_ptr + at, mask=ok, other=-1)
+
+    @triton.jit
+    def _select_kernel(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, scratch_ptr,
+                       ids_ptr, BW, W: tl.constexpr, K: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+                       MP: tl.constexpr, BWP: tl.constexpr, MAXD: tl.constexpr):
+        # the N best of the B * W beam entries, level-major: a topological order
+        j, valid, sel = _best_n(score_ptr, scratch_ptr, ids_ptr, BW, N, NP, BWP)
         level = sel // W
-        tl.store(ids_ptr + sel, (j + 1).to(tl.int64), mask=valid)  # the node id of each kept entry
         tl.debug_barrier()
         ps = tl.load(pslot_ptr + sel, mask=valid, other=0)
         pentry = tl.maximum(level - 1, 0) * W + ps
@@ -464,19 +492,8 @@ if triton is not None:
         tl.store(t_ptr, tl.load(root_ptr))
         tl.store(p_ptr, -1)
         tl.store(d_ptr, 0)
-        # the ancestor mask: the identity, then each node's chain of parents
-        M = N + 1
-        i = tl.arange(0, MP)
-        jj = tl.arange(0, MP)
-        inside = (i[:, None] < M) & (jj[None, :] < M)
-        tl.store(anc_ptr + i[:, None] * M + jj[None, :], i[:, None] == jj[None, :], mask=inside)
         tl.debug_barrier()
-        live = i < M
-        cur = tl.load(p_ptr + i, mask=live, other=-1)
-        for _ in tl.static_range(MAXD):
-            ok = live & (cur >= 0)
-            tl.store(anc_ptr + i * M + cur, tl.full([MP], 1, tl.int1), mask=ok)
-            cur = tl.load(p_ptr + cur, mask=ok, other=-1)
+        _ancestor_mask(p_ptr, anc_ptr, N + 1, MP, MAXD)
 
     @triton.jit
     def _accept_kernel(am_ptr, tok_ptr, par_ptr, depth_ptr, anc_ptr, prefix_ptr, src_ptr, dst_ptr, node_ptr, ctx_ptr,
