@@ -150,26 +150,14 @@ def check_model() -> None:
 def check_eagle3_layer() -> None:
     """An EAGLE-3 head's layer (q/k/v over [embedding, hidden], no norm in the projection's kernel)
     through the fused kernels equals its unfused layer: logits, output hidden and K/V."""
-    import dataclasses
-
-    from models_for_tests import tiny_model
+    from models_for_tests import random_eagle3_head, tiny_model
 
     import tandem.kernels.attention as att
     from tandem.kv.cache import KVCache
-    from tandem.models.eagle3 import Eagle3Config, Eagle3Head
 
     target = tiny_model(seed=4, hidden=128)
     tc = target.config
-    cfg = Eagle3Config(llama=dataclasses.replace(tc, num_hidden_layers=1), draft_vocab_size=tc.vocab_size,
-                       target_hidden_size=tc.hidden_size, feature_layers=(0, 1, 1))
-    head = Eagle3Head(cfg, target.model.embed_tokens)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
-                    else torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    head.materialize_buffers("cpu", torch.float32)
-    head = head.eval().requires_grad_(False).fuse_projections()
+    head = random_eagle3_head(target, seed=5)
 
     def passes() -> list[torch.Tensor]:
         cache = KVCache.for_model(head, 16)

@@ -7,7 +7,6 @@ the torch references. Each check raises AssertionError on failure and prints one
 """
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -163,27 +162,17 @@ def check_levels() -> None:
     """A tiny EAGLE-3 head's levels (HeadLevels) with every kernel on (the interpreter standing in for
     CUDA: the dispatchers' device test lifted) grow the same nodes as with none: the glue (the
     gather through `src`, rows, the counter, the masks) is checked, not only the kernels."""
-    from models_for_tests import tiny_model
+    from models_for_tests import random_eagle3_head, tiny_model
 
     import tandem.kernels.attention as att
     import tandem.kernels.fused_layer as fl
     import tandem.kernels.resident as res
     from tandem.drafting.eagle_drafter import HeadLevels
-    from tandem.models.eagle3 import Eagle3Config, Eagle3Head
     from tandem.runtime.runner import ModelRunner
 
     target = tiny_model(seed=4, hidden=128)
     tc = target.config
-    cfg = Eagle3Config(llama=dataclasses.replace(tc, num_hidden_layers=1), draft_vocab_size=tc.vocab_size,
-                       target_hidden_size=tc.hidden_size, feature_layers=(0, 1, 1))
-    head = Eagle3Head(cfg, target.model.embed_tokens)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
-                    else 3 * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    head.materialize_buffers("cpu", torch.float32)
-    head = head.eval().requires_grad_(False).fuse_projections()
+    head = random_eagle3_head(target, seed=5, scale=3.0)  # peaky: few near-ties between children
 
     def grow(w: int, depth: int) -> list[torch.Tensor]:
         runner = ModelRunner(head, capacity=64, use_graphs=False)

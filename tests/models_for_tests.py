@@ -31,6 +31,26 @@ def tiny_model(seed: int = 0, scale: float = 6.0, **kw) -> Transformer:
     return m
 
 
+def random_eagle3_head(target: Transformer, seed: int = 5, scale: float = 1.0):
+    """A random EAGLE-3 head over `target` (its embeddings shared; reads features of layers 0, 1, 1):
+    norms near 1, other weights Gaussian / sqrt(fan-in) x scale; fp32, eval, projections fused."""
+    import dataclasses
+
+    from tandem.models.eagle3 import Eagle3Config, Eagle3Head
+
+    tc = target.config
+    cfg = Eagle3Config(llama=dataclasses.replace(tc, num_hidden_layers=1), draft_vocab_size=tc.vocab_size,
+                       target_hidden_size=tc.hidden_size, feature_layers=(0, 1, 1))
+    head = Eagle3Head(cfg, target.model.embed_tokens)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else scale * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    head.materialize_buffers("cpu", torch.float32)
+    return head.eval().requires_grad_(False).fuse_projections()
+
+
 def noisy_copy(model: Transformer, noise: float, seed: int = 1) -> Transformer:
     """A draft that agrees with `model` often but not always."""
     g = torch.Generator().manual_seed(seed)
