@@ -108,21 +108,6 @@ def check_head_select() -> None:
     print("head_select: ok")
 
 
-def check_embed_norms_gather() -> None:
-    g = torch.Generator().manual_seed(2)
-    for S, M, n in ((1, 4, 96), (4, 4, 64), (8, 3, 40)):
-        embed = torch.randn(300, n, generator=g)
-        hidden = torch.randn(S, n, generator=g)
-        ids = torch.randint(0, 300, (M,), generator=g)
-        src = torch.randint(0, S, (M,), generator=g)
-        we, wh = 1 + 0.1 * torch.randn(n, generator=g), 1 + 0.1 * torch.randn(n, generator=g)
-        want = fused.embed_norms_gather_ref(ids, embed, hidden, src, we, wh, 1e-5)
-        got = fused.launch_embed_norms_gather(ids, embed, hidden, src, we, wh, 1e-5)
-        for name, a, b in zip(("x", "hn", "h"), got, want):
-            _close(f"embed_norms_gather {name}", a, b, 1e-6)
-    print("embed_norms_gather: ok")
-
-
 def check_eagle_qkv() -> None:
     """The q/k/v kernel with the EAGLE-3 input norms (and the gather) in its prologue equals the input
     norms then q/k/v: q, the residual bases, and the K/V rows at scattered slots, every other row untouched."""
@@ -279,7 +264,6 @@ def check_block_select() -> None:
 if __name__ == "__main__":
     check_head_topk()
     check_head_select()
-    check_embed_norms_gather()
     check_eagle_qkv()
     check_levels()
     check_pass_views()

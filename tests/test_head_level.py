@@ -15,12 +15,13 @@ from triton_interpreter import NEEDS_TRITON, run_checks
 def test_head_level_kernels_under_the_triton_interpreter():
     """The fused top-k (residual add, final norm, LM head, per-block top-k, the last program's merge)
     equals its reference, ties included, and leaves its counter zero; the selection kernel's tree equals
-    the reference's across widths, budgets, zero-probability children and ties; the gathering input
-    norms equal theirs, and so does the q/k/v kernel with those norms in its prologue; and a tiny head's levels grown with every kernel on equal those grown with none
+    the reference's across widths, budgets, zero-probability children and ties; the q/k/v kernel with
+    the input norms and the parent-row gather in its prologue equals the norms then q/k/v; and a tiny
+    head's levels grown with every kernel on equal those grown with none
     (which also catches a level's rows reading another level's positions); the resident loop's pass
     views (positions, slots, masks of a context pass and of a tree pass) equal theirs; and the block
     drafter's tree selection kernel, which shares its best-N and ancestor helpers, equals its reference."""
-    run_checks("head_level_checks.py", 7)
+    run_checks("head_level_checks.py", 6)
 
 
 def test_head_select_ref_is_the_best_first_tree_of_the_levels():

@@ -153,11 +153,6 @@ class DraftAsHead:
         self.dtype = model.dtype
         self.d2t = torch.zeros(self.draft_vocab_size, dtype=torch.long, device=model.device)  # one vocabulary
 
-    def layer(self, ids, hidden, positions, cache=None, slots=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids, positions: [B, T] -> (logits [B, T, vocab], an empty hidden [B, T, 0])."""
-        logits = self.model(ids, positions, cache, slots, mask)
-        return logits, logits.new_zeros(*ids.shape, 0)
-
     def layer_topk(self, ids, hidden, positions, cache, slots, mask, k: int, rows: int | None = None, src=None,
                    counter=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Eagle3Head.layer_topk's contract (hidden and src unused): ids, positions, slots [T], mask

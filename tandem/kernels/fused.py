@@ -52,13 +52,6 @@ def embed_norms_ref(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor
     return torch.cat([rmsnorm_ref(embed[ids], w_embed, eps), hn], dim=-1), hn
 
 
-def embed_norms_gather_ref(ids, embed, hidden, src, w_embed, w_hidden, eps):
-    """embed_norms_ref over the rows hidden[src] (src [M]: each row's hidden row) -> (x [M, 2H],
-    rmsnorm(hidden[src]) [M, H], hidden[src] [M, H]): a tree level reads its parents' rows."""
-    h = hidden.index_select(0, src)
-    return (*embed_norms_ref(ids, embed, h, w_embed, w_hidden, eps), h)
-
-
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     # x: [B, T, H, D]; positions: [B, T]; inv_freq: [D/2] (Hugging Face non-interleaved halves)
     freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
@@ -100,20 +93,14 @@ if triton is not None:
         tl.store(out_ptr + row * n_cols + cols, _rmsnorm_row(x, w_ptr, cols, m, n_cols, eps), mask=m)
 
     @triton.jit
-    def _embed_norms_kernel(ids_ptr, e_ptr, h_ptr, we_ptr, wh_ptr, x_ptr, hn_ptr, src_ptr, hg_ptr, n_cols, eps,
-                            BLOCK: tl.constexpr, GATHER: tl.constexpr):
-        # one program per row: the embedding row and the hidden row, each through _rmsnorm_row;
-        # GATHER: the row's hidden is hidden[src[row]], also written to hg (the layer's residual base)
+    def _embed_norms_kernel(ids_ptr, e_ptr, h_ptr, we_ptr, wh_ptr, x_ptr, hn_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        # one program per row: the embedding row and the hidden row, each through _rmsnorm_row
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < n_cols
         e = tl.load(e_ptr + tl.load(ids_ptr + row) * n_cols + cols, mask=m, other=0.0)
         tl.store(x_ptr + row * 2 * n_cols + cols, _rmsnorm_row(e, we_ptr, cols, m, n_cols, eps), mask=m)
-        if GATHER:
-            h = tl.load(h_ptr + tl.load(src_ptr + row) * n_cols + cols, mask=m, other=0.0)
-            tl.store(hg_ptr + row * n_cols + cols, h, mask=m)
-        else:
-            h = tl.load(h_ptr + row * n_cols + cols, mask=m, other=0.0)
+        h = tl.load(h_ptr + row * n_cols + cols, mask=m, other=0.0)
         o = _rmsnorm_row(h, wh_ptr, cols, m, n_cols, eps)
         tl.store(x_ptr + row * 2 * n_cols + n_cols + cols, o, mask=m)
         tl.store(hn_ptr + row * n_cols + cols, o, mask=m)
@@ -209,28 +196,8 @@ def embed_norms(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w_
     hidden = hidden.contiguous()
     x = torch.empty(M, 2 * n, device=hidden.device, dtype=hidden.dtype)
     hn = torch.empty(M, n, device=hidden.device, dtype=hidden.dtype)
-    _embed_norms_kernel[(M,)](ids, embed, hidden, w_embed, w_hidden, x, hn, ids, hn, n, eps,
-                              BLOCK=triton.next_power_of_2(n), GATHER=False)
+    _embed_norms_kernel[(M,)](ids, embed, hidden, w_embed, w_hidden, x, hn, n, eps, BLOCK=triton.next_power_of_2(n))
     return x, hn
-
-
-def embed_norms_gather(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, src: torch.Tensor,
-                       w_embed: torch.Tensor, w_hidden: torch.Tensor, eps: float):
-    """embed_norms_gather_ref as one kernel (an index_select fewer per tree level)."""
-    if not triton_enabled(hidden):
-        return embed_norms_gather_ref(ids, embed, hidden, src, w_embed, w_hidden, eps)
-    return launch_embed_norms_gather(ids, embed, hidden, src, w_embed, w_hidden, eps)
-
-
-def launch_embed_norms_gather(ids, embed, hidden, src, w_embed, w_hidden, eps):
-    M, n = src.shape[0], hidden.shape[-1]
-    hidden = hidden.contiguous()
-    x = torch.empty(M, 2 * n, device=hidden.device, dtype=hidden.dtype)
-    hn = torch.empty(M, n, device=hidden.device, dtype=hidden.dtype)
-    h = torch.empty(M, n, device=hidden.device, dtype=hidden.dtype)
-    _embed_norms_kernel[(M,)](ids, embed, hidden, w_embed, w_hidden, x, hn, src, h, n, eps,
-                              BLOCK=triton.next_power_of_2(n), GATHER=True)
-    return x, hn, h
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, n_rot: int) -> None:

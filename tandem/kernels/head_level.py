@@ -23,7 +23,7 @@ import os
 import torch
 
 from tandem.kernels import fused_layer
-from tandem.kernels.fused import embed_norms_gather_ref, pow2, rmsnorm_ref, triton_enabled
+from tandem.kernels.fused import embed_norms_ref, pow2, rmsnorm_ref, triton_enabled
 from tandem.kernels.resident import ancestors, key_index, score_keys, topk_logprobs
 
 try:  # Triton ships with CUDA builds of PyTorch only
@@ -52,8 +52,8 @@ def eagle_qkv_ref(ids, embed, hidden, src, w_embed, w_hidden, eps, w_qkv, positi
     """An EAGLE-3 layer's input norms and q/k/v: x = cat(rmsnorm(embed[ids]), rmsnorm(hidden[src]))
     [T, 2H] through the q/k/v projection, RoPE, K/V stored at `slots` (src None: hidden's rows in
     order) -> (q [T, n_q, D], hidden[src] [T, H], rmsnorm(hidden[src]) [T, H])."""
-    x, hn, h = embed_norms_gather_ref(ids, embed, hidden, src if src is not None else torch.arange(
-        ids.shape[0], device=ids.device), w_embed, w_hidden, eps)
+    h = hidden if src is None else hidden.index_select(0, src)
+    x, hn = embed_norms_ref(ids, embed, h, w_embed, w_hidden, eps)
     _, q = fused_layer.norm_qkv_rope_store_ref(x, None, None, 0.0, w_qkv, None, positions, inv_freq, n_q, n_kv, k_cache,
                                                v_cache, slots)
     return q, h, hn

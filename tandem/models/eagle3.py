@@ -44,7 +44,7 @@ from tandem.config import ConfigError, ModelConfig
 from tandem.models.files import check_names, check_shapes
 from tandem.kernels import fused_layer
 from tandem.kernels.attention import cached_attention
-from tandem.kernels.fused import add_rmsnorm, embed_norms, embed_norms_gather
+from tandem.kernels.fused import add_rmsnorm, embed_norms
 from tandem.kernels import head_level
 from tandem.kernels.resident import topk_logprobs
 from tandem.models.layers import MLP, Attention, RMSNorm, fuse_decoder_layers, fused_layer_applies, rope_inv_freq
@@ -222,7 +222,7 @@ class Eagle3Head(nn.Module):
         m, a = self.midlayer, self.midlayer.self_attn
         T = ids.shape[0]
         rows = T if rows is None else rows
-        if (cache is None or not head_level.enabled(hidden)
+        if (cache is None or not head_level.enabled(hidden) or a.qkv_bias is not None
                 or not fused_layer_applies(m.self_attn, m.mlp, hidden[None], cache, 2 * hidden.shape[-1])):
             if src is not None:
                 hidden = hidden.index_select(0, src)
@@ -232,19 +232,10 @@ class Eagle3Head(nn.Module):
         hidden = hidden.to(self.fc.weight.dtype)
         H, D = a.n_heads, a.head_dim
         kc, vc = cache.layer_kv(a.layer_idx)
-        if a.qkv_bias is None:  # the input norms (and the gather) in the q/k/v kernel's prologue
-            q, hidden, hn = head_level.eagle_qkv(ids, self.embed_weight(), hidden, src, m.input_layernorm.weight,
-                                                 m.hidden_norm.weight, m.input_layernorm.eps, a.qkv_weight, positions,
-                                                 self.inv_freq, H, a.n_kv, kc, vc, slots)  # [T, H, D], [T, h], [T, h]
-        else:
-            if src is None:
-                x, hn = embed_norms(ids, self.embed_weight(), hidden, m.input_layernorm.weight, m.hidden_norm.weight,
-                                    m.input_layernorm.eps)  # [T, 2h], [T, h]
-            else:
-                x, hn, hidden = embed_norms_gather(ids, self.embed_weight(), hidden, src, m.input_layernorm.weight,
-                                                   m.hidden_norm.weight, m.input_layernorm.eps)
-            _, q = fused_layer.norm_qkv_rope_store(x, None, None, 0.0, a.qkv_weight, a.qkv_bias, positions,
-                                                   self.inv_freq, H, a.n_kv, kc, vc, slots)
+        # the input norms (and the gather) in the q/k/v kernel's prologue
+        q, hidden, hn = head_level.eagle_qkv(ids, self.embed_weight(), hidden, src, m.input_layernorm.weight,
+                                             m.hidden_norm.weight, m.input_layernorm.eps, a.qkv_weight, positions,
+                                             self.inv_freq, H, a.n_kv, kc, vc, slots)  # [T, H, D], [T, h], [T, h]
         width = mask.shape[-1]
         att = cached_attention(q[None], kc[:, :, :width], vc[:, :, :width], mask[None, None])  # [1, T, H, D]
         att = a.o_proj(att.reshape(T, H * D))
