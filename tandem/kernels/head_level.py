@@ -173,7 +173,7 @@ def launch_head_select(lp, tok, par, root, width, max_depth, n, out) -> None:
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
     from tandem.kernels.fused_layer import _mm, _normed, _qkv_store
-    from tandem.kernels.resident import _ancestor_mask, _best_n
+    from tandem.kernels.resident import _best_n, _finish_tree
 
     @triton.jit
     def _head_topk_kernel(r_ptr, d_ptr, nw_ptr, w_ptr, out_ptr, ptok_ptr, pval_ptr, pstat_ptr, cnt_ptr, tok_ptr,
@@ -263,11 +263,7 @@ if triton is not None:
         tl.store(t_ptr + 1 + j, tl.load(tok_ptr + sel, mask=valid, other=0), mask=valid)
         tl.store(p_ptr + 1 + j, parent, mask=valid)
         tl.store(d_ptr + 1 + j, depth, mask=valid)
-        tl.store(t_ptr, tl.load(root_ptr))
-        tl.store(p_ptr, -1)
-        tl.store(d_ptr, 0)
-        tl.debug_barrier()
-        _ancestor_mask(p_ptr, anc_ptr, N + 1, MP, MAXD)
+        _finish_tree(root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, N + 1, MP, MAXD)
 
     @triton.jit
     def _eagle_qkv_kernel(ids_ptr, e_ptr, h_ptr, src_ptr, we_ptr, wh_ptr, w_ptr, pos_ptr, slot_ptr, inv_ptr, hg_ptr,

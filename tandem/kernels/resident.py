@@ -457,9 +457,14 @@ if triton is not None:
         return j, valid, idx
 
     @triton.jit
-    def _ancestor_mask(p_ptr, anc_ptr, M: tl.constexpr, MP: tl.constexpr, MAXD: tl.constexpr):
-        # anc [M, M] bool of the tree whose parents (root -1) were just written to p: the identity,
-        # then each node's chain of parents, MAXD steps up
+    def _finish_tree(root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, M: tl.constexpr, MP: tl.constexpr, MAXD: tl.constexpr):
+        # a tree whose nodes 1.. were just written to t, p, d: its root row (the root token, parent
+        # -1, depth 0), then anc [M, M] bool: the identity, then each node's chain of parents, MAXD
+        # steps up
+        tl.store(t_ptr, tl.load(root_ptr))
+        tl.store(p_ptr, -1)
+        tl.store(d_ptr, 0)
+        tl.debug_barrier()
         i = tl.arange(0, MP)
         jj = tl.arange(0, MP)
         inside = (i[:, None] < M) & (jj[None, :] < M)
@@ -489,11 +494,7 @@ if triton is not None:
         tl.store(t_ptr + 1 + j, token, mask=valid)
         tl.store(p_ptr + 1 + j, parent, mask=valid)
         tl.store(d_ptr + 1 + j, level + 1, mask=valid)
-        tl.store(t_ptr, tl.load(root_ptr))
-        tl.store(p_ptr, -1)
-        tl.store(d_ptr, 0)
-        tl.debug_barrier()
-        _ancestor_mask(p_ptr, anc_ptr, N + 1, MP, MAXD)
+        _finish_tree(root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, N + 1, MP, MAXD)
 
     @triton.jit
     def _accept_kernel(am_ptr, tok_ptr, par_ptr, depth_ptr, anc_ptr, prefix_ptr, src_ptr, dst_ptr, node_ptr, ctx_ptr,
