@@ -7,9 +7,7 @@
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-540}; source bench/deadline.sh
-[ -f "$OUT/env.txt" ] || { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
-  echo "commit ${TANDEM_COMMIT:-unknown}"; date -u; } > "$OUT/env.txt"; cat "$OUT/env.txt"
+[ -f "$OUT/env.txt" ] || record_env; cat "$OUT/env.txt"
 echo "== replay: llama3-8b target + eagle3-llama3.1-8b head, the bundled head's MBPP acceptance (simulated)"
 within 170 python3 -m tandem bench --device cuda --dtype bfloat16 --preset llama3-8b --draft-preset eagle3-llama3.1-8b \
   --replay "${TRACE:-bench/results/h200-2026-12-01-drafters-table/mbpp_eagle3/results.json.gz}" --methods ar,chain,tree \

@@ -9,9 +9,7 @@ set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-540}; source bench/deadline.sh
 NP=${NP:-10}
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
-  echo "commit ${TANDEM_COMMIT:-unknown}"; date -u; } > "$OUT/env.txt"; cat "$OUT/env.txt"
+record_env; cat "$OUT/env.txt"
 bench() {  # bench NAME WORKLOAD DRAFT METHODS [extra]
   local name=$1 wl=$2 d=$3 m=$4; shift 4
   echo "== $name: $wl, --draft $d, $m"

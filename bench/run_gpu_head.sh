@@ -9,9 +9,7 @@ set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-560}; source bench/deadline.sh
 NP=${NP:-10}
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
-  echo "commit ${TANDEM_COMMIT:-unknown}"; date -u; } > "$OUT/env.txt"; cat "$OUT/env.txt"
+record_env; cat "$OUT/env.txt"
 if [ "${LANE:-1}" = 1 ]; then
   echo "== GPU lane: the head's kernels and the resident loop"
   within 200 python3 -m pytest -q -m cuda tests/gpu/test_gpu_head_level.py tests/gpu/test_gpu_resident.py \

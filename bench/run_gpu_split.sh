@@ -6,9 +6,7 @@
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-560}; source bench/deadline.sh
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
-  echo "commit ${TANDEM_COMMIT:-unknown}"; date -u; } > "$OUT/env.txt"; cat "$OUT/env.txt"
+record_env; cat "$OUT/env.txt"
 echo "== GPU lane"
 # (-k applies to every file named: the attention tests run on their own, then the two lane files)
 within 150 python3 -m pytest -q -m cuda tests/gpu/test_gpu_kernels.py -k cached_attention -p no:cacheprovider \
