@@ -1,5 +1,5 @@
-# Sourced by the device scripts: `record_env` (what ran where), and one deadline for a whole device call (10 minutes a command), so that
-# the tar at the end still runs. T0: the call's start (kept when one script runs another);
+# Sourced by the device scripts: `record_env` (what ran where), and one deadline for a whole device
+# call (10 minutes a command), so that the tar at the end still runs. T0: the call's start (kept when one script runs another);
 # DEADLINE: seconds after T0 by which every step has ended.
 T0=${T0:-$(date +%s)}; export T0
 left() { echo $(( ${DEADLINE:-540} - ($(date +%s) - T0) )); }
