@@ -98,9 +98,20 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128", help="row counts of the step timings")
+    ap.add_argument("--gemv-launch", help="a launch table of the one-row GEMV kernels (bench/gpu_gemv.py's)")
     args = ap.parse_args()
+    if args.gemv_launch:
+        from tandem.kernels import gemv
+
+        with open(args.gemv_launch) as f:
+            gemv.set_launch(json.load(f))
     report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": args.preset,
-                    "date": time.strftime("%Y-%m-%d")}
+                    "date": time.strftime("%Y-%m-%d"), "TANDEM_GEMV": os.environ.get("TANDEM_GEMV", "1")}
+    if args.gemv_launch:
+        from tandem.kernels import gemv
+
+        report["gemv_launch"] = dict(gemv.LAUNCH)
     report["kernels_rel_err"] = check_kernels()
     print("kernels ok:", json.dumps(report["kernels_rel_err"]))
     # bytes read + written per second by a 2 GiB device-to-device copy (median of 20)
@@ -111,7 +122,7 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {wb / 1e9:.2f} GB, floor {wb / bw * 1e3:.3f} ms/token")
     capacity = args.context + args.new_tokens + 160
     runner = ModelRunner(model, capacity)
-    rows = [1, 2, 4, 8, 16, 32, 64, 128]
+    rows = [int(r) for r in args.rows.split(",")]
     t0 = time.time()
     runner.warmup(rows)
     report["capture_s"] = time.time() - t0
@@ -132,7 +143,8 @@ def main() -> None:
     print(f"AR end-to-end: {report['ar_ms_per_token']:.3f} ms/token (runs {['%.3f' % x for x in runs]}), "
           f"floor {report['floor_ms']:.3f} ms -> {report['floor_ms'] / report['ar_ms_per_token'] * 100:.1f}% of floor")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"gpu_core_{args.preset}.json"), "w") as f:
+    tag = "" if report["TANDEM_GEMV"] == "1" else "_gemv0"
+    with open(os.path.join(args.out, f"gpu_core_{args.preset}{tag}.json"), "w") as f:
         json.dump(report, f, indent=1)
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels import fused_layer
+from tandem.kernels import fused_layer, gemv
 from tandem.kernels.attention import cached_attention
 from tandem.kernels.fused import add_rmsnorm, rmsnorm_ref, rope_, silu_mul, triton_enabled
 from tandem.kv.cache import KVCache
@@ -165,38 +165,66 @@ def fuse_decoder_layers(layers) -> None:
             layer.mlp.fuse()
 
 
-def fusable(attn: Attention, mlp: MLP, x: torch.Tensor, qkv_input: int | None = None) -> bool:
-    """Whether a layer's rows x [M, hidden] can run as the fused kernels (tandem.kernels.fused_layer),
-    whatever holds its K/V: CUDA, a small model, fused q/k/v and gate/up weights, and no q/k norm,
-    sliding window or tensor parallelism (those keep the unfused path). `qkv_input`: the q/k/v
-    projection's input width where it is not x's (an EAGLE-3 layer's 2 x hidden)."""
+def _plain(attn: Attention, mlp: MLP) -> bool:
+    """A layer the fused kernels can run: fused q/k/v and gate/up weights, and no q/k norm, sliding
+    window or tensor parallelism (those keep the unfused path)."""
     return (attn.qkv_weight is not None and mlp.gate_up_weight is not None and attn.q_norm is None
             and attn.window is None and attn.tp_group is None and mlp.tp_group is None
             and attn.head_dim in (32, 64, 128, 256)  # (two rotary halves of >= 16 columns: tl.dot's smallest)
-            and os.environ.get("TANDEM_FUSED_LAYER", "1") != "0"
-            and fused_layer.applies(x, attn.qkv_weight, qkv_input) and fused_layer.applies(x, mlp.gate_up_weight))
+            and os.environ.get("TANDEM_FUSED_LAYER", "1") != "0")
+
+
+def fusable(attn: Attention, mlp: MLP, x: torch.Tensor, qkv_input: int | None = None) -> bool:
+    """Whether a layer's rows x [M, hidden] can run as the fused kernels (tandem.kernels.fused_layer),
+    whatever holds its K/V: CUDA, a small model and a `_plain` layer. `qkv_input`: the q/k/v
+    projection's input width where it is not x's (an EAGLE-3 layer's 2 x hidden)."""
+    return (_plain(attn, mlp) and fused_layer.applies(x, attn.qkv_weight, qkv_input)
+            and fused_layer.applies(x, mlp.gate_up_weight))
+
+
+def gemv_fusable(attn: Attention, mlp: MLP, x: torch.Tensor) -> bool:
+    """Whether one row x [1, hidden] of a large model's `_plain` layer runs as tandem.kernels.gemv's
+    kernels (every projection a streaming GEMV)."""
+    if not _plain(attn, mlp) or x.shape[0] != 1:
+        return False
+    h = mlp.down_proj.weight
+    return (gemv.applies(x, attn.qkv_weight) and gemv.applies(x, attn.o_proj.weight)
+            and gemv.applies(x, mlp.gate_up_weight) and gemv.applies(x, h, h.shape[1]))
 
 
 def fused_layer_applies(attn: Attention, mlp: MLP, x: torch.Tensor, cache, qkv_input: int | None = None) -> bool:
-    """`fusable`, against the single-sequence KVCache (the runners'): x [1, T, hidden]."""
-    return type(cache) is KVCache and x.shape[0] == 1 and fusable(attn, mlp, x[0], qkv_input)
+    """`fusable` (or, without `qkv_input`, `gemv_fusable`), against the single-sequence KVCache (the
+    runners'): x [1, T, hidden]."""
+    if type(cache) is not KVCache or x.shape[0] != 1:
+        return False
+    return fusable(attn, mlp, x[0], qkv_input) or (qkv_input is None and gemv_fusable(attn, mlp, x[0]))
 
 
 def fused_layer_forward(attn: Attention, mlp: MLP, ln1: RMSNorm, ln2: RMSNorm, x, delta, positions, inv_freq, cache,
                         slots, mask, resid_out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """DecoderLayer.forward as five launches: (x + delta, norm, q/k/v, RoPE, K/V store), attention,
-    o_proj, (residual add, norm, gate/up, SiLU * up), down_proj. Returns (residual, MLP output);
-    x may be a strided slice (rows [1, T, hidden] with a unit column stride); `resid_out` [T,
-    hidden]: where x + delta goes."""
+    o_proj, (residual add, norm, gate/up, SiLU * up), down_proj; a small model's through
+    tandem.kernels.fused_layer (o_proj and down_proj on cuBLAS), one row of a large model's through
+    tandem.kernels.gemv. Returns (residual, MLP output); x may be a strided slice (rows [1, T,
+    hidden] with a unit column stride); `resid_out` [T, hidden]: where x + delta goes."""
     _, T, hid = x.shape
     H, D = attn.n_heads, attn.head_dim
+    if fusable(attn, mlp, x[0]):
+        ops, o_proj, down_proj = fused_layer, attn.o_proj, mlp.down_proj
+    else:
+        ops = gemv
+
+        def o_proj(t):
+            return gemv.gemv(t[0], attn.o_proj.weight)[None]
+
+        def down_proj(t):
+            return gemv.gemv(t, mlp.down_proj.weight)
     k, v = cache.layer_kv(attn.layer_idx)  # [1, Hkv, capacity, D] each
     d = None if delta is None else delta.reshape(T, hid)
-    s, q = fused_layer.norm_qkv_rope_store(x[0], d, ln1.weight, ln1.eps, attn.qkv_weight, attn.qkv_bias,
-                                           positions.reshape(T), inv_freq, H, attn.n_kv, k, v, slots.reshape(T),
-                                           resid_out)
+    s, q = ops.norm_qkv_rope_store(x[0], d, ln1.weight, ln1.eps, attn.qkv_weight, attn.qkv_bias, positions.reshape(T),
+                                   inv_freq, H, attn.n_kv, k, v, slots.reshape(T), resid_out)
     width = mask.shape[-1]
     out = cached_attention(q[None], k[:, :, :width], v[:, :, :width], mask)  # [1, T, H, D]
-    a = attn.o_proj(out.reshape(1, T, H * D))
-    s, h = fused_layer.norm_gate_up_silu(s, a[0], ln2.weight, ln2.eps, mlp.gate_up_weight)
-    return s[None], mlp.down_proj(h)[None]
+    a = o_proj(out.reshape(1, T, H * D))
+    s, h = ops.norm_gate_up_silu(s, a[0], ln2.weight, ln2.eps, mlp.gate_up_weight)
+    return s[None], down_proj(h)[None]

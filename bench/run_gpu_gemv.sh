@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The one-row GEMV layer kernels (tandem.kernels.gemv) on one GPU: their GPU lane, the launch-shape sweep at the
+# Llama-3-8B layer shapes (bench/gpu_gemv.py, against cuBLAS and the small kernels), then Tandem's AR at the
+# Llama-3-8B shape with the sweep's shapes, gpt-fast's compiled AR in the same call, and Tandem's AR with the
+# kernels off (TANDEM_GEMV=0: cuBLAS, as before).
+#   bash bench/run_gpu_gemv.sh $OUT   (device tool: carry .data, with ../shared/peers/gpt-fast under .data/peers)
+set -uo pipefail
+OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
+DEADLINE=${DEADLINE:-570}; source bench/deadline.sh
+record_env; cat "$OUT/env.txt"
+if [ "${LANE:-1}" = 1 ]; then
+  echo "== GPU lane"
+  within 150 python3 -m pytest -q -m cuda tests/gpu/test_gpu_gemv.py -p no:cacheprovider > "$OUT/lane.log" 2>&1
+  tail -1 "$OUT/lane.log"; grep -e "^FAILED" -e "^ERROR" -e "Error" "$OUT/lane.log" | head -10 | cut -c1-300
+fi
+TUNE=()
+if [ "${SWEEP:-1}" = 1 ]; then
+  echo "== launch-shape sweep"
+  (cd bench && within 220 python3 gpu_gemv.py --preset llama3-8b --out "$OUT" > "$OUT/sweep.log" 2>&1)
+  sed -n '/^best per op/,$p' "$OUT/sweep.log" | head -8; grep -e "Error" "$OUT/sweep.log" | head -5 | cut -c1-300
+  [ -f "$OUT/gemv_launch.json" ] && TUNE=(--gemv-launch "$OUT/gemv_launch.json") && cat "$OUT/gemv_launch.json"; echo
+fi
+run_ar() {  # run_ar TAG: Tandem's AR at the llama3-8b shape (one-row step timing and end to end)
+  within 100 python3 bench/gpu_core.py --preset llama3-8b --rows 1 "${TUNE[@]}" --out "$OUT" > "$OUT/tandem_8b$1.txt" 2>&1
+  grep -e "step rows" -e "AR end-to-end" -e "Error" "$OUT/tandem_8b$1.txt" | cut -c1-300
+}
+echo "== tandem AR at the llama3-8b shape, GEMV kernels on"; run_ar ""
+echo "== gpt-fast compiled AR at the llama3-8b shape"
+[ "${PEER:-1}" = 1 ] && within 160 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast llama3-8b 2>&1 | grep '^{' | tee "$OUT/gptfast_8b.jsonl"
+echo "== tandem AR at the llama3-8b shape, GEMV kernels off"; TANDEM_GEMV=0 run_ar _gemv0

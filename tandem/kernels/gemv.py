@@ -1,0 +1,219 @@
+"""A large model's one-row decoder layer as GEMVs that stream its weights, with the layer's small
+kernels folded into them.
+
+At the Llama-3-8B shape a batch-1 step reads 16 GB of weights, so a layer's cost is its bytes,
+and what cuBLAS leaves on the table is the problem (one H100, 2026-12-06 profile, per token):
+o_proj streamed at ~55% of the bandwidth (cuBLAS picked a tile without split-K for 4096 x 4096 at
+one row), and ~370 us went to small kernels between the GEMMs (add + RMSNorm 149, cuBLAS's split-K
+reduce 120, RoPE + K/V store 52, SiLU * up 51) that gpt-fast's compiled graph folds into its GEMVs.
+Here a layer is
+    norm_qkv_rope_store, attention, gemv (o_proj), norm_gate_up_silu, gemv (down)
+the launches of `fused_layer` (the small models' fused layer), for one row and any width.
+
+Each program owns a few output columns and streams their weight rows over the whole input; the
+input row (a few KB, from L2) is re-read by every program. The RMSNorm needs the row's rms, which
+is a scalar, so it is applied after the dot product: sum_k (x_k rstd w_k) W_nk = rstd sum_k x_k w_k
+W_nk, and every program sums the squares of its own x chunks as it goes (no pre-pass, no wait for
+another program). So the arithmetic is not the unfused path's rounding for rounding (that rounds
+the normalised row to the dtype before the product): outputs agree to the dtype's rounding, and
+the greedy tokens of a bf16 model may differ at near-ties, as they already do between cuBLAS's
+one-row and many-row kernels. Verify passes (many rows) keep cuBLAS.
+
+The `*_ref` functions are the semantics and what runs off CUDA.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels import fused_layer
+from tandem.kernels.fused import triton_enabled
+from tandem.kernels.fused_layer import norm_gate_up_silu_ref, norm_qkv_rope_store_ref
+
+try:  # Triton ships with CUDA builds of PyTorch only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU builds
+    triton = None
+
+# Launch shapes, (BN output columns a program, BK input columns a loop step, warps), by kind; timed on
+# the GPU by bench/gpu_gemv.py, which can also write a table that `set_launch` loads.
+LAUNCH: dict[str, tuple[int, int, int]] = {
+    "plain": (8, 512, 4),  # o_proj, down_proj
+    "gate_up": (4, 512, 4),  # gate/up with the norm in front and SiLU * up behind: 2 x BN weight rows
+    "qkv": (8, 512, 4),  # BN here: columns of each rotary half (2 x BN weight rows a program)
+}
+
+
+def set_launch(table: dict[str, list[int] | tuple[int, int, int]]) -> None:
+    """Replace launch shapes (a bench's tuned table: {kind: (BN, BK, warps)})."""
+    for kind, shape in table.items():
+        if kind not in LAUNCH:
+            raise ValueError(f"unknown GEMV kind {kind!r}; expected one of {sorted(LAUNCH)}")
+        LAUNCH[kind] = tuple(int(v) for v in shape)
+
+
+def enabled() -> bool:
+    """The A/B switch: TANDEM_GEMV=0 keeps cuBLAS and the separate small kernels."""
+    return os.environ.get("TANDEM_GEMV", "1") != "0"
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool:
+    """Whether one row x [1, K] against a weight [N, K] takes these kernels: CUDA, a weight past the
+    fused layer's (small models: there the launch, not the read, is the cost), K a multiple of 64.
+    `k`: the input width where it is not x's (a layer's down_proj, asked about with the layer's input)."""
+    K = x.shape[-1] if k is None else k
+    return (triton_enabled(x) and enabled() and x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] == K
+            and K % 64 == 0 and weight.numel() * weight.element_size() > fused_layer.MAX_WEIGHT_BYTES
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dtype == x.dtype
+            and weight.is_contiguous() and x.stride(-1) == 1)
+
+
+# ---- launches ---------------------------------------------------------------------------------
+def _bk(K: int, bk: int) -> int:
+    while K % bk:  # K % 64 == 0 (applies): the loop has no masked tail
+        bk //= 2
+    return bk
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] @ w [N, K].T -> [1, N] (F.linear where the kernel does not apply)."""
+    if not applies(x, w):
+        return F.linear(x, w)
+    N, K = w.shape
+    BN, BK, warps = launch or LAUNCH["plain"]
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(N, BN),)](x, x, x, w, x, out, N, K, 0.0, HAS_DELTA=False, NORM=False, SILU=False,
+                                        BN=BN, BK=_bk(K, BK), num_warps=warps)
+    return out
+
+
+def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up, launch: tuple[int, int, int] | None = None):
+    """(x + delta, silu(gate) * up of rmsnorm(x + delta)) in one launch: x, delta [1, K]."""
+    if not applies(x, w_gate_up):
+        return norm_gate_up_silu_ref(x, delta, ln_w, eps, w_gate_up)
+    K = x.shape[1]
+    inter = w_gate_up.shape[0] // 2
+    BN, BK, warps = launch or LAUNCH["gate_up"]
+    s = torch.empty_like(x) if delta is not None else x
+    out = torch.empty(1, inter, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(inter, BN),)](x, delta if delta is not None else x, ln_w, w_gate_up, s, out, inter, K,
+                                            eps, HAS_DELTA=delta is not None, NORM=True, SILU=True, BN=BN,
+                                            BK=_bk(K, BK), num_warps=warps)
+    return s, out
+
+
+def norm_qkv_rope_store(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots,
+                        s_out=None, launch: tuple[int, int, int] | None = None):
+    """fused_layer.norm_qkv_rope_store for one row of a large model: (x + delta, the rotated q [1, n_q, D]),
+    the rotated k and v stored at the row's slot. x, delta [1, K]; positions, slots [1]."""
+    if not applies(x, w_qkv):
+        return norm_qkv_rope_store_ref(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache,
+                                       v_cache, slots, s_out)
+    assert ln_w is not None, "the one-row q/k/v kernel always normalises its input"
+    K = x.shape[1]
+    heads = n_q + 2 * n_kv
+    D = w_qkv.shape[0] // heads
+    paged = k_cache.dim() == 3  # [1, n_kv, capacity, D] (KVCache's) or [slots, n_kv, D] (a paged pool's)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and (paged or k_cache.shape[0] == 1)
+    cache_h, cache_s = (k_cache.stride(1), k_cache.stride(0)) if paged else (k_cache.stride(1), k_cache.stride(2))
+    CB, BK, warps = launch or LAUNCH["qkv"]
+    CB = min(CB, D // 2)
+    store_s = delta is not None or s_out is not None
+    s = s_out if s_out is not None else torch.empty_like(x) if store_s else x
+    q = torch.empty(1, n_q, D, dtype=x.dtype, device=x.device)
+    _qkv_gemv_kernel[(heads * (D // 2 // CB),)](
+        x, delta if delta is not None else x, ln_w, w_qkv, b_qkv if b_qkv is not None else w_qkv, positions, slots,
+        inv_freq, s, q, k_cache, v_cache, K, eps, cache_h, cache_s, N_Q=n_q, N_KV=n_kv, HALF=D // 2,
+        HAS_DELTA=delta is not None, STORE_S=store_s, HAS_BIAS=b_qkv is not None, CB=CB, BK=_bk(K, BK),
+        num_warps=warps)
+    return s, q
+
+
+# ---- Triton ---------------------------------------------------------------------------------
+if triton is not None:
+    from tandem.kernels.fused_layer import _qkv_store
+
+    @triton.jit
+    def _row_chunk(x_ptr, d_ptr, lw_ptr, s_ptr, kk, first, HAS_DELTA: tl.constexpr, NORM: tl.constexpr,
+                   STORE: tl.constexpr):
+        # input columns kk of the row: x + delta rounded to the dtype as `x + delta` rounds (STORE: written
+        # as the residual by the `first` program), times the norm's weight, in fp32; and the fp32 values
+        v = tl.load(x_ptr + kk, eviction_policy="evict_last")
+        if HAS_DELTA:
+            v = (v.to(tl.float32) + tl.load(d_ptr + kk, eviction_policy="evict_last").to(tl.float32)).to(v.dtype)
+        if STORE:
+            tl.store(s_ptr + kk, v, mask=first & (kk >= 0))
+        v32 = v.to(tl.float32)
+        if NORM:
+            return v32 * tl.load(lw_ptr + kk, eviction_policy="evict_last").to(tl.float32), v32
+        return v32, v32
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, s_ptr, out_ptr, N, K, eps, HAS_DELTA: tl.constexpr,
+                     NORM: tl.constexpr, SILU: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # grid (cdiv(N, BN),): output columns [pid BN, pid BN + BN) of one row. SILU: they are gate columns,
+        # and the up columns are weight rows N + col (a gate/up weight [2 N, K])
+        pid = tl.program_id(0)
+        cols = pid * BN + tl.arange(0, BN)
+        cm = cols < N
+        rows = cols.to(tl.int64) * K  # weight row offsets
+        acc = tl.zeros([BN, BK], tl.float32)  # reduced once after the loop: the loop is loads and FMAs
+        accu = tl.zeros([BN, BK], tl.float32)
+        sq = tl.zeros([BK], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            h, v = _row_chunk(x_ptr, d_ptr, lw_ptr, s_ptr, kk, pid == 0, HAS_DELTA, NORM, HAS_DELTA)
+            sq += v * v
+            w = tl.load(w_ptr + rows[:, None] + kk[None, :], mask=cm[:, None], other=0.0, eviction_policy="evict_first")
+            acc += w.to(tl.float32) * h[None, :]
+            if SILU:
+                wu = tl.load(w_ptr + N * K + rows[:, None] + kk[None, :], mask=cm[:, None], other=0.0,
+                             eviction_policy="evict_first")
+                accu += wu.to(tl.float32) * h[None, :]
+        y = tl.sum(acc, axis=1)  # [BN]
+        if NORM:  # the norm's 1 / rms is a scalar of the row: applied after the sum
+            rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+            y = y * rstd
+        dt = out_ptr.dtype.element_ty
+        if SILU:
+            u = tl.sum(accu, axis=1) * rstd
+            g = y.to(dt).to(tl.float32)  # gate and up rounded as a projection's output, then silu_mul_ref
+            y = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u.to(dt).to(tl.float32)
+        tl.store(out_ptr + cols, y.to(dt), mask=cm)
+
+    @triton.jit
+    def _qkv_gemv_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, b_ptr, pos_ptr, slot_ptr, inv_ptr, s_ptr, q_ptr, k_ptr, v_ptr,
+                         K, eps, cache_h, cache_s, N_Q: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
+                         HAS_DELTA: tl.constexpr, STORE_S: tl.constexpr, HAS_BIAS: tl.constexpr, CB: tl.constexpr,
+                         BK: tl.constexpr):
+        # grid (heads x HALF / CB,): program (head, cb) computes columns [cb CB, cb CB + CB) of the head's
+        # two rotary halves (each column's RoPE partner in the same program), then rotates and stores them
+        pid = tl.program_id(0)
+        head = pid // (HALF // CB)
+        i = (pid % (HALF // CB)) * CB + tl.arange(0, CB)  # columns of the first half; i + HALF their partners
+        r1 = (head * 2 * HALF + i).to(tl.int64) * K
+        r2 = r1 + HALF * K
+        acc1 = tl.zeros([CB, BK], tl.float32)
+        acc2 = tl.zeros([CB, BK], tl.float32)
+        sq = tl.zeros([BK], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            h, v = _row_chunk(x_ptr, d_ptr, lw_ptr, s_ptr, kk, pid == 0, HAS_DELTA, True, STORE_S)
+            sq += v * v
+            w1 = tl.load(w_ptr + r1[:, None] + kk[None, :], eviction_policy="evict_first")
+            w2 = tl.load(w_ptr + r2[:, None] + kk[None, :], eviction_policy="evict_first")
+            acc1 += w1.to(tl.float32) * h[None, :]
+            acc2 += w2.to(tl.float32) * h[None, :]
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        a1 = (tl.sum(acc1, axis=1) * rstd)[None, :]  # [1, CB]: _qkv_store's [rows, CB] with one row
+        a2 = (tl.sum(acc2, axis=1) * rstd)[None, :]
+        if HAS_BIAS:
+            n1 = head * 2 * HALF + i
+            a1 = a1 + tl.load(b_ptr + n1).to(tl.float32)[None, :]
+            a2 = a2 + tl.load(b_ptr + n1 + HALF).to(tl.float32)[None, :]
+        one = tl.arange(0, 1)
+        _qkv_store(a1, a2, head, i, one, one < 1, pos_ptr, inv_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, cache_h, cache_s,
+                   x_ptr.dtype.element_ty, N_Q, N_KV, HALF)
