@@ -24,6 +24,7 @@ run_ar() {  # run_ar TAG: Tandem's AR at the llama3-8b shape (one-row step timin
   within 100 python3 bench/gpu_core.py --preset llama3-8b --rows 1 "${TUNE[@]}" --out "$OUT" > "$OUT/tandem_8b$1.txt" 2>&1
   grep -e "step rows" -e "AR end-to-end" -e "Error" "$OUT/tandem_8b$1.txt" | cut -c1-300
 }
+python3 bench/gpu_linear_kernels.py 2>&1 | grep -v Warn | tee "$OUT/linear_kernels.txt" | cut -c1-400
 echo "== tandem AR at the llama3-8b shape, GEMV kernels on"; run_ar ""
 echo "== gpt-fast compiled AR at the llama3-8b shape"
 [ "${PEER:-1}" = 1 ] && within 160 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast llama3-8b 2>&1 | grep '^{' | tee "$OUT/gptfast_8b.jsonl"
