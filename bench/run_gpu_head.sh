@@ -3,27 +3,30 @@
 # kernels on and off in the same call (TANDEM_HEAD_FUSED=0: the layer, a cuBLAS LM head, the top-k
 # kernel and a torch selection, as before): their GPU lane, the resident loop's lane, the draft
 # graph's kernels and replay time, and the bundled pair on MBPP (bf16, greedy, 128 new tokens).
+# AB=TANDEM_FUSED_LINEAR runs the same A/B on another switch (the fused layers' o_proj / down_proj kernel), LANE_FILES
+# names the lane's test files.
 #   bash bench/run_gpu_head.sh $OUT   (device tool: carry .data = copies of ../shared/datasets/{mbpp,gsm8k}
 #                                      and ../shared/peers/gpt-fast under .data/peers)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-560}; source bench/deadline.sh
-NP=${NP:-10}
+NP=${NP:-10}; AB=${AB:-TANDEM_HEAD_FUSED}
+LANE_FILES=${LANE_FILES:-tests/gpu/test_gpu_head_level.py tests/gpu/test_gpu_resident.py}
+ab() { (export "$AB=$1"; shift; within "$@"); }  # ab VALUE SECONDS CMD...: CMD with $AB=VALUE
 record_env; cat "$OUT/env.txt"
 if [ "${LANE:-1}" = 1 ]; then
   echo "== GPU lane: the head's kernels and the resident loop"
-  within 200 python3 -m pytest -q -m cuda tests/gpu/test_gpu_head_level.py tests/gpu/test_gpu_resident.py \
-    -p no:cacheprovider > "$OUT/lane.log" 2>&1
+  within 200 python3 -m pytest -q -m cuda $LANE_FILES -p no:cacheprovider > "$OUT/lane.log" 2>&1
   tail -2 "$OUT/lane.log"; grep -e "^FAILED" -e "^ERROR" "$OUT/lane.log" | head -20
 fi
 for f in ${FUSED:-1 0}; do
-  echo "== profile, TANDEM_HEAD_FUSED=$f"
-  TANDEM_HEAD_FUSED=$f within 60 python3 bench/gpu_profile_resident.py --kind eagle3 > "$OUT/profile_fused$f.txt" 2>&1
+  echo "== profile, $AB=$f"
+  ab "$f" 60 python3 bench/gpu_profile_resident.py --kind eagle3 > "$OUT/profile_fused$f.txt" 2>&1
   grep -e "tok/s" -e "replay median" -e "kernels," "$OUT/profile_fused$f.txt" | grep -v "('ar'"
 done
 for f in ${FUSED:-1 0}; do
-  echo "== mbpp, EAGLE-3 head, TANDEM_HEAD_FUSED=$f"
-  TANDEM_HEAD_FUSED=$f within "${BT:-80}" python3 -m tandem bench --device cuda --dtype bfloat16 --workload mbpp \
+  echo "== mbpp, EAGLE-3 head, $AB=$f"
+  ab "$f" "${BT:-80}" python3 -m tandem bench --device cuda --dtype bfloat16 --workload mbpp \
     --data-dir .data --num-prompts "$NP" --max-new-tokens 128 --methods ar,chain,tree --warmup 2 \
     --max-prompt-tokens 384 --draft eagle3 --no-plots --allow-mismatch --out "$OUT/mbpp_eagle3_fused$f" \
     > "$OUT/mbpp_eagle3_fused$f.log" 2>&1

@@ -11,6 +11,7 @@ as it was. Each check raises AssertionError on failure; the script prints one li
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tandem.kernels import fused_layer as fl
 
@@ -83,6 +84,18 @@ def check_norm_gate_up() -> None:
             _close("residual", s, s_ref)
             _close("silu(gate) * up", a, a_ref)
     print("norm_gate_up_silu: ok")
+
+
+def check_linear() -> None:
+    """The o_proj / down_proj kernel equals F.linear over row blocks, widths that are not a multiple of its
+    column block or of its loop step, and a strided row slice."""
+    g = torch.Generator().manual_seed(4)
+    for M, K, N in ((1, 96, 80), (17, 160, 48), (40, 1024, 384)):
+        x = torch.randn(M + 3, K, generator=g)[3:]
+        w = torch.randn(N, K, generator=g) / K ** 0.5
+        for bk, bn in ((32, 16), (256, 64)):
+            _close(f"linear {M}x{K}x{N}", fl.launch_linear(x, w, bk=bk, bn=bn), F.linear(x, w))
+    print("linear: ok")
 
 
 def _passes(model) -> list[torch.Tensor]:
@@ -229,6 +242,7 @@ def check_batched_model() -> None:
 if __name__ == "__main__":
     check_norm_qkv()
     check_norm_gate_up()
+    check_linear()
     check_model()
     check_eagle3_layer()
     check_batched_model()

@@ -25,6 +25,8 @@ The `*_ref` functions are the semantics and what runs off CUDA.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -97,6 +99,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool
 QKV_BK, QKV_WARPS = 128, 4
 QKV_CB = 64  # columns of each rotary half a program (at most the half: one program a head)
 GATE_UP_BK, GATE_UP_WARPS = 128, 4
+LINEAR_BK, LINEAR_BN, LINEAR_WARPS = 128, 32, 4
 
 
 def _bk(K: int, bk: int) -> int:
@@ -116,6 +119,27 @@ def norm_qkv_rope_store(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, 
                                        v_cache, slots, s_out)
     return launch_norm_qkv(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache,
                            slots, s_out)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x [M, K], w [N, K]) (a fused layer's o_proj and down_proj) as one Triton kernel on CUDA,
+    where `applies`: each cuBLAS call of a pass came with a device copy in the resident loop's profiles
+    (bench/gpu_linear_kernels.py looks for its source). TANDEM_FUSED_LINEAR=0: cuBLAS (the A/B switch)."""
+    if not applies(x, w) or os.environ.get("TANDEM_FUSED_LINEAR", "1") == "0":
+        return F.linear(x, w)
+    return launch_linear(x, w)
+
+
+def launch_linear(x, w, bk: int | None = None, bn: int | None = None, num_warps: int | None = None):
+    """The kernel of `linear`, unconditionally; bk, bn, num_warps: the launch shape."""
+    M, K = x.shape
+    N = w.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    BN = bn or LINEAR_BN
+    _linear_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BLOCK_M))](
+        x, w, out, M, N, K, x.stride(0), BM=BLOCK_M, BK=_bk(K, bk or LINEAR_BK), BN=BN, IEEE=x.dtype == torch.float32,
+        num_warps=num_warps or LINEAR_WARPS)
+    return out
 
 
 def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up):
@@ -303,3 +327,21 @@ if triton is not None:
         u = accu.to(dt).to(tl.float32)
         y = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
         tl.store(out_ptr + rows[:, None] * I + cols[None, :], y.to(dt), mask=rm[:, None] & cm[None, :])
+
+    @triton.jit
+    def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sx, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                       IEEE: tl.constexpr):
+        # grid (column blocks, row blocks): out[rows, cols] = x[rows] @ w[cols].T, rounded once
+        rows = tl.program_id(1) * BM + tl.arange(0, BM)
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        rm = rows < M
+        cm = cols < N
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < K
+            a = tl.load(x_ptr + rows[:, None] * sx + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            b = tl.load(w_ptr + cols[None, :] * K + kk[:, None], mask=km[:, None] & cm[None, :], other=0.0)  # [BK, BN]
+            acc = acc + _mm(a, b, IEEE)
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(x_ptr.dtype.element_ty),
+                 mask=rm[:, None] & cm[None, :])

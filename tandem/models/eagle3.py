@@ -201,11 +201,12 @@ class Eagle3Head(nn.Module):
         _, q = fused_layer.norm_qkv_rope_store(x, None, None, 0.0, a.qkv_weight, a.qkv_bias, positions.reshape(T),
                                                self.inv_freq, H, a.n_kv, k, v, slots.reshape(T))
         width = mask.shape[-1]
-        att = a.o_proj(cached_attention(q[None], k[:, :, :width], v[:, :, :width], mask).reshape(T, H * D))
+        att = fused_layer.linear(cached_attention(q[None], k[:, :, :width], v[:, :, :width], mask).reshape(T, H * D),
+                                 a.o_proj.weight)
         base = hn if self.econfig.norm_before_residual else hidden.reshape(T, hid)
         r, h = fused_layer.norm_gate_up_silu(base, att, m.post_attention_layernorm.weight,
                                              m.post_attention_layernorm.eps, m.mlp.gate_up_weight)
-        out, normed = add_rmsnorm(r, m.mlp.down_proj(h), self.norm.weight, self.norm.eps)  # out = r + mlp (in place)
+        out, normed = add_rmsnorm(r, fused_layer.linear(h, m.mlp.down_proj.weight), self.norm.weight, self.norm.eps)
         return self.lm_head(normed)[None], out[None]
 
     def layer_topk(self, ids, hidden, positions, cache, slots, mask, k: int, rows: int | None = None,
@@ -238,11 +239,11 @@ class Eagle3Head(nn.Module):
                                              self.inv_freq, H, a.n_kv, kc, vc, slots)  # [T, H, D], [T, h], [T, h]
         width = mask.shape[-1]
         att = cached_attention(q[None], kc[:, :, :width], vc[:, :, :width], mask[None, None])  # [1, T, H, D]
-        att = a.o_proj(att.reshape(T, H * D))
+        att = fused_layer.linear(att.reshape(T, H * D), a.o_proj.weight)
         base = hn if self.econfig.norm_before_residual else hidden
         r, h = fused_layer.norm_gate_up_silu(base, att, m.post_attention_layernorm.weight,
                                              m.post_attention_layernorm.eps, m.mlp.gate_up_weight)
-        down = m.mlp.down_proj(h[T - rows:])  # only the rows whose children are wanted
+        down = fused_layer.linear(h[T - rows:], m.mlp.down_proj.weight)  # only the rows whose children are wanted
         out, lp, tok = head_level.head_topk(r[T - rows:], down, self.norm.weight, self.norm.eps, self.lm_head.weight,
                                             k, counter)
         return lp, tok, out

@@ -210,7 +210,13 @@ def fused_layer_forward(attn: Attention, mlp: MLP, ln1: RMSNorm, ln2: RMSNorm, x
     _, T, hid = x.shape
     H, D = attn.n_heads, attn.head_dim
     if fusable(attn, mlp, x[0]):
-        ops, o_proj, down_proj = fused_layer, attn.o_proj, mlp.down_proj
+        ops = fused_layer
+
+        def o_proj(t):
+            return fused_layer.linear(t[0], attn.o_proj.weight)[None]
+
+        def down_proj(t):
+            return fused_layer.linear(t, mlp.down_proj.weight)
     else:
         ops = gemv
 

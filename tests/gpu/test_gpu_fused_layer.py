@@ -74,6 +74,19 @@ def test_norm_gate_up_silu(shape, rows, dtype, bk, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_linear(shape, rows, dtype):
+    """The o_proj / down_proj kernel against F.linear (cuBLAS), both projections of the shape."""
+    c = SHAPES[shape]
+    K, inter = c.hidden_size, c.intermediate_size
+    for n, k in ((K, c.num_attention_heads * c.head_dim), (K, inter)):
+        x, w = _randn(rows, k, dtype=dtype, seed=0), _randn(n, k, dtype=dtype, seed=1, scale=k ** -0.5)
+        assert fl.applies(x, w)
+        assert rel_err(fl.linear(x, w), torch.nn.functional.linear(x, w)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_bundled_target_passes_with_and_without_the_fused_layers(dtype, monkeypatch):
     """The bundled target's logits for a prefill and a tree verify through the runner, fused and not:
     fp32 within 1e-5, bf16 within bf16 rounding; and the fused run really took the fused layers."""
