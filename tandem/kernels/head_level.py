@@ -98,7 +98,8 @@ def head_topk(r: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps: f
     return launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter)
 
 
-def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int = BLOCK_V, bk: int = BLOCK_K):
+def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int = BLOCK_V, bk: int = BLOCK_K,
+                     num_warps: int = 4):
     R, H = r.shape
     V = lm_w.shape[0]
     assert r.stride(-1) == 1 and delta.stride(-1) == 1 and lm_w.is_contiguous() and k <= bv
@@ -115,7 +116,7 @@ def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int = BLO
         counter = torch.zeros(1, dtype=torch.int32, device=dev)
     _head_topk_kernel[(nb,)](r, delta, norm_w, lm_w, out, ptok, pval, pstat, counter, tok, lp, R, H, V,
                              r.stride(0), delta.stride(0), eps, K=k, RP=rp, BV=bv, BK=bk, NB=nb,
-                             NBKP=pow2(nb * k), IEEE=r.dtype == torch.float32, num_warps=4)
+                             NBKP=pow2(nb * k), IEEE=r.dtype == torch.float32, num_warps=num_warps)
     return out, lp, tok
 
 
