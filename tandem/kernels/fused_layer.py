@@ -99,7 +99,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool
 QKV_BK, QKV_WARPS = 128, 4
 QKV_CB = 64  # columns of each rotary half a program (at most the half: one program a head)
 GATE_UP_BK, GATE_UP_WARPS = 128, 4
-LINEAR_BK, LINEAR_BN, LINEAR_WARPS = 128, 32, 4
+LINEAR_BK, LINEAR_BN, LINEAR_WARPS = 256, 16, 2  # best summed over o_proj and down_proj at 1-33 rows (H100)
 
 
 def _bk(K: int, bk: int) -> int:

@@ -93,5 +93,5 @@ def test_decode_with_and_without_the_kernels(monkeypatch):
     for on in ("1", "0"):
         monkeypatch.setenv("TANDEM_GEMV", on)
         r = Generator(model, None).generate(prompt, "ar", gen=GenerationConfig(max_new_tokens=24, ignore_eos=True))
-        outs.append(r.tokens)
+        outs.append(r.token_ids)
     assert outs[0] == outs[1]
