@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from tandem.kernels import fused_layer as fl
 
 def _close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal up to the order of fp32 sums: a relative (norm) error under 1e-6."""
+    """Equal up to the order of fp32 sums: a relative (norm) error under 4e-6 (a model's passes sum in another
+    order in every projection of every layer; a wrong row, column or mask gives errors of 1e-3 and more)."""
     assert got.shape == want.shape, (name, got.shape, want.shape)
     err = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
-    assert err < 1e-6, (name, err)
+    assert err < 4e-6, (name, err)
 
 
 def check_norm_qkv() -> None:
