@@ -33,7 +33,7 @@ class _Lifted:
 
 
 def check_gemv() -> None:
-    """x @ W.T over output widths that are not a multiple of the program's columns, inputs whose width
+    """x @ W.T (and a final norm's x + delta, RMSNorm, then x @ W.T) over output widths that are not a multiple of the program's columns, inputs whose width
     is not a multiple of the loop's step (it halves until it divides), several launch shapes."""
     g = torch.Generator().manual_seed(0)
     with _Lifted():
@@ -42,6 +42,9 @@ def check_gemv() -> None:
             x, w = torch.randn(1, K, generator=g), torch.randn(N, K, generator=g)
             assert gv.applies(x, w)
             _close(f"gemv {N}x{K}", gv.gemv(x, w, launch), F.linear(x, w))
+            d, ln = torch.randn(1, K, generator=g), 1 + 0.1 * torch.randn(K, generator=g)
+            _close(f"norm_gemv {N}x{K}", gv.norm_gemv(x, d, ln, 1e-5, w, launch), gv.norm_gemv_ref(x, d, ln, 1e-5, w),
+                   1e-4)
     print("gemv: ok")
 
 
@@ -102,8 +105,9 @@ def check_norm_qkv() -> None:
 
 
 def check_decode() -> None:
-    """A tiny model decoded greedily one row at a time through a runner (its layers' fused path) with
-    the GEMV kernels on gives the tokens, logits and target features of the same decode with them off."""
+    """A tiny model decoded greedily one row at a time through a runner (its layers' fused path, and the
+    final norm with the LM head in one GEMV) with the GEMV kernels on gives the tokens, logits and target
+    features of the same decode with them off."""
     from models_for_tests import tiny_model
 
     from tandem.runtime.runner import ModelRunner

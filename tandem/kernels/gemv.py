@@ -8,7 +8,8 @@ one row), and ~370 us went to small kernels between the GEMMs (add + RMSNorm 149
 reduce 120, RoPE + K/V store 52, SiLU * up 51) that gpt-fast's compiled graph folds into its GEMVs.
 Here a layer is
     norm_qkv_rope_store, attention, gemv (o_proj), norm_gate_up_silu, gemv (down)
-the launches of `fused_layer` (the small models' fused layer), for one row and any width.
+the launches of `fused_layer` (the small models' fused layer), for one row and any width; and the
+last residual add, the final norm and the LM head are one `norm_gemv`.
 
 Each program owns a few output columns and streams their weight rows over the whole input; the
 input row (a few KB, from L2) is re-read by every program. The RMSNorm needs the row's rms, which
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import fused_layer
-from tandem.kernels.fused import triton_enabled
+from tandem.kernels.fused import add_rmsnorm_ref, triton_enabled
 from tandem.kernels.fused_layer import norm_gate_up_silu_ref, norm_qkv_rope_store_ref
 
 try:  # Triton ships with CUDA builds of PyTorch only
@@ -40,10 +41,12 @@ except ImportError:  # pragma: no cover - CPU builds
 
 # Launch shapes, (BN output columns a program, BK input columns a loop step, warps), by kind; timed on
 # the GPU by bench/gpu_gemv.py, which can also write a table that `set_launch` loads.
+# The defaults: the best of bench/gpu_gemv.py's sweep at the Llama-3-8B shape (one H100, 2026-12-06; each kind's
+# summed time over its shapes): o_proj 12.98 us, down_proj 40.64, gate/up 82.79, q/k/v 20.24.
 LAUNCH: dict[str, tuple[int, int, int]] = {
-    "plain": (8, 512, 4),  # o_proj, down_proj
-    "gate_up": (4, 512, 4),  # gate/up with the norm in front and SiLU * up behind: 2 x BN weight rows
-    "qkv": (8, 512, 4),  # BN here: columns of each rotary half (2 x BN weight rows a program)
+    "plain": (2, 2048, 8),  # o_proj, down_proj, the LM head (norm_gemv)
+    "gate_up": (8, 512, 4),  # gate/up with the norm in front and SiLU * up behind: 2 x BN weight rows
+    "qkv": (4, 512, 4),  # BN here: columns of each rotary half (2 x BN weight rows a program)
 }
 
 
@@ -86,7 +89,24 @@ def gemv(x: torch.Tensor, w: torch.Tensor, launch: tuple[int, int, int] | None =
     BN, BK, warps = launch or LAUNCH["plain"]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, BN),)](x, x, x, w, x, out, N, K, 0.0, HAS_DELTA=False, NORM=False, SILU=False,
-                                        BN=BN, BK=_bk(K, BK), num_warps=warps)
+                                        STORE=False, BN=BN, BK=_bk(K, BK), num_warps=warps)
+    return out
+
+
+def norm_gemv_ref(x, delta, ln_w, eps, w):
+    """F.linear(rmsnorm(x + delta), w): a model's final norm and LM head. x, delta [M, K]."""
+    return F.linear(add_rmsnorm_ref(x, delta, ln_w, eps)[1], w)
+
+
+def norm_gemv(x, delta, ln_w, eps, w, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """norm_gemv_ref in one launch for one row: x, delta [1, K] -> [1, N] (the sum x + delta is not kept)."""
+    if not applies(x, w):
+        return norm_gemv_ref(x, delta, ln_w, eps, w)
+    N, K = w.shape
+    BN, BK, warps = launch or LAUNCH["plain"]
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(N, BN),)](x, delta, ln_w, w, x, out, N, K, eps, HAS_DELTA=True, NORM=True, SILU=False,
+                                        STORE=False, BN=BN, BK=_bk(K, BK), num_warps=warps)
     return out
 
 
@@ -100,8 +120,8 @@ def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up, launch: tuple[int, int, in
     s = torch.empty_like(x) if delta is not None else x
     out = torch.empty(1, inter, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(inter, BN),)](x, delta if delta is not None else x, ln_w, w_gate_up, s, out, inter, K,
-                                            eps, HAS_DELTA=delta is not None, NORM=True, SILU=True, BN=BN,
-                                            BK=_bk(K, BK), num_warps=warps)
+                                            eps, HAS_DELTA=delta is not None, NORM=True, SILU=True,
+                                            STORE=delta is not None, BN=BN, BK=_bk(K, BK), num_warps=warps)
     return s, out
 
 
@@ -153,7 +173,8 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, s_ptr, out_ptr, N, K, eps, HAS_DELTA: tl.constexpr,
-                     NORM: tl.constexpr, SILU: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     NORM: tl.constexpr, SILU: tl.constexpr, STORE: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
         # grid (cdiv(N, BN),): output columns [pid BN, pid BN + BN) of one row. SILU: they are gate columns,
         # and the up columns are weight rows N + col (a gate/up weight [2 N, K])
         pid = tl.program_id(0)
@@ -165,7 +186,7 @@ if triton is not None:
         sq = tl.zeros([BK], tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
-            h, v = _row_chunk(x_ptr, d_ptr, lw_ptr, s_ptr, kk, pid == 0, HAS_DELTA, NORM, HAS_DELTA)
+            h, v = _row_chunk(x_ptr, d_ptr, lw_ptr, s_ptr, kk, pid == 0, HAS_DELTA, NORM, STORE)
             sq += v * v
             w = tl.load(w_ptr + rows[:, None] + kk[None, :], mask=cm[:, None], other=0.0, eviction_policy="evict_first")
             acc += w.to(tl.float32) * h[None, :]
