@@ -3,6 +3,8 @@
 # Llama-3-8B layer shapes (bench/gpu_gemv.py, against cuBLAS and the small kernels), then Tandem's AR at the
 # Llama-3-8B shape with the sweep's shapes, gpt-fast's compiled AR in the same call, and Tandem's AR with the
 # kernels off (TANDEM_GEMV=0: cuBLAS, as before).
+# SWEEP=0: the kernels' default shapes (no sweep); OFF=0: no run with the kernels off; MBPP=1: the bundled pair with
+# the EAGLE-3 head on MBPP at the end; LANE_FILES: the lane's test files.
 #   bash bench/run_gpu_gemv.sh $OUT   (device tool: carry .data, with ../shared/peers/gpt-fast under .data/peers)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
@@ -10,7 +12,8 @@ DEADLINE=${DEADLINE:-570}; source bench/deadline.sh
 record_env; cat "$OUT/env.txt"
 if [ "${LANE:-1}" = 1 ]; then
   echo "== GPU lane"
-  within 150 python3 -m pytest -q -m cuda tests/gpu/test_gpu_gemv.py -p no:cacheprovider > "$OUT/lane.log" 2>&1
+  within 150 python3 -m pytest -q -m cuda ${LANE_FILES:-tests/gpu/test_gpu_gemv.py} -p no:cacheprovider \
+    > "$OUT/lane.log" 2>&1
   tail -1 "$OUT/lane.log"; grep -e "^FAILED" -e "^ERROR" -e "Error" "$OUT/lane.log" | head -10 | cut -c1-300
 fi
 TUNE=()
@@ -24,8 +27,15 @@ run_ar() {  # run_ar TAG: Tandem's AR at the llama3-8b shape (one-row step timin
   within 100 python3 bench/gpu_core.py --preset llama3-8b --rows 1 "${TUNE[@]}" --out "$OUT" > "$OUT/tandem_8b$1.txt" 2>&1
   grep -e "step rows" -e "AR end-to-end" -e "Error" "$OUT/tandem_8b$1.txt" | cut -c1-300
 }
-python3 bench/gpu_linear_kernels.py 2>&1 | grep -v Warn | tee "$OUT/linear_kernels.txt" | cut -c1-400
+[ "${SWEEP:-1}" = 1 ] && python3 bench/gpu_linear_kernels.py 2>&1 | grep -v Warn | tee "$OUT/linear_kernels.txt" | cut -c1-400
 echo "== tandem AR at the llama3-8b shape, GEMV kernels on"; run_ar ""
 echo "== gpt-fast compiled AR at the llama3-8b shape"
 [ "${PEER:-1}" = 1 ] && within 160 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast llama3-8b 2>&1 | grep '^{' | tee "$OUT/gptfast_8b.jsonl"
-echo "== tandem AR at the llama3-8b shape, GEMV kernels off"; TANDEM_GEMV=0 run_ar _gemv0
+[ "${OFF:-1}" = 1 ] && { echo "== tandem AR at the llama3-8b shape, GEMV kernels off"; TANDEM_GEMV=0 run_ar _gemv0; }
+if [ "${MBPP:-0}" = 1 ]; then  # the bundled pair with the EAGLE-3 head on MBPP (bf16, greedy, 128 new tokens)
+  echo "== mbpp, EAGLE-3 head"
+  within 80 python3 -m tandem bench --device cuda --dtype bfloat16 --workload mbpp --data-dir .data --num-prompts 10 \
+    --max-new-tokens 128 --methods ar,chain,tree --warmup 2 --max-prompt-tokens 384 --draft eagle3 --no-plots \
+    --allow-mismatch --out "$OUT/mbpp_eagle3" > "$OUT/mbpp_eagle3.log" 2>&1
+  grep -v -e "it/s" -e "req/s" "$OUT/mbpp_eagle3.log" | grep -e "^|" -e "Output check" -e "^- " -e "rror" | cut -c1-300
+fi
