@@ -172,6 +172,27 @@ if triton is not None:
         return v32, v32
 
     @triton.jit
+    def _dots(x_ptr, d_ptr, lw_ptr, s_ptr, w_ptr, r1, r2, m, K, first, HAS_DELTA: tl.constexpr, NORM: tl.constexpr,
+              STORE: tl.constexpr, TWO: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # the row's dot products [BN] with the weight rows at offsets r1 (and r2 where TWO; rows where m), and
+        # the sum of squares of its x + delta. The accumulators [BN, BK] are reduced once after the loop, so
+        # the loop is loads and FMAs
+        acc1 = tl.zeros([BN, BK], tl.float32)
+        acc2 = tl.zeros([BN, BK], tl.float32)
+        sq = tl.zeros([BK], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            h, v = _row_chunk(x_ptr, d_ptr, lw_ptr, s_ptr, kk, first, HAS_DELTA, NORM, STORE)
+            sq += v * v
+            w = tl.load(w_ptr + r1[:, None] + kk[None, :], mask=m[:, None], other=0.0, eviction_policy="evict_first")
+            acc1 += w.to(tl.float32) * h[None, :]
+            if TWO:
+                w = tl.load(w_ptr + r2[:, None] + kk[None, :], mask=m[:, None], other=0.0,
+                            eviction_policy="evict_first")
+                acc2 += w.to(tl.float32) * h[None, :]
+        return tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(sq, axis=0)
+
+    @triton.jit
     def _gemv_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, s_ptr, out_ptr, N, K, eps, HAS_DELTA: tl.constexpr,
                      NORM: tl.constexpr, SILU: tl.constexpr, STORE: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr):
@@ -181,26 +202,14 @@ if triton is not None:
         cols = pid * BN + tl.arange(0, BN)
         cm = cols < N
         rows = cols.to(tl.int64) * K  # weight row offsets
-        acc = tl.zeros([BN, BK], tl.float32)  # reduced once after the loop: the loop is loads and FMAs
-        accu = tl.zeros([BN, BK], tl.float32)
-        sq = tl.zeros([BK], tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            h, v = _row_chunk(x_ptr, d_ptr, lw_ptr, s_ptr, kk, pid == 0, HAS_DELTA, NORM, STORE)
-            sq += v * v
-            w = tl.load(w_ptr + rows[:, None] + kk[None, :], mask=cm[:, None], other=0.0, eviction_policy="evict_first")
-            acc += w.to(tl.float32) * h[None, :]
-            if SILU:
-                wu = tl.load(w_ptr + N * K + rows[:, None] + kk[None, :], mask=cm[:, None], other=0.0,
-                             eviction_policy="evict_first")
-                accu += wu.to(tl.float32) * h[None, :]
-        y = tl.sum(acc, axis=1)  # [BN]
+        y, u, sq = _dots(x_ptr, d_ptr, lw_ptr, s_ptr, w_ptr, rows, rows + N * K, cm, K, pid == 0, HAS_DELTA, NORM,
+                         STORE, SILU, BN, BK)
         if NORM:  # the norm's 1 / rms is a scalar of the row: applied after the sum
-            rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+            rstd = tl.rsqrt(sq / K + eps)
             y = y * rstd
+            u = u * rstd
         dt = out_ptr.dtype.element_ty
         if SILU:
-            u = tl.sum(accu, axis=1) * rstd
             g = y.to(dt).to(tl.float32)  # gate and up rounded as a projection's output, then silu_mul_ref
             y = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u.to(dt).to(tl.float32)
         tl.store(out_ptr + cols, y.to(dt), mask=cm)
@@ -216,21 +225,11 @@ if triton is not None:
         head = pid // (HALF // CB)
         i = (pid % (HALF // CB)) * CB + tl.arange(0, CB)  # columns of the first half; i + HALF their partners
         r1 = (head * 2 * HALF + i).to(tl.int64) * K
-        r2 = r1 + HALF * K
-        acc1 = tl.zeros([CB, BK], tl.float32)
-        acc2 = tl.zeros([CB, BK], tl.float32)
-        sq = tl.zeros([BK], tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            h, v = _row_chunk(x_ptr, d_ptr, lw_ptr, s_ptr, kk, pid == 0, HAS_DELTA, True, STORE_S)
-            sq += v * v
-            w1 = tl.load(w_ptr + r1[:, None] + kk[None, :], eviction_policy="evict_first")
-            w2 = tl.load(w_ptr + r2[:, None] + kk[None, :], eviction_policy="evict_first")
-            acc1 += w1.to(tl.float32) * h[None, :]
-            acc2 += w2.to(tl.float32) * h[None, :]
-        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-        a1 = (tl.sum(acc1, axis=1) * rstd)[None, :]  # [1, CB]: _qkv_store's [rows, CB] with one row
-        a2 = (tl.sum(acc2, axis=1) * rstd)[None, :]
+        y1, y2, sq = _dots(x_ptr, d_ptr, lw_ptr, s_ptr, w_ptr, r1, r1 + HALF * K, i < HALF, K, pid == 0, HAS_DELTA,
+                           True, STORE_S, True, CB, BK)
+        rstd = tl.rsqrt(sq / K + eps)
+        a1 = (y1 * rstd)[None, :]  # [1, CB]: _qkv_store's [rows, CB] with one row
+        a2 = (y2 * rstd)[None, :]
         if HAS_BIAS:
             n1 = head * 2 * HALF + i
             a1 = a1 + tl.load(b_ptr + n1).to(tl.float32)[None, :]
