@@ -57,10 +57,10 @@ def main() -> None:
                     t.copy_(v)
                 body(width)
                 torch.cuda.synchronize()
+                for t, v in zip(loop._state(), saved):  # (restored outside the profile: its copies are not the body's)
+                    t.copy_(v)
+                torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for t, v in zip(loop._state(), saved):
-                        t.copy_(v)
-                    torch.cuda.synchronize()
                     body(width)
                     torch.cuda.synchronize()
             ev = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
