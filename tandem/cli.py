@@ -30,8 +30,9 @@ SUBCOMMANDS = {
 def add_model_arguments(p: argparse.ArgumentParser, dtype_default: str = "float32") -> None:
     p.add_argument("--target", default=None, help="target checkpoint dir (default: the bundled pair)")
     p.add_argument("--draft", default=None,
-                   help="draft checkpoint dir (default: the bundled pair's draft when --target is not given; "
-                        "with --target, every method but ar needs --draft)")
+                   help="draft checkpoint dir, or a bundled drafter: draft, eagle3, block (default without --target: "
+                        "the bundled draft model; `generate` on cuda with auto, chain or tree: the bundled eagle3 "
+                        "head; with --target, every method but ar needs --draft)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu)")
     p.add_argument("--dtype", default=dtype_default, choices=["float32", "bfloat16", "float16"])
 
@@ -109,7 +110,7 @@ def _check_generate_args(args) -> None:
 
 def _generate(args) -> int:
     from tandem.runtime.generate import Generator
-    from tandem.runtime.pair import load_pair
+    from tandem.runtime.pair import default_drafter, load_pair
     from tandem.runtime.streaming import StopStreamer
 
     _check_generate_args(args)
@@ -120,6 +121,10 @@ def _generate(args) -> int:
     else:
         raise ConfigError("no prompt: give PROMPT or --prompt-file F")
     spec, sampling, gen = configs_from_args(args)
+    if args.target is None and args.draft is None:
+        args.draft = default_drafter(args.method, args.device, args.certified_head)
+        if args.draft is not None:
+            notice("drafter: the bundled EAGLE-3 head, the fastest on a GPU (--draft draft: the small draft model)")
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar")
     engine = Generator(pair.target, pair.draft, pair.tokenizer, certified_head=args.certified_head)
     ids = pair.tokenizer.encode(prompt).ids

@@ -103,3 +103,19 @@ def test_python_dash_m_works_the_same(ckpt):
     r = subprocess.run([sys.executable, "-m", "tandem", "generate", "abc", "--target", "/no/such/dir"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "does not exist" in r.stderr
+
+
+def test_the_default_drafter_is_the_eagle3_head_on_a_gpu_only(monkeypatch):
+    """Without --target and --draft, `generate` drafts with the bundled EAGLE-3 head on CUDA for auto, chain
+    and tree (the measured fastest there), and with the bundled draft model on the CPU, for the methods
+    that need a draft model (async, tlv), and with the certified head."""
+    from tandem.runtime import pair
+
+    for method in ("auto", "chain", "tree", "ar", "async", "tlv"):
+        assert pair.default_drafter(method, "cpu") is None
+    monkeypatch.setattr(pair.torch.cuda, "is_available", lambda: True)  # (only the device's name is resolved)
+    assert [pair.default_drafter(m, "cuda") for m in ("auto", "chain", "tree")] == ["eagle3"] * 3
+    assert pair.default_drafter("async", "cuda") is None and pair.default_drafter("tlv", "cuda") is None
+    assert pair.default_drafter("tree", "cuda", certified_head=True) is None
+    assert pair.default_drafter("tree", "auto") == "eagle3"  # --device auto with a GPU visible
+    assert pair.GPU_DEFAULT_DRAFTER in pair.BUNDLED_DRAFTERS

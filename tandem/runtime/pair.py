@@ -58,6 +58,22 @@ def resolve_device(name: str | None) -> torch.device:
     return torch.device(name)
 
 
+# Which bundled drafter a single request gets when none is named, by device. On a GPU the EAGLE-3 head: MBPP,
+# bf16, one H100 (2026-12-06, bench/results/h100-2026-12-06-gemv/call3 and h100-2026-12-06-head): `tree` 2.35x
+# `ar` with the head, 1.40x with the small draft model. On the CPU the small draft model: there the two were
+# even (`auto` 1.19x and 1.32x with overlapping intervals, 8 held-out source prompts), and it is the drafter
+# every method runs (`async` and `tlv` need a draft model).
+GPU_DEFAULT_DRAFTER = "eagle3"
+
+
+def default_drafter(method: str, device: str | None, certified_head: bool = False) -> str | None:
+    """The bundled drafter `tandem generate` loads when neither --target nor --draft is given: a name of
+    BUNDLED_DRAFTERS, or None for the bundled pair's own draft model."""
+    if method in ("auto", "chain", "tree") and not certified_head and resolve_device(device).type == "cuda":
+        return GPU_DEFAULT_DRAFTER
+    return None
+
+
 @dataclass
 class Pair:
     target: torch.nn.Module
