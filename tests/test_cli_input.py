@@ -236,7 +236,8 @@ def test_shape_mismatch_names_the_checkpoint(tiny_checkpoint, tmp_path, capsys):
 def test_help_and_version(capsys):
     sub = build_parser()._subparsers._group_actions[0].choices["generate"]
     draft_help = next(a.help for a in sub._actions if "--draft" in a.option_strings)
-    assert "when --target is not given" in draft_help
+    assert "default without --target: the bundled draft model" in draft_help
+    assert "on cuda with auto, chain or tree: the bundled eagle3 head" in draft_help
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0
