@@ -20,6 +20,9 @@ the normalised row to the dtype before the product): outputs agree to the dtype'
 the greedy tokens of a bf16 model may differ at near-ties, as they already do between cuBLAS's
 one-row and many-row kernels. Verify passes (many rows) keep cuBLAS.
 
+Measured (one H100, bench/results/h100-2026-12-06-gemv): Tandem's `ar` at the Llama-3-8B shape went
+from 6.439 to 5.836 ms/token with these kernels (gpt-fast's compiled loop: 5.995 in the same call).
+
 The `*_ref` functions are the semantics and what runs off CUDA.
 """
 from __future__ import annotations
@@ -39,10 +42,10 @@ try:  # Triton ships with CUDA builds of PyTorch only
 except ImportError:  # pragma: no cover - CPU builds
     triton = None
 
-# Launch shapes, (BN output columns a program, BK input columns a loop step, warps), by kind; timed on
-# the GPU by bench/gpu_gemv.py, which can also write a table that `set_launch` loads.
-# The defaults: the best of bench/gpu_gemv.py's sweep at the Llama-3-8B shape (one H100, 2026-12-06; each kind's
-# summed time over its shapes): o_proj 12.98 us, down_proj 40.64, gate/up 82.79, q/k/v 20.24.
+# Launch shapes, (BN output columns a program, BK input columns a loop step, warps), by kind: the best of
+# bench/gpu_gemv.py's sweep at the Llama-3-8B shape (one H100, 2026-12-06; each kind's summed time over its
+# shapes): o_proj 12.98 us, down_proj 40.64, gate/up 82.79, q/k/v 20.24. The sweep also writes a table that
+# `set_launch` loads (bench/gpu_core.py --gemv-launch).
 LAUNCH: dict[str, tuple[int, int, int]] = {
     "plain": (2, 2048, 8),  # o_proj, down_proj, the LM head (norm_gemv)
     "gate_up": (8, 512, 4),  # gate/up with the norm in front and SiLU * up behind: 2 x BN weight rows
