@@ -3,7 +3,7 @@
 # Llama-3-8B layer shapes (bench/gpu_gemv.py, against cuBLAS and the small kernels), then Tandem's AR at the
 # Llama-3-8B shape with the sweep's shapes, gpt-fast's compiled AR in the same call, and Tandem's AR with the
 # kernels off (TANDEM_GEMV=0: cuBLAS, as before).
-# SWEEP=0: the kernels' default shapes (no sweep); OFF=0: no run with the kernels off; MBPP=1: the bundled pair with
+# SWEEP=0: the kernels' default shapes (no sweep); SKINNY=1: bench/gpu_skinny.py after the sweep; OFF=0: no run with the kernels off; MBPP=1: the bundled pair with
 # the EAGLE-3 head on MBPP at the end; LANE_FILES: the lane's test files.
 #   bash bench/run_gpu_gemv.sh $OUT   (device tool: carry .data, with ../shared/peers/gpt-fast under .data/peers)
 set -uo pipefail
@@ -22,6 +22,11 @@ if [ "${SWEEP:-1}" = 1 ]; then
   (cd bench && within 220 python3 gpu_gemv.py --preset llama3-8b --out "$OUT" > "$OUT/sweep.log" 2>&1)
   sed -n '/^best per op/,$p' "$OUT/sweep.log" | head -8; grep -e "Error" "$OUT/sweep.log" | head -5 | cut -c1-300
   [ -f "$OUT/gemv_launch.json" ] && TUNE=(--gemv-launch "$OUT/gemv_launch.json") && cat "$OUT/gemv_launch.json"; echo
+fi
+if [ "${SKINNY:-0}" = 1 ]; then  # the fused layer kernels against cuBLAS at a large model's 2-16-row passes
+  echo "== few-row passes (bench/gpu_skinny.py)"
+  (cd bench && within 200 python3 gpu_skinny.py --preset llama3-8b > "$OUT/skinny.log" 2>&1)
+  sed -n '/^best fused variant/,$p' "$OUT/skinny.log"; grep -e "Error" "$OUT/skinny.log" | head -5 | cut -c1-300
 fi
 run_ar() {  # run_ar TAG: Tandem's AR at the llama3-8b shape (one-row step timing and end to end)
   within 100 python3 bench/gpu_core.py --preset llama3-8b --rows 1 "${TUNE[@]}" --out "$OUT" > "$OUT/tandem_8b$1.txt" 2>&1
