@@ -1,6 +1,7 @@
 """Which kernels (and device copies) one F.linear launches at one and at 33 rows, for the bundled target's
-o_proj / down_proj and the Llama-3-8B o_proj (torch profiler, eager). The resident loop's profiles show one
-"Memcpy DtoD" per cuBLAS GEMM of a pass; this says whether F.linear itself makes it.
+o_proj / down_proj and the Llama-3-8B o_proj (torch profiler, eager). Written to find the source of the
+"Memcpy DtoD" lines in the resident loop's profiles: F.linear makes none (one H100, 2026-12-06: one cuBLAS
+kernel, plus a split-K reduce at 4096 x 4096); they were bench/gpu_profile_resident.py's own state restores.
     python bench/gpu_linear_kernels.py
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ A layer was
     add+RMSNorm, q/k/v GEMM, RoPE+K/V store, attention, o GEMM, add+RMSNorm, gate/up GEMM,
     SiLU*mul, down GEMM
 and here it is
-    norm_qkv_rope_store, attention, o GEMM, norm_gate_up_silu, down GEMM.
+    norm_qkv_rope_store, attention, linear (o_proj), norm_gate_up_silu, linear (down_proj).
 
 Each fused kernel gives every program the whole rows of its input (K <= MAX_K columns): it
 recomputes the rows' x + delta and their RMSNorm itself (a few hundred values a row: nothing
@@ -18,8 +18,8 @@ accumulators), `norm_gate_up_silu` one per block of gate columns with the matchi
 The arithmetic is the unfused path's, rounding for rounding (the sum x + delta, the normalised
 rows, the weight product, the projection's output and the rotation each rounded to the model's
 dtype where the torch ops round), except the order of the projection's fp32 accumulation, which
-cuBLAS does not fix either. Large models (K > MAX_K) keep cuBLAS: there a layer is bandwidth-
-bound and cuBLAS streams at ~96% of the floor (bench/results/h200-2026-11-29).
+cuBLAS does not fix either. Large models (K > MAX_K) are bandwidth-bound: one row of theirs runs
+tandem.kernels.gemv's streaming kernels, and passes of more rows keep cuBLAS.
 
 The `*_ref` functions are the semantics and what runs off CUDA.
 """
@@ -123,8 +123,8 @@ def norm_qkv_rope_store(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x [M, K], w [N, K]) (a fused layer's o_proj and down_proj) as one Triton kernel on CUDA,
-    where `applies`: each cuBLAS call of a pass came with a device copy in the resident loop's profiles
-    (bench/gpu_linear_kernels.py looks for its source). TANDEM_FUSED_LINEAR=0: cuBLAS (the A/B switch)."""
+    where `applies`: 0.5-1 us faster than cuBLAS a call at the bundled pair's shapes, 1-33 rows
+    (bench/gpu_small_kernels.py, one H100). TANDEM_FUSED_LINEAR=0: cuBLAS (the A/B switch)."""
     if not applies(x, w) or os.environ.get("TANDEM_FUSED_LINEAR", "1") == "0":
         return F.linear(x, w)
     return launch_linear(x, w)

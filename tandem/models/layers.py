@@ -185,10 +185,8 @@ def fusable(attn: Attention, mlp: MLP, x: torch.Tensor, qkv_input: int | None = 
 def gemv_fusable(attn: Attention, mlp: MLP, x: torch.Tensor) -> bool:
     """Whether one row x [1, hidden] of a large model's `_plain` layer runs as tandem.kernels.gemv's
     kernels (every projection a streaming GEMV)."""
-    if not _plain(attn, mlp) or x.shape[0] != 1:
-        return False
     h = mlp.down_proj.weight
-    return (gemv.applies(x, attn.qkv_weight) and gemv.applies(x, attn.o_proj.weight)
+    return (_plain(attn, mlp) and gemv.applies(x, attn.qkv_weight) and gemv.applies(x, attn.o_proj.weight)
             and gemv.applies(x, mlp.gate_up_weight) and gemv.applies(x, h, h.shape[1]))
 
 
@@ -204,33 +202,18 @@ def fused_layer_forward(attn: Attention, mlp: MLP, ln1: RMSNorm, ln2: RMSNorm, x
                         slots, mask, resid_out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """DecoderLayer.forward as five launches: (x + delta, norm, q/k/v, RoPE, K/V store), attention,
     o_proj, (residual add, norm, gate/up, SiLU * up), down_proj; a small model's through
-    tandem.kernels.fused_layer (o_proj and down_proj on cuBLAS), one row of a large model's through
-    tandem.kernels.gemv. Returns (residual, MLP output); x may be a strided slice (rows [1, T,
+    tandem.kernels.fused_layer, one row of a large model's through tandem.kernels.gemv. Returns (residual, MLP output); x may be a strided slice (rows [1, T,
     hidden] with a unit column stride); `resid_out` [T, hidden]: where x + delta goes."""
     _, T, hid = x.shape
     H, D = attn.n_heads, attn.head_dim
-    if fusable(attn, mlp, x[0]):
-        ops = fused_layer
-
-        def o_proj(t):
-            return fused_layer.linear(t[0], attn.o_proj.weight)[None]
-
-        def down_proj(t):
-            return fused_layer.linear(t, mlp.down_proj.weight)
-    else:
-        ops = gemv
-
-        def o_proj(t):
-            return gemv.gemv(t[0], attn.o_proj.weight)[None]
-
-        def down_proj(t):
-            return gemv.gemv(t, mlp.down_proj.weight)
+    # the small model's kernels, or one row of a large model's (the caller checked that one applies)
+    ops, linear = (fused_layer, fused_layer.linear) if fusable(attn, mlp, x[0]) else (gemv, gemv.gemv)
     k, v = cache.layer_kv(attn.layer_idx)  # [1, Hkv, capacity, D] each
     d = None if delta is None else delta.reshape(T, hid)
     s, q = ops.norm_qkv_rope_store(x[0], d, ln1.weight, ln1.eps, attn.qkv_weight, attn.qkv_bias, positions.reshape(T),
                                    inv_freq, H, attn.n_kv, k, v, slots.reshape(T), resid_out)
     width = mask.shape[-1]
     out = cached_attention(q[None], k[:, :, :width], v[:, :, :width], mask)  # [1, T, H, D]
-    a = o_proj(out.reshape(1, T, H * D))
-    s, h = ops.norm_gate_up_silu(s, a[0], ln2.weight, ln2.eps, mlp.gate_up_weight)
-    return s[None], down_proj(h)[None]
+    a = linear(out.reshape(T, H * D), attn.o_proj.weight)  # [T, hidden]
+    s, h = ops.norm_gate_up_silu(s, a, ln2.weight, ln2.eps, mlp.gate_up_weight)
+    return s[None], linear(h, mlp.down_proj.weight)[None]
