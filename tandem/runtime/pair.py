@@ -60,9 +60,10 @@ def resolve_device(name: str | None) -> torch.device:
 
 # Which bundled drafter a single request gets when none is named, by device. On a GPU the EAGLE-3 head: MBPP,
 # bf16, one H100 (2026-12-06, bench/results/h100-2026-12-06-gemv/call3 and h100-2026-12-06-head): `tree` 2.35x
-# `ar` with the head, 1.40x with the small draft model. On the CPU the small draft model: there the two were
-# even (`auto` 1.19x and 1.32x with overlapping intervals, 8 held-out source prompts), and it is the drafter
-# every method runs (`async` and `tlv` need a draft model).
+# `ar` with the head, 1.40x with the small draft model (each against `ar` in its own call). On the CPU the small
+# draft model: there the two were even (`auto` 1.19x and 1.32x with overlapping intervals, this 2-core machine,
+# 2026-12-06: `tandem bench --workload source --num-prompts 8 --max-new-tokens 96 --methods ar,chain,tree,auto
+# --warmup 1 --draft draft|eagle3`), and it is the drafter every method runs (`async` and `tlv` need one).
 GPU_DEFAULT_DRAFTER = "eagle3"
 
 
