@@ -34,7 +34,7 @@ def check_head_topk() -> None:
         lm = torch.randn(V, H, generator=g) * 2 / H ** 0.5
         out_ref, lp_ref, tok_ref = hl.head_topk_ref(r, d, nw, 1e-5, lm, k)
         for _ in range(2):
-            out, lp, tok = hl.launch_head_topk(r, d, nw, 1e-5, lm, k, counter, bv=bv, bk=bk)
+            out, lp, tok, _ = hl.launch_head_topk(r, d, nw, 1e-5, lm, k, counter, bv=bv, bk=bk)
             assert torch.equal(out, out_ref), (R, H, V)
             assert torch.equal(tok, tok_ref), (R, H, V, k, tok, tok_ref)
             _close(f"log-probs {R}x{H}x{V}", lp, lp_ref)
@@ -46,8 +46,28 @@ def check_head_topk() -> None:
     lm[7, 0] = 2.0
     r = torch.zeros(2, H)
     r[:, 0] = 1.0
-    _, lp, tok = hl.launch_head_topk(r, torch.zeros_like(r), torch.ones(H), 1e-5, lm, 4, counter, bv=128, bk=32)
+    _, lp, tok, _ = hl.launch_head_topk(r, torch.zeros_like(r), torch.ones(H), 1e-5, lm, 4, counter, bv=128,
+                                        bk=32)
     assert tok.tolist() == [[7, 3, 200, 201]] * 2, tok
+    # a 16-bit model's keys hold the score's own 16 bits and the id (fp16 here: the interpreter has no
+    # bf16 arithmetic; the GPU lane runs bf16): negative scores, ties, and a random case equal the reference
+    lm = torch.zeros(V, H)
+    lm[:, 0] = -3.0
+    lm[[3, 200, 201, 450], 0] = -1.0
+    lm[7, 0] = -0.5
+    h16 = torch.float16
+    _, lp, tok, _ = hl.launch_head_topk(r.to(h16), torch.zeros_like(r).to(h16), torch.ones(H).to(h16), 1e-5,
+                                        lm.to(h16), 4, counter, bv=128, bk=32)
+    assert tok.tolist() == [[7, 3, 200, 201]] * 2, tok
+    assert lp[0, 1] == lp[0, 2] == lp[0, 3] < lp[0, 0] < 0, lp
+    R, H, V = 5, 64, 1000
+    r, d = torch.randn(R, H, generator=g).to(h16), torch.randn(R, H, generator=g).to(h16)
+    nw = (1 + 0.1 * torch.randn(H, generator=g)).to(h16)
+    lm = (torch.randn(V, H, generator=g) * 2 / H ** 0.5).to(h16)
+    out_ref, lp_ref, tok_ref = hl.head_topk_ref(r, d, nw, 1e-5, lm, 4)
+    out, lp, tok, _ = hl.launch_head_topk(r, d, nw, 1e-5, lm, 4, counter, bv=128, bk=32)
+    assert torch.equal(out, out_ref) and torch.equal(tok, tok_ref), (tok, tok_ref)
+    _close("fp16 log-probs", lp, lp_ref, 1e-2)
     print("head_topk: ok")
 
 
@@ -146,7 +166,8 @@ def check_eagle_qkv() -> None:
 def check_levels() -> None:
     """A tiny EAGLE-3 head's levels (HeadLevels) with every kernel on (the interpreter standing in for
     CUDA: the dispatchers' device test lifted) grow the same nodes as with none: the glue (the
-    gather through `src`, rows, the counter, the masks) is checked, not only the kernels."""
+    gather through `src`, rows, the counter, the masks, each level's glue in its top-k kernel, the
+    root's in the context pass's) is checked, not only the kernels."""
     from models_for_tests import random_eagle3_head, tiny_model
 
     import tandem.kernels.attention as att
@@ -167,9 +188,10 @@ def check_levels() -> None:
         hidden = torch.randn(prefix, tc.hidden_size, generator=torch.Generator().manual_seed(7))
         with torch.no_grad():
             mask = torch.ones(prefix, runner.width_for(prefix + lv.rows), dtype=torch.bool).tril()
-            root = head.layer_topk(ids, hidden, torch.arange(prefix), runner.cache, torch.arange(prefix), mask, w,
-                                   rows=1, counter=lv.counter)
             lv.prefix.fill_(prefix)
+            # the root's glue in the context pass's top-k (the resident loop's way) for w = 3
+            root = head.layer_topk(ids, hidden, torch.arange(prefix), runner.cache, torch.arange(prefix), mask, w,
+                                   rows=1, counter=lv.counter, glue=lv.glue(0, mask.shape[-1]) if w == 3 else None)
             lv._levels(mask.shape[-1], root)
         M = min(9, lv.nodes) + 1
         tree = (torch.zeros(M, dtype=torch.long), torch.zeros(M, dtype=torch.long), torch.zeros(M, dtype=torch.long),

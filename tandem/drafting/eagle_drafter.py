@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from tandem.config import SpecConfig
-from tandem.kernels.resident import level_step, topk_logprobs
+from tandem.kernels.head_level import LevelGlue
+from tandem.kernels.resident import topk_logprobs
 from tandem.runtime.runner import ModelRunner
 from tandem.tree.draft_tree import DraftTree
 from tandem.verify.verifier import VerifyResult
@@ -88,6 +89,11 @@ class HeadLevels:
             self._graphs[width].replay()
         return self.out.cpu().numpy()
 
+    def glue(self, d: int, width: int) -> LevelGlue:
+        """Level d's glue over these buffers (d = 0: the root's children)."""
+        return LevelGlue(self.model.d2t, self.tok, self.par, self.lp, self.fed, self.ids, self.src, self.anc,
+                         self.prefix, d, width, d + 1 < self.depth)
+
     def _levels(self, width: int, root: tuple[torch.Tensor, ...] | None = None) -> None:
         """All levels at this attention width. Per level: the head's pass over the w fed nodes and
         their top-w children (Eagle3Head.layer_topk: with the fused layer, the gather of each fed
@@ -95,9 +101,10 @@ class HeadLevels:
         (tandem.kernels.resident.level_step: the new nodes, the next fed nodes, their ancestry and
         the next mask; one program on CUDA).
 
-        root: (log-probs [1, w], draft ids [1, w], hidden [1, H]) of the root's children, when the
-        caller's context pass computed them (the resident loop); else they come from root_logits
-        and root_hidden."""
+        root: (log-probs [1, w], draft ids [1, w], hidden [1, H], the mask of level 1 or None) of
+        the root's children, when the caller's context pass computed them (the resident loop; the
+        mask when that pass ran `glue(0, width)` too); else they come from root_logits and
+        root_hidden."""
         w, model, cache = self.w, self.model, self.runner.cache
         prefix = self.prefix  # [1]
         # positions and cache slots of every level's rows (level d: position prefix - 1 + d).
@@ -107,17 +114,17 @@ class HeadLevels:
         slots = prefix + self.level_slot  # [passes, w]
         if root is None:
             lp1, d1 = topk_logprobs(self.root_logits[None], w)  # [1, w] each
-            hidden = self.root_hidden[None]  # [1, H]
+            hidden, mask = self.root_hidden[None], None  # [1, H]
         else:
-            lp1, d1, hidden = root
-        mask = level_step(d1, lp1, model.d2t, self.tok, self.par, self.lp, self.fed, self.ids, self.src, self.anc,
-                          prefix, 0, width, self.depth > 1)
+            lp1, d1, hidden, mask = root
+        if mask is None:
+            mask = self.glue(0, width).run(d1, lp1)
         for d in range(1, self.depth):
-            # each fed node reads its parent's output row: hidden[src] (level 1: the root's, src = 0)
-            clp, cd, hidden = model.layer_topk(self.ids, hidden, pos[d - 1], cache, slots[d - 1], mask, w,
-                                               src=self.src, counter=self.counter)  # [w, w], [w, w], [w, H]
-            mask = level_step(cd, clp, model.d2t, self.tok, self.par, self.lp, self.fed, self.ids, self.src,
-                              self.anc, prefix, d, width, d + 1 < self.depth)
+            # each fed node reads its parent's output row: hidden[src] (level 1: the root's, src = 0);
+            # the level's glue runs in the top-k kernel's merging program
+            _, _, hidden, mask = model.layer_topk(self.ids, hidden, pos[d - 1], cache, slots[d - 1], mask, w,
+                                                  src=self.src, counter=self.counter,
+                                                  glue=self.glue(d, width))  # [w, H], [w, width]
 
     def _host_levels(self, width: int) -> None:
         """_levels, then the nodes into the one buffer the host reads."""
@@ -154,14 +161,15 @@ class DraftAsHead:
         self.d2t = torch.zeros(self.draft_vocab_size, dtype=torch.long, device=model.device)  # one vocabulary
 
     def layer_topk(self, ids, hidden, positions, cache, slots, mask, k: int, rows: int | None = None, src=None,
-                   counter=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   counter=None, glue: LevelGlue | None = None):
         """Eagle3Head.layer_topk's contract (hidden and src unused): ids, positions, slots [T], mask
-        [T, W] -> the k best children of the last `rows` rows, and an empty hidden [rows, 0]."""
+        [T, W] -> the k best children of the last `rows` rows, an empty hidden [rows, 0], and the
+        glue's next mask (or None)."""
         T = ids.shape[0]
         rows = T if rows is None else rows
         logits = self.model(ids[None], positions[None], cache, slots[None], mask[None, None])  # [1, T, V]
         lp, tok = topk_logprobs(logits[0, T - rows:], k)
-        return lp, tok, logits.new_zeros(rows, 0)
+        return lp, tok, logits.new_zeros(rows, 0), None if glue is None else glue.run(tok, lp)
 
 
 

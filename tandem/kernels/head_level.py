@@ -19,12 +19,13 @@ them up to the order of fp32 sums (tests/head_level_checks.py, under Triton's in
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from tandem.kernels import fused_layer
 from tandem.kernels.fused import embed_norms_ref, pow2, rmsnorm_ref, triton_enabled
-from tandem.kernels.resident import ancestors, key_index, score_keys, topk_logprobs
+from tandem.kernels.resident import ancestors, key_index, level_step, score_keys, topk_logprobs
 
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
@@ -36,6 +37,9 @@ BLOCK_V = 128  # vocabulary entries per program of head_topk
 BLOCK_K = 128  # hidden columns per step of its product (bench/gpu_small_kernels.py: 11.8 us at 8 warps, 13.4
 #                 at 64 columns and 4 warps, one H100, the bundled head)
 TOPK_WARPS = 8
+# eagle_qkv's launch: columns of each rotary half a program (the bundled head: 10 heads x 32 columns a half,
+# so 16 gives 20 programs where 32 gave 10), input columns a step, warps (bench/gpu_small_kernels.py)
+QKV_CB, QKV_BK, QKV_WARPS = 16, 128, 4
 
 
 # ---- references -----------------------------------------------------------------------------
@@ -92,34 +96,76 @@ def enabled(t: torch.Tensor) -> bool:
 
 
 def head_topk(r: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps: float, lm_w: torch.Tensor, k: int,
-              counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """head_topk_ref in one launch on CUDA. counter: an int32 [1] zero that the kernel leaves zero
-    (a static one per caller, so a captured graph replays it); None allocates one."""
+              counter: torch.Tensor | None = None, glue: "LevelGlue | None" = None):
+    """head_topk_ref in one launch on CUDA -> (out, log-probs, draft ids, mask). counter: an int32 [1] zero
+    that the kernel leaves zero (a static one per caller, so a captured graph replays it); None allocates
+    one. glue: a tree level's glue to run on the k best children of each row (tandem.kernels.resident.
+    level_step: in the kernel's merging program on CUDA, which saves the glue its own launch); mask is
+    what level_step returns (None without glue)."""
     if not enabled(r):
-        return head_topk_ref(r, delta, norm_w, eps, lm_w, k)
-    return launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter)
+        out, lp, tok = head_topk_ref(r, delta, norm_w, eps, lm_w, k)
+        return out, lp, tok, None if glue is None else glue.run(tok, lp)
+    if glue is not None and os.environ.get("TANDEM_HEAD_GLUE", "1") == "0":  # the A/B switch: a launch of its own
+        out, lp, tok, _ = launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter)
+        return out, lp, tok, glue.run(tok, lp)
+    return launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter, glue=glue)
+
+
+@dataclass(frozen=True)
+class LevelGlue:
+    """level_step's arguments other than the children (HeadLevels' node buffers, the level d, the
+    attention width, whether to prepare the next level): what head_topk runs after a level's top-k."""
+    d2t: torch.Tensor
+    tok: torch.Tensor
+    par: torch.Tensor
+    lp: torch.Tensor
+    fed: torch.Tensor
+    ids: torch.Tensor
+    src: torch.Tensor
+    anc: torch.Tensor
+    prefix: torch.Tensor
+    d: int
+    width: int
+    prep: bool
+
+    def run(self, ctok: torch.Tensor, clp: torch.Tensor) -> torch.Tensor | None:
+        """level_step on its own (the unfused paths)."""
+        return level_step(ctok, clp, self.d2t, self.tok, self.par, self.lp, self.fed, self.ids, self.src, self.anc,
+                          self.prefix, self.d, self.width, self.prep)
 
 
 def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int = BLOCK_V, bk: int = BLOCK_K,
-                     num_warps: int = TOPK_WARPS):
+                     num_warps: int = TOPK_WARPS, glue: LevelGlue | None = None):
     R, H = r.shape
     V = lm_w.shape[0]
     assert r.stride(-1) == 1 and delta.stride(-1) == 1 and lm_w.is_contiguous() and k <= bv
     dev = r.device
     nb = triton.cdiv(V, bv)
     rp = max(16, pow2(R))  # tl.dot's smallest row block
+    # a key packs a score and its vocabulary id in 32 bits where both fit (16-bit dtypes, V <= 2^16)
+    key64 = r.dtype == torch.float32 or V > 1 << 16
     out = torch.empty(R, H, device=dev, dtype=r.dtype)
-    ptok = torch.empty(nb, rp, k, dtype=torch.int32, device=dev)
-    pval = torch.empty(nb, rp, k, dtype=torch.float32, device=dev)
+    pkey = torch.empty(nb, rp, k, dtype=torch.int64 if key64 else torch.int32, device=dev)
     pstat = torch.empty(2, nb, rp, dtype=torch.float32, device=dev)
     tok = torch.empty(R, k, dtype=torch.long, device=dev)
     lp = torch.empty(R, k, dtype=torch.float32, device=dev)
     if counter is None:
         counter = torch.zeros(1, dtype=torch.int32, device=dev)
-    _head_topk_kernel[(nb,)](r, delta, norm_w, lm_w, out, ptok, pval, pstat, counter, tok, lp, R, H, V,
-                             r.stride(0), delta.stride(0), eps, K=k, RP=rp, BV=bv, BK=bk, NB=nb,
-                             NBKP=pow2(nb * k), IEEE=r.dtype == torch.float32, num_warps=num_warps)
-    return out, lp, tok
+    mask = None
+    if glue is None:
+        g = (tok,) * 10 + (0, 0)
+        gshape = dict(GP=1, GNP=1, GR=1, GRP=1, PREP=False)
+    else:
+        ra = glue.anc.shape[0]
+        mask = torch.empty(k, glue.width, dtype=torch.bool, device=dev) if glue.prep else glue.anc
+        g = (glue.d2t, glue.tok, glue.par, glue.lp, glue.fed, glue.ids, glue.src, glue.anc, mask, glue.prefix,
+             glue.d, glue.width)
+        gshape = dict(GP=R, GNP=pow2(R * k), GR=ra, GRP=pow2(ra), PREP=glue.prep)
+    _head_topk_kernel[(nb,)](r, delta, norm_w, lm_w, out, pkey, pstat, counter, tok, lp, R, H, V, r.stride(0),
+                             delta.stride(0), eps, *g, K=k, RP=rp, BV=bv, BK=bk, NB=nb, NBKP=pow2(nb * k),
+                             IEEE=r.dtype == torch.float32, KEY64=key64, GLUE=glue is not None, **gshape,
+                             num_warps=num_warps)
+    return out, lp, tok, mask if glue is not None and glue.prep else None
 
 
 def eagle_qkv(ids, embed, hidden, src, w_embed, w_hidden, eps, w_qkv, positions, inv_freq, n_q, n_kv, k_cache,
@@ -133,7 +179,7 @@ def eagle_qkv(ids, embed, hidden, src, w_embed, w_hidden, eps, w_qkv, positions,
 
 
 def launch_eagle_qkv(ids, embed, hidden, src, w_embed, w_hidden, eps, w_qkv, positions, inv_freq, n_q, n_kv, k_cache,
-                     v_cache, slots, bk: int | None = None, cb: int | None = None):
+                     v_cache, slots, bk: int | None = None, cb: int | None = None, num_warps: int | None = None):
     T, H = ids.shape[0], hidden.shape[-1]
     heads = n_q + 2 * n_kv
     D = w_qkv.shape[0] // heads
@@ -143,13 +189,13 @@ def launch_eagle_qkv(ids, embed, hidden, src, w_embed, w_hidden, eps, w_qkv, pos
     q = torch.empty(T, n_q, D, dtype=dt, device=dev)
     h = torch.empty(T, H, dtype=dt, device=dev)
     hn = torch.empty(T, H, dtype=dt, device=dev)
-    CB = min(cb or fused_layer.QKV_CB, D // 2)
-    BK = min(bk or fused_layer.QKV_BK, pow2(H))
+    CB = min(cb or QKV_CB, D // 2)
+    BK = min(bk or QKV_BK, pow2(H))
     _eagle_qkv_kernel[(heads * (D // 2 // CB), triton.cdiv(T, fused_layer.BLOCK_M))](
         ids, embed, hidden, src if src is not None else ids, w_embed, w_hidden, w_qkv, positions, slots, inv_freq,
         h, hn, q, k_cache, v_cache, T, H, eps, hidden.stride(0), k_cache.stride(1), k_cache.stride(2), N_Q=n_q,
         N_KV=n_kv, HALF=D // 2, GATHER=src is not None, BM=fused_layer.BLOCK_M, BK=BK, CB=CB,
-        IEEE=dt == torch.float32, num_warps=fused_layer.QKV_WARPS)
+        IEEE=dt == torch.float32, num_warps=num_warps or QKV_WARPS)
     return q, h, hn
 
 
@@ -176,13 +222,56 @@ def launch_head_select(lp, tok, par, root, width, max_depth, n, out) -> None:
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
     from tandem.kernels.fused_layer import _mm, _normed, _qkv_store
-    from tandem.kernels.resident import _best_n, _finish_tree
+    from tandem.kernels.resident import _best_n, _finish_tree, _level_glue
 
     @triton.jit
-    def _head_topk_kernel(r_ptr, d_ptr, nw_ptr, w_ptr, out_ptr, ptok_ptr, pval_ptr, pstat_ptr, cnt_ptr, tok_ptr,
-                          lp_ptr, R, H, V, sr, sd, eps, K: tl.constexpr, RP: tl.constexpr, BV: tl.constexpr,
-                          BK: tl.constexpr, NB: tl.constexpr, NBKP: tl.constexpr, IEEE: tl.constexpr):
+    def _key(x, idx, DT: tl.constexpr, KEY64: tl.constexpr):
+        # one integer per (score, index) ordered as the score, ties to the lower index, so a top-k step
+        # is one max reduction (a max and an arg-min before). x: fp32 holding values of the model dtype
+        # DT; idx < 2^16 unless KEY64. A 16-bit dtype's score needs only its own 16 bits.
+        x = tl.where(x == 0.0, 0.0, x)  # -0.0 ranks as 0.0, as the float comparison has it
+        if KEY64:
+            b = x.to(tl.int32, bitcast=True)
+            o = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+            return (o.to(tl.int64) << 32) + (0x7FFFFFFF - idx).to(tl.int64)
+        else:
+            b = x.to(DT).to(tl.int16, bitcast=True).to(tl.int32)
+            o = tl.where(b >= 0, b, b ^ 0x7FFF)
+            return (o << 16) + (0xFFFF - idx)
+
+    @triton.jit
+    def _lowest(KEY64: tl.constexpr):
+        # a key below every _key (-inf's included)
+        if KEY64:
+            return tl.full([], -1, tl.int64) << 63
+        else:
+            return tl.full([], -1, tl.int32) << 31
+
+    @triton.jit
+    def _unkey(key, DT: tl.constexpr, KEY64: tl.constexpr):
+        # _key's inverse -> (score fp32, index int32)
+        if KEY64:
+            hi = key >> 32
+            idx = 0x7FFFFFFF - (key - (hi << 32)).to(tl.int32)
+            o = hi.to(tl.int32)
+            return tl.where(o >= 0, o, o ^ 0x7FFFFFFF).to(tl.float32, bitcast=True), idx
+        else:
+            hi = key >> 16
+            idx = 0xFFFF - (key - (hi << 16))
+            o = tl.where(hi >= 0, hi, hi ^ 0x7FFF)
+            return o.to(tl.int16).to(DT, bitcast=True).to(tl.float32), idx
+
+    @triton.jit
+    def _head_topk_kernel(r_ptr, d_ptr, nw_ptr, w_ptr, out_ptr, pkey_ptr, pstat_ptr, cnt_ptr, tok_ptr, lp_ptr,
+                          R, H, V, sr, sd, eps,
+                          d2t_ptr, ntok_ptr, npar_ptr, nlp_ptr, fed_ptr, ids_ptr, src_ptr, anc_ptr, mask_ptr,
+                          prefix_ptr, level, width,
+                          K: tl.constexpr, RP: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr,
+                          NBKP: tl.constexpr, IEEE: tl.constexpr, KEY64: tl.constexpr, GLUE: tl.constexpr,
+                          GP: tl.constexpr, GNP: tl.constexpr, GR: tl.constexpr, GRP: tl.constexpr,
+                          PREP: tl.constexpr):
         pid = tl.program_id(0)
+        dt = r_ptr.dtype.element_ty
         rows = tl.arange(0, RP)
         rm = rows < R
         # pass 1: each row's sum of squares of out = r + delta (rounded to the model dtype, as `r + delta`)
@@ -214,19 +303,20 @@ if triton is not None:
             y = (nw.to(tl.float32)[None, :] * y.to(tl.float32)).to(x.dtype)  # then the weight
             w = tl.load(w_ptr + v[None, :] * H + kk[:, None], mask=vm[None, :] & km[:, None], other=0.0)  # [BK, BV]
             acc += _mm(y, w, IEEE)
-        logit = acc.to(r_ptr.dtype.element_ty).to(tl.float32)  # rounded as the product in the model dtype is
+        logit = acc.to(dt).to(tl.float32)  # rounded as the product in the model dtype is
         logit = tl.where(vm[None, :], logit, float("-inf"))
-        # the block's partials: max, sum of exp, the K best (ties to the lower id)
-        mx = tl.max(logit, 1)  # [RP]
-        se = tl.sum(tl.exp(logit - mx[:, None]), 1)
+        # the block's partials: its K best as keys (the first is the block's max), its sum of exp
+        key = _key(logit, v[None, :], dt, KEY64)  # [RP, BV]
+        low = _lowest(KEY64)  # below every real key
+        best = tl.max(key, 1)  # [RP]
+        mx, _ = _unkey(best, dt, KEY64)
+        tl.store(pkey_ptr + (pid * RP + rows) * K, best)
+        for j in tl.static_range(1, K):
+            key = tl.where(key == best[:, None], low, key)
+            best = tl.max(key, 1)
+            tl.store(pkey_ptr + (pid * RP + rows) * K + j, best)
         tl.store(pstat_ptr + pid * RP + rows, mx)
-        tl.store(pstat_ptr + (NB + pid) * RP + rows, se)
-        for j in tl.static_range(K):
-            best = tl.max(logit, 1)
-            at = tl.min(tl.where(logit == best[:, None], v[None, :], 2147483647), 1)  # [RP]
-            tl.store(pval_ptr + (pid * RP + rows) * K + j, best)
-            tl.store(ptok_ptr + (pid * RP + rows) * K + j, at)
-            logit = tl.where(v[None, :] == at[:, None], float("-inf"), logit)
+        tl.store(pstat_ptr + (NB + pid) * RP + rows, tl.sum(tl.exp(logit - mx[:, None]), 1))
         # the last program to finish merges every block's partials
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
@@ -239,19 +329,21 @@ if triton is not None:
                          cache_modifier=".cg")  # [RP, NBKP] (each block's max, K times)
             bs = tl.load(pstat_ptr + (NB + cb[None, :]) * RP + rows[:, None], mask=m2 & (cj[None, :] == 0),
                          other=0.0, cache_modifier=".cg")
+            cand = tl.load(pkey_ptr + (cb[None, :] * RP + rows[:, None]) * K + cj[None, :], mask=m2,
+                           other=low, cache_modifier=".cg")
             gm = tl.max(bm, 1)  # [RP]
             lse = gm + tl.log(tl.sum(bs * tl.exp(bm - gm[:, None]), 1))
-            cand = tl.load(pval_ptr + (cb[None, :] * RP + rows[:, None]) * K + cj[None, :], mask=m2,
-                           other=float("-inf"), cache_modifier=".cg")
-            ctok = tl.load(ptok_ptr + (cb[None, :] * RP + rows[:, None]) * K + cj[None, :], mask=m2,
-                           other=2147483647, cache_modifier=".cg")
             for n in tl.static_range(K):
                 best = tl.max(cand, 1)
-                at = tl.min(tl.where(cand == best[:, None], ctok, 2147483647), 1)
+                val, at = _unkey(best, dt, KEY64)
                 tl.store(tok_ptr + rows * K + n, at.to(tl.int64), mask=rm)
-                tl.store(lp_ptr + rows * K + n, best - lse, mask=rm)
-                cand = tl.where(ctok == at[:, None], float("-inf"), cand)
+                tl.store(lp_ptr + rows * K + n, val - lse, mask=rm)
+                cand = tl.where(cand == best[:, None], low, cand)
             tl.atomic_xchg(cnt_ptr, 0)
+            if GLUE:  # the level's glue (resident.level_step) on the children just written, in this program
+                tl.debug_barrier()
+                _level_glue(tok_ptr, lp_ptr, d2t_ptr, ntok_ptr, npar_ptr, nlp_ptr, fed_ptr, ids_ptr, src_ptr,
+                            anc_ptr, mask_ptr, prefix_ptr, level, width, GP, K, GNP, GR, GRP, PREP, 256)
 
     @triton.jit
     def _head_select_kernel(lp_ptr, tok_ptr, par_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, scratch_ptr, ids_ptr,

@@ -574,6 +574,15 @@ if triton is not None:
     def _level_kernel(ctok_ptr, clp_ptr, d2t_ptr, tok_ptr, par_ptr, lp_ptr, fed_ptr, ids_ptr, src_ptr, anc_ptr,
                       mask_ptr, prefix_ptr, d, width, P: tl.constexpr, W: tl.constexpr, NP: tl.constexpr,
                       R: tl.constexpr, RP: tl.constexpr, PREP: tl.constexpr, BLOCK_C: tl.constexpr):
+        _level_glue(ctok_ptr, clp_ptr, d2t_ptr, tok_ptr, par_ptr, lp_ptr, fed_ptr, ids_ptr, src_ptr, anc_ptr, mask_ptr,
+                    prefix_ptr, d, width, P, W, NP, R, RP, PREP, BLOCK_C)
+
+    @triton.jit
+    def _level_glue(ctok_ptr, clp_ptr, d2t_ptr, tok_ptr, par_ptr, lp_ptr, fed_ptr, ids_ptr, src_ptr, anc_ptr,
+                    mask_ptr, prefix_ptr, d, width, P: tl.constexpr, W: tl.constexpr, NP: tl.constexpr,
+                    R: tl.constexpr, RP: tl.constexpr, PREP: tl.constexpr, BLOCK_C: tl.constexpr):
+        # level_step_ref in one program (also the tail of head_level's top-k kernel, which computes
+        # ctok and clp in that same program just before)
         i = tl.arange(0, NP)  # new node i = j * W + c: child c of fed slot j
         live = i < P * W
         j = i // W

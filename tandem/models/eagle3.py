@@ -210,16 +210,19 @@ class Eagle3Head(nn.Module):
         return self.lm_head(normed)[None], out[None]
 
     def layer_topk(self, ids, hidden, positions, cache, slots, mask, k: int, rows: int | None = None,
-                   src: torch.Tensor | None = None, counter: torch.Tensor | None = None):
+                   src: torch.Tensor | None = None, counter: torch.Tensor | None = None,
+                   glue: head_level.LevelGlue | None = None):
         """`layer` over one sequence's T rows, then the k best children of its last `rows` rows (all:
         None), for a tree level. ids, positions, slots: [T]; hidden: [T, H], or [S, H] read through
         src [T] (row t's hidden is hidden[src[t]]: a level reads its parents' outputs); mask [T, W].
-        Returns (log-probs [rows, k] float32, draft ids [rows, k] int64, out [rows, H]).
+        glue: the level's glue to run on those children (tandem.kernels.resident.level_step).
+        Returns (log-probs [rows, k] float32, draft ids [rows, k] int64, out [rows, H], the glue's
+        next mask or None).
 
         With the fused layer (CUDA), tandem.kernels.head_level: the input norms and the gather ride
-        in the q/k/v kernel's prologue, and the residual add, the final norm, the LM head and the
-        top-k are one kernel (`counter`: its static int32 [1] zero, for CUDA graphs); else `layer`
-        and a top-k."""
+        in the q/k/v kernel's prologue, and the residual add, the final norm, the LM head, the
+        top-k and the glue are one kernel (`counter`: its static int32 [1] zero, for CUDA graphs);
+        else `layer`, a top-k and the glue."""
         m, a = self.midlayer, self.midlayer.self_attn
         T = ids.shape[0]
         rows = T if rows is None else rows
@@ -229,7 +232,7 @@ class Eagle3Head(nn.Module):
                 hidden = hidden.index_select(0, src)
             logits, out = self.layer(ids[None], hidden[None], positions[None], cache, slots[None], mask[None, None])
             lp, tok = topk_logprobs(logits[0, T - rows:], k)
-            return lp, tok, out[0, T - rows:]
+            return lp, tok, out[0, T - rows:], None if glue is None else glue.run(tok, lp)
         hidden = hidden.to(self.fc.weight.dtype)
         H, D = a.n_heads, a.head_dim
         kc, vc = cache.layer_kv(a.layer_idx)
@@ -244,9 +247,9 @@ class Eagle3Head(nn.Module):
         r, h = fused_layer.norm_gate_up_silu(base, att, m.post_attention_layernorm.weight,
                                              m.post_attention_layernorm.eps, m.mlp.gate_up_weight)
         down = fused_layer.linear(h[T - rows:], m.mlp.down_proj.weight)  # only the rows whose children are wanted
-        out, lp, tok = head_level.head_topk(r[T - rows:], down, self.norm.weight, self.norm.eps, self.lm_head.weight,
-                                            k, counter)
-        return lp, tok, out
+        out, lp, tok, nxt = head_level.head_topk(r[T - rows:], down, self.norm.weight, self.norm.eps,
+                                                 self.lm_head.weight, k, counter, glue)
+        return lp, tok, out, nxt
 
     def forward(self, input_ids, positions=None, cache=None, slots=None, mask=None) -> torch.Tensor:
         B, T = input_ids.shape

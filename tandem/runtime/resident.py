@@ -162,10 +162,11 @@ class ResidentLoop:
         pos, slots, see = self._context_view(width)
         # a head's row i reads fc(target features of position i - 1) (EagleDrafter's context pass)
         hidden = head.project(self.ctx_feat) if self.kind == "eagle3" else None  # [pmax, H]
-        # the context pass; the root (its last row) gives the first level's children and hidden
+        torch.add(self.dprefix, P, out=lv.prefix)  # the levels' prefix: after this pass's rows
+        # the context pass; the root (its last row) gives the first level's children and hidden, and
+        # (its top-k kernel's merging program) the first level's glue
         root = head.layer_topk(self.ctx_tok, hidden, pos, self.d.cache, slots, see, lv.w, rows=1,
-                               counter=lv.counter)  # [1, w], [1, w], [1, H]
-        torch.add(self.dprefix, P, out=lv.prefix)
+                               counter=lv.counter, glue=lv.glue(0, width))  # [1, w], [1, w], [1, H], [w, width]
         lv._levels(width, root)  # EAGLE-2's dynamic levels over the head's tree rows
         # the N nodes of highest cumulative log-prob, ties to the earlier node (eagle_drafter.select_tree)
         head_select(lv.lp, lv.tok, lv.par, self.ctx_tok[self.pmax - 1:], lv.w, self.B, self.M - 1,

@@ -48,7 +48,7 @@ def test_head_topk_equals_the_reference(shape, rows, k, dtype):
     H, V = SHAPES[shape]
     r, d, nw, lm = _inputs(rows, H, V, dtype, seed=rows * 10 + k)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    out, lp, tok = hl.head_topk(r, d, nw, 1e-5, lm, k, counter)
+    out, lp, tok, _ = hl.head_topk(r, d, nw, 1e-5, lm, k, counter)
     assert counter.item() == 0
     _check(out, lp, tok, r, d, nw, lm, k, dtype)
 
@@ -67,7 +67,7 @@ def test_head_topk_replayed_in_a_cuda_graph(dtype):
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lp, tok = hl.head_topk(r, d, nw, 1e-5, lm, 8, counter)
+        out, lp, tok, _ = hl.head_topk(r, d, nw, 1e-5, lm, 8, counter)
     for seed in range(50):
         r2, d2, _, _ = _inputs(8, H, V, dtype, seed=100 + seed)
         r.copy_(r2)
@@ -131,3 +131,55 @@ def test_eagle_qkv_equals_the_reference(rows, gather, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for a, b in zip(list(got) + [kv[0]], list(want) + [kv[1]]):
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() < tol
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+def test_head_topk_16bit_keys_order_negative_scores_and_ties(dtype):
+    """A 16-bit model's top-k keys pack the score's own 16 bits with the id: negative scores rank as
+    floats do, and equal scores go to the lower id, within a block and across blocks."""
+    H, V = SHAPES["bundled-head"]
+    lm = torch.zeros(V, H, device="cuda")
+    lm[:, 0] = -3.0
+    lm[[3, 200, 201, 4500], 0] = -1.0  # four equal scores in three blocks
+    lm[7, 0] = -0.5
+    r = torch.zeros(2, H, device="cuda")
+    r[:, 0] = 1.0
+    _, lp, tok, _ = hl.head_topk(r.to(dtype), torch.zeros_like(r).to(dtype), torch.ones(H, device="cuda").to(dtype),
+                                 1e-5, lm.to(dtype), 4)
+    assert tok.tolist() == [[7, 3, 200, 201]] * 2
+    assert (lp[:, 1] == lp[:, 2]).all() and (lp[:, 2] == lp[:, 3]).all() and (lp[:, 1] < lp[:, 0]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,prep", [(0, True), (3, True), (3, False)])
+def test_head_topk_runs_the_level_glue_as_level_step_does(d, prep, dtype):
+    """head_topk with a tree level's glue (in its merging program) leaves the level buffers and the next
+    mask exactly as head_topk followed by level_step (its own launch) does."""
+    from tandem.kernels.resident import level_step
+
+    w, depth, width = 4, 6, 256
+    H, V = SHAPES["bundled-head"]
+    R = 1 if d == 0 else w
+    r, dl, nw, lm = _inputs(R, H, V, dtype, seed=7 + d)
+    g = torch.Generator(device="cuda").manual_seed(d)
+    nodes, rows = w + (depth - 1) * w * w, (depth - 1) * w
+    state = dict(d2t=torch.randint(-5, 5, (V,), generator=g, device="cuda").clamp(min=0),
+                 tok=torch.randint(0, V, (nodes,), generator=g, device="cuda"),
+                 par=torch.randint(-1, nodes, (nodes,), generator=g, device="cuda"),
+                 lp=-torch.rand(nodes, generator=g, device="cuda") * 5,
+                 fed=w + (d - 1) * w * w + torch.randperm(w * w, generator=g, device="cuda")[:w] if d else
+                 torch.zeros(w, dtype=torch.long, device="cuda"),
+                 ids=torch.zeros(w, dtype=torch.long, device="cuda"), src=torch.zeros(w, dtype=torch.long, device="cuda"),
+                 anc=torch.rand(rows, rows, generator=g, device="cuda") < 0.3)
+    prefix = torch.tensor([37], device="cuda")
+    a = {k: v.clone() for k, v in state.items()}
+    b = {k: v.clone() for k, v in state.items()}
+    glue = hl.LevelGlue(**a, prefix=prefix, d=d, width=width, prep=prep)
+    _, lp_a, tok_a, mask_a = hl.head_topk(r, dl, nw, 1e-5, lm, w, glue=glue)
+    _, lp_b, tok_b, _ = hl.head_topk(r, dl, nw, 1e-5, lm, w)
+    mask_b = level_step(tok_b, lp_b, b["d2t"], b["tok"], b["par"], b["lp"], b["fed"], b["ids"], b["src"], b["anc"],
+                        prefix, d, width, prep)
+    assert torch.equal(tok_a, tok_b) and torch.equal(lp_a, lp_b)
+    for k in state:
+        assert torch.equal(a[k], b[k]), k
+    assert (mask_a is None) == (mask_b is None) and (mask_a is None or torch.equal(mask_a, mask_b))
