@@ -256,6 +256,37 @@ def check_pass_views() -> None:
     print("pass views: ok")
 
 
+def check_commit_rows() -> None:
+    """The resident loop's commit (tandem.kernels.resident.commit_rows): the cache's path rows moved to the
+    prefix end as index_select then index_copy move them (a destination that is a later source included,
+    and the identity rows past the accepted depth), every other row untouched, and the features gathered."""
+    import tandem.kernels.resident as res
+
+    g = torch.Generator().manual_seed(8)
+    for layers, heads, rows, D, F, P in ((2, 1, 40, 64, 300, 5), (3, 2, 64, 32, 0, 9)):
+        kv = torch.randn(2, layers, 1, heads, rows, D, generator=g)
+        pre = 7
+        path = [0, 2, 5, 9, 4][:P] if P <= 5 else [0, 1, 3, 6, 7, 5, 6, 7, 8]
+        path = path[:3] + list(range(3, P))  # accepted depth 2: nodes 0, 2/1, 5/3, then identity rows
+        src = torch.tensor([pre + x for x in path])
+        dst = pre + torch.arange(P)
+        feats = torch.randn(12, F, generator=g) if F else None
+        node = torch.randint(0, 12, (P,), generator=g)
+        want_kv, got_kv = kv.clone(), kv.clone()
+        want_f = torch.zeros(P, F) if F else None
+        got_f = torch.zeros(P, F) if F else None
+        res.commit_rows_ref(want_kv, src, dst, feats, node, want_f)
+        saved = res.triton_enabled
+        res.triton_enabled = lambda t: True
+        try:
+            res.commit_rows(got_kv, src, dst, feats, node, got_f)
+        finally:
+            res.triton_enabled = saved
+        assert torch.equal(got_kv, want_kv), (layers, heads, P)
+        assert F == 0 or torch.equal(got_f, want_f)
+    print("commit rows: ok")
+
+
 def check_block_select() -> None:
     """The block drafter's tree selection kernel (tandem.kernels.resident.select_tree_fused, which
     shares the best-N and ancestor-mask helpers with head_select) equals select_tree_ref over level
@@ -289,4 +320,5 @@ if __name__ == "__main__":
     check_eagle_qkv()
     check_levels()
     check_pass_views()
+    check_commit_rows()
     check_block_select()

@@ -19,9 +19,10 @@ def test_head_level_kernels_under_the_triton_interpreter():
     the input norms and the parent-row gather in its prologue equals the norms then q/k/v; and a tiny
     head's levels grown with every kernel on equal those grown with none
     (which also catches a level's rows reading another level's positions); the resident loop's pass
-    views (positions, slots, masks of a context pass and of a tree pass) equal theirs; and the block
+    views (positions, slots, masks of a context pass and of a tree pass) equal theirs; the loop's commit
+    (the path's K/V rows and the features in one launch) equals index_select then index_copy; and the block
     drafter's tree selection kernel, which shares its best-N and ancestor helpers, equals its reference."""
-    run_checks("head_level_checks.py", 6)
+    run_checks("head_level_checks.py", 7)
 
 
 def test_head_select_ref_is_the_best_first_tree_of_the_levels():

@@ -339,6 +339,33 @@ def accept_fused(am, tree_tok, tree_par, tree_depth, anc, prefix, pmax: int, sta
                          PMP=pow2(pmax))
 
 
+def commit_rows_ref(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, feats: torch.Tensor | None,
+                    node: torch.Tensor | None, out_feat: torch.Tensor | None) -> None:
+    """kv [2, layers, 1, kv_heads, rows, D]: cache row src[i] -> row dst[i] (all read before any is
+    written); feats [T, F] (None: none), node [P]: out_feat [P, F] = feats[node]."""
+    kv.index_copy_(4, dst, kv.index_select(4, src))
+    if feats is not None:
+        torch.index_select(feats, 0, node, out=out_feat)
+
+
+def commit_rows(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, feats: torch.Tensor | None = None,
+                node: torch.Tensor | None = None, out_feat: torch.Tensor | None = None) -> None:
+    """commit_rows_ref; on CUDA one launch (an index_select and an index_copy of the cache, an index_select
+    of the features before): a program per (K or V, layer, KV head) reads its P source rows, then writes
+    them (each program owns its rows, so every read precedes every write as in the reference), and a
+    program per column block of the features gathers them."""
+    if not triton_enabled(kv) or not kv.is_contiguous() or kv.shape[2] != 1 or (
+            feats is not None and (feats.stride(-1) != 1 or not out_feat.is_contiguous())):
+        return commit_rows_ref(kv, src, dst, feats, node, out_feat)
+    regions, rows, D = kv.shape[0] * kv.shape[1] * kv.shape[3], kv.shape[4], kv.shape[5]
+    P = src.shape[0]
+    F = 0 if feats is None else feats.shape[-1]
+    nf = 0 if feats is None else triton.cdiv(F, 256)
+    _commit_kernel[(regions + nf,)](kv, src, dst, kv if feats is None else feats, src if node is None else node,
+                                    kv if out_feat is None else out_feat, rows, F,
+                                    0 if feats is None else feats.stride(0), NKV=regions, P=P, PP=pow2(P), D=D, BF=256)
+
+
 # ---- the sampled walk ------------------------------------------------------------------------
 def sample_walk_ref(probs: torch.Tensor, tree_tok: torch.Tensor, tree_par: torch.Tensor,
                     generator: torch.Generator) -> torch.Tensor:
@@ -621,6 +648,28 @@ if triton is not None:
                     up = tl.load(anc_ptr + prow * R + tt, mask=inside & (d > 0), other=0) != 0
                     m = (col < prefix) | (inside & (up | (tt == r)))
                     tl.store(mask_ptr + s * width + col, m.to(tl.int1), mask=col < width)
+
+    @triton.jit
+    def _commit_kernel(kv_ptr, src_ptr, dst_ptr, f_ptr, node_ptr, out_ptr, rows, F, sf, NKV: tl.constexpr,
+                       P: tl.constexpr, PP: tl.constexpr, D: tl.constexpr, BF: tl.constexpr):
+        pid = tl.program_id(0)
+        i = tl.arange(0, PP)
+        im = i < P
+        if pid < NKV:  # the rows of one (K or V, layer, KV head): [rows, D] at pid * rows * D
+            base = kv_ptr + pid.to(tl.int64) * rows * D
+            d = tl.arange(0, D)
+            s = tl.load(src_ptr + i, mask=im, other=0)
+            t = tl.load(dst_ptr + i, mask=im, other=0)
+            kvrow = tl.load(base + s[:, None] * D + d[None, :], mask=im[:, None], other=0.0)
+            tl.debug_barrier()  # every row read before any is written (a destination may be a later source)
+            tl.store(base + t[:, None] * D + d[None, :], kvrow, mask=im[:, None])
+        else:  # a column block of the features
+            c = (pid - NKV) * BF + tl.arange(0, BF)
+            cm = c < F
+            n = tl.load(node_ptr + i, mask=im, other=0)
+            m2 = im[:, None] & cm[None, :]
+            frow = tl.load(f_ptr + n[:, None] * sf + c[None, :], mask=m2, other=0.0)
+            tl.store(out_ptr + i[:, None] * F + c[None, :], frow, mask=m2)
 
     @triton.jit
     def _walk_kernel(p_ptr, V, tok_ptr, par_ptr, seed_ptr, am_ptr, M: tl.constexpr, MP: tl.constexpr,

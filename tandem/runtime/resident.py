@@ -36,7 +36,7 @@ import torch
 
 from tandem.config import SamplingConfig, SpecConfig
 from tandem.kernels.head_level import head_select
-from tandem.kernels.resident import accept_fused, context_view, lattice, sample_walk, tree_view
+from tandem.kernels.resident import accept_fused, commit_rows, context_view, lattice, sample_walk, tree_view
 from tandem.drafting.device_tree import best_first_tree_device, chain_tokens
 from tandem.drafting.lattice_drafter import CONTEXT_CHUNK
 from tandem.runtime.emit import Emitter
@@ -219,12 +219,11 @@ class ResidentLoop:
         accept_fused(am, self.tree_tok, self.tree_par, self.tree_depth, self.anc, self.prefix, self.pmax,
                      {"kv_src": self.kv_src, "kv_dst": self.kv_dst, "node": self.node, "ctx": self.ctx_tok,
                       "P": self.P, "rec": self.rec})
-        kv = self.t.cache.kv  # [2, layers, 1, kv_heads, rows, D]: the path's rows to the prefix end
-        kv.index_copy_(4, self.kv_dst, kv.index_select(4, self.kv_src))
-        if self.kind != "draft":
-            # each context token's target features are those of the node before it
-            # (ctx_feat has the target's dtype: the features land without a cast)
-            torch.index_select(model.last_features[0], 0, self.node, out=self.ctx_feat)
+        # the path's K/V rows to the prefix end (kv [2, layers, 1, kv_heads, rows, D]) and, for a feature
+        # drafter, each context token's target features: those of the node before it (ctx_feat has the
+        # target's dtype: the features land without a cast); one launch on CUDA
+        feats = None if self.kind == "draft" else model.last_features[0]
+        commit_rows(self.t.cache.kv, self.kv_src, self.kv_dst, feats, self.node, self.ctx_feat)
 
     def _forced_path(self, am: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Acceptance replay (greedy): am [M] rewritten so that the accept takes the recorded
