@@ -4,7 +4,7 @@
 # kernel and a torch selection, as before): their GPU lane, the resident loop's lane, the draft
 # graph's kernels and replay time, and the bundled pair on MBPP (bf16, greedy, 128 new tokens).
 # AB=TANDEM_FUSED_LINEAR runs the same A/B on another switch (the fused layers' o_proj / down_proj kernel), LANE_FILES
-# names the lane's test files, SMALL=1 times the level kernels' launch shapes first (bench/gpu_small_kernels.py).
+# names the lane's test files, SMALL=1 times the level kernels' launch shapes last (bench/gpu_small_kernels.py).
 #   bash bench/run_gpu_head.sh $OUT   (device tool: carry .data = copies of ../shared/datasets/{mbpp,gsm8k}
 #                                      and ../shared/peers/gpt-fast under .data/peers)
 set -uo pipefail
@@ -18,11 +18,6 @@ if [ "${LANE:-1}" = 1 ]; then
   echo "== GPU lane: the head's kernels and the resident loop"
   within 200 python3 -m pytest -q -m cuda $LANE_FILES -p no:cacheprovider > "$OUT/lane.log" 2>&1
   tail -2 "$OUT/lane.log"; grep -e "^FAILED" -e "^ERROR" "$OUT/lane.log" | head -20
-fi
-if [ "${SMALL:-0}" = 1 ]; then
-  echo "== launch shapes of the head's level kernels (bench/gpu_small_kernels.py --ops ${SMALL_OPS:-head_topk,level})"
-  within 200 python3 bench/gpu_small_kernels.py --ops "${SMALL_OPS:-head_topk,level}" > "$OUT/small.log" 2>&1
-  sed -n '/^best per/,$p' "$OUT/small.log"
 fi
 for f in ${FUSED:-1 0}; do
   echo "== profile, $AB=$f"
@@ -40,5 +35,10 @@ done
 if [ "${PEER:-1}" = 1 ]; then
   echo "== peer: gpt-fast compiled AR at the bundled target's shape (ms/token)"
   within 90 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
+fi
+if [ "${SMALL:-0}" = 1 ]; then
+  echo "== launch shapes of the head's level kernels (bench/gpu_small_kernels.py --ops ${SMALL_OPS:-head_topk,level})"
+  within 200 python3 bench/gpu_small_kernels.py --ops "${SMALL_OPS:-head_topk,level}" > "$OUT/small.log" 2>&1
+  sed -n '/^best per/,$p' "$OUT/small.log"
 fi
 [ "${TAR:-1}" = 1 ] && tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"
