@@ -37,9 +37,9 @@ BLOCK_V = 128  # vocabulary entries per program of head_topk
 BLOCK_K = 128  # hidden columns per step of its product (bench/gpu_small_kernels.py: 11.8 us at 8 warps, 13.4
 #                 at 64 columns and 4 warps, one H100, the bundled head)
 TOPK_WARPS = 8
-# eagle_qkv's launch: columns of each rotary half a program (the bundled head: 10 heads x 32 columns a half,
-# so 16 gives 20 programs where 32 gave 10), input columns a step, warps (bench/gpu_small_kernels.py)
-QKV_CB, QKV_BK, QKV_WARPS = 16, 128, 4
+# eagle_qkv's launch: columns of each rotary half a program, input columns a step, warps. At the bundled head
+# with 4 rows (bench/gpu_small_kernels.py, one H100): 32 columns (10 programs) 7.4 us, 16 columns (20) 9.5 us
+QKV_CB, QKV_BK, QKV_WARPS = 32, 128, 4
 
 
 # ---- references -----------------------------------------------------------------------------
