@@ -88,46 +88,41 @@ def level(c, best: dict) -> None:
     kc, vc = _r(1, nkv, cap, D), _r(1, nkv, cap, D)
     want = hl.eagle_qkv_ref(ids, embed, hidden, src, we, wh, 1e-5, w, pos, inv, nq, nkv, kc.clone(), vc.clone(),
                             slots)[0]
-    rows = []
-    for cb, bk, nw in itertools.product((16, 32), (128, 256), (2, 4, 8)):
-        def f(cb=cb, bk=bk, nw=nw):
-            return hl.launch_eagle_qkv(ids, embed, hidden, src, we, wh, 1e-5, w, pos, inv, nq, nkv, kc, vc, slots,
-                                       bk=bk, cb=cb, num_warps=nw)
-        err = _rel(f()[0], want)
-        rows.append((f"cb{cb}_bk{bk}_w{nw}", 1e3 * graph_ms([f], 400), err))
-        print(json.dumps({"op": "eagle_qkv", "rows": T, "variant": rows[-1][0], "us": round(rows[-1][1], 3),
-                          "rel_err": err}))
-    dflt = next(r for r in rows if r[0] == f"cb{hl.QKV_CB}_bk{hl.QKV_BK}_w{hl.QKV_WARPS}")
-    best[("eagle_qkv", T)] = (*min(rows, key=lambda r: r[1])[:2], dflt[1])
+    _sweep(best, "eagle_qkv", T, {
+        f"cb{cb}_bk{bk}_w{nw}": (lambda cb=cb, bk=bk, nw=nw: hl.launch_eagle_qkv(
+            ids, embed, hidden, src, we, wh, 1e-5, w, pos, inv, nq, nkv, kc, vc, slots, bk=bk, cb=cb, num_warps=nw)[0])
+        for cb, bk, nw in itertools.product((16, 32), (128, 256), (2, 4, 8))},
+        want, f"cb{hl.QKV_CB}_bk{hl.QKV_BK}_w{hl.QKV_WARPS}")
     # attention: 4 rows over 256 columns (a 200-token prefix, then the tree rows), mask as a level's
     q = _r(1, T, nq, D)
     mask = torch.zeros(1, 1, T, cap, dtype=torch.bool, device="cuda")
     mask[..., :200] = True
     mask[0, 0, torch.arange(T), 200 + torch.arange(T)] = True
-    want = cached_attention_ref(q, kc, vc, mask)
-    rows = []
-    for bn, nw, sp in itertools.product((32, 64, 128), (2, 4), (1, 2)):
-        def f(bn=bn, nw=nw, sp=sp):
-            return launch_cached_attention(q, kc, vc, mask, block_n=bn, num_warps=nw, splits=sp)
-        err = _rel(f(), want)
-        rows.append((f"bn{bn}_w{nw}_s{sp}", 1e3 * graph_ms([f], 400), err))
-        print(json.dumps({"op": "attention", "rows": T, "variant": rows[-1][0], "us": round(rows[-1][1], 3),
-                          "rel_err": err}))
-    dflt = next(r for r in rows if r[0] == "bn64_w4_s1")
-    best[("attention", T)] = (*min(rows, key=lambda r: r[1])[:2], dflt[1])
+    _sweep(best, "attention", T, {
+        f"bn{bn}_w{nw}_s{sp}": (lambda bn=bn, nw=nw, sp=sp: launch_cached_attention(q, kc, vc, mask, block_n=bn,
+                                                                                     num_warps=nw, splits=sp))
+        for bn, nw, sp in itertools.product((32, 64, 128), (2, 4), (1, 2))},
+        cached_attention_ref(q, kc, vc, mask), "bn64_w4_s1")
     # gate/up with the residual add and the norm in front, SiLU * up behind
     x, dx, lw, wgu = _r(T, H), _r(T, H), 1 + _r(H, scale=0.1), _r(2 * I, H, scale=H ** -0.5)
-    want = fl.norm_gate_up_silu_ref(x, dx, lw, 1e-5, wgu)[1]
+    _sweep(best, "gate_up", T, {
+        f"bk{bk}_bn{bn}_w{nw}": (lambda bk=bk, bn=bn, nw=nw: fl.launch_norm_gate_up(x, dx, lw, 1e-5, wgu, bk=bk, bn=bn,
+                                                                                     num_warps=nw)[1])
+        for bk, bn, nw in itertools.product((128, 256), (16, 32, 64), (2, 4))},
+        fl.norm_gate_up_silu_ref(x, dx, lw, 1e-5, wgu)[1],
+        f"bk{fl.GATE_UP_BK}_bn{fl._gate_up_bn(I)}_w{fl.GATE_UP_WARPS}")
+
+
+def _sweep(best: dict, op: str, T: int, variants: dict, want: torch.Tensor, default: str) -> None:
+    """Each variant (name -> call returning the output) checked against want and timed in a CUDA graph, a JSON
+    line each; best[(op, T)] = (the fastest's name, its us, the default's us)."""
     rows = []
-    for bk, bn, nw in itertools.product((128, 256), (16, 32, 64), (2, 4)):
-        def f(bk=bk, bn=bn, nw=nw):
-            return fl.launch_norm_gate_up(x, dx, lw, 1e-5, wgu, bk=bk, bn=bn, num_warps=nw)
-        err = _rel(f()[1], want)
-        rows.append((f"bk{bk}_bn{bn}_w{nw}", 1e3 * graph_ms([f], 400), err))
-        print(json.dumps({"op": "gate_up", "rows": T, "variant": rows[-1][0], "us": round(rows[-1][1], 3),
-                          "rel_err": err}))
-    dflt = next(r for r in rows if r[0] == f"bk{fl.GATE_UP_BK}_bn{fl._gate_up_bn(I)}_w{fl.GATE_UP_WARPS}")
-    best[("gate_up", T)] = (*min(rows, key=lambda r: r[1])[:2], dflt[1])
+    for name, f in variants.items():
+        err = _rel(f(), want)
+        rows.append((name, 1e3 * graph_ms([f], 400), err))
+        print(json.dumps({"op": op, "rows": T, "variant": name, "us": round(rows[-1][1], 3), "rel_err": err}))
+    dflt = next(r for r in rows if r[0] == default)
+    best[(op, T)] = (*min(rows, key=lambda r: r[1])[:2], dflt[1])
 
 
 def main() -> None:

@@ -152,7 +152,7 @@ def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int = BLO
     if counter is None:
         counter = torch.zeros(1, dtype=torch.int32, device=dev)
     mask = None
-    if glue is None:
+    if glue is None:  # the glue's arguments go unused (GLUE off): any pointers, zeros
         g = (tok,) * 10 + (0, 0)
         gshape = dict(GP=1, GNP=1, GR=1, GRP=1, PREP=False)
     else:
