@@ -37,11 +37,15 @@ def main(path: str) -> int:
         fn = importlib.import_module(rec["module"])
         for part in rec["name"].split("."):
             fn = getattr(fn, part)
-        try:
-            frontend(fn, rec["signature"], rec["constexprs"])
-        except Exception as e:  # noqa: BLE001 - every compile error is reported
-            failures.append(f"{rec['name']} {rec['constexprs']}: {type(e).__name__}: {str(e)[:800]}")
-        kernels[rec["name"]] = kernels.get(rec["name"], 0) + 1
+        variants = [rec["constexprs"]]
+        if rec["constexprs"].get("PDL") is False:  # the CPU never launches with PDL; the GPU does (fused.pdl)
+            variants.append({**rec["constexprs"], "PDL": True})
+        for consts in variants:
+            try:
+                frontend(fn, rec["signature"], consts)
+            except Exception as e:  # noqa: BLE001 - every compile error is reported
+                failures.append(f"{rec['name']} {consts}: {type(e).__name__}: {str(e)[:800]}")
+            kernels[rec["name"]] = kernels.get(rec["name"], 0) + 1
     for name, n in sorted(kernels.items()):
         print(f"{name}: {n} variant(s)")
     if failures:

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.fused import triton_enabled
+from tandem.kernels.fused import pdl, triton_enabled
 
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
@@ -95,14 +95,15 @@ def launch_cached_attention(q, k, v, mask, block_n=None, num_warps=None, splits=
     _cached_attn_kernel[(B * Hkv, tiles, S)](q, k, v, m, out, acc, ml, T, W, 1.0 / math.sqrt(D), chunk, *args,
                                              HKV=Hkv, G=G, GP=GP, BLOCK_T=BLOCK_T, BLOCK_N=BN, D=D,
                                              IEEE=q.dtype == torch.float32, SPLIT=S > 1,
-                                             num_warps=num_warps or NUM_WARPS)
+                                             num_warps=num_warps or NUM_WARPS, **pdl(q))
     if S > 1:
         _attn_merge_kernel[(B * Hkv, tiles)](acc, ml, out, T, S, B * Hkv * tiles, out.stride(0), out.stride(1),
-                                             out.stride(2), HKV=Hkv, G=G, GP=GP, BLOCK_T=BLOCK_T, D=D)
+                                             out.stride(2), HKV=Hkv, G=G, GP=GP, BLOCK_T=BLOCK_T, D=D, **pdl(acc))
     return out
 
 
 if triton is not None:
+    from tandem.kernels.fused import _pdl_enter
 
     # q [rows, D] . k [cols, D]^T * scale, fp32 (no TF32 for fp32 models: greedy equality is
     # checked in fp32)
@@ -133,8 +134,9 @@ if triton is not None:
     def _cached_attn_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, acc_ptr, ml_ptr, T, W, scale, chunk, sq_b, sq_t, sq_h,
                             sk_b, sk_h, sk_w, sv_b, sv_h, sv_w, sm_b, sm_t, sm_w, so_b, so_t, so_h, HKV: tl.constexpr,
                             G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                            D: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+                            D: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
         # grid (batch x KV heads, row tiles, column splits): columns [split chunk, split chunk + chunk)
+        _pdl_enter(PDL)
         bh = tl.program_id(0)
         b = bh // HKV
         hk = bh % HKV
@@ -177,8 +179,10 @@ if triton is not None:
 
     @triton.jit
     def _attn_merge_kernel(acc_ptr, ml_ptr, o_ptr, T, S, tiles_all, so_b, so_t, so_h, HKV: tl.constexpr,
-                           G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):
+                           G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+                           PDL: tl.constexpr = False):
         # the splits of one (batch x KV head, row tile), folded in split order (deterministic)
+        _pdl_enter(PDL)
         bh = tl.program_id(0)
         b = bh // HKV
         hk = bh % HKV

@@ -24,6 +24,27 @@ def pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """Launch options for a Triton kernel whose tensors live on t's device: programmatic dependent
+    launch (PDL) on Hopper and later GPUs, unless TANDEM_PDL=0 (the A/B switch); {} elsewhere.
+
+    Why: at this project's sizes a kernel's launch and ramp-up cost about as much as its work, and a
+    decode step is tens of kernels in a row. With PDL the GPU starts the next kernel while this one
+    runs; the next one waits in `_pdl_enter` (griddepcontrol.wait) until this one has finished and
+    its writes are visible, so the results are the same and the gap between kernels shrinks. Each
+    kernel launched with these options calls `_pdl_enter(PDL)` before it touches global memory."""
+    if triton is None or not t.is_cuda or os.environ.get("TANDEM_PDL", "1") == "0":
+        return {}
+    i = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    ok = _PDL_DEVICES.get(i)
+    if ok is None:
+        ok = _PDL_DEVICES[i] = torch.cuda.get_device_capability(i)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if ok else {}
+
+
 def triton_enabled(t: torch.Tensor) -> bool:
     # NOTE: the kernels have no backward; training (grad enabled) takes the torch path.
     return (triton is not None and t.is_cuda and not torch.is_grad_enabled()
@@ -69,6 +90,16 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def _pdl_enter(PDL: tl.constexpr):
+        # a kernel launched with pdl()'s options: wait until the kernel before it has finished and
+        # its writes are visible (before any global load or store: a read of its outputs, or a write
+        # to what it reads), then let the kernel after it launch. Without PDL: nothing.
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
     @triton.jit
     def _rmsnorm_row(x, w_ptr, cols, m, n_cols, eps):
@@ -81,7 +112,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < n_cols
@@ -93,8 +125,10 @@ if triton is not None:
         tl.store(out_ptr + row * n_cols + cols, _rmsnorm_row(x, w_ptr, cols, m, n_cols, eps), mask=m)
 
     @triton.jit
-    def _embed_norms_kernel(ids_ptr, e_ptr, h_ptr, we_ptr, wh_ptr, x_ptr, hn_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    def _embed_norms_kernel(ids_ptr, e_ptr, h_ptr, we_ptr, wh_ptr, x_ptr, hn_ptr, n_cols, eps, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr = False):
         # one program per row: the embedding row and the hidden row, each through _rmsnorm_row
+        _pdl_enter(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < n_cols
@@ -106,8 +140,9 @@ if triton is not None:
         tl.store(hn_ptr + row * n_cols + cols, o, mask=m)
 
     @triton.jit
-    def _rope_kernel(x_ptr, pos_ptr, inv_ptr, n_heads, tok_stride, HALF: tl.constexpr):
+    def _rope_kernel(x_ptr, pos_ptr, inv_ptr, n_heads, tok_stride, HALF: tl.constexpr, PDL: tl.constexpr = False):
         # one program per (token, head) over heads [0, n_heads) of x [tokens, heads_total, 2 * HALF]
+        _pdl_enter(PDL)
         pid = tl.program_id(0)
         tok = pid // n_heads
         head = pid % n_heads
@@ -125,9 +160,10 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_ptr, k_ptr, v_ptr, T, n_q, n_kv, tok_stride,
-                              cache_b_stride, cache_h_stride, HALF: tl.constexpr):
+                              cache_b_stride, cache_h_stride, HALF: tl.constexpr, PDL: tl.constexpr = False):
         # grid (B * T, n_q + 2 * n_kv): q heads rotated in place, k heads rotated into the
         # cache row `slot`, v heads copied into it. One launch replaces RoPE + two scatters.
+        _pdl_enter(PDL)
         tok = tl.program_id(0)
         head = tl.program_id(1)
         b = tok // T
@@ -157,7 +193,8 @@ if triton is not None:
             tl.store(dst + HALF + i, x2)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         row = tl.program_id(0)
         blk = tl.program_id(1)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -182,7 +219,7 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     out = torch.empty_like(x2)
     d2 = delta.reshape(-1, n).contiguous() if delta is not None else x2
     _add_rmsnorm_kernel[(x2.shape[0],)](x2, d2, weight, out, n, eps, HAS_DELTA=delta is not None,
-                                         BLOCK=triton.next_power_of_2(n))
+                                         BLOCK=triton.next_power_of_2(n), **pdl(x2))
     return x, out.view_as(x)
 
 
@@ -196,7 +233,8 @@ def embed_norms(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w_
     hidden = hidden.contiguous()
     x = torch.empty(M, 2 * n, device=hidden.device, dtype=hidden.dtype)
     hn = torch.empty(M, n, device=hidden.device, dtype=hidden.dtype)
-    _embed_norms_kernel[(M,)](ids, embed, hidden, w_embed, w_hidden, x, hn, n, eps, BLOCK=triton.next_power_of_2(n))
+    _embed_norms_kernel[(M,)](ids, embed, hidden, w_embed, w_hidden, x, hn, n, eps, BLOCK=triton.next_power_of_2(n),
+                              **pdl(ids))
     return x, hn
 
 
@@ -207,7 +245,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, n_ro
         x[:, :, :n_rot] = rope_ref(x[:, :, :n_rot], positions, inv_freq)
         return
     assert x.stride(-1) == 1 and x.stride(-2) == D and x.stride(0) == T * x.stride(1)
-    _rope_kernel[(B * T * n_rot,)](x, positions.reshape(-1), inv_freq, n_rot, x.stride(1), HALF=D // 2)
+    _rope_kernel[(B * T * n_rot,)](x, positions.reshape(-1), inv_freq, n_rot, x.stride(1), HALF=D // 2, **pdl(x))
 
 
 def rope_store_kv_ref(qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots) -> None:
@@ -230,7 +268,8 @@ def rope_store_kv(qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots) 
     assert qkv.stride(-1) == 1 and qkv.stride(-2) == D and qkv.stride(0) == T * qkv.stride(1)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     _rope_store_kv_kernel[(B * T, Ht)](qkv, positions.reshape(-1), slots.reshape(-1), inv_freq, k_cache, v_cache,
-                                       T, n_q, n_kv, qkv.stride(1), k_cache.stride(0), k_cache.stride(1), HALF=D // 2)
+                                       T, n_q, n_kv, qkv.stride(1), k_cache.stride(0), k_cache.stride(1), HALF=D // 2,
+                                       **pdl(qkv))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -240,5 +279,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     g2 = gate_up.reshape(-1, 2 * n)
     out = torch.empty(g2.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, BLOCK))](g2, out, n, BLOCK=BLOCK)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, BLOCK))](g2, out, n, BLOCK=BLOCK, **pdl(g2))
     return out.view(*gate_up.shape[:-1], n)

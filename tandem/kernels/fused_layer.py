@@ -30,7 +30,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.fused import add_rmsnorm_ref, rmsnorm_ref, rope_, rope_store_kv_ref, silu_mul_ref, triton_enabled
+from tandem.kernels.fused import (add_rmsnorm_ref, pdl, rmsnorm_ref, rope_, rope_store_kv_ref, silu_mul_ref,
+                                  triton_enabled)
 
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
@@ -138,7 +139,7 @@ def launch_linear(x, w, bk: int | None = None, bn: int | None = None, num_warps:
     BN = bn or LINEAR_BN
     _linear_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BLOCK_M))](
         x, w, out, M, N, K, x.stride(0), BM=BLOCK_M, BK=_bk(K, bk or LINEAR_BK), BN=BN, IEEE=x.dtype == torch.float32,
-        num_warps=num_warps or LINEAR_WARPS)
+        num_warps=num_warps or LINEAR_WARPS, **pdl(x))
     return out
 
 
@@ -171,7 +172,7 @@ def launch_norm_qkv(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q,
         s, q, k_cache, v_cache, M, K, eps, x.stride(0), d.stride(0), s.stride(0), cache_h, cache_s, N_Q=n_q,
         N_KV=n_kv, HALF=D // 2, HAS_DELTA=delta is not None, STORE_S=store_s, NORM=ln_w is not None,
         HAS_BIAS=b_qkv is not None, BM=BLOCK_M, BK=_bk(K, bk or QKV_BK), CB=CB, IEEE=x.dtype == torch.float32,
-        num_warps=num_warps or QKV_WARPS)
+        num_warps=num_warps or QKV_WARPS, **pdl(x))
     return s, q
 
 
@@ -187,12 +188,13 @@ def launch_norm_gate_up(x, delta, ln_w, eps, w_gate_up, bk: int | None = None, b
     _norm_gate_up_kernel[(triton.cdiv(inter, BN), triton.cdiv(M, BLOCK_M))](
         x, d, ln_w, w_gate_up, s, out, M, K, inter, eps, x.stride(0), d.stride(0), s.stride(0),
         HAS_DELTA=delta is not None, BM=BLOCK_M, BK=_bk(K, bk or GATE_UP_BK), BN=BN, IEEE=x.dtype == torch.float32,
-        num_warps=num_warps or GATE_UP_WARPS)
+        num_warps=num_warps or GATE_UP_WARPS, **pdl(x))
     return s, out
 
 
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
+    from tandem.kernels.fused import _pdl_enter
 
     @triton.jit
     def _rows_sum(x_ptr, d_ptr, rows, rm, kk, km, sx, sd, HAS_DELTA: tl.constexpr):
@@ -232,9 +234,10 @@ if triton is not None:
                          M, K, eps, sx, sd, ss, cache_h, cache_s, N_Q: tl.constexpr, N_KV: tl.constexpr,
                          HALF: tl.constexpr, HAS_DELTA: tl.constexpr, STORE_S: tl.constexpr, NORM: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, CB: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         IEEE: tl.constexpr, PDL: tl.constexpr = False):
         # grid (heads x HALF / CB, row blocks): program (head, cb) computes columns [cb CB, cb CB + CB)
         # of the head's two rotary halves for BM rows (each column's RoPE partner is in the same program)
+        _pdl_enter(PDL)
         pid = tl.program_id(0)
         head = pid // (HALF // CB)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -300,8 +303,9 @@ if triton is not None:
     @triton.jit
     def _norm_gate_up_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, s_ptr, out_ptr, M, K, I, eps, sx, sd, ss,
                              HAS_DELTA: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             IEEE: tl.constexpr, PDL: tl.constexpr = False):
         # grid (column blocks, row blocks): gate columns [pn BN, pn BN + BN) and the same up columns
+        _pdl_enter(PDL)
         pn = tl.program_id(0)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
         rm = rows < M
@@ -330,8 +334,9 @@ if triton is not None:
 
     @triton.jit
     def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sx, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       IEEE: tl.constexpr, PDL: tl.constexpr = False):
         # grid (column blocks, row blocks): out[rows, cols] = x[rows] @ w[cols].T, rounded once
+        _pdl_enter(PDL)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         rm = rows < M

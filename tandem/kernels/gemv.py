@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import fused_layer
-from tandem.kernels.fused import add_rmsnorm_ref, triton_enabled
+from tandem.kernels.fused import add_rmsnorm_ref, pdl, triton_enabled
 from tandem.kernels.fused_layer import norm_gate_up_silu_ref, norm_qkv_rope_store_ref
 
 try:  # Triton ships with CUDA builds of PyTorch only
@@ -92,7 +92,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, launch: tuple[int, int, int] | None =
     BN, BK, warps = launch or LAUNCH["plain"]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, BN),)](x, x, x, w, x, out, N, K, 0.0, HAS_DELTA=False, NORM=False, SILU=False,
-                                        STORE=False, BN=BN, BK=_bk(K, BK), num_warps=warps)
+                                        STORE=False, BN=BN, BK=_bk(K, BK), num_warps=warps, **pdl(x))
     return out
 
 
@@ -109,7 +109,7 @@ def norm_gemv(x, delta, ln_w, eps, w, launch: tuple[int, int, int] | None = None
     BN, BK, warps = launch or LAUNCH["plain"]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, BN),)](x, delta, ln_w, w, x, out, N, K, eps, HAS_DELTA=True, NORM=True, SILU=False,
-                                        STORE=False, BN=BN, BK=_bk(K, BK), num_warps=warps)
+                                        STORE=False, BN=BN, BK=_bk(K, BK), num_warps=warps, **pdl(x))
     return out
 
 
@@ -124,7 +124,7 @@ def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up, launch: tuple[int, int, in
     out = torch.empty(1, inter, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(inter, BN),)](x, delta if delta is not None else x, ln_w, w_gate_up, s, out, inter, K,
                                             eps, HAS_DELTA=delta is not None, NORM=True, SILU=True,
-                                            STORE=delta is not None, BN=BN, BK=_bk(K, BK), num_warps=warps)
+                                            STORE=delta is not None, BN=BN, BK=_bk(K, BK), num_warps=warps, **pdl(x))
     return s, out
 
 
@@ -151,12 +151,13 @@ def norm_qkv_rope_store(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, 
         x, delta if delta is not None else x, ln_w, w_qkv, b_qkv if b_qkv is not None else w_qkv, positions, slots,
         inv_freq, s, q, k_cache, v_cache, K, eps, cache_h, cache_s, N_Q=n_q, N_KV=n_kv, HALF=D // 2,
         HAS_DELTA=delta is not None, STORE_S=store_s, HAS_BIAS=b_qkv is not None, CB=CB, BK=_bk(K, BK),
-        num_warps=warps)
+        num_warps=warps, **pdl(x))
     return s, q
 
 
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
+    from tandem.kernels.fused import _pdl_enter
     from tandem.kernels.fused_layer import _qkv_store
 
     @triton.jit
@@ -198,9 +199,10 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, s_ptr, out_ptr, N, K, eps, HAS_DELTA: tl.constexpr,
                      NORM: tl.constexpr, SILU: tl.constexpr, STORE: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):
+                     BK: tl.constexpr, PDL: tl.constexpr = False):
         # grid (cdiv(N, BN),): output columns [pid BN, pid BN + BN) of one row. SILU: they are gate columns,
         # and the up columns are weight rows N + col (a gate/up weight [2 N, K])
+        _pdl_enter(PDL)
         pid = tl.program_id(0)
         cols = pid * BN + tl.arange(0, BN)
         cm = cols < N
@@ -221,9 +223,10 @@ if triton is not None:
     def _qkv_gemv_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, b_ptr, pos_ptr, slot_ptr, inv_ptr, s_ptr, q_ptr, k_ptr, v_ptr,
                          K, eps, cache_h, cache_s, N_Q: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
                          HAS_DELTA: tl.constexpr, STORE_S: tl.constexpr, HAS_BIAS: tl.constexpr, CB: tl.constexpr,
-                         BK: tl.constexpr):
+                         BK: tl.constexpr, PDL: tl.constexpr = False):
         # grid (heads x HALF / CB,): program (head, cb) computes columns [cb CB, cb CB + CB) of the head's
         # two rotary halves (each column's RoPE partner in the same program), then rotates and stores them
+        _pdl_enter(PDL)
         pid = tl.program_id(0)
         head = pid // (HALF // CB)
         i = (pid % (HALF // CB)) * CB + tl.arange(0, CB)  # columns of the first half; i + HALF their partners

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.kernels import fused_layer
-from tandem.kernels.fused import embed_norms_ref, pow2, rmsnorm_ref, triton_enabled
+from tandem.kernels.fused import embed_norms_ref, pdl, pow2, rmsnorm_ref, triton_enabled
 from tandem.kernels.resident import ancestors, key_index, level_step, score_keys, topk_logprobs
 
 try:  # Triton ships with CUDA builds of PyTorch only
@@ -164,7 +164,7 @@ def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int = BLO
     _head_topk_kernel[(nb,)](r, delta, norm_w, lm_w, out, pkey, pstat, counter, tok, lp, R, H, V, r.stride(0),
                              delta.stride(0), eps, *g, K=k, RP=rp, BV=bv, BK=bk, NB=nb, NBKP=pow2(nb * k),
                              IEEE=r.dtype == torch.float32, KEY64=key64, GLUE=glue is not None, **gshape,
-                             num_warps=num_warps)
+                             num_warps=num_warps, **pdl(r))
     return out, lp, tok, mask if glue is not None and glue.prep else None
 
 
@@ -195,7 +195,7 @@ def launch_eagle_qkv(ids, embed, hidden, src, w_embed, w_hidden, eps, w_qkv, pos
         ids, embed, hidden, src if src is not None else ids, w_embed, w_hidden, w_qkv, positions, slots, inv_freq,
         h, hn, q, k_cache, v_cache, T, H, eps, hidden.stride(0), k_cache.stride(1), k_cache.stride(2), N_Q=n_q,
         N_KV=n_kv, HALF=D // 2, GATHER=src is not None, BM=fused_layer.BLOCK_M, BK=BK, CB=CB,
-        IEEE=dt == torch.float32, num_warps=num_warps or QKV_WARPS)
+        IEEE=dt == torch.float32, num_warps=num_warps or QKV_WARPS, **pdl(ids))
     return q, h, hn
 
 
@@ -216,11 +216,12 @@ def launch_head_select(lp, tok, par, root, width, max_depth, n, out) -> None:
     scratch = torch.empty(tp, dtype=torch.long, device=lp.device)
     ids = torch.empty(total, dtype=torch.long, device=lp.device)
     _head_select_kernel[(1,)](lp, tok, par, root, t, p, d, anc, scratch, ids, total, W=width, N=n, NP=pow2(n),
-                              MP=pow2(n + 1), TP=tp, MAXD=max_depth, num_warps=4)
+                              MP=pow2(n + 1), TP=tp, MAXD=max_depth, num_warps=4, **pdl(lp))
 
 
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
+    from tandem.kernels.fused import _pdl_enter
     from tandem.kernels.fused_layer import _mm, _normed, _qkv_store
     from tandem.kernels.resident import _best_n, _finish_tree, _level_glue
 
@@ -269,7 +270,8 @@ if triton is not None:
                           K: tl.constexpr, RP: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr,
                           NBKP: tl.constexpr, IEEE: tl.constexpr, KEY64: tl.constexpr, GLUE: tl.constexpr,
                           GP: tl.constexpr, GNP: tl.constexpr, GR: tl.constexpr, GRP: tl.constexpr,
-                          PREP: tl.constexpr):
+                          PREP: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         pid = tl.program_id(0)
         dt = r_ptr.dtype.element_ty
         rows = tl.arange(0, RP)
@@ -348,8 +350,9 @@ if triton is not None:
     @triton.jit
     def _head_select_kernel(lp_ptr, tok_ptr, par_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, scratch_ptr, ids_ptr,
                             total, W: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
-                            TP: tl.constexpr, MAXD: tl.constexpr):
+                            TP: tl.constexpr, MAXD: tl.constexpr, PDL: tl.constexpr = False):
         # the N best nodes (ties to the earlier node), in node order: a topological one
+        _pdl_enter(PDL)
         j, valid, sel = _best_n(lp_ptr, scratch_ptr, ids_ptr, total, N, NP, TP)
         tl.debug_barrier()
         pn = tl.load(par_ptr + sel, mask=valid, other=-1)
@@ -364,9 +367,10 @@ if triton is not None:
     def _eagle_qkv_kernel(ids_ptr, e_ptr, h_ptr, src_ptr, we_ptr, wh_ptr, w_ptr, pos_ptr, slot_ptr, inv_ptr, hg_ptr,
                           hn_ptr, q_ptr, k_ptr, v_ptr, M, H, eps, sh, cache_h, cache_s, N_Q: tl.constexpr,
                           N_KV: tl.constexpr, HALF: tl.constexpr, GATHER: tl.constexpr, BM: tl.constexpr,
-                          BK: tl.constexpr, CB: tl.constexpr, IEEE: tl.constexpr):
+                          BK: tl.constexpr, CB: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
         # fused_layer's q/k/v kernel (the same grid: heads x column blocks, row blocks) whose input row
         # is cat(rmsnorm(embed[id]), rmsnorm(hidden[src])), built in its prologue from the two tables
+        _pdl_enter(PDL)
         pid = tl.program_id(0)
         head = pid // (HALF // CB)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)

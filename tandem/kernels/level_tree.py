@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.fused import pow2, triton_enabled
+from tandem.kernels.fused import pdl, pow2, triton_enabled
 
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
@@ -94,21 +94,25 @@ def level_feed_triton(node_tok, node_lp, lo, hi, w, fed_bits, bits_out, base_bit
     R, n_all = node_lp.shape
     _feed_kernel[(R,)](node_tok, node_lp, fed_bits, bits_out, fed, parent_row, rows_tokens, rows_positions,
                        rows_slots, rows_bits, rows_bits.stride(0), rows_seq_len, positions, slots, seq_len,
-                       n_all, lo, hi - lo, base_bit, W=w, WP=pow2(w), NP=pow2(hi - lo), FIRST=first, num_warps=4)
+                       n_all, lo, hi - lo, base_bit, W=w, WP=pow2(w), NP=pow2(hi - lo), FIRST=first, num_warps=4,
+                       **pdl(node_tok))
 
 
 def level_children_triton(node_tok, node_par, node_lp, fed, ctok, clp, lo, d2t=None) -> None:
     R, w = fed.shape
     _children_kernel[(R,)](node_tok, node_par, node_lp, fed, ctok, clp, d2t if d2t is not None else ctok,
-                           node_lp.shape[1], lo, W=w, WP=pow2(w), HAS_D2T=d2t is not None, num_warps=4)
+                           node_lp.shape[1], lo, W=w, WP=pow2(w), HAS_D2T=d2t is not None, num_warps=4, **pdl(node_tok))
 
 
 if triton is not None:
+    from tandem.kernels.fused import _pdl_enter
 
     @triton.jit
     def _feed_kernel(tok_ptr, lp_ptr, bits_in_ptr, bits_out_ptr, fed_ptr, par_ptr, rtok_ptr, rpos_ptr, rslot_ptr,
                      rbits_ptr, rbits_stride, rseq_ptr, pos_ptr, slot_ptr, seq_ptr, n_all, lo, n, base_bit,
-                     W: tl.constexpr, WP: tl.constexpr, NP: tl.constexpr, FIRST: tl.constexpr):
+                     W: tl.constexpr, WP: tl.constexpr, NP: tl.constexpr, FIRST: tl.constexpr,
+                     PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         r = tl.program_id(0)
         i = tl.arange(0, NP)
         valid = i < n
@@ -143,7 +147,8 @@ if triton is not None:
 
     @triton.jit
     def _children_kernel(tok_ptr, par_ptr, lp_ptr, fed_ptr, ctok_ptr, clp_ptr, d2t_ptr, n_all, lo,
-                         W: tl.constexpr, WP: tl.constexpr, HAS_D2T: tl.constexpr):
+                         W: tl.constexpr, WP: tl.constexpr, HAS_D2T: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         r = tl.program_id(0)
         s = tl.arange(0, WP)[:, None]  # [WP, 1] fed row
         j = tl.arange(0, WP)[None, :]  # [1, WP] its child

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from tandem.kernels.fused import triton_enabled
+from tandem.kernels.fused import pdl, triton_enabled
 
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
@@ -63,17 +63,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                              rows.row_bits, 1.0 / math.sqrt(D), q.stride(0), q.stride(1), k_cache.stride(0),
                              k_cache.stride(1), bt.stride(0), out.stride(0), out.stride(1), HKV=Hkv, G=G, GP=GP,
                              BT=rows.tile_rows, BLOCK_N=64, BS=rows.block_size, D=D,
-                             IEEE=q.dtype == torch.float32, num_warps=4)
+                             IEEE=q.dtype == torch.float32, num_warps=4, **pdl(q))
     return out
 
 
 if triton is not None:
+    from tandem.kernels.fused import _pdl_enter
 
     @triton.jit
     def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tiles_ptr, seq_len_ptr, bt_ptr, prefix_ptr, base_ptr, bits_ptr,
                            scale, sq_m, sq_h, sk_s, sk_h, sbt_r, so_m, so_h, HKV: tl.constexpr, G: tl.constexpr,
                            GP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
-                           D: tl.constexpr, IEEE: tl.constexpr):
+                           D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         tile = tl.program_id(0)
         hk = tl.program_id(1)
         r = tl.load(tiles_ptr + tile * 3)

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from tandem.kernels.fused import pow2, triton_enabled
+from tandem.kernels.fused import pdl, pow2, triton_enabled
 
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
@@ -83,7 +83,7 @@ def beam_levels(cond: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Ten
     cands = torch.empty(B, width, dtype=torch.long, device=cond.device)
     pslots = torch.empty(B, width, dtype=torch.long, device=cond.device)
     scratch = torch.empty(width * K, dtype=torch.long, device=cond.device)
-    _beam_kernel[(1,)](cond, scores, cands, pslots, scratch, B=B, W=width, K=K)
+    _beam_kernel[(1,)](cond, scores, cands, pslots, scratch, B=B, W=width, K=K, **pdl(cond))
     return scores, cands, pslots
 
 
@@ -145,11 +145,11 @@ def lattice(logits: torch.Tensor, root: torch.Tensor, u: torch.Tensor | None, v:
     lp = torch.empty(B, k, device=dev)
     rest = torch.empty(B, device=dev)
     cond = torch.empty(B, k, k, device=dev)
-    _topk_kernel[(B,)](logits, logits.stride(0), tok, lp, rest, V, K=k, BLOCK_V=pow2(V), num_warps=8)
+    _topk_kernel[(B,)](logits, logits.stride(0), tok, lp, rest, V, K=k, BLOCK_V=pow2(V), num_warps=8, **pdl(logits))
     markov = u is not None
     R = u.shape[1] if markov else 1
     _cond_kernel[(B,)](tok, lp, rest, root, u if markov else lp, v if markov else lp, cond, R=R, K=k,
-                       HAS_MARKOV=markov)
+                       HAS_MARKOV=markov, **pdl(tok))
     return tok, cond
 
 
@@ -169,7 +169,7 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     tok = torch.empty(R, k, dtype=torch.long, device=logits.device)
     lp = torch.empty(R, k, device=logits.device)
     rest = torch.empty(R, device=logits.device)
-    _topk_kernel[(R,)](rows, rows.stride(0), tok, lp, rest, V, K=k, BLOCK_V=pow2(V), num_warps=8)
+    _topk_kernel[(R,)](rows, rows.stride(0), tok, lp, rest, V, K=k, BLOCK_V=pow2(V), num_warps=8, **pdl(rows))
     return lp.view(*logits.shape[:-1], k), tok.view(*logits.shape[:-1], k)
 
 
@@ -192,7 +192,8 @@ def select_tree_fused(tok, root, scores, cands, pslots, nodes: int, out: tuple[t
     ids = torch.empty(B * W, dtype=torch.long, device=dev)
     t, p, d, anc = out
     _select_kernel[(1,)](scores, cands, pslots, tok, root, t, p, d, anc, scratch, ids, B * W, W=W,
-                         K=tok.shape[1], N=nodes, NP=pow2(nodes), MP=pow2(nodes + 1), BWP=pow2(B * W), MAXD=B)
+                         K=tok.shape[1], N=nodes, NP=pow2(nodes), MP=pow2(nodes + 1), BWP=pow2(B * W), MAXD=B,
+                       **pdl(scores))
 
 
 # ---- the EAGLE-2 levels (tandem.drafting.eagle_drafter.HeadLevels) ----------------------------
@@ -242,7 +243,7 @@ def level_step(ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, prefix, d: int,
     R = anc.shape[0]
     mask = torch.empty(W, width, dtype=torch.bool, device=lp.device) if prep else anc
     _level_kernel[(1,)](ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, mask, prefix, d, width, P=P, W=W,
-                        NP=pow2(P * W), R=R, RP=pow2(R), PREP=prep, BLOCK_C=256)
+                        NP=pow2(P * W), R=R, RP=pow2(R), PREP=prep, BLOCK_C=256, **pdl(ctok))
     return mask if prep else None
 
 
@@ -281,7 +282,7 @@ def context_view(P, pre, pmax: int, T: int, width: int, scratch: int, out: tuple
             o.copy_(v)
         return
     pos, slots, see = out
-    _context_view_kernel[(1,)](P, pre, pos, slots, see, width, scratch, PMAX=pmax, T=T, TP=pow2(T), BW=128)
+    _context_view_kernel[(1,)](P, pre, pos, slots, see, width, scratch, PMAX=pmax, T=T, TP=pow2(T), BW=128, **pdl(P))
 
 
 def tree_view(pre, depth, anc, width: int, out: tuple[torch.Tensor, ...]) -> None:
@@ -292,7 +293,7 @@ def tree_view(pre, depth, anc, width: int, out: tuple[torch.Tensor, ...]) -> Non
         return
     pos, slots, see = out
     M = depth.shape[0]
-    _tree_view_kernel[(1,)](pre, depth, anc, pos, slots, see, width, M=M, MP=pow2(M), BW=128)
+    _tree_view_kernel[(1,)](pre, depth, anc, pos, slots, see, width, M=M, MP=pow2(M), BW=128, **pdl(pre))
 
 
 # ---- the accept ------------------------------------------------------------------------------
@@ -336,7 +337,7 @@ def accept_fused(am, tree_tok, tree_par, tree_depth, anc, prefix, pmax: int, sta
     M = tree_tok.shape[0]
     _accept_kernel[(1,)](am, tree_tok, tree_par, tree_depth, anc, prefix, state["kv_src"], state["kv_dst"],
                          state["node"], state["ctx"], state["P"], state["rec"], M=M, MP=pow2(M), PM=pmax,
-                         PMP=pow2(pmax))
+                         PMP=pow2(pmax), **pdl(am))
 
 
 def commit_rows_ref(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, feats: torch.Tensor | None,
@@ -363,7 +364,8 @@ def commit_rows(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, feats: t
     nf = 0 if feats is None else triton.cdiv(F, 256)
     _commit_kernel[(regions + nf,)](kv, src, dst, kv if feats is None else feats, src if node is None else node,
                                     kv if out_feat is None else out_feat, rows, F,
-                                    0 if feats is None else feats.stride(0), NKV=regions, P=P, PP=pow2(P), D=D, BF=256)
+                                    0 if feats is None else feats.stride(0), NKV=regions, P=P, PP=pow2(P), D=D, BF=256,
+                                    **pdl(kv))
 
 
 # ---- the sampled walk ------------------------------------------------------------------------
@@ -410,13 +412,17 @@ def sample_walk(probs: torch.Tensor, tree_tok: torch.Tensor, tree_par: torch.Ten
         out.copy_(sample_walk_ref(probs, tree_tok, tree_par, generator))
         return
     M, V = probs.shape
-    _walk_kernel[(1,)](probs, V, tree_tok, tree_par, seed, out, M=M, MP=pow2(M), BLOCK_V=pow2(V), num_warps=8)
+    _walk_kernel[(1,)](probs, V, tree_tok, tree_par, seed, out, M=M, MP=pow2(M), BLOCK_V=pow2(V), num_warps=8,
+                       **pdl(probs))
 
 
 if triton is not None:
+    from tandem.kernels.fused import _pdl_enter
 
     @triton.jit
-    def _topk_kernel(x_ptr, stride, tok_ptr, lp_ptr, rest_ptr, V, K: tl.constexpr, BLOCK_V: tl.constexpr):
+    def _topk_kernel(x_ptr, stride, tok_ptr, lp_ptr, rest_ptr, V, K: tl.constexpr, BLOCK_V: tl.constexpr,
+                     PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         b = tl.program_id(0)
         offs = tl.arange(0, BLOCK_V)
         x = tl.load(x_ptr + b * stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
@@ -435,7 +441,8 @@ if triton is not None:
 
     @triton.jit
     def _cond_kernel(tok_ptr, lp_ptr, rest_ptr, root_ptr, u_ptr, v_ptr, cond_ptr, R: tl.constexpr, K: tl.constexpr,
-                     HAS_MARKOV: tl.constexpr):
+                     HAS_MARKOV: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         b = tl.program_id(0)
         a = tl.arange(0, K)  # parent candidates
         c = tl.arange(0, K)  # child candidates
@@ -508,8 +515,9 @@ if triton is not None:
     @triton.jit
     def _select_kernel(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, scratch_ptr,
                        ids_ptr, BW, W: tl.constexpr, K: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-                       MP: tl.constexpr, BWP: tl.constexpr, MAXD: tl.constexpr):
+                       MP: tl.constexpr, BWP: tl.constexpr, MAXD: tl.constexpr, PDL: tl.constexpr = False):
         # the N best of the B * W beam entries, level-major: a topological order
+        _pdl_enter(PDL)
         j, valid, sel = _best_n(score_ptr, scratch_ptr, ids_ptr, BW, N, NP, BWP)
         level = sel // W
         tl.debug_barrier()
@@ -525,7 +533,9 @@ if triton is not None:
 
     @triton.jit
     def _accept_kernel(am_ptr, tok_ptr, par_ptr, depth_ptr, anc_ptr, prefix_ptr, src_ptr, dst_ptr, node_ptr, ctx_ptr,
-                       P_ptr, rec_ptr, M: tl.constexpr, MP: tl.constexpr, PM: tl.constexpr, PMP: tl.constexpr):
+                       P_ptr, rec_ptr, M: tl.constexpr, MP: tl.constexpr, PM: tl.constexpr, PMP: tl.constexpr,
+                       PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         i = tl.arange(0, MP)
         live = i < M
         tok = tl.load(tok_ptr + i, mask=live, other=-1)
@@ -569,8 +579,9 @@ if triton is not None:
 
     @triton.jit
     def _beam_kernel(cond_ptr, score_ptr, cand_ptr, pslot_ptr, scratch_ptr, B: tl.constexpr, W: tl.constexpr,
-                     K: tl.constexpr):
+                     K: tl.constexpr, PDL: tl.constexpr = False):
         # one program: the B levels run in sequence, each a sort of W * K packed keys
+        _pdl_enter(PDL)
         WK: tl.constexpr = W * K
         w = tl.arange(0, W)
         k = tl.arange(0, K)
@@ -600,7 +611,9 @@ if triton is not None:
     @triton.jit
     def _level_kernel(ctok_ptr, clp_ptr, d2t_ptr, tok_ptr, par_ptr, lp_ptr, fed_ptr, ids_ptr, src_ptr, anc_ptr,
                       mask_ptr, prefix_ptr, d, width, P: tl.constexpr, W: tl.constexpr, NP: tl.constexpr,
-                      R: tl.constexpr, RP: tl.constexpr, PREP: tl.constexpr, BLOCK_C: tl.constexpr):
+                      R: tl.constexpr, RP: tl.constexpr, PREP: tl.constexpr, BLOCK_C: tl.constexpr,
+                      PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         _level_glue(ctok_ptr, clp_ptr, d2t_ptr, tok_ptr, par_ptr, lp_ptr, fed_ptr, ids_ptr, src_ptr, anc_ptr, mask_ptr,
                     prefix_ptr, d, width, P, W, NP, R, RP, PREP, BLOCK_C)
 
@@ -651,7 +664,8 @@ if triton is not None:
 
     @triton.jit
     def _commit_kernel(kv_ptr, src_ptr, dst_ptr, f_ptr, node_ptr, out_ptr, rows, F, sf, NKV: tl.constexpr,
-                       P: tl.constexpr, PP: tl.constexpr, D: tl.constexpr, BF: tl.constexpr):
+                       P: tl.constexpr, PP: tl.constexpr, D: tl.constexpr, BF: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         pid = tl.program_id(0)
         i = tl.arange(0, PP)
         im = i < P
@@ -673,7 +687,8 @@ if triton is not None:
 
     @triton.jit
     def _walk_kernel(p_ptr, V, tok_ptr, par_ptr, seed_ptr, am_ptr, M: tl.constexpr, MP: tl.constexpr,
-                     BLOCK_V: tl.constexpr):
+                     BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         offs = tl.arange(0, BLOCK_V)
         vm = offs < V
         mi = tl.arange(0, MP)
@@ -714,7 +729,8 @@ if triton is not None:
 
     @triton.jit
     def _context_view_kernel(P_ptr, pre_ptr, pos_ptr, slot_ptr, see_ptr, width, scratch, PMAX: tl.constexpr,
-                             T: tl.constexpr, TP: tl.constexpr, BW: tl.constexpr):
+                             T: tl.constexpr, TP: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         r = tl.arange(0, TP)
         rm = r < T
         pre = tl.load(pre_ptr)
@@ -730,7 +746,8 @@ if triton is not None:
 
     @triton.jit
     def _tree_view_kernel(pre_ptr, depth_ptr, anc_ptr, pos_ptr, slot_ptr, see_ptr, width, M: tl.constexpr,
-                          MP: tl.constexpr, BW: tl.constexpr):
+                          MP: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         i = tl.arange(0, MP)
         im = i < M
         pre = tl.load(pre_ptr)

@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from tandem.kernels.fused import pow2, triton_enabled
+from tandem.kernels.fused import pdl, pow2, triton_enabled
 
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
@@ -105,21 +105,24 @@ def fill_tree_rows_triton(tree, tokens, positions, row_bits) -> None:
     _, R, n = tree.shape
     assert tree.stride()[1:] == (n, 1) and tokens.stride(0) == positions.stride(0) == 1  # (a bucket's [6, R', n] cut to R)
     _fill_kernel[(R,)](tree, tokens, positions, row_bits, row_bits.stride(0), tree.stride(0), n, NP=pow2(n),
-                       num_warps=1)
+                       num_warps=1, **pdl(tree))
 
 
 def accept_paths_triton(am: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
     _, R, n = tree.shape
     assert tree.stride()[1:] == (n, 1) and am.is_contiguous()
     out = torch.empty(R, 3 + n, dtype=torch.long, device=tree.device)
-    _accept_kernel[(R,)](am, tree, out, tree.stride(0), n, NP=pow2(n), num_warps=1)
+    _accept_kernel[(R,)](am, tree, out, tree.stride(0), n, NP=pow2(n), num_warps=1, **pdl(am))
     return out
 
 
 if triton is not None:
+    from tandem.kernels.fused import _pdl_enter
 
     @triton.jit
-    def _fill_kernel(tree_ptr, tok_ptr, pos_ptr, bits_ptr, bits_stride, plane, n, NP: tl.constexpr):
+    def _fill_kernel(tree_ptr, tok_ptr, pos_ptr, bits_ptr, bits_stride, plane, n, NP: tl.constexpr,
+                     PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         r = tl.program_id(0)
         q = tl.arange(0, NP)
         ok = q < n
@@ -131,7 +134,8 @@ if triton is not None:
         tl.store(bits_ptr + row * bits_stride, tl.load(tree_ptr + 5 * plane + at, mask=ok, other=0), mask=ok)
 
     @triton.jit
-    def _accept_kernel(am_ptr, tree_ptr, out_ptr, plane, n, NP: tl.constexpr):
+    def _accept_kernel(am_ptr, tree_ptr, out_ptr, plane, n, NP: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         r = tl.program_id(0)
         q = tl.arange(0, NP)
         ok = q < n

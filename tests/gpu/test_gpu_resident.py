@@ -216,3 +216,27 @@ def test_resident_replay_accepts_the_recorded_counts(device):
                      forced_accepts=forced)
     assert r.loop == "resident"
     assert r.accept_lengths[:-1] == [min(forced[i % len(forced)], 4) for i in range(len(r.accept_lengths) - 1)]
+
+
+@pytest.mark.parametrize("device", [cuda("cuda", id="cuda")])
+@pytest.mark.parametrize("kind,method,spec", [("eagle3", "ar", SpecConfig()),
+                                              ("eagle3", "tree", SpecConfig(nodes=32, width=4)),
+                                              ("block", "tree", SpecConfig(nodes=32))], ids=["ar", "eagle3", "block"])
+def test_programmatic_dependent_launch_changes_no_token(device, kind, method, spec, monkeypatch):
+    # tandem.kernels.fused.pdl: each Triton kernel of the captured graphs may start while the one
+    # before it runs and waits for its results in-kernel. A wait placed after a read of the previous
+    # kernel's output would show here as different tokens or accepted counts (bf16: a real run's dtype)
+    from tandem.kernels import fused
+    from tandem.runtime.pair import load_pair
+
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TANDEM_PDL", flag)
+        assert bool(fused.pdl(torch.zeros(1, device="cuda"))) == (flag == "1")  # a Hopper GPU: PDL is on
+        pair = load_pair(None, kind, device="cuda", dtype="bfloat16")  # fresh graphs, captured under the flag
+        gen = Generator(pair.target, pair.draft, use_graphs=True, resident=True)
+        runs[flag] = [gen.generate(pair.tokenizer.encode(p).ids, method, spec,
+                                   gen=GenerationConfig(max_new_tokens=96, ignore_eos=True)) for p in PROMPTS]
+    for off, on in zip(runs["0"], runs["1"]):
+        assert on.token_ids == off.token_ids
+        assert on.accept_lengths == off.accept_lengths
