@@ -90,6 +90,27 @@ def test_resident_greedy_equals_ar_on_a_tiny_pair(tiny, method, spec):
         assert got.target_passes == len(got.accept_lengths) and got.verify_seconds > 0
 
 
+def test_resident_ar_queues_no_step_past_the_end(tiny, monkeypatch):
+    """`ar` commits one token a step, so the loop queues exactly max_new_tokens steps: the steps it
+    queues ahead of the one it reads stop where the request ends (before, LAG more ran and were
+    thrown away, and the request waited for them). A tree's steps commit a varying count: its
+    tokens still equal `ar`'s whatever the loop holds back."""
+    from tandem.runtime.resident import ResidentLoop
+
+    target, draft = tiny
+    runs: list[str] = []
+    real = ResidentLoop._run
+    monkeypatch.setattr(ResidentLoop, "_run", lambda self, part, width: (runs.append(part), real(self, part, width)))
+    res = Generator(target, draft, use_graphs=False, resident=True)
+    g = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    want = res.generate([1, 5, 9, 2], "ar", gen=g)
+    assert len(want.token_ids) == 20 and runs.count("verify") == 20 and "draft" not in runs
+    runs.clear()
+    got = res.generate([1, 5, 9, 2], "tree", SpecConfig(nodes=12), gen=g)
+    assert got.token_ids == want.token_ids
+    assert runs.count("draft") == runs.count("verify") >= got.target_passes
+
+
 @pytest.mark.parametrize("method,spec", [("chain", SpecConfig(k=4)), ("tree", SpecConfig(nodes=12, width=3)),
                                          ("tree", SpecConfig(nodes=40, width=4, depth=6))])
 @pytest.mark.parametrize("same", [True, False], ids=["self-draft", "other-draft"])

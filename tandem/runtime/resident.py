@@ -21,7 +21,9 @@ two CUDA graphs that read and write only device state:
 `ar` is the verify graph over a one-node tree. The host queues steps ahead and reads each step's
 record (committed tokens, accept count, tree depth) from a pinned ring once the step's event has
 fired, so it is at most `LAG` steps behind the device and never stalls it; streaming and stop
-strings work on those records. The price is up to `LAG` steps computed past the end of a request.
+strings work on those records. Near a request's end the host holds the next step while the steps
+in flight are expected to finish it (their count times the request's tokens a step so far), so few
+steps are computed past the end (`ar`: none); TANDEM_RESIDENT_HOLD=0 turns the hold off (A/B).
 
 Graphs are captured per attention width bucket (the runners' `width_for`), lazily; state
 tensors live as long as the runners (kept in the target runner's `attached`), so graphs are
@@ -29,6 +31,7 @@ reused across requests. On the CPU (tests) the same bodies run eagerly.
 """
 from __future__ import annotations
 
+import os
 from collections import deque
 from functools import partial
 
@@ -348,8 +351,17 @@ class ResidentLoop:
         t_base, d_base, last_p = prefix, dprefix, pending
         steps = slot = 0
         queueing, finished = True, False
+        read = committed = 0  # steps read back and the tokens they committed (this request)
+        holding = os.environ.get("TANDEM_RESIDENT_HOLD", "1") != "0"  # the A/B switch of the hold below
         while queueing or inflight:
-            if queueing:
+            # near the request's end, hold the next step while the ones in flight are expected to
+            # finish it: a step queued past the end still runs (the request waits for it, and the
+            # next one behind it) and is thrown away; at 7 tokens a step that was two of a
+            # request's ~19 steps. Holding costs a read-back's bubble when the guess was short.
+            # Each step commits at least one token (`ar`: exactly one, so it never wastes a step).
+            hold = holding and bool(inflight) and len(inflight) * max(1.0, committed / max(read, 1)) >= \
+                emitter.max_new - len(emitter.out)
+            if queueing and not hold:
                 ahead = len(inflight) + 1
                 need_v = t_base + ahead * self.pmax + max(self.M, self.pmax)
                 need_d = d_base + last_p + ahead * self.pmax + self.draft_rows
@@ -368,7 +380,7 @@ class ResidentLoop:
                     steps += 1
             # read the oldest record when it must be (LAG steps queued, or nothing left to queue)
             # or already can be (its event fired: streaming and TTFT do not wait for the lag)
-            if inflight and (len(inflight) > LAG or not queueing or (clock.cuda and inflight[0][1].query())):
+            if inflight and (len(inflight) > LAG or not queueing or hold or (clock.cuda and inflight[0][1].query())):
                 s, done = inflight.popleft()
                 if done is not None:
                     done.synchronize()
@@ -376,6 +388,7 @@ class ResidentLoop:
                     continue  # past the end: drained, not emitted
                 rec = ring[s].tolist()
                 p, accepted, depth = rec[0], rec[1], rec[2]
+                read, committed = read + 1, committed + p
                 t_base += p
                 d_base += last_p
                 last_p = p
