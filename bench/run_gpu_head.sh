@@ -4,7 +4,7 @@
 # kernel and a torch selection, as before): their GPU lane, the resident loop's lane, the draft
 # graph's kernels and replay time, and the bundled pair on MBPP (bf16, greedy, 128 new tokens).
 # AB=TANDEM_FUSED_LINEAR runs the same A/B on another switch (the fused layers' o_proj / down_proj kernel), LANE_FILES
-# names the lane's test files, SMALL=1 times the level kernels' launch shapes last (bench/gpu_small_kernels.py).
+# names the lane's test files, PROFILE=0 skips the draft graph's profile, SMALL=1 times the level kernels' launch shapes last (bench/gpu_small_kernels.py).
 #   bash bench/run_gpu_head.sh $OUT   (device tool: carry .data = copies of ../shared/datasets/{mbpp,gsm8k}
 #                                      and ../shared/peers/gpt-fast under .data/peers)
 set -uo pipefail
@@ -20,6 +20,7 @@ if [ "${LANE:-1}" = 1 ]; then
   tail -2 "$OUT/lane.log"; grep -e "^FAILED" -e "^ERROR" "$OUT/lane.log" | head -20
 fi
 for f in ${FUSED:-1 0}; do
+  [ "${PROFILE:-1}" = 1 ] || break
   echo "== profile, $AB=$f"
   ab "$f" 60 python3 bench/gpu_profile_resident.py --kind eagle3 > "$OUT/profile_fused$f.txt" 2>&1
   grep -e "tok/s" -e "replay median" -e "kernels," "$OUT/profile_fused$f.txt" | grep -v "('ar'"

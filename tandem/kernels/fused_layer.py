@@ -143,11 +143,12 @@ def launch_linear(x, w, bk: int | None = None, bn: int | None = None, num_warps:
     return out
 
 
-def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up):
-    """norm_gate_up_silu_ref as one kernel on CUDA (where `applies`)."""
+def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up, bn: int | None = None, num_warps: int | None = None):
+    """norm_gate_up_silu_ref as one kernel on CUDA (where `applies`); bn, num_warps: a caller's own
+    launch shape (default: the target's)."""
     if not applies(x, w_gate_up):
         return norm_gate_up_silu_ref(x, delta, ln_w, eps, w_gate_up)
-    return launch_norm_gate_up(x, delta, ln_w, eps, w_gate_up)
+    return launch_norm_gate_up(x, delta, ln_w, eps, w_gate_up, bn=bn, num_warps=num_warps)
 
 
 def launch_norm_qkv(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots,

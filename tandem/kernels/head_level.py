@@ -40,6 +40,9 @@ TOPK_WARPS = 8
 # eagle_qkv's launch: columns of each rotary half a program, input columns a step, warps. At the bundled head
 # with 4 rows (bench/gpu_small_kernels.py, one H100): 32 columns (10 programs) 7.4 us, 16 columns (20) 9.5 us
 QKV_CB, QKV_BK, QKV_WARPS = 32, 128, 4
+# norm_gate_up_silu's launch at a level's few rows: 16 gate columns a program, 2 warps (4.69 us against 5.20
+# at the target's 64 columns and 4 warps: bench/gpu_small_kernels.py --ops level, 4 rows, one H100, 2026-12-06)
+GATE_UP_BN, GATE_UP_WARPS, GATE_UP_ROWS = 16, 2, 4
 
 
 # ---- references -----------------------------------------------------------------------------
