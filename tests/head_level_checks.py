@@ -234,9 +234,25 @@ def check_pass_views() -> None:
         want = res.context_view_ref(Pt, pt, pmax, T, width, 99)
         got = (torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long),
                torch.zeros(T, width, dtype=torch.bool))
-        res._context_view_kernel[(1,)](Pt, pt, *got, width, 99, PMAX=pmax, T=T, TP=fused.pow2(T), BW=128)
+        res.launch_context_view(Pt, pt, pmax, T, width, 99, got)
         for name, a, b in zip(("positions", "slots", "mask"), got, want):
             assert torch.equal(a, b), ("context", pmax, T, P, name)
+        # with the levels after the pass: the prefix advanced past its P rows, the levels' rows
+        for L, w in ((7, 4), (1, 1), (3, 5)):
+            lpos = torch.arange(L)[:, None].expand(L, w).contiguous()
+            lslot = torch.arange(L * w).view(L, w)
+            outs = {}
+            for how in ("ref", "kernel"):
+                pre_t = pt.clone()
+                lv = (torch.zeros(1, dtype=torch.long), lpos, lslot, torch.zeros(L, w, dtype=torch.long),
+                      torch.zeros(L, w, dtype=torch.long))
+                views = tuple(torch.zeros_like(x) for x in got)
+                (res.context_view if how == "ref" else res.launch_context_view)(Pt, pre_t, pmax, T, width, 99, views,
+                                                                                lv)
+                outs[how] = (pre_t,) + views + lv
+            for a, b in zip(outs["kernel"], outs["ref"]):
+                assert torch.equal(a, b), ("context levels", pmax, T, P, L, w)
+            assert outs["ref"][0].item() == pre + P and torch.equal(outs["ref"][7], (pre + P) + lpos)
     g = torch.Generator().manual_seed(3)
     for M, pre, width in ((1, 5, 16), (33, 0, 64), (33, 100, 256), (65, 200, 300)):
         par = torch.full((M,), -1, dtype=torch.long)  # a random tree, parents first

@@ -67,6 +67,10 @@ class HeadLevels:
         # prefix - 1 + d (the root is prefix - 1) and at slots prefix + (d - 1) w + s
         self.level_pos = torch.arange(self.passes, device=dev)[:, None].expand(self.passes, width).contiguous()
         self.level_slot = torch.arange(self.passes * width, device=dev).view(self.passes, width)
+        # this draft's level rows: prefix + level_pos and prefix + level_slot (the resident loop's context
+        # pass writes them in its view kernel: tandem.kernels.resident.context_view's `levels`)
+        self.pos_rows = torch.zeros(self.passes, width, dtype=torch.long, device=dev)
+        self.slot_rows = torch.zeros(self.passes, width, dtype=torch.long, device=dev)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._use_graphs = runner.use_graphs and not runner.emulate
 
@@ -94,7 +98,7 @@ class HeadLevels:
         return LevelGlue(self.model.d2t, self.tok, self.par, self.lp, self.fed, self.ids, self.src, self.anc,
                          self.prefix, d, width, d + 1 < self.depth)
 
-    def _levels(self, width: int, root: tuple[torch.Tensor, ...] | None = None) -> None:
+    def _levels(self, width: int, root: tuple[torch.Tensor, ...] | None = None, rows_ready: bool = False) -> None:
         """All levels at this attention width. Per level: the head's pass over the w fed nodes and
         their top-w children (Eagle3Head.layer_topk: with the fused layer, the gather of each fed
         node's parent hidden row and the top-w ride in the pass's kernels), then the glue
@@ -104,14 +108,16 @@ class HeadLevels:
         root: (log-probs [1, w], draft ids [1, w], hidden [1, H], the mask of level 1 or None) of
         the root's children, when the caller's context pass computed them (the resident loop; the
         mask when that pass ran `glue(0, width)` too); else they come from root_logits and
-        root_hidden."""
+        root_hidden. rows_ready: pos_rows and slot_rows already hold this draft's level rows."""
         w, model, cache = self.w, self.model, self.runner.cache
         prefix = self.prefix  # [1]
         # positions and cache slots of every level's rows (level d: position prefix - 1 + d).
         # NOTE: a row of its own per node, not an expanded view: the fused kernels read positions
         # by row offset, so a stride-0 view gave rows 1.. of a level the next levels' positions.
-        pos = prefix + self.level_pos  # [passes, w]
-        slots = prefix + self.level_slot  # [passes, w]
+        pos, slots = self.pos_rows, self.slot_rows  # [passes, w] each
+        if not rows_ready:
+            torch.add(prefix, self.level_pos, out=pos)
+            torch.add(prefix, self.level_slot, out=slots)
         if root is None:
             lp1, d1 = topk_logprobs(self.root_logits[None], w)  # [1, w] each
             hidden, mask = self.root_hidden[None], None  # [1, H]

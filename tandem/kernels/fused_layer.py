@@ -93,6 +93,16 @@ def applies(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool
             and weight.is_contiguous() and x.stride(-1) == 1)
 
 
+def linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear`'s kernel takes x [M, K] @ weight [N, K].T where `applies` would not look at K (its
+    loop takes any width: an EAGLE-3 head's fc reads 3 x the target's hidden size), unless
+    TANDEM_FUSED_LINEAR=0."""
+    return (triton_enabled(x) and x.dim() == 2 and x.shape[0] <= MAX_M and weight.shape[1] == x.shape[1]
+            and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dtype == x.dtype
+            and weight.is_contiguous() and x.stride(-1) == 1 and os.environ.get("TANDEM_FUSED_LINEAR", "1") != "0")
+
+
 # Launch shapes (bench/gpu_fused_layer.py times the alternatives on the GPU). BK: columns of the
 # input per step of the projection's loop (a whole row in one step was slower for q/k/v on the
 # H200, 5.8 against 5.5 us at one row, and ran out of shared memory in fp32). BN: gate columns a

@@ -274,15 +274,40 @@ def tree_view_ref(pre: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor, wid
     return pre + depth, pre + torch.arange(M, device=pre.device), (rel < 0)[None, :] | tree
 
 
-def context_view(P, pre, pmax: int, T: int, width: int, scratch: int, out: tuple[torch.Tensor, ...]) -> None:
+def context_view(P, pre, pmax: int, T: int, width: int, scratch: int, out: tuple[torch.Tensor, ...],
+                 levels: tuple[torch.Tensor, ...] | None = None) -> None:
     """context_view_ref written into out = (positions, slots, mask); one program on CUDA (about a
-    dozen small torch kernels otherwise, in every draft pass)."""
+    dozen small torch kernels otherwise, in every draft pass).
+
+    levels = (prefix [1], level_pos [L, w], level_slot [L, w], pos_rows [L, w], slot_rows [L, w]): the
+    tree levels that follow this pass (tandem.drafting.eagle_drafter.HeadLevels). Then the same program
+    also advances the drafter's prefix past this pass's rows (pre += P; nothing after this pass in the
+    draft reads the old one), writes it to prefix, and each level row's position and slot,
+    prefix + level_pos and prefix + level_slot (four torch launches before)."""
     if not triton_enabled(P):
         for o, v in zip(out, context_view_ref(P, pre, pmax, T, width, scratch)):
             o.copy_(v)
+        if levels is not None:
+            prefix, level_pos, level_slot, pos_rows, slot_rows = levels
+            pre.add_(P)
+            prefix.copy_(pre)
+            torch.add(prefix, level_pos, out=pos_rows)
+            torch.add(prefix, level_slot, out=slot_rows)
         return
+    launch_context_view(P, pre, pmax, T, width, scratch, out, levels)
+
+
+def launch_context_view(P, pre, pmax: int, T: int, width: int, scratch: int, out: tuple[torch.Tensor, ...],
+                        levels: tuple[torch.Tensor, ...] | None = None) -> None:
+    """context_view's kernel, unconditionally (the interpreter checks call it on the CPU)."""
     pos, slots, see = out
-    _context_view_kernel[(1,)](P, pre, pos, slots, see, width, scratch, PMAX=pmax, T=T, TP=pow2(T), BW=128, **pdl(P))
+    prefix, level_pos, level_slot, pos_rows, slot_rows = levels if levels is not None else (pre,) + (pos,) * 4
+    assert levels is None or (level_pos.is_contiguous() and level_slot.is_contiguous() and pos_rows.is_contiguous()
+                              and slot_rows.is_contiguous())
+    nl = 0 if levels is None else level_pos.numel()
+    _context_view_kernel[(1,)](P, pre, pos, slots, see, width, scratch, prefix, level_pos, level_slot, pos_rows,
+                               slot_rows, nl, PMAX=pmax, T=T, TP=pow2(T), BW=128, LEVELS=levels is not None,
+                               NLP=pow2(max(nl, 1)), **pdl(P))
 
 
 def tree_view(pre, depth, anc, width: int, out: tuple[torch.Tensor, ...]) -> None:
@@ -728,13 +753,25 @@ if triton is not None:
         tl.store(seed_ptr, seed + 1)
 
     @triton.jit
-    def _context_view_kernel(P_ptr, pre_ptr, pos_ptr, slot_ptr, see_ptr, width, scratch, PMAX: tl.constexpr,
-                             T: tl.constexpr, TP: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr = False):
+    def _context_view_kernel(P_ptr, pre_ptr, pos_ptr, slot_ptr, see_ptr, width, scratch, lpre_ptr, lpos_ptr,
+                             lslot_ptr, opos_ptr, oslot_ptr, NL, PMAX: tl.constexpr, T: tl.constexpr,
+                             TP: tl.constexpr, BW: tl.constexpr, LEVELS: tl.constexpr, NLP: tl.constexpr,
+                             PDL: tl.constexpr = False):
         _pdl_enter(PDL)
         r = tl.arange(0, TP)
         rm = r < T
         pre = tl.load(pre_ptr)
-        q = r - (PMAX - tl.load(P_ptr))
+        n = tl.load(P_ptr)
+        if LEVELS:  # the levels after this pass: the prefix past its rows, their rows' positions and slots
+            nxt = pre + n
+            i = tl.arange(0, NLP)
+            im = i < NL
+            tl.store(opos_ptr + i, nxt + tl.load(lpos_ptr + i, mask=im, other=0), mask=im)
+            tl.store(oslot_ptr + i, nxt + tl.load(lslot_ptr + i, mask=im, other=0), mask=im)
+            tl.store(lpre_ptr, nxt)
+            tl.debug_barrier()  # every thread has read pre before it is advanced
+            tl.store(pre_ptr, nxt)
+        q = r - (PMAX - n)
         real = q >= 0
         tl.store(pos_ptr + r, pre + tl.maximum(q, 0), mask=rm)
         tl.store(slot_ptr + r, tl.where(real, pre + q, scratch), mask=rm)

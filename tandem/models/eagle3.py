@@ -160,8 +160,12 @@ class Eagle3Head(nn.Module):
         return self._embedding().weight
 
     def project(self, feats: torch.Tensor) -> torch.Tensor:
-        """Target features [..., 3 * H_target] -> the head's hidden input [..., H]."""
-        return self.fc(feats.to(self.fc.weight.dtype))
+        """Target features [..., 3 * H_target] -> the head's hidden input [..., H]. A draft's few rows on
+        CUDA: the fused layers' Triton linear (launched with PDL, unlike cuBLAS: tandem.kernels.fused.pdl)."""
+        x = feats.to(self.fc.weight.dtype)
+        if x.dim() == 2 and fused_layer.linear_applies(x, self.fc.weight):
+            return fused_layer.launch_linear(x, self.fc.weight)
+        return self.fc(x)
 
     def set_hidden(self, hidden: torch.Tensor) -> None:
         """hidden: [T, H] the hidden inputs of the rows about to be fed through `forward`."""

@@ -150,31 +150,33 @@ class ResidentLoop:
         else:
             self._draft_block(width)
 
-    def _context_view(self, width: int):
+    def _context_view(self, width: int, levels: tuple[torch.Tensor, ...] | None = None):
         """Positions [T], slots [T] and the mask [T, W] of a draft pass whose real rows (the P context
         rows, right-aligned, then any mask rows) are causal after the drafter's prefix
-        (tandem.kernels.resident.context_view: one program on CUDA)."""
+        (tandem.kernels.resident.context_view: one program on CUDA; with `levels`, it also advances
+        the drafter's prefix and writes the levels' rows)."""
         dev, T = self.t.device, self.T
         out = (torch.empty(T, dtype=torch.long, device=dev), torch.empty(T, dtype=torch.long, device=dev),
                torch.empty(T, width, dtype=torch.bool, device=dev))
-        context_view(self.P, self.dprefix, self.pmax, T, width, self.d.scratch, out)
+        context_view(self.P, self.dprefix, self.pmax, T, width, self.d.scratch, out, levels)
         return out
 
     def _draft_levels(self, width: int) -> None:
-        head, lv, P = self.drafter, self.levels, self.P
-        pos, slots, see = self._context_view(width)
+        head, lv = self.drafter, self.levels
+        # the context pass's rows; the same program advances the drafter's prefix past them (lv.prefix:
+        # the levels' prefix) and writes every level row's position and slot
+        pos, slots, see = self._context_view(width, (lv.prefix, lv.level_pos, lv.level_slot, lv.pos_rows,
+                                                     lv.slot_rows))
         # a head's row i reads fc(target features of position i - 1) (EagleDrafter's context pass)
         hidden = head.project(self.ctx_feat) if self.kind == "eagle3" else None  # [pmax, H]
-        torch.add(self.dprefix, P, out=lv.prefix)  # the levels' prefix: after this pass's rows
         # the context pass; the root (its last row) gives the first level's children and hidden, and
         # (its top-k kernel's merging program) the first level's glue
         root = head.layer_topk(self.ctx_tok, hidden, pos, self.d.cache, slots, see, lv.w, rows=1,
                                counter=lv.counter, glue=lv.glue(0, width))  # [1, w], [1, w], [1, H], [w, width]
-        lv._levels(width, root)  # EAGLE-2's dynamic levels over the head's tree rows
+        lv._levels(width, root, rows_ready=True)  # EAGLE-2's dynamic levels over the head's tree rows
         # the N nodes of highest cumulative log-prob, ties to the earlier node (eagle_drafter.select_tree)
         head_select(lv.lp, lv.tok, lv.par, self.ctx_tok[self.pmax - 1:], lv.w, self.B, self.M - 1,
                     (self.tree_tok, self.tree_par, self.tree_depth, self.anc))
-        self.dprefix.add_(P)
 
     def _draft_block(self, width: int) -> None:
         # Rows are right-aligned: [padding | the P context rows, the root last | B - 1 mask rows],
