@@ -105,10 +105,14 @@ def test_resident_ar_queues_no_step_past_the_end(tiny, monkeypatch):
     g = GenerationConfig(max_new_tokens=20, ignore_eos=True)
     want = res.generate([1, 5, 9, 2], "ar", gen=g)
     assert len(want.token_ids) == 20 and runs.count("verify") == 20 and "draft" not in runs
+    assert want.passes_past_end == 0
     runs.clear()
     got = res.generate([1, 5, 9, 2], "tree", SpecConfig(nodes=12), gen=g)
     assert got.token_ids == want.token_ids
-    assert runs.count("draft") == runs.count("verify") >= got.target_passes
+    assert runs.count("draft") == runs.count("verify") == got.target_passes + got.passes_past_end
+    monkeypatch.setenv("TANDEM_RESIDENT_HOLD", "0")  # the A/B switch: LAG steps queued past the end, as before
+    runs.clear()
+    assert res.generate([1, 5, 9, 2], "ar", gen=g).passes_past_end == 2 == runs.count("verify") - 20
 
 
 @pytest.mark.parametrize("method,spec", [("chain", SpecConfig(k=4)), ("tree", SpecConfig(nodes=12, width=3)),

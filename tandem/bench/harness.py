@@ -71,6 +71,7 @@ class Request:
     verify_seconds: float | None = None
     loop: str | None = None  # Tandem: "resident" (device-resident loop) or "host"; None for peers
     auto_pick: str | None = None  # method auto: the candidate it ran (e.g. "tree d=3")
+    passes_past_end: int = 0  # resident loop: passes computed after the request ended (thrown away)
 
     @property
     def new_tokens(self) -> int:
@@ -178,7 +179,7 @@ class TandemRunner:
         return Request(self.ms.name, prompt_index, list(r.token_ids), r.seconds, r.ttft, r.finish_reason,
                        r.target_passes, list(r.accept_lengths), list(r.per_depth), timeline_of(r),
                        getattr(r, "draft_seconds", None), getattr(r, "verify_seconds", None),
-                       getattr(r, "loop", None), getattr(r, "auto_pick", None))
+                       getattr(r, "loop", None), getattr(r, "auto_pick", None), getattr(r, "passes_past_end", 0))
 
 
 def timeline_of(result) -> dict | None:
@@ -394,14 +395,17 @@ def summarize_method(reqs: list[Request]) -> dict:
 
 
 def pass_times(reqs: list[Request]) -> dict | None:
-    """Mean draft and verify milliseconds per target pass (serial loop), and their ratio."""
+    """Mean draft and verify milliseconds per computed target pass (serial loop: the passes past a request's
+    end included, since their time is in the request's), their ratio, and the mean passes past the end a
+    request."""
     timed = [r for r in reqs if r.draft_seconds is not None and r.target_passes]
     if not timed:
         return None
-    passes = sum(r.target_passes for r in timed)
+    passes = sum(r.target_passes + r.passes_past_end for r in timed)
     draft = 1e3 * sum(r.draft_seconds for r in timed) / passes
     verify = 1e3 * sum(r.verify_seconds for r in timed) / passes
-    return {"draft_ms": draft, "verify_ms": verify, "draft_over_verify": draft / verify if verify else None}
+    return {"draft_ms": draft, "verify_ms": verify, "draft_over_verify": draft / verify if verify else None,
+            "passes_past_end": sum(r.passes_past_end for r in timed) / len(timed)}
 
 
 def summarize_timeline(tl: list[dict]) -> dict | None:
@@ -466,7 +470,9 @@ def markdown_table(results: dict) -> str:
                   "of the verify):"]
         loops = {name: s.get("loop") for name, s in results["summary"].items()}
         lines += [f"- {name}: {p['draft_ms']:.3f} / {p['verify_ms']:.3f} ms ({p['draft_over_verify']:.2f}x)"
-                  + (f", {loops[name]} loop" if loops.get(name) else "") for name, p in pt_rows]
+                  + (f", {loops[name]} loop" if loops.get(name) else "")
+                  + (f", {p['passes_past_end']:.2f} passes past a request's end" if p.get("passes_past_end") else "")
+                  for name, p in pt_rows]
     picks = [(name, s["auto_picks"]) for name, s in results["summary"].items() if s.get("auto_picks")]
     if picks:
         lines += ["", "What `auto` ran (requests):"]

@@ -94,7 +94,7 @@ def run_replay(args) -> int:
         r = engine.generate(ids, s["method"], spec, gen=gen, forced_accepts=forced)
         return Request(method, rec["prompt_index"], list(r.token_ids), r.seconds, r.ttft, r.finish_reason,
                        r.target_passes, list(r.accept_lengths), list(r.per_depth), timeline_of(r),
-                       r.draft_seconds, r.verify_seconds, r.loop)
+                       r.draft_seconds, r.verify_seconds, r.loop, passes_past_end=r.passes_past_end)
 
     warm_ids = torch.randint(0, vocab, (prompt_len.get(indices[0], 32),), generator=g).tolist()
     for m in methods:  # warm-up: capture graphs, size caches

@@ -159,7 +159,8 @@ class Generator:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         return emitter.result(GenerationResult, method, len(prompt_ids), seconds, steps if drafting else 0,
-                              draft_seconds=draft_s if drafting else 0.0, verify_seconds=verify_s, loop="resident")
+                              draft_seconds=draft_s if drafting else 0.0, verify_seconds=verify_s, loop="resident",
+                              passes_past_end=steps - len(emitter.accept_lengths))
 
     def _split(self, k: int, prompt_ids: list[int], spec: SpecConfig, transport: str) -> tuple[int, int]:
         """The x : k-x split, searched on the first request (tandem.runtime.placement), then kept."""

@@ -26,6 +26,9 @@ class GenerationResult:
     loop: str = "host"
     # --method auto: the candidate it ran ("ar", "chain", "tree", or a shape such as "tree d=3")
     auto_pick: str | None = None
+    # target passes computed after the request had ended and thrown away (the resident loop queues
+    # steps ahead of the one it reads); their time is in `seconds` and in draft/verify_seconds
+    passes_past_end: int = 0
 
     @property
     def new_tokens(self) -> int:

@@ -1,0 +1,56 @@
+"""Passes the resident loop computes past a request's end, with the hold (default) and without it
+(TANDEM_RESIDENT_HOLD=0), on the CPU: the loop's bodies run eagerly there (as in the tests), so
+this counts what a GPU run queues and throws away; it times nothing.
+
+    python bench/cpu_passes_past_end.py --data-dir ../shared/datasets --num-prompts 10
+
+Bundled pair with its EAGLE-3 head, fp32, greedy, MBPP prompts (tandem.bench.workloads), 128 new tokens.
+Prints, per method and setting, the mean passes past the end a request and the mean passes a request.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+from tandem.bench.workloads import load_workload
+from tandem.config import GenerationConfig, SpecConfig
+from tandem.runtime.generate import Generator
+from tandem.runtime.pair import load_pair
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data-dir", default="../shared/datasets")
+    ap.add_argument("--workload", default="mbpp")
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--draft", default="eagle3")
+    ap.add_argument("--out", default=None, help="a JSON file for the figures")
+    args = ap.parse_args()
+    pair = load_pair(None, args.draft, device="cpu", dtype="float32")
+    prompts = [pair.tokenizer.encode(p.text).ids[-384:]  # (the GPU runs' --max-prompt-tokens)
+               for p in load_workload(args.workload, args.num_prompts, args.data_dir)]
+    gen = Generator(pair.target, pair.draft, use_graphs=False, resident=True)
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    rows = []
+    for method, spec in (("ar", SpecConfig()), ("chain", SpecConfig(k=5)), ("tree", SpecConfig(nodes=32, width=4))):
+        for hold in ("1", "0"):
+            os.environ["TANDEM_RESIDENT_HOLD"] = hold
+            res = [gen.generate(ids, method, spec, gen=cfg) for ids in prompts]
+            row = {"method": method, "hold": hold == "1", "requests": len(res),
+                   "passes_past_end": statistics.mean(r.passes_past_end for r in res),
+                   "passes": statistics.mean(r.target_passes for r in res),
+                   "tokens": statistics.mean(len(r.token_ids) for r in res)}
+            rows.append(row)
+            print(f"{method:5s} hold {'on ' if row['hold'] else 'off'}: {row['passes_past_end']:.2f} passes past the "
+                  f"end a request, {row['passes']:.1f} passes, {row['tokens']:.0f} tokens", flush=True)
+    os.environ.pop("TANDEM_RESIDENT_HOLD")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
