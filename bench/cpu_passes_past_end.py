@@ -5,7 +5,9 @@ this counts what a GPU run queues and throws away; it times nothing.
     python bench/cpu_passes_past_end.py --data-dir ../shared/datasets --num-prompts 10
 
 Bundled pair with its EAGLE-3 head, fp32, greedy, MBPP prompts (tandem.bench.workloads), 128 new tokens.
-Prints, per method and setting, the mean passes past the end a request and the mean passes a request.
+Prints, per method and setting, the mean passes past the end a request, the steps queued after the
+loop had nothing in flight (stalls: each an idle gap on a GPU while the host reads and queues), and the
+mean passes a request.
 """
 from __future__ import annotations
 
@@ -18,6 +20,19 @@ from tandem.bench.workloads import load_workload
 from tandem.config import GenerationConfig, SpecConfig
 from tandem.runtime.generate import Generator
 from tandem.runtime.pair import load_pair
+
+
+def loops(gen: Generator) -> list:
+    """The resident loops this generator's runners keep (tandem.runtime.resident.resident_loop)."""
+    from tandem.runtime.resident import ResidentLoop
+
+    found = []
+    for runner in gen._runners.values():
+        for v in getattr(runner, "attached", {}).values():
+            loop = v[1] if isinstance(v, tuple) and len(v) == 2 else v
+            if isinstance(loop, ResidentLoop) and loop not in found:
+                found.append(loop)
+    return found
 
 
 def main() -> None:
@@ -38,14 +53,22 @@ def main() -> None:
     for method, spec in (("ar", SpecConfig()), ("chain", SpecConfig(k=5)), ("tree", SpecConfig(nodes=32, width=4))):
         for hold in ("1", "0"):
             os.environ["TANDEM_RESIDENT_HOLD"] = hold
-            res = [gen.generate(ids, method, spec, gen=cfg) for ids in prompts]
+            res, stalls = [], []
+            for ids in prompts:
+                for loop in loops(gen):
+                    loop.stalls = 0
+                res.append(gen.generate(ids, method, spec, gen=cfg))
+                stalls.append(sum(loop.stalls for loop in loops(gen)))  # (only the loop that ran it counted)
             row = {"method": method, "hold": hold == "1", "requests": len(res),
                    "passes_past_end": statistics.mean(r.passes_past_end for r in res),
                    "passes": statistics.mean(r.target_passes for r in res),
-                   "tokens": statistics.mean(len(r.token_ids) for r in res)}
+                   "tokens": statistics.mean(len(r.token_ids) for r in res),
+                   # steps queued after the device had run dry (a read-back's idle gap on a GPU each)
+                   "stalls": statistics.mean(stalls)}
             rows.append(row)
             print(f"{method:5s} hold {'on ' if row['hold'] else 'off'}: {row['passes_past_end']:.2f} passes past the "
-                  f"end a request, {row['passes']:.1f} passes, {row['tokens']:.0f} tokens", flush=True)
+                  f"end a request, {row['stalls']:.2f} stalls, {row['passes']:.1f} passes, {row['tokens']:.0f} tokens",
+                  flush=True)
     os.environ.pop("TANDEM_RESIDENT_HOLD")
     if args.out:
         with open(args.out, "w") as f:

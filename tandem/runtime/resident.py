@@ -124,6 +124,7 @@ class ResidentLoop:
         # acceptance replay (simulated acceptance, bench --replay): each pass accepts the recorded
         # count along one path of the tree (as deep as it goes), whatever the target says
         self.replay = False
+        self.stalls = 0  # run(): steps queued after the device ran dry, in the last request
         self.forced = torch.zeros(FORCED_MAX, **lng)  # the recorded counts, cycled
         self.fstep = torch.zeros(1, **lng)
         # ---- constants -------------------------------------------------------------------
@@ -354,6 +355,7 @@ class ResidentLoop:
         steps = slot = 0
         queueing, finished = True, False
         read = committed = 0  # steps read back and the tokens they committed (this request)
+        self.stalls = 0  # steps queued after the device ran dry (the last request's count: a diagnostic)
         holding = os.environ.get("TANDEM_RESIDENT_HOLD", "1") != "0"  # the A/B switch of the hold below
         while queueing or inflight:
             # near the request's end, hold the next step while the ones in flight are expected to
@@ -370,6 +372,8 @@ class ResidentLoop:
                 if need_v > self.t.capacity or (self.d is not None and need_d > self.d.capacity):
                     queueing = False  # the caches are full (the request's end is already queued)
                 else:
+                    if steps and not inflight:
+                        self.stalls += 1  # the device had nothing queued: it idles while the host queues this one
                     clock.mark()
                     if self.d is not None:
                         self._run("draft", self.d.width_for(need_d))
