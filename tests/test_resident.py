@@ -113,6 +113,9 @@ def test_resident_ar_queues_no_step_past_the_end(tiny, monkeypatch):
     monkeypatch.setenv("TANDEM_RESIDENT_HOLD", "0")  # the A/B switch: LAG steps queued past the end, as before
     runs.clear()
     assert res.generate([1, 5, 9, 2], "ar", gen=g).passes_past_end == 2 == runs.count("verify") - 20
+    monkeypatch.setenv("TANDEM_RESIDENT_HOLD", "half")
+    with pytest.raises(ValueError, match="TANDEM_RESIDENT_HOLD='half' is not a number; use 0"):
+        res.generate([1, 5, 9, 2], "ar", gen=g)
 
 
 @pytest.mark.parametrize("method,spec", [("chain", SpecConfig(k=4)), ("tree", SpecConfig(nodes=12, width=3)),

@@ -23,7 +23,8 @@ record (committed tokens, accept count, tree depth) from a pinned ring once the 
 fired, so it is at most `LAG` steps behind the device and never stalls it; streaming and stop
 strings work on those records. Near a request's end the host holds the next step while the steps
 in flight are expected to finish it (their count times the request's tokens a step so far), so few
-steps are computed past the end (`ar`: none); TANDEM_RESIDENT_HOLD=0 turns the hold off (A/B).
+steps are computed past the end (`ar`: none); TANDEM_RESIDENT_HOLD=0 turns the hold off (A/B), another
+number sets its margin (HOLD_MARGIN).
 
 Graphs are captured per attention width bucket (the runners' `width_for`), lazily; state
 tensors live as long as the runners (kept in the target runner's `attached`), so graphs are
@@ -48,6 +49,11 @@ from tandem.runtime.timing import PassClock
 from tandem.verify.sampling import probs_from_logits
 
 LAG = 2  # steps queued ahead of the one the host reads
+# The hold: the steps in flight are taken to commit HOLD_MARGIN x the request's mean tokens a step. With the
+# bundled pair + EAGLE-3 head on 20 MBPP prompts (bench/cpu_passes_past_end.py --holds 1,1.25,1.5,2; CPU counts,
+# 2026-12-06), `tree` computed 0.45 / 0.15 / 0 / 0 passes past the end a request and stalled 0.05 / 0.15 /
+# 0.25 / 0.65 times: a stall (the host's read and two graph launches) costs a small part of a wasted step.
+HOLD_MARGIN = 1.5
 FORCED_MAX = 4096  # acceptance replay: recorded counts per request (cycled past this)
 
 
@@ -356,14 +362,15 @@ class ResidentLoop:
         queueing, finished = True, False
         read = committed = 0  # steps read back and the tokens they committed (this request)
         self.stalls = 0  # steps queued after the device ran dry (the last request's count: a diagnostic)
-        holding = os.environ.get("TANDEM_RESIDENT_HOLD", "1") != "0"  # the A/B switch of the hold below
+        margin = hold_margin()  # the hold below; 0: off
         while queueing or inflight:
             # near the request's end, hold the next step while the ones in flight are expected to
             # finish it: a step queued past the end still runs (the request waits for it, and the
             # next one behind it) and is thrown away; at 7 tokens a step that was two of a
-            # request's ~19 steps. Holding costs a read-back's bubble when the guess was short.
+            # request's ~19 steps. Holding costs a read-back's gap (a stall) when the guess was
+            # short, a wasted step costs a whole step, so the guess leans to holding (HOLD_MARGIN).
             # Each step commits at least one token (`ar`: exactly one, so it never wastes a step).
-            hold = holding and bool(inflight) and len(inflight) * max(1.0, committed / max(read, 1)) >= \
+            hold = margin > 0 and bool(inflight) and margin * len(inflight) * max(1.0, committed / max(read, 1)) >= \
                 emitter.max_new - len(emitter.out)
             if queueing and not hold:
                 ahead = len(inflight) + 1
@@ -402,6 +409,17 @@ class ResidentLoop:
                     queueing, finished = False, True
         draft_s, verify_s = clock.totals()  # every step is done: the last one was synchronized
         return steps, draft_s, verify_s
+
+
+def hold_margin() -> float:
+    """HOLD_MARGIN, or TANDEM_RESIDENT_HOLD (a number; 0 turns the hold off: LAG steps past the end, as before)."""
+    raw = os.environ.get("TANDEM_RESIDENT_HOLD")
+    if raw is None:
+        return HOLD_MARGIN
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        raise ValueError(f"TANDEM_RESIDENT_HOLD={raw!r} is not a number; use 0 (off) or a margin such as 1.5") from None
 
 
 def resident_loop(target: ModelRunner, draft: ModelRunner | None, spec: SpecConfig, chain: bool) -> ResidentLoop:
