@@ -20,11 +20,12 @@ two CUDA graphs that read and write only device state:
 
 `ar` is the verify graph over a one-node tree. The host queues steps ahead and reads each step's
 record (committed tokens, accept count, tree depth) from a pinned ring once the step's event has
-fired, so it is at most `LAG` steps behind the device and never stalls it; streaming and stop
+fired, so it is at most `LAG` steps behind the device and does not stall it; streaming and stop
 strings work on those records. Near a request's end the host holds the next step while the steps
-in flight are expected to finish it (their count times the request's tokens a step so far), so few
-steps are computed past the end (`ar`: none); TANDEM_RESIDENT_HOLD=0 turns the hold off (A/B), another
-number sets its margin (HOLD_MARGIN).
+in flight are expected to finish it (HOLD_MARGIN x their count x the request's tokens a step so
+far), so few steps are computed past the end (`ar`: none), at the price of a rare stall (the device
+idle while the host reads and queues) when the guess was short; TANDEM_RESIDENT_HOLD=0 turns the
+hold off (A/B), another number sets the margin.
 
 Graphs are captured per attention width bucket (the runners' `width_for`), lazily; state
 tensors live as long as the runners (kept in the target runner's `attached`), so graphs are
