@@ -137,6 +137,14 @@ class LevelGlue:
                           self.prefix, self.d, self.width, self.prep)
 
 
+def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up):
+    """fused_layer.norm_gate_up_silu for an EAGLE-3 head's pass: a level's few rows (at most GATE_UP_ROWS)
+    at the head's own launch shape, more rows (the context pass) at the target's."""
+    few = x.shape[0] <= GATE_UP_ROWS
+    return fused_layer.norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up, GATE_UP_BN if few else None,
+                                         GATE_UP_WARPS if few else None)
+
+
 def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int = BLOCK_V, bk: int = BLOCK_K,
                      num_warps: int = TOPK_WARPS, glue: LevelGlue | None = None):
     R, H = r.shape

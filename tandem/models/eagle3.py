@@ -208,11 +208,8 @@ class Eagle3Head(nn.Module):
         att = fused_layer.linear(cached_attention(q[None], k[:, :, :width], v[:, :, :width], mask).reshape(T, H * D),
                                  a.o_proj.weight)
         base = hn if self.econfig.norm_before_residual else hidden.reshape(T, hid)
-        few = T <= head_level.GATE_UP_ROWS  # a level's rows (the context pass may have more)
-        r, h = fused_layer.norm_gate_up_silu(base, att, m.post_attention_layernorm.weight,
-                                             m.post_attention_layernorm.eps, m.mlp.gate_up_weight,
-                                             head_level.GATE_UP_BN if few else None,
-                                             head_level.GATE_UP_WARPS if few else None)
+        r, h = head_level.norm_gate_up_silu(base, att, m.post_attention_layernorm.weight,
+                                            m.post_attention_layernorm.eps, m.mlp.gate_up_weight)
         out, normed = add_rmsnorm(r, fused_layer.linear(h, m.mlp.down_proj.weight), self.norm.weight, self.norm.eps)
         return self.lm_head(normed)[None], out[None]
 
@@ -251,11 +248,8 @@ class Eagle3Head(nn.Module):
         att = cached_attention(q[None], kc[:, :, :width], vc[:, :, :width], mask[None, None])  # [1, T, H, D]
         att = fused_layer.linear(att.reshape(T, H * D), a.o_proj.weight)
         base = hn if self.econfig.norm_before_residual else hidden
-        few = T <= head_level.GATE_UP_ROWS  # a level's rows (the context pass may have more)
-        r, h = fused_layer.norm_gate_up_silu(base, att, m.post_attention_layernorm.weight,
-                                             m.post_attention_layernorm.eps, m.mlp.gate_up_weight,
-                                             head_level.GATE_UP_BN if few else None,
-                                             head_level.GATE_UP_WARPS if few else None)
+        r, h = head_level.norm_gate_up_silu(base, att, m.post_attention_layernorm.weight,
+                                            m.post_attention_layernorm.eps, m.mlp.gate_up_weight)
         down = fused_layer.linear(h[T - rows:], m.mlp.down_proj.weight)  # only the rows whose children are wanted
         out, lp, tok, nxt = head_level.head_topk(r[T - rows:], down, self.norm.weight, self.norm.eps,
                                                  self.lm_head.weight, k, counter, glue)
