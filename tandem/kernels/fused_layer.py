@@ -83,24 +83,22 @@ def norm_gate_up_silu_ref(x, delta, ln_w, eps, w_gate_up):
 
 
 # ---- dispatch -------------------------------------------------------------------------------
-def applies(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, max_k: int | None = MAX_K) -> bool:
     """Whether the fused kernels take rows x [M, K] against a weight [N, K] (else the unfused path);
-    `k`: the projection's input width where it is not x's (an EAGLE-3 layer reads [embedding, x])."""
+    `k`: the projection's input width where it is not x's (an EAGLE-3 layer reads [embedding, x]);
+    `max_k`: the widest input taken (None: any, for a kernel that loops over it)."""
     k = x.shape[-1] if k is None else k
-    return (triton_enabled(x) and x.shape[0] <= MAX_M and k <= MAX_K and weight.shape[1] == k
+    return (triton_enabled(x) and x.shape[0] <= MAX_M and (max_k is None or k <= max_k) and weight.shape[1] == k
             and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dtype == x.dtype
             and weight.is_contiguous() and x.stride(-1) == 1)
 
 
 def linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear`'s kernel takes x [M, K] @ weight [N, K].T where `applies` would not look at K (its
-    loop takes any width: an EAGLE-3 head's fc reads 3 x the target's hidden size), unless
-    TANDEM_FUSED_LINEAR=0."""
-    return (triton_enabled(x) and x.dim() == 2 and x.shape[0] <= MAX_M and weight.shape[1] == x.shape[1]
-            and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dtype == x.dtype
-            and weight.is_contiguous() and x.stride(-1) == 1 and os.environ.get("TANDEM_FUSED_LINEAR", "1") != "0")
+    """Whether `linear`'s kernel takes x [M, K] @ weight [N, K].T at any K (its loop takes any width: an
+    EAGLE-3 head's fc reads 3 x the target's hidden size), unless TANDEM_FUSED_LINEAR=0."""
+    return (x.dim() == 2 and applies(x, weight, max_k=None)
+            and os.environ.get("TANDEM_FUSED_LINEAR", "1") != "0")
 
 
 # Launch shapes (bench/gpu_fused_layer.py times the alternatives on the GPU). BK: columns of the
