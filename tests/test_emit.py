@@ -1,7 +1,8 @@
 """The Emitter's stop strings: it looks for them in the text of the output's tail only (the
 whole output decoded every pass made a long request's steps grow with its length), and must
-cut exactly where decoding the whole output every pass cuts, multi-byte characters and stop
-strings that span passes included."""
+cut exactly where `ar` cuts (decoding the whole output after every token), multi-byte characters
+and stop strings that span passes included: a pass of several tokens keeps none past the one that
+completed the stop string, in its output and in what it streams."""
 from __future__ import annotations
 
 import random
@@ -40,7 +41,7 @@ def test_stop_strings_found_in_the_tail_cut_where_the_whole_text_cuts():
     ids = tok.encode(TEXT).ids
     text = tok.decode(ids)
     rng = random.Random(0)
-    cuts = 0
+    cuts = past = 0
     for trial in range(300):
         a = rng.randrange(len(text) - 12)
         stop = (text[a:a + rng.randint(1, 12)],) + (("never there",) if trial % 3 == 0 else ())
@@ -48,7 +49,8 @@ def test_stop_strings_found_in_the_tail_cut_where_the_whole_text_cuts():
         while left > 0:  # passes of 1-9 tokens (a tree step's accepted path and bonus)
             passes.append(min(left, rng.randint(1, 9)))
             left -= passes[-1]
-        em = Emitter(10 ** 6, set(), GenerationConfig(max_new_tokens=10 ** 6, stop=stop), tok, None,
+        streamed: list[int] = []
+        em = Emitter(10 ** 6, set(), GenerationConfig(max_new_tokens=10 ** 6, stop=stop), tok, streamed.extend,
                      time.perf_counter())
         at, done = 0, False
         for n in passes:
@@ -57,10 +59,13 @@ def test_stop_strings_found_in_the_tail_cut_where_the_whole_text_cuts():
             done = em.emit_pass(chunk, n - 1, range(1, n))
             if done:
                 break
-        want_out, want_text = whole_text_cut(tok, ids, passes, stop)
+        want_out, want_text = whole_text_cut(tok, ids, [1] * len(ids), stop)  # ar: a check after every token
         assert (em.out, em.stop_text, em.finish == "stop") == (want_out, want_text, want_text is not None), stop
+        assert streamed == em.out
         cuts += done
+        past += len(whole_text_cut(tok, ids, passes, stop)[0]) > len(want_out)
     assert cuts > 250  # (the stops are taken from the text: nearly all are found)
+    assert past > 100  # (most stops were completed before their pass's last token: those passes were cut)
 
 
 def test_without_a_tokenizer_stop_strings_are_not_looked_for():

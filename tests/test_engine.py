@@ -296,6 +296,9 @@ def test_llm_on_the_bundled_pair_equals_tandem_generate_ar(capsys):
     stop = text[len(text) // 2:len(text) // 2 + 2]
     cut = LLM(method="ar").generate(prompts[0], SP(max_tokens=8, stop=stop))[0]
     assert cut.finish_reason == "stop" and cut.text == text[:text.find(stop)]
+    # a tree step that commits tokens past the stop string keeps none of them, as ar
+    spec = LLM(method="tree").generate(prompts[0], SP(max_tokens=8, stop=stop))[0]
+    assert (spec.token_ids, spec.text, spec.finish_reason) == (cut.token_ids, cut.text, "stop")
 
 
 _SNIPPETS = ["def fib(n):\n", "import os\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):\n",

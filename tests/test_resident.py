@@ -208,6 +208,8 @@ def test_resident_streams_and_stops_like_the_host_loop(monkeypatch):
     gs = GenerationConfig(max_new_tokens=40, ignore_eos=True, stop=[stop])
     a, b = host.generate(p, "tree", SpecConfig(nodes=32), gen=gs), res.generate(p, "tree", SpecConfig(nodes=32), gen=gs)
     assert b.finish_reason == "stop" == a.finish_reason and b.stop_trimmed_text == a.stop_trimmed_text
+    end = next(k for k in range(1, 41) if stop in pair.tokenizer.decode(full.token_ids[:k]))
+    assert b.token_ids == a.token_ids == full.token_ids[:end]  # none past the token that completed the stop
 
 
 def test_resident_is_off_on_the_cpu_by_default(tiny, monkeypatch):

@@ -204,6 +204,11 @@ def test_streaming_deltas_join_to_the_text_with_usage_and_stop_strings(client):
     cut = text[:text.find(stop)]
     plain = complete(client, prompt=PROMPTS[0], max_tokens=12, stop=[stop, "@@never@@"])
     assert plain["choices"][0]["text"] == cut and plain["choices"][0]["finish_reason"] == "stop"
+    # usage and logprobs count the tokens up to the one that completed the stop, whatever the method
+    cuts = [complete(client, prompt=PROMPTS[0], max_tokens=12, stop=stop, method=m, logprobs=0) for m in ("ar", "tree")]
+    counts = [{k: c["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} for c in cuts]
+    assert counts[0] == counts[1] and cuts[0]["choices"][0]["text"] == cuts[1]["choices"][0]["text"]
+    assert all(len(c["choices"][0]["logprobs"]["tokens"]) == c["usage"]["completion_tokens"] for c in cuts)
     with client.stream("POST", "/v1/completions",
                        json={"model": "tandem", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
                              "stream": True, "stop": stop}) as r:

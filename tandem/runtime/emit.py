@@ -45,16 +45,15 @@ class Emitter:
             if t in self.eos:
                 new, self.finish = new[: i + 1], "eos"
                 break
+        start = len(self.out)
         self.out += new
         if not self.ttft:
             self.ttft = time.perf_counter() - self.t0
+        # a stop string before the EOS ends it there, as in `ar`; a stop cuts self.out back before streaming
+        done = self._stopped(len(new)) or self.finish == "eos"
         if self.on_tokens is not None:
-            self.on_tokens(new)
-        if self.finish == "eos":
-            return True
-        if self._stopped(len(new)):
-            return True
-        return len(self.out) >= self.max_new
+            self.on_tokens(self.out[start:])
+        return done or len(self.out) >= self.max_new
 
     def emit_token(self, t: int) -> bool:
         """emit_pass([t], 0, ()) of a pass that committed one token and offered no draft (the
@@ -78,14 +77,25 @@ class Emitter:
 
     def _stopped(self, new: int) -> bool:
         """Whether the output, `new` tokens longer than at the last check, now holds a stop
-        string (then cut before the first one: stop_text)."""
+        string. Then the output keeps the tokens up to the one that completed the stop string, as
+        `ar` (one token a check) keeps them, and stop_text is its text cut before the string: a
+        pass that committed several tokens past the stop would otherwise report them (token ids,
+        usage, logprobs) while its text was cut. The list is cut in place: the engine's request
+        shares it."""
         if not (self.gen.stop and self.tokenizer is not None and new) or not self._stop_in_tail(new):
             return False
-        text = self.tokenizer.decode(self.out)
-        hit = min((text.find(s) for s in self.gen.stop if s in text), default=-1)
-        if hit < 0:
+        out, stops = self.out, self.gen.stop
+        text = self.tokenizer.decode(out)
+        if not any(s in text for s in stops):
             return False
-        self.finish, self.stop_text = "stop", text[:hit]
+        # the first of the new tokens whose prefix holds a stop string (the earlier checks found none)
+        for end in range(max(1, len(out) - new + 1), len(out)):
+            head = self.tokenizer.decode(out[:end])
+            if any(s in head for s in stops):
+                del out[end:]
+                text = head
+                break
+        self.finish, self.stop_text = "stop", text[:min(text.find(s) for s in stops if s in text)]
         return True
 
     def _stop_in_tail(self, new: int) -> bool:
