@@ -89,6 +89,11 @@ def read_prompt_file(path: str) -> str:
     return text
 
 
+# the draft-shape flags each method reads (auto reads them all: its trials run chain and tree)
+SHAPE_FLAGS = {"auto": {"k", "nodes", "width", "depth"}, "ar": set(), "chain": {"k"}, "tree": {"nodes", "width", "depth"},
+               "async": {"nodes", "width", "depth"}, "tlv": {"nodes", "width"}}
+
+
 def _check_generate_args(args) -> None:
     """Flags that only some methods or transports read: refused where they would be ignored."""
     if args.prompt_file and args.prompt is not None:
@@ -106,6 +111,16 @@ def _check_generate_args(args) -> None:
     # NOTE: named serial methods, so a future method that may run async (auto) is not refused
     if args.method in ("auto", "ar", "chain", "tree", "tlv") and args.transport != "auto":
         raise ConfigError(f"--transport works with --method async, not {args.method!r}")
+    reads = SHAPE_FLAGS[args.method]
+    for name in ("k", "nodes", "width", "depth"):
+        if getattr(args, name) is not None and name not in reads:
+            used = ", ".join(f"--{f}" for f in ("k", "nodes", "width", "depth") if f in reads)
+            raise ConfigError(f"--{name} is not read by --method {args.method}"
+                              + (f" (it reads {used}); drop it" if used else "; drop it"))
+        if getattr(args, name) is None:  # (None: not given; the default then)
+            setattr(args, name, getattr(SpecConfig(), name))
+    if args.method == "ar" and args.draft is not None:
+        raise ConfigError("--draft is not read by --method ar (plain decoding drafts nothing); drop it")
 
 
 def _generate(args) -> int:
@@ -172,8 +187,16 @@ def package_version() -> str:
         return tandem.__version__
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line (an unknown choice, a value that is not a number), as
+    every other input error: not the usage block first. Subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"tandem: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Lossless speculative decoding engine")
+    parser = _Parser(prog="tandem", description="Lossless speculative decoding engine")
     parser.add_argument("--version", action="version", version=f"tandem {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
@@ -195,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and use the fastest (instead of the two tensor-parallel sizes)")
     add_model_arguments(g)
     add_decoding_arguments(g)
+    g.set_defaults(k=None, nodes=None, width=None, depth=None)  # given or not: _check_generate_args
     g.add_argument("--certified-head", action="store_true",
                    help="greedy ar/chain/tree: verify through the certified INT8 LM head (same tokens; the "
                         "target runs without CUDA graphs); refused with sampling")

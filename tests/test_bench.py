@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,20 @@ def test_bench_writes_results(tiny_pair, tmp_path, capsys):
     for png in ("tokens_per_s_cdf.png", "accept_length_hist.png", "tau_vs_nodes.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert png in res["files"]
+
+
+def test_without_matplotlib_the_results_are_written_and_the_plots_skipped_in_one_note(tiny_pair, tmp_path,
+                                                                                      monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    out = tmp_path / "out"
+    rc = cli.main(["bench", *_pair_args(tiny_pair, prefer_bundled=True), "--workload", str(_prompts_file(tmp_path)),
+                   "--num-prompts", "1", "--max-new-tokens", "4", "--methods", "ar", "--warmup", "0",
+                   "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "tandem: note: PNG plots skipped: matplotlib is not installed" in err and "Traceback" not in err
+    res = json.loads((out / "results.json").read_text())
+    assert res["files"] == ["results.json", "results.md"] and not list(out.glob("*.png"))
 
 
 def test_planted_divergence_fails_and_is_reported(tiny_pair, tmp_path, monkeypatch, capsys):

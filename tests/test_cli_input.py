@@ -208,9 +208,30 @@ def test_any_integer_seed_is_taken_modulo_2_64(capsys):
     (["--method", "async", "--split-search", "0"], "--split-search K needs K >= 2"),
     (["--method", "tree", "--split-search", "2"], "work with --method async"),
     (["--method", "tree", "--transport", "gloo"], "--transport works with --method async"),
+    # a draft-shape flag the method does not read
+    (["--method", "ar", "--k", "5"], "--k is not read by --method ar; drop it"),
+    (["--method", "chain", "--nodes", "8"], "--nodes is not read by --method chain (it reads --k)"),
+    (["--method", "tree", "--k", "3"], "--k is not read by --method tree (it reads --nodes, --width, --depth)"),
+    (["--method", "async", "--k", "3"], "--k is not read by --method async"),
+    (["--method", "tlv", "--depth", "3"], "--depth is not read by --method tlv (it reads --nodes, --width)"),
+    (["--method", "ar", "--draft", "block"], "--draft is not read by --method ar"),
 ])
 def test_small_flag_mistakes_get_one_line_errors(flags, needle, capsys):
     bad(capsys, ["generate", "x", "--max-new-tokens", "2", *flags], needle)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["generate", "x", "--method", "bogus"], "argument --method: invalid choice: 'bogus'"),
+    (["generate", "x", "--max-new-tokens", "abc"], "argument --max-new-tokens: invalid int value: 'abc'"),
+    (["bench", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["nonsense"], "argument command: invalid choice: 'nonsense'"),
+])
+def test_argument_parsing_errors_are_one_line(args, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("tandem: error: ") and needle in err, err
+    assert "usage:" not in err and "--help" in err
 
 
 def test_empty_stop_string_refused_by_the_config():

@@ -460,11 +460,11 @@ def markdown(results: dict) -> str:
 
 def plot(results: dict, path: Path) -> Path | None:
     """tok/s vs concurrency, one line per method and peer; None when matplotlib is missing."""
-    try:
-        from tandem.bench.plots import _plt, _save
-        plt = _plt()
-    except ImportError:
+    from tandem.bench import plots as P
+
+    if not P.available():
         return None
+    plt = P._plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     by: dict[str, list[tuple[int, float]]] = {}
     for r in results["runs"]:
@@ -479,7 +479,7 @@ def plot(results: dict, path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("Offline throughput by concurrency")
-    return _save(fig, path)
+    return P._save(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------

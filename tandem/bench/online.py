@@ -620,13 +620,10 @@ def write_outputs(results: dict, out: Path, plots: bool = True) -> list[Path]:
     from tandem.bench.env import write_json
 
     written = [out / "results.json", out / "results.md"]
-    if plots:
-        try:
-            from tandem.bench import plots as P
+    from tandem.bench import plots as P
 
-            written.append(P.online_levels(results["levels"], out / "online_latency.png"))
-        except ImportError:  # matplotlib is optional
-            pass
+    if plots and P.available():
+        written.append(P.online_levels(results["levels"], out / "online_latency.png"))
     results["files"] = [p.name for p in written]
     write_json(out / "results.json", results)
     (out / "results.md").write_text(markdown(results))

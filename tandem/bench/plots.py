@@ -1,7 +1,20 @@
 """PNG plots of benchmark and profile results (matplotlib, Agg backend, imported lazily)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+
+def available() -> bool:
+    """Whether matplotlib imports; if not, says on stderr that the PNGs are skipped (the results
+    files are written all the same)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("tandem: note: PNG plots skipped: matplotlib is not installed (pip install matplotlib; "
+              "--no-plots skips them)", file=sys.stderr)
+        return False
+    return True
 
 
 def _plt():

@@ -383,12 +383,12 @@ def run(args: argparse.Namespace) -> int:
         report["replay"] = replay(replay_trace, t_target, t_draft)
     out = Path(args.out)
     files = ["profile.json"]
-    if not args.no_plots:
-        from tandem.bench.plots import cost_model
+    from tandem.bench import plots as P
 
+    if not args.no_plots and P.available():
         ns = sorted(t_target)
         pred = {r["rows"]: r["predicted_speedup"] for r in prediction}
-        cost_model(ns, [t_target[n] / t_ar for n in ns], [pred.get(n) for n in ns] if pred else None,
+        P.cost_model(ns, [t_target[n] / t_ar for n in ns], [pred.get(n) for n in ns] if pred else None,
                    out / "cost_model.png")
         files.append("cost_model.png")
     report["files"] = files
