@@ -265,8 +265,12 @@ def test_bad_requests_are_one_line_config_errors(models):
         engine.add_request([1] * 600, SamplingParams())
     with pytest.raises(ConfigError, match="max_tokens must be a positive integer"):
         engine.add_request([1], SamplingParams(max_tokens=0))
-    with pytest.raises(ConfigError, match="--temperature must be a finite number"):
+    with pytest.raises(ConfigError, match="temperature must be a finite number"):
         engine.add_request([1], SamplingParams(temperature=-1.0))
+    for bad, field in (({"top_p": 0.0}, "top_p must be"), ({"seed": "x"}, "seed must be an integer (got 'x')"),
+                       ({"stop": [""]}, "stop must be non-empty strings"), ({"max_tokens": 2.5}, "max_tokens must")):
+        with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")):
+            SamplingParams(**bad)  # refused where it is written, as vLLM's SamplingParams
     with pytest.raises(ConfigError, match="needs 5 KV blocks but the pool has 4"):
         engine.add_request([1] * 10, SamplingParams(max_tokens=8))
     with pytest.raises(ConfigError, match="needs a draft model"):

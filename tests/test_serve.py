@@ -434,6 +434,26 @@ def test_serve_cli_refuses_bad_flags_in_one_line(capsys, args, message):
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_serve_refuses_a_busy_port_and_an_unresolvable_host_in_one_line_before_loading(capsys, monkeypatch):
+    import socket
+
+    from tandem.cli import main
+    from tandem.runtime import pair
+
+    monkeypatch.setattr(pair, "load_pair", lambda *a, **k: pytest.fail("loaded the models before the address check"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"tandem: error: port {port} on 127.0.0.1 is in use; pick another with --port (0 picks a "
+                       f"free one)\n")
+    assert main(["serve", "--host", "no-such-host.invalid", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem: error: --host 'no-such-host.invalid' does not resolve") and err.count("\n") == 1
+
+
 def test_an_exception_in_an_engine_step_fails_its_requests_only_and_the_server_keeps_serving(live, client):
     engine = live.state.engines["tree"]
     real_step = engine.step

@@ -182,6 +182,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="method audited against ar")
     add_model_arguments(p)
     add_decoding_arguments(p)
+    for a in p._actions:  # greedy only (refused otherwise, in run): the sampling flags are not offered in --help
+        if {"--temperature", "--top-p", "--seed"} & set(a.option_strings):
+            a.help = argparse.SUPPRESS
     add_workload_arguments(p, num_prompts=8)
     p.add_argument("--out", default="audit-out", help="folder for audit.json")
     p.add_argument("--rate-tolerance", type=float, default=RATE_TOLERANCE_PP,

@@ -491,8 +491,9 @@ def markdown_table(results: dict) -> str:
     if not chk["checked"]:
         lines.append(f"Output check: {chk.get('note')}")
     else:
-        lines.append(f"Output check vs ar: {chk['mismatch_count']} mismatching request(s); "
-                     f"{chk['peer_mismatch_count']} peer (hf) mismatch(es).")
+        peers = any(n.split("@")[0] in PEER_METHODS for n in results.get("config", {}).get("methods", ()))
+        lines.append(f"Output check vs ar: {chk['mismatch_count']} mismatching request(s)"
+                     + (f"; {chk['peer_mismatch_count']} peer (hf) mismatch(es)." if peers else "."))
         if chk["first_divergence"]:
             lines.append(f"First divergence: {Divergence(**chk['first_divergence']).describe()}")
     if results.get("tau_by_nodes"):
@@ -512,7 +513,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _nodes_accepts_list(p)
     add_workload_arguments(p)
     p.add_argument("--methods", default="ar,chain,tree",
-                   help="comma list of ar, chain, tree, async, hf, hf-assisted (tree@N: a node budget); "
+                   help=f"comma list of {', '.join(tandem_methods() + PEER_METHODS)} (tree@N: a node budget); "
                         "ar is always run")
     p.add_argument("--out", default="bench-out", help="output folder for results.json, results.md and plots")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts (the longest ones) run before measuring")

@@ -339,6 +339,11 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--context {args.context} + {need} rows exceeds {name}'s {cfg.max_position_embeddings} positions")
     measure = timer(device)
     buckets = tuple(sorted(set(DEFAULT_BUCKETS) | set(rows) | set(widths)))
+    gb = (tcfg.num_params + dcfg.num_params) * dtype.itemsize / 1e9
+    if device.type == "cpu" and gb > 2:  # (a GPU-sized preset: the CPU builds and times it for minutes)
+        print(f"tandem: note: --preset {args.preset} builds random models of {gb:.1f} GB ({args.dtype}) on the CPU "
+              f"and times their passes: minutes; it is sized for --device cuda (--preset tiny for a quick look)",
+              file=sys.stderr)
 
     with torch.inference_mode():
         bw = copy_bandwidth(device, (512 << 20) if device.type == "cuda" else (64 << 20), max(5, iters // 3))

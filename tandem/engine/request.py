@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ class SamplingParams:
         if isinstance(self.stop, str):  # vLLM accepts one string
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
+        self.validate()  # at construction, as vLLM's: a bad value is named where it was written
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
@@ -40,10 +42,18 @@ class SamplingParams:
         return GenerationConfig(max_new_tokens=self.max_tokens, ignore_eos=self.ignore_eos, stop=self.stop)
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        """One-line ConfigErrors naming the field (SamplingConfig's name the CLI's flags)."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
-        self.sampling().validate()
-        self.generation().validate()
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0.0 <= self.temperature < math.inf:
+            raise ConfigError(f"temperature must be a finite number >= 0 (got {self.temperature!r}); use 0 for greedy")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be a number in (0, 1] (got {self.top_p!r})")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an integer (got {self.seed!r})")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"stop must be non-empty strings (got {list(self.stop)!r})")
 
 
 class RequestState(enum.Enum):

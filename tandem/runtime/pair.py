@@ -52,7 +52,8 @@ def resolve_device(name: str | None) -> torch.device:
     if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was requested but no CUDA GPU is visible to PyTorch; use --device cpu")
+        raise ConfigError(f"device {name!r} was asked for but no CUDA GPU is visible to PyTorch; use cpu "
+                          "(--device cpu, device=\"cpu\")")
     if name != "cpu" and not name.startswith("cuda"):
         raise ConfigError(f"unknown device {name!r}; use cpu or cuda")
     return torch.device(name)

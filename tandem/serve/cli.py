@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 import sys
 
 from tandem.config import ConfigError, SpecConfig
@@ -67,8 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
-def build(args) -> tuple[object, ServerConfig]:
-    """Args -> (the FastAPI app, its ServerConfig); ConfigError on bad input."""
+def build(args, check_address: bool = False) -> tuple[object, ServerConfig]:
+    """Args -> (the FastAPI app, its ServerConfig); ConfigError on bad input (with check_address,
+    also when --host / --port cannot be listened on: before the models load)."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -95,6 +98,8 @@ def build(args) -> tuple[object, ServerConfig]:
         raise ConfigError("--batch-parallel / --row-selection need a speculative method in --methods (chain or tree)")
     for m in methods:
         engine_config_for(ecfg, m).validate()
+    if check_address:
+        check_bind(cfg.host, cfg.port)
     if args.engine_process:  # this process keeps the tokenizer and the template; the engine process the models
         server = process_server(args, cfg, ecfg)
     else:
@@ -117,8 +122,28 @@ def process_server(args, cfg: ServerConfig, ecfg: EngineConfig):
     return Server(None, None, tokenizer, cfg, ecfg, template, engine_process=spec)
 
 
+def check_bind(host: str, port: int) -> None:
+    """ConfigError in one line when the server could not listen on host:port (a name that does not
+    resolve, a port in use or not ours to take), checked before the models load; uvicorn would
+    otherwise log its error and exit with status 3 after the load."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host!r} does not resolve ({e.strerror}); give an IP address such as "
+                          f"127.0.0.1, or a name this machine resolves") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(f"port {port} on {host} is in use; pick another with --port (0 picks a free "
+                                  f"one)") from None
+            raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror})") from None
+
+
 def run(args) -> int:
-    app, cfg = build(args)
+    app, cfg = build(args, check_address=True)
     from tandem.serve.runner import make_server
 
     if cfg.host not in (LOOPBACK, "localhost", "::1"):
