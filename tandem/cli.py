@@ -120,7 +120,9 @@ def _check_generate_args(args) -> None:
         if getattr(args, name) is None:  # (None: not given; the default then)
             setattr(args, name, getattr(SpecConfig(), name))
     if args.method == "ar" and args.draft is not None:
-        raise ConfigError("--draft is not read by --method ar (plain decoding drafts nothing); drop it")
+        # a note, not an error: a pair is kept while the method changes (scripts, comparisons)
+        notice(f"--draft {args.draft} is not used by --method ar (plain decoding drafts nothing); not loaded")
+        args.draft = None
 
 
 def _generate(args) -> int:

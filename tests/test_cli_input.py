@@ -214,7 +214,6 @@ def test_any_integer_seed_is_taken_modulo_2_64(capsys):
     (["--method", "tree", "--k", "3"], "--k is not read by --method tree (it reads --nodes, --width, --depth)"),
     (["--method", "async", "--k", "3"], "--k is not read by --method async"),
     (["--method", "tlv", "--depth", "3"], "--depth is not read by --method tlv (it reads --nodes, --width)"),
-    (["--method", "ar", "--draft", "block"], "--draft is not read by --method ar"),
 ])
 def test_small_flag_mistakes_get_one_line_errors(flags, needle, capsys):
     bad(capsys, ["generate", "x", "--max-new-tokens", "2", *flags], needle)
@@ -232,6 +231,18 @@ def test_argument_parsing_errors_are_one_line(args, needle, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("tandem: error: ") and needle in err, err
     assert "usage:" not in err and "--help" in err
+
+
+def test_a_draft_with_ar_is_noted_and_not_loaded(capsys, monkeypatch):
+    from tandem.runtime import pair as pair_mod
+
+    seen = []
+    real = pair_mod.load_pair
+    monkeypatch.setattr(pair_mod, "load_pair", lambda target, draft, *a, **k: seen.append(draft) or real(target, draft, *a, **k))
+    code, out, err = run_cli(["generate", "x", "--method", "ar", "--draft", "block", "--max-new-tokens", "2", "--json"],
+                             capsys)
+    assert code == 0 and seen == [None], (code, err)
+    assert "tandem: note: --draft block is not used by --method ar (plain decoding drafts nothing); not loaded" in err
 
 
 def test_empty_stop_string_refused_by_the_config():
