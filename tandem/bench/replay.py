@@ -127,6 +127,7 @@ def run_replay(args) -> int:
     print(markdown_table(results), end="")
     taus = ", ".join(f"{m} {results['summary'][m]['tau']:.2f} (trace {t:.2f})"
                      for m, t in results["trace_tau"].items() if m != REFERENCE and t is not None)
-    print(f"replayed tau: {taus}")
+    print(f"replayed tau: {taus} (below the trace's where a recorded accept count was deeper than the random "
+          f"draft's tree at that step)")
     print(f"tandem bench: wrote {out / 'results.json'} ({LABEL})", file=sys.stderr)
     return 0
