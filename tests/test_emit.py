@@ -73,3 +73,15 @@ def test_without_a_tokenizer_stop_strings_are_not_looked_for():
     assert not em.emit(DraftTree.root(5), VerifyResult([0], [7, 8], 1))
     assert em.emit(DraftTree.root(5), VerifyResult([0], [9, 10, 11], 2)) and em.out == [7, 8, 9, 10]
     assert em.finish == "length"
+
+
+def test_accepted_drafts_are_counted_within_the_tokens_kept():
+    """A pass cut short by max_new_tokens (or EOS, or a stop) counts only the drafts it kept, so a
+    request never reports more accepted draft tokens than tokens."""
+    em = Emitter(3, {99}, GenerationConfig(max_new_tokens=3), None, None, time.perf_counter())
+    assert not em.emit_pass([1, 2], 1, range(1, 3))  # one draft accepted, then the bonus: both kept
+    assert em.emit_pass([3, 4, 5, 6], 3, range(1, 4))  # three accepted, but only one token fits
+    assert em.out == [1, 2, 3] and em.accept_lengths == [1, 1] and em.finish == "length"
+    assert sorted(em.per_depth.items()) == [(1, [2, 2]), (2, [2, 1]), (3, [1, 1])]  # the verifier's accepts, uncut
+    eos = Emitter(10, {99}, GenerationConfig(max_new_tokens=10), None, None, time.perf_counter())
+    assert eos.emit_pass([7, 99, 8], 2, range(1, 3)) and eos.out == [7, 99] and eos.accept_lengths == [2]

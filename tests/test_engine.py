@@ -303,6 +303,10 @@ def test_llm_on_the_bundled_pair_equals_tandem_generate_ar(capsys):
     # a tree step that commits tokens past the stop string keeps none of them, as ar
     spec = LLM(method="tree").generate(prompts[0], SP(max_tokens=8, stop=stop))[0]
     assert (spec.token_ids, spec.text, spec.finish_reason) == (cut.token_ids, cut.text, "stop")
+    # a last pass cut by max_tokens counts the drafts it kept only
+    for n in (1, 2, 3):
+        short = LLM(method="tree").generate(prompts[0], SP(max_tokens=n))[0]
+        assert len(short.token_ids) == n and short.figures.accepted_tokens <= n
 
 
 _SNIPPETS = ["def fib(n):\n", "import os\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):\n",

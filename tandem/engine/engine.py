@@ -1395,7 +1395,8 @@ class Engine:
         """Cut at EOS / stop / max_tokens (the single-request loop's Emitter; deepest: the tree's
         deepest node's depth, from the packing); True when done."""
         em = self._emitter(req)
-        return self._books(req, em, em.emit(tree, result, deepest), result.num_draft, result.accepted)
+        done = em.emit(tree, result, deepest)
+        return self._books(req, em, done, result.num_draft, em.accept_lengths[-1])  # (accepts kept, after any cut)
 
     def _emit_token(self, req: Request, token: int) -> bool:
         """_emit of a plain step's one token (root alone, no draft): the same books, fewer calls."""

@@ -35,8 +35,7 @@ class Emitter:
     def emit_pass(self, tokens: list[int], accepted: int, depths: set[int] | range) -> bool:
         """Record one pass that committed `tokens` (accepted drafts, then the bonus) from a tree
         offering nodes at `depths`; returns True when generation is over."""
-        self.accept_lengths.append(accepted)
-        for k in depths:  # per depth: offered, and accepted that deep
+        for k in depths:  # per depth: offered, and accepted that deep (the verifier's view: before any cut)
             rec = self.per_depth.setdefault(k, [0, 0])
             rec[0] += 1
             rec[1] += int(accepted >= k)
@@ -51,6 +50,9 @@ class Emitter:
             self.ttft = time.perf_counter() - self.t0
         # a stop string before the EOS ends it there, as in `ar`; a stop cuts self.out back before streaming
         done = self._stopped(len(new)) or self.finish == "eos"
+        # the drafts among the tokens kept (max_tokens, EOS or a stop may cut the pass short): so accepted
+        # tokens never exceed the tokens a request reports
+        self.accept_lengths.append(min(accepted, len(self.out) - start))
         if self.on_tokens is not None:
             self.on_tokens(self.out[start:])
         return done or len(self.out) >= self.max_new
