@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tandem: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit's flush)
+        return 141  # 128 + SIGPIPE, the status a shell reports for a tool stopped by a closed pipe
     except OSError as e:  # a path the user gave that cannot be written or read, a full disk
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2

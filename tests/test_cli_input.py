@@ -245,6 +245,18 @@ def test_a_draft_with_ar_is_noted_and_not_loaded(capsys, monkeypatch):
     assert "tandem: note: --draft block is not used by --method ar (plain decoding drafts nothing); not loaded" in err
 
 
+def test_a_reader_that_leaves_the_pipe_stops_generate_quietly():
+    """`tandem generate ... | head -c 5`: no error line, no traceback, the shell's status for a closed pipe."""
+    proc = subprocess.Popen([sys.executable, "-m", "tandem", "generate", "def fib(n):", "--method", "ar",
+                             "--max-new-tokens", "200", "--ignore-eos"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=REPO)
+    assert proc.stdout.read(5)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "error" not in err and "Traceback" not in err, err
+
+
 def test_empty_stop_string_refused_by_the_config():
     with pytest.raises(ValueError, match="non-empty"):
         GenerationConfig(stop=("",)).validate()
