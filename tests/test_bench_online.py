@@ -165,6 +165,30 @@ def test_bench_online_loads_the_in_process_server_and_writes_its_report(tmp_path
 
 
 @pytest.mark.skipif(not bundled_available(), reason="the bundled pair is not in this checkout")
+def test_default_beside_named_methods_sends_no_method_field(tmp_path, workload):
+    """--methods default,ar against a running server: `default` requests carry no method (the
+    server's own, tree here), the ar ones name it; none fails."""
+    from tandem.bench.online import LocalServer
+    from tandem.cli import main
+    from tandem.engine.config import EngineConfig
+    from tandem.runtime.pair import load_pair
+    from tandem.serve.app import Server
+    from tandem.serve.config import ServerConfig
+
+    pair = load_pair(None, None, "cpu", "float32")
+    with LocalServer(Server(pair.target, pair.draft, pair.tokenizer, ServerConfig(methods=("tree", "ar")),
+                            EngineConfig(num_blocks=64))) as s:
+        out = tmp_path / "o"
+        assert main(["bench", "--online", "--url", s.url, "--methods", "default,ar", "--workload", workload,
+                     "--num-prompts", "2", "--concurrency", "1", "--requests", "2", "--max-new-tokens", "4",
+                     "--no-plots", "--out", str(out)]) == 0
+        served = s.state.metrics.tau  # (per method: the default's requests ran as tree)
+        assert {m for m in ("tree", "ar") if served.labels(m)._sum.get() > 0} == {"tree", "ar"}
+    res = json.loads((out / "results.json").read_text())
+    assert [(r["method"], r["completed"], r["errors"]) for r in res["levels"]] == [("default", 2, {}), ("ar", 2, {})]
+
+
+@pytest.mark.skipif(not bundled_available(), reason="the bundled pair is not in this checkout")
 def test_a_max_seconds_bound_skips_the_requests_not_started():
     """A deadline shorter than one request: the first runs, the rest are skipped, not sent; the
     server stops with its engine thread."""

@@ -556,7 +556,7 @@ def parse_levels(value) -> list[int]:
 
 
 def check(args: argparse.Namespace) -> tuple[list[int], list[str] | None]:
-    """Bad flags -> ConfigError before any load; returns (levels, methods or None for the server's)."""
+    """Bad flags -> ConfigError before any load; returns (levels, methods: None for `default`, no method field)."""
     from tandem.bench.env import ensure_out_dir
 
     levels = parse_levels(args.concurrency)
@@ -582,7 +582,8 @@ def check(args: argparse.Namespace) -> tuple[list[int], list[str] | None]:
     elif args.api_key is not None:
         raise ConfigError("--api-key goes with --url (the server started here has no key)")
     ensure_out_dir(args.out)
-    return levels, (None if methods == ["default"] else methods)
+    # `default`: requests without a method field, the server's default method
+    return levels, [None if m == "default" else m for m in dict.fromkeys(methods)]
 
 
 def prompt_texts(args: argparse.Namespace, tokenizer) -> list[str]:
@@ -634,11 +635,15 @@ def run(args: argparse.Namespace) -> int:
     """`tandem bench --online`."""
     from tandem.bench.env import environment
 
+    from tandem.serve.config import default_methods
+
     levels, methods = check(args)
     local = None
     if args.url is None:
-        methods = methods or ["ar"]
-        server = build_local_server(args, methods, max(levels))
+        # the methods named, served as `tandem serve --methods` would (its first the default); `default`
+        # alone serves what `tandem serve` does without --methods
+        served = [m for m in methods if m is not None] or list(default_methods(args.target, args.draft))
+        server = build_local_server(args, served, max(levels))
         prompts = prompt_texts(args, server.tokenizer)
         local = LocalServer(server)
         url = local.url
@@ -649,7 +654,7 @@ def run(args: argparse.Namespace) -> int:
                 temperature=args.temperature, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     # warm-up: one short request per method, not measured (first-call costs on both sides)
     warm = Load(**{**asdict(load), "requests": 1, "max_tokens": 2})
-    plan = [(warm, m, 1) for m in methods or [None]] + [(load, m, c) for m in (methods or [None]) for c in levels]
+    plan = [(warm, m, 1) for m in methods] + [(load, m, c) for m in methods for c in levels]
     try:
         # an in-process server shares this interpreter's lock with its engine thread: a client in
         # the same process would take a share of it too (profiled on the CPU: the load generator
@@ -664,7 +669,7 @@ def run(args: argparse.Namespace) -> int:
             rows = client_process(prompts, plan, watch)
         else:
             rows = run_levels(prompts, plan)
-        rows = rows[len(methods or [None]):]
+        rows = rows[len(methods):]
     finally:
         if local is not None:
             local.stop()
@@ -674,7 +679,7 @@ def run(args: argparse.Namespace) -> int:
                "config": {"server": ("in-process tandem serve" + (", engine process" if args.engine_process else "")
                                      if local is not None else args.url),
                           "client": "a process of its own" if local is not None else "this process",
-                          "methods": methods or ["default"], "concurrency": levels, "requests": args.requests,
+                          "methods": [m or "default" for m in methods], "concurrency": levels, "requests": args.requests,
                           "max_tokens": args.max_new_tokens, "max_seconds": args.max_seconds,
                           "request_rate": args.request_rate, "workload": args.workload, "num_prompts": len(prompts)},
                "levels": [asdict(r) for r in rows]}

@@ -9,7 +9,7 @@ import sys
 
 from tandem.config import ConfigError, SpecConfig
 from tandem.engine.config import EngineConfig
-from tandem.serve.config import LOOPBACK, ServerConfig, engine_config_for
+from tandem.serve.config import LOOPBACK, ServerConfig, default_methods, engine_config_for
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,8 +81,8 @@ def build(args, check_address: bool = False) -> tuple[object, ServerConfig]:
     from tandem.serve.app import Server, create_app
     from tandem.serve.chat_template import ChatTemplate
 
-    with_draft = args.draft is not None or args.target is None
-    methods = tuple(m.strip() for m in (args.methods or ("tree,ar" if with_draft else "ar")).split(",") if m.strip())
+    methods = (tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods
+               else default_methods(args.target, args.draft))
     cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
                        methods=methods, max_pending=args.max_pending, max_tokens_limit=args.max_tokens_limit,
                        shutdown_grace_s=args.shutdown_grace, inject_faults=args.inject_faults)

@@ -55,3 +55,9 @@ def engine_config_for(cfg: EngineConfig, method: str) -> EngineConfig:
     if method == "ar":
         return replace(cfg, method=method, batch_parallel=False, row_selection=False, prompt_admission=False)
     return replace(cfg, method=method)
+
+
+def default_methods(target: str | None, draft: str | None) -> tuple[str, ...]:
+    """What a server serves without --methods: tree (its default) and ar where there is a drafter
+    (a --draft, or the bundled pair), else ar."""
+    return ("tree", "ar") if draft is not None or target is None else ("ar",)
