@@ -303,6 +303,19 @@ def test_llm_on_the_bundled_pair_equals_tandem_generate_ar(capsys):
     # a tree step that commits tokens past the stop string keeps none of them, as ar
     spec = LLM(method="tree").generate(prompts[0], SP(max_tokens=8, stop=stop))[0]
     assert (spec.token_ids, spec.text, spec.finish_reason) == (cut.token_ids, cut.text, "stop")
+    # token-id prompts (one, or a list of them) decode as their text does; other prompts are refused
+    llm = LLM(method="ar")
+    ids = llm.tokenizer.encode(prompts[0]).ids
+    assert [o.token_ids for o in llm.generate(ids, SP(max_tokens=8)) + llm.generate([ids, ids], SP(max_tokens=8))] \
+        == [outs[0].token_ids] * 3
+    for bad, msg in (([ids, 1.5], "a prompt is text or a list of int token ids"), ([[10 ** 9]], "outside the vocab")):
+        with pytest.raises(ConfigError, match=msg):
+            llm.generate(bad)
+    assert not llm.engine.has_unfinished()
+    from tandem import EngineConfig, SpecConfig  # (the API's names at the top level)
+    with pytest.raises(ConfigError, match="method='ar' and engine_config.method='chain' differ"):
+        LLM(method="ar", engine_config=EngineConfig(method="chain"))
+    assert LLM(engine_config=EngineConfig(method="chain"), spec=SpecConfig(k=3)).engine.config.method == "chain"
     # a last pass cut by max_tokens counts the drafts it kept only
     for n in (1, 2, 3):
         short = LLM(method="tree").generate(prompts[0], SP(max_tokens=n))[0]

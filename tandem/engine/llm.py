@@ -27,18 +27,25 @@ class LLM:
         from tandem.runtime.pair import load_pair
 
         bundled = target is None
+        if engine_config is not None and method is not None and engine_config.method != method:
+            if engine_config.method != EngineConfig().method:  # (the config's own default says nothing)
+                raise ConfigError(f"method={method!r} and engine_config.method={engine_config.method!r} differ; "
+                                  f"give the method once")
         if method is None:
-            method = "tree" if draft is not None or bundled else "ar"
+            method = (engine_config.method if engine_config is not None and engine_config.method != EngineConfig().method
+                      else "tree" if draft is not None or bundled else "ar")
         pair = load_pair(target, draft, device, dtype, need_draft=method != "ar")
         cfg = engine_config or EngineConfig()
         cfg = replace(cfg, method=method, spec=spec or cfg.spec)
         self.tokenizer = pair.tokenizer
         self.engine = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
 
-    def generate(self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Decode every prompt together (continuous batching); outputs in prompt order."""
-        if isinstance(prompts, str):
+    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Decode every prompt together (continuous batching); outputs in prompt order. A prompt is
+        text, or token ids (a list of ints; a list of such lists for several)."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         if params is None:
             params = SamplingParams()
@@ -47,11 +54,23 @@ class LLM:
             raise ConfigError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; give one or one each")
         reqs = []
         try:
-            for text, p in zip(prompts, plist):
-                reqs.append(self.engine.add_request(self.tokenizer.encode(text).ids, p, prompt=text))
+            for prompt, p in zip(prompts, plist):
+                ids, kw = self._ids(prompt)
+                reqs.append(self.engine.add_request(ids, p, **kw))
             by_id = {o.request_id: o for o in self.engine.run()}
         except BaseException:
             for r in reqs:  # leave the engine empty for the next call
                 self.engine.abort(r.request_id)
             raise
         return [by_id[r.request_id] for r in reqs]
+
+    def _ids(self, prompt) -> tuple[list[int], dict]:
+        """A prompt -> (its token ids, add_request's keywords); ConfigError for anything else."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt).ids, {"prompt": prompt}
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.engine.target.config.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise ConfigError(f"a token-id prompt holds ids outside the vocabulary [0, {vocab})")
+            return list(prompt), {}
+        raise ConfigError(f"a prompt is text or a list of int token ids (got {type(prompt).__name__} {str(prompt)[:40]})")
