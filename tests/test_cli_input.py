@@ -375,5 +375,6 @@ def test_any_integer_seed_for_profile_and_train_pair():
 def test_an_unwritable_train_pair_out_is_one_line(tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.write_text("keep me")
-    bad(capsys, ["train-pair", "--tiny", "--out", str(taken)], "File exists")
+    for cmd in (["train-pair", "--tiny"], ["train-drafters", "--tiny", "--kind", "block"]):
+        bad(capsys, [*cmd, "--out", str(taken)], f"--out {str(taken)!r} is an existing file; give a folder")
     assert taken.read_text() == "keep me"

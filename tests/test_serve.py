@@ -425,7 +425,10 @@ def test_a_full_queue_gets_503_with_retry_after_then_health_503_once_the_engine_
                                           (["--max-pending", "0"], "--max-pending must be >= 1"),
                                           (["--methods", "ar,ar"], "names a method twice"),
                                           (["--long-prefill-token-threshold", "-1"],
-                                           "long_prefill_token_threshold must be >= 0")])
+                                           "long_prefill_token_threshold must be >= 0"),
+                                          (["--methods", ""], "serve at least one method"),
+                                          (["--methods", "ar", "--adaptive-draft"],
+                                           "--adaptive-draft need a speculative method")])
 def test_serve_cli_refuses_bad_flags_in_one_line(capsys, args, message):
     from tandem.cli import main
 

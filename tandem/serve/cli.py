@@ -81,7 +81,7 @@ def build(args, check_address: bool = False) -> tuple[object, ServerConfig]:
     from tandem.serve.app import Server, create_app
     from tandem.serve.chat_template import ChatTemplate
 
-    methods = (tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods
+    methods = (tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods is not None
                else default_methods(args.target, args.draft))
     cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
                        methods=methods, max_pending=args.max_pending, max_tokens_limit=args.max_tokens_limit,
@@ -94,8 +94,9 @@ def build(args, check_address: bool = False) -> tuple[object, ServerConfig]:
                         batch_parallel=args.batch_parallel, row_selection=args.row_selection,
                         draft_gate=args.draft_gate, adaptive_draft=args.adaptive_draft,
                         deterministic=args.deterministic, async_scheduling=args.async_scheduling)
-    if (args.batch_parallel or args.row_selection) and methods == ("ar",):
-        raise ConfigError("--batch-parallel / --row-selection need a speculative method in --methods (chain or tree)")
+    if (args.batch_parallel or args.row_selection or args.adaptive_draft) and methods == ("ar",):
+        raise ConfigError("--batch-parallel / --row-selection / --adaptive-draft need a speculative method in "
+                          "--methods (chain or tree)")
     for m in methods:
         engine_config_for(ecfg, m).validate()
     if check_address:

@@ -168,8 +168,9 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(a.seed)
     np.random.seed(a.seed)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from tandem.bench.env import ensure_out_dir
+
+    out = ensure_out_dir(a.out)  # (a file there, or no permission: one line, before any work)
     tdir = Path(a.target) if a.target else BUNDLED_TARGET
 
     def log(msg: str) -> None:

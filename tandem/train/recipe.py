@@ -139,8 +139,9 @@ def _run(a: argparse.Namespace) -> int:
     from tandem.train.trainer import TokenStream, distill_loss_fn, init_weights, lm_loss_fn, make_config, train_loop
 
     t_start = time.time()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from tandem.bench.env import ensure_out_dir
+
+    out = ensure_out_dir(a.out)  # (a file there, or no permission: one line, before any work)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     random.seed(a.seed)
     np.random.seed(a.seed)
