@@ -185,7 +185,7 @@ def test_a_checkpoint_template_is_read_from_tokenizer_config(tmp_path):
     assert ChatTemplate.for_checkpoint(tmp_path / "missing").builtin
 
 
-def test_streaming_deltas_join_to_the_text_with_usage_and_stop_strings(client):
+def test_streaming_deltas_join_to_the_text_with_usage_and_stop_strings(client, pair):
     ref = complete(client, prompt=PROMPTS[0], max_tokens=12, method="tree")
     text = ref["choices"][0]["text"]
     for method in ("tree", "ar"):
@@ -204,6 +204,15 @@ def test_streaming_deltas_join_to_the_text_with_usage_and_stop_strings(client):
     cut = text[:text.find(stop)]
     plain = complete(client, prompt=PROMPTS[0], max_tokens=12, stop=[stop, "@@never@@"])
     assert plain["choices"][0]["text"] == cut and plain["choices"][0]["finish_reason"] == "stop"
+    # a prompt of token ids (OpenAI's array form, or a list of one) decodes as its text does
+    ids = pair.tokenizer.encode(PROMPTS[0]).ids
+    for prompt in (ids, [ids]):
+        got = complete(client, prompt=prompt, max_tokens=12)
+        assert got["choices"][0]["text"] == text and got["usage"]["prompt_tokens"] == len(ids)
+    for prompt, msg in (([10 ** 9], "prompt token ids must be in [0,"), ([ids, ids], "give one prompt per request"),
+                        ([], "the prompt is empty")):
+        r = client.post("/v1/completions", json={"model": "tandem", "prompt": prompt, "max_tokens": 4})
+        assert r.status_code == 400 and msg in r.json()["error"]["message"] and r.json()["error"]["param"] == "prompt"
     # usage and logprobs count the tokens up to the one that completed the stop, whatever the method
     cuts = [complete(client, prompt=PROMPTS[0], max_tokens=12, stop=stop, method=m, logprobs=0) for m in ("ar", "tree")]
     counts = [{k: c["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} for c in cuts]

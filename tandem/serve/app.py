@@ -169,6 +169,7 @@ class Server:
         (tandem.serve.engine_process; target and draft are then None: this process loads no model)."""
         config.validate()
         self.config, self.engine_config, self.tokenizer = config, engine_config, tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()  # token-id prompts are ids the tokenizer can decode
         self.chat_template = chat_template or ChatTemplate(BUILTIN_TEMPLATE, builtin=True)
         self.metrics = ServerMetrics()
         self.engines: dict[str, LogprobEngine] = {}  # (empty with an engine process)
@@ -399,13 +400,17 @@ def create_app(server: Server) -> FastAPI:
     async def completions(request: Request):
         server.authorize(request)
         body: CompletionRequest = await server.parse(request, CompletionRequest)
-        if isinstance(body.prompt, list):
-            if len(body.prompt) != 1:
-                raise APIError(400, "give one prompt per request (a string, or a list of one string)",
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a list of prompts
+            if len(prompt) != 1:
+                raise APIError(400, "give one prompt per request (a string or token ids, or a list of one)",
                                param="prompt", code="unsupported_value")
-            body.prompt = body.prompt[0]
-        if not body.prompt:
+            prompt = prompt[0]
+        if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        if isinstance(prompt, list) and not all(0 <= t < server.vocab_size for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {server.vocab_size})", param="prompt",
+                           code="invalid_value")
         for name, bad in (("echo", body.echo), ("best_of", body.best_of not in (None, 1)),
                           ("suffix", body.suffix is not None)):
             if bad:
@@ -413,7 +418,7 @@ def create_app(server: Server) -> FastAPI:
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise APIError(400, f"logprobs must be in 0..{MAX_COMPLETION_LOGPROBS}", param="logprobs",
                            code="invalid_value")
-        ids = tok.encode(body.prompt).ids  # as `tandem generate` encodes a prompt
+        ids = list(prompt) if isinstance(prompt, list) else tok.encode(prompt).ids  # as `tandem generate` encodes
         params, method = server.sampling(body, len(ids), body.max_tokens, body.logprobs)
         handle = await server.open(ids, params, method, body.logprobs, body.user)
         rid, created, name = f"cmpl-{handle.request_id}", int(time.time()), server.config.served_model_name

@@ -41,7 +41,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictStr]
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]  # text or token ids, as OpenAI's
     max_tokens: StrictInt | None = 16  # OpenAI's default for completions
     logprobs: StrictInt | None = None  # top alternatives per token, 0..5
     echo: StrictBool = False
