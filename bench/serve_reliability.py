@@ -40,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-process", action="store_true",
                     help="every server's engines in a process of their own (tandem serve --engine-process)")
     args = ap.parse_args(argv)
+    try:  # check 1 generates bad bodies with hypothesis: say so now, not as a failed check at the end
+        import hypothesis  # noqa: F401
+    except ImportError:
+        print("serve_reliability: error: needs hypothesis for its generated bad inputs; pip install hypothesis "
+              "(or pip install 'tandem[test]')", file=sys.stderr)
+        return 2
     generated, disconnects, stream_prompts = (60, 8, 2) if args.quick else (1000, 200, len(rel.PROMPTS))
     soak = args.soak_seconds if args.soak_seconds is not None else (10.0 if args.quick else 600.0)
 

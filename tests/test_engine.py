@@ -265,6 +265,16 @@ def test_bad_requests_are_one_line_config_errors(models):
         engine.add_request([1] * 600, SamplingParams())
     with pytest.raises(ConfigError, match="max_tokens must be a positive integer"):
         engine.add_request([1], SamplingParams(max_tokens=0))
+    # prompt ids and params of the wrong kind are refused at the door: one bad request would fail every step
+    for ids, params, msg in (([10 ** 6], SamplingParams(), r"prompt token ids must be in \[0, "),
+                             ([-1], SamplingParams(), r"must be in \[0, "),
+                             ("def f():", SamplingParams(), "a list of int token ids"),
+                             ([5.7, 6.2], SamplingParams(), "a list of int token ids"),
+                             (torch.tensor([1, 2]), SamplingParams(), "a list of int token ids"),
+                             ([1], None, "params must be a SamplingParams")):
+        with pytest.raises(ConfigError, match=msg):
+            engine.add_request(ids, params)
+    assert not engine.has_unfinished()
     with pytest.raises(ConfigError, match="temperature must be a finite number"):
         engine.add_request([1], SamplingParams(temperature=-1.0))
     for bad, field in (({"top_p": 0.0}, "top_p must be"), ({"seed": "x"}, "seed must be an integer (got 'x')"),
@@ -308,7 +318,7 @@ def test_llm_on_the_bundled_pair_equals_tandem_generate_ar(capsys):
     ids = llm.tokenizer.encode(prompts[0]).ids
     assert [o.token_ids for o in llm.generate(ids, SP(max_tokens=8)) + llm.generate([ids, ids], SP(max_tokens=8))] \
         == [outs[0].token_ids] * 3
-    for bad, msg in (([ids, 1.5], "a prompt is text or a list of int token ids"), ([[10 ** 9]], "outside the vocab")):
+    for bad, msg in (([ids, 1.5], "a prompt is text or a list of int token ids"), ([[10 ** 9]], r"must be in \[0, ")):
         with pytest.raises(ConfigError, match=msg):
             llm.generate(bad)
     assert not llm.engine.has_unfinished()

@@ -246,6 +246,10 @@ def test_load_method_taus_and_assignment(tmp_path):
     assert profile.assign_taus(drafters, [t]) == {"block": t}
     with pytest.raises(Exception, match="none of the profiled drafters"):
         profile.assign_taus(drafters, [p])  # no recorded draft, two drafters: ambiguous
+    eagle3 = profile.resolve_drafters("eagle3")
+    assert profile.assign_taus(eagle3, [p]) == {"eagle3": p}  # no recorded draft, one drafter: that one
+    with pytest.raises(Exception, match="measured with draft '/elsewhere/tandem/assets/pair/block', which is none"):
+        profile.assign_taus(eagle3, [t])  # recorded with the block drafter: not the head's acceptance
 
 
 def test_accepted_path_follows_the_most_probable_child():

@@ -415,7 +415,9 @@ def markdown(results: dict) -> str:
              ("Latency in ms from submission of all C requests: median / p95." if not cfg.get("requests") else
               f"{cfg['requests']} requests per level (at least C), at most C in flight, the next admitted as one "
               "finishes; latency in ms from submission of all of them (TTFT includes the wait for a slot): "
-              "median / p95."), "",
+              "median / p95." + (" The transformers rows run one wave of C requests (the first C prompts), "
+                                 "not these requests: their tok/s is over other work." if cfg.get("peers") else "")),
+             "",
              "| method | C | tok/s | vs ar | TTFT | inter-token | end to end | tau | steps | equal to solo ar |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     ar = {r["concurrency"]: r["tokens_per_s"] for r in results["runs"] if r["name"] == REFERENCE}

@@ -278,7 +278,8 @@ def load_hf_model(path: Path, device, dtype: str):
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise ConfigError("the hf / hf-assisted methods need transformers; pip install 'tandem[bench]'") from None
+        raise ConfigError("the transformers peers (hf, hf-assisted; generate_batch and padded generate under "
+                          "--concurrency) need transformers; pip install 'tandem[bench]'") from None
     from tandem.models.loader import resolve_dtype
 
     try:

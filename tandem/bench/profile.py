@@ -562,8 +562,8 @@ def assign_taus(drafters: list[Drafter], tables: list[TauTable]) -> dict[str, Ta
             rec = Path(t.draft)
             match = (next((d for d in drafters if d.path.resolve() == rec.resolve()), None)
                      or next((d for d in drafters if d.path.name == rec.name), None))
-        if match is None and len(drafters) == 1 and len(tables) == 1:
-            match = drafters[0]
+        if match is None and t.draft is None and len(drafters) == 1 and len(tables) == 1:
+            match = drafters[0]  # (a file that names no drafter: the one profiled; one that names another is refused)
         if match is None:
             raise ConfigError(f"--tau-json {t.source!r} was measured with draft {t.draft!r}, which is none of the "
                               f"profiled drafters ({', '.join(d.label for d in drafters)})")

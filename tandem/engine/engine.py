@@ -332,9 +332,16 @@ class Engine:
     # ---- public API ----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None, prompt: str | None = None) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"params must be a SamplingParams (got {type(params).__name__})")
         params.validate()
+        if isinstance(prompt_ids, (str, bytes)) or not all(type(t) is int for t in prompt_ids):
+            raise ConfigError("prompt_ids must be a list of int token ids (encode text with the tokenizer first)")
         if not prompt_ids:
             raise ConfigError("the prompt is empty; give at least one token of text")
+        vocab = self.target.config.vocab_size
+        if not all(0 <= t < vocab for t in prompt_ids):
+            raise ConfigError(f"prompt token ids must be in [0, {vocab}) (the target's vocabulary)")
         if len(prompt_ids) >= self.context_window:
             raise ConfigError(f"prompt is {len(prompt_ids)} tokens but the context window is "
                               f"{self.context_window}; shorten the prompt")
