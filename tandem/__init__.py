@@ -11,13 +11,20 @@ _LAZY = {"LLM": "tandem.engine.llm", "SamplingParams": "tandem.engine.request", 
          "EngineConfig": "tandem.engine.config"}
 
 
-def __getattr__(name: str):
-    # NOTE: lazy, so `import tandem` (the CLI's --version, --help) does not import torch
-    if name in _LAZY:
-        import importlib
+def lazy_exports(package: str, table: dict[str, str]):
+    """A module `__getattr__` that imports each name of `table` from its module on first use, so that
+    importing a package (`import tandem`: the CLI's --version and --help) does not import torch."""
+    def __getattr__(name: str):
+        if name in table:
+            import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'tandem' has no attribute {name!r}")
+            return getattr(importlib.import_module(table[name]), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -19,15 +19,9 @@ The paged KV pool itself is tandem.kv.paged.
 """
 
 
+from tandem import lazy_exports
+
 __all__ = ["Engine", "EngineConfig", "LLM", "SamplingParams"]
-_LAZY = {"Engine": "tandem.engine.engine", "EngineConfig": "tandem.engine.config", "LLM": "tandem.engine.llm",
-         "SamplingParams": "tandem.engine.request"}
-
-
-def __getattr__(name: str):
-    # lazy: `from tandem.engine import Engine` without importing every engine module for a submodule
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'tandem.engine' has no attribute {name!r}")
+# lazy: `from tandem.engine import Engine` without importing every engine module for one submodule
+__getattr__ = lazy_exports(__name__, {"Engine": "tandem.engine.engine", "EngineConfig": "tandem.engine.config",
+                                      "LLM": "tandem.engine.llm", "SamplingParams": "tandem.engine.request"})
