@@ -257,6 +257,17 @@ def test_a_reader_that_leaves_the_pipe_stops_generate_quietly():
     assert "error" not in err and "Traceback" not in err, err
 
 
+def test_the_api_names_import_lazily_from_the_package():
+    """`import tandem` (the CLI's --version and --help) imports no torch; the API's names come on first use."""
+    code = ("import sys, tandem; assert 'torch' not in sys.modules; "
+            "from tandem import LLM, SamplingParams, SpecConfig, EngineConfig; from tandem.engine import Engine; "
+            "assert Engine.__module__ == 'tandem.engine.engine' and SpecConfig.__module__ == 'tandem.config'; "
+            "print(sorted(n for n in dir(tandem) if n in tandem.__all__))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['EngineConfig', 'LLM', 'SamplingParams', 'SpecConfig', '__version__']"
+
+
 def test_empty_stop_string_refused_by_the_config():
     with pytest.raises(ValueError, match="non-empty"):
         GenerationConfig(stop=("",)).validate()
