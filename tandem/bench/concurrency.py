@@ -510,9 +510,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_workload(args.workload, args.num_prompts, args.data_dir, args.source_lines)
     results = run_concurrency(prompts, methods, peers, levels, spec, sampling, gen, args)
     out = Path(args.out)
-    write(results, out, plots=not args.no_plots)
+    written = write(results, out, plots=not args.no_plots)
     print(markdown(results), end="")
-    print(f"tandem bench: wrote {out / 'results.json'}, {out / 'results.md'}", file=sys.stderr)
+    print(f"tandem bench: wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     chk = results["check"]
     if chk["mismatch_count"]:
         d = chk["first_divergence"]

@@ -589,9 +589,9 @@ def run(args: argparse.Namespace) -> int:
                             "workload": args.workload, "num_prompts": len(prompts), "k": spec.k, "nodes": budgets,
                             "width": spec.width, "depth": spec.depth, "methods": names})
     out = Path(args.out)
-    write_outputs(results, out, plots=not args.no_plots)
+    written = write_outputs(results, out, plots=not args.no_plots)
     print(markdown_table(results), end="")
-    print(f"tandem bench: wrote {out / 'results.json'}, {out / 'results.md'}", file=sys.stderr)
+    print(f"tandem bench: wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     chk = results["check"]
     if chk["mismatch_count"]:
         print(f"tandem bench: OUTPUT MISMATCH: {chk['mismatch_count']} request(s) differ from ar; first: "

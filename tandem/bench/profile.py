@@ -399,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
     report["files"] = files
     write_json(out / "profile.json", report)
     print(format_table(report))
-    print(f"tandem profile: wrote {out / 'profile.json'}", file=sys.stderr)
+    print(f"tandem profile: wrote {', '.join(str(out / f) for f in files)}", file=sys.stderr)
     return 0
 
 
@@ -426,7 +426,9 @@ def format_table(r: dict) -> str:
         for p in r["prediction"]:
             lines.append(f"{p['nodes']:>5} {p['depth']:>3} {p['tau']:6.2f} {p['c']:6.2f} {p['draft_term']:6.2f} "
                          f"{p['predicted_speedup']:8.2f}")
-        lines.append(f"best node budget: {r['best_nodes']} (predicted {r['best_predicted_speedup']:.2f}x)")
+        best = r["best_predicted_speedup"]
+        lines.append(f"best node budget: {r['best_nodes']} (predicted {best:.2f}x)" if best >= 1.0 else
+                     f"nothing pays: ar (the best node budget, {r['best_nodes']}, is predicted at {best:.2f}x)")
     return "\n".join(lines)
 
 
