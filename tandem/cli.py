@@ -142,7 +142,8 @@ def _generate(args) -> int:
         args.draft = default_drafter(args.method, args.device, args.certified_head)
         if args.draft is not None:
             notice("drafter: the bundled EAGLE-3 head, the fastest on a GPU (--draft draft: the small draft model)")
-    pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar")
+    pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar",
+                     method=args.method)
     engine = Generator(pair.target, pair.draft, pair.tokenizer, certified_head=args.certified_head)
     ids = pair.tokenizer.encode(prompt).ids
     ctx = engine.context_window

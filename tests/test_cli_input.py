@@ -15,7 +15,7 @@ import pytest
 
 import tandem
 from tandem.cli import build_parser, main
-from tandem.config import MAX_DRAFT_TOKENS, MAX_WIDTH, GenerationConfig, SamplingConfig, SpecConfig
+from tandem.config import MAX_DRAFT_TOKENS, MAX_WIDTH, ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.runtime.pair import load_pair
 from tandem.runtime.streaming import StopStreamer
 
@@ -214,6 +214,9 @@ def test_any_integer_seed_is_taken_modulo_2_64(capsys):
     (["--method", "tree", "--k", "3"], "--k is not read by --method tree (it reads --nodes, --width, --depth)"),
     (["--method", "async", "--k", "3"], "--k is not read by --method async"),
     (["--method", "tlv", "--depth", "3"], "--depth is not read by --method tlv (it reads --nodes, --width)"),
+    # async and tlv run a draft model: refused before the drafter loads
+    (["--method", "async", "--draft", "block"], "--method async runs a draft model; a block drafter already"),
+    (["--method", "tlv", "--draft", "eagle3"], "--method tlv runs a draft model; an EAGLE-3 head drafts from"),
 ])
 def test_small_flag_mistakes_get_one_line_errors(flags, needle, capsys):
     bad(capsys, ["generate", "x", "--max-new-tokens", "2", *flags], needle)
@@ -231,6 +234,19 @@ def test_argument_parsing_errors_are_one_line(args, needle, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("tandem: error: ") and needle in err, err
     assert "usage:" not in err and "--help" in err
+
+
+def test_async_and_tlv_refuse_a_feature_drafter_already_loaded_and_audit_before_loading(capsys, monkeypatch):
+    from tandem.runtime import pair as pair_mod
+    from tandem.runtime.generate import Generator
+
+    pair = load_pair(None, "eagle3")
+    for method in ("async", "tlv"):
+        with pytest.raises(ConfigError, match=f"--method {method} runs a draft model; an EAGLE-3 head"):
+            Generator(pair.target, pair.draft, pair.tokenizer).generate([1, 2], method)
+    monkeypatch.setattr(pair_mod, "load_model", lambda *a, **k: pytest.fail("loaded weights before refusing"))
+    bad(capsys, ["audit", "--method", "async", "--draft", "block", "--workload", "source", "--num-prompts", "1"],
+        "--method async runs a draft model; a block drafter")
 
 
 def test_a_draft_with_ar_is_noted_and_not_loaded(capsys, monkeypatch):

@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     if not sampling.greedy:
         raise ConfigError("tandem audit forces greedy outputs; drop --temperature (or pass 0)")
     prompts = load_workload(args.workload, args.num_prompts, args.data_dir, args.source_lines)
-    pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=True)
+    pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=True, method=args.method)
     ctx = min(pair.target.config.max_position_embeddings, pair.draft.config.max_position_embeddings)
     for note in spec.capped(ctx)[1]:
         notice(note)

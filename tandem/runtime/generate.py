@@ -21,6 +21,7 @@ from tandem.drafting.tree_drafter import TreeDrafter
 from tandem.quant.int8_head import CertifiedHead
 from tandem.runtime.certified import certified_lm_head, check_certified
 from tandem.runtime.emit import Emitter
+from tandem.runtime.pair import drafter_kind, needs_draft_model
 from tandem.runtime.plan import RequestPlan, plan_request
 from tandem.runtime.result import GenerationResult
 from tandem.runtime.runner import ModelRunner, runner_for
@@ -235,12 +236,9 @@ class Generator:
                 f"prompt is {len(prompt_ids)} tokens but the context window is {ctx}; shorten the prompt")
         max_new = min(gen.max_new_tokens, ctx - len(prompt_ids))
         eos = set() if gen.ignore_eos else set(self.target_model.config.eos_token_ids)
-        if method == "async" and getattr(self.draft_model, "econfig", None) is not None:
-            raise ConfigError("--method async runs a draft model; an EAGLE-3 head drafts from the target's features: "
-                              "use --method tree or chain with it")
-        if method == "async" and getattr(self.draft_model, "bconfig", None) is not None:
-            raise ConfigError("--method async runs a draft model; a block drafter already drafts in one pass "
-                              "per verify: use --method tree or chain with it")
+        why = needs_draft_model(method, drafter_kind(self.draft_model))
+        if method == "async" and why:
+            raise ConfigError(why)
         if method == "async":  # SwiftSpec: draft and target as separate workers (runtime/async_decode.py)
             from tandem.runtime.async_decode import generate_async
 

@@ -33,6 +33,22 @@ def draft_kind(path: Path) -> str:
     return next((DRAFT_ARCHITECTURES[a] for a in archs if a in DRAFT_ARCHITECTURES), "model")
 
 
+def drafter_kind(model) -> str | None:
+    """draft_kind of a loaded drafter (None: no drafter)."""
+    if model is None:
+        return None
+    return "eagle3" if hasattr(model, "econfig") else "block" if hasattr(model, "bconfig") else "model"
+
+
+def needs_draft_model(method: str, kind: str | None) -> str | None:
+    """Why `method` cannot run with a drafter of `kind` (async and tlv run a draft model), or None."""
+    if method not in ("async", "tlv") or kind in (None, "model"):
+        return None
+    what = {"eagle3": "an EAGLE-3 head drafts from the target's features",
+            "block": "a block drafter already drafts in one pass per verify"}[kind]
+    return f"--method {method} runs a draft model; {what}: use --method tree or chain with it"
+
+
 def _is_hybrid(path: Path) -> bool:
     import json
 
@@ -105,8 +121,9 @@ def target_tokenizer(target: str | Path | None) -> tuple[Path, object]:
 
 
 def load_pair(target: str | Path | None = None, draft: str | Path | None = None, device: str | None = "cpu",
-              dtype: str = "float32", need_draft: bool = True) -> Pair:
-    """Load target (+ draft); without paths, the bundled pair. Raises ConfigError on bad input."""
+              dtype: str = "float32", need_draft: bool = True, method: str | None = None) -> Pair:
+    """Load target (+ draft); without paths, the bundled pair. Raises ConfigError on bad input
+    (with `method`, also a drafter that method cannot run: before any weights load)."""
     dev = resolve_device(device)
     resolve_dtype(dtype)
     if target is None and draft is None and need_draft:  # the bundled pair
@@ -119,6 +136,9 @@ def load_pair(target: str | Path | None = None, draft: str | Path | None = None,
     draft = Path(draft) if draft is not None and need_draft else None
     target, tokenizer = target_tokenizer(target)
     kind = draft_kind(draft) if draft is not None else None
+    why = needs_draft_model(method, kind) if method is not None else None
+    if why:
+        raise ConfigError(why)
     if kind == "model":
         if not _is_hybrid(draft):  # (a Qwen3.5 draft reads its own config, as a Qwen3.5 target does)
             read_config(draft)

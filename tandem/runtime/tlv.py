@@ -25,6 +25,7 @@ import torch
 
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.runtime.emit import Emitter
+from tandem.runtime.pair import drafter_kind, needs_draft_model
 from tandem.runtime.result import GenerationResult
 from tandem.runtime.runner import ModelRunner, runner_for
 from tandem.runtime.target import Target
@@ -130,8 +131,9 @@ class ChainedProposer:
 def check_tlv(draft_model, sampling: SamplingConfig, forced_accepts) -> None:
     if not sampling.greedy:
         raise ConfigError("--method tlv is greedy only; use --temperature 0")
-    if getattr(draft_model, "econfig", None) is not None or getattr(draft_model, "bconfig", None) is not None:
-        raise ConfigError("--method tlv runs a draft model, not an EAGLE-3 head or a block drafter")
+    why = needs_draft_model("tlv", drafter_kind(draft_model))
+    if why:
+        raise ConfigError(why)
     if forced_accepts is not None:
         raise ConfigError("--method tlv does not replay acceptance")
 
