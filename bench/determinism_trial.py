@@ -6,6 +6,7 @@ the number of distinct outputs and the wall time of each mode. bf16, tiny random
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -47,4 +48,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # (--help; no options)
     main()
