@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+# the hybrid family (tandem.models.qwen3_5 loads it; named here for the messages of this floor)
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -70,10 +72,11 @@ class ModelConfig:
                 hf.get("model_type", "")
             )
         if family is None:
-            raise ConfigError(
-                f"unsupported architecture {archs or hf.get('model_type')!r}; Tandem loads "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            loads = ", ".join((*SUPPORTED_ARCHITECTURES, *HYBRID_ARCHITECTURES))
+            if not archs and not hf.get("model_type"):
+                raise ConfigError(f"config.json names no architecture (`architectures`, `model_type`); Tandem "
+                                  f"loads {loads}")
+            raise ConfigError(f"unsupported architecture {archs or hf.get('model_type')!r}; Tandem loads {loads}")
         try:
             heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])

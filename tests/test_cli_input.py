@@ -289,6 +289,17 @@ def test_empty_stop_string_refused_by_the_config():
         GenerationConfig(stop=("",)).validate()
 
 
+def test_a_draft_with_a_larger_vocabulary_than_the_target_is_refused(tiny_checkpoint, capsys):
+    """Same tokenizer, a padded draft embedding: it could draft ids the target has no row for."""
+    t = tiny_checkpoint("llama", name="t")
+    d = tiny_checkpoint("llama", name="d", vocab_size=384)
+    bad(capsys, ["generate", "x", "--target", str(t), "--draft", str(d), "--method", "tree"],
+        f"draft {str(d)!r} has vocab_size 384, more than the target's 320")
+    code, _, err = run_cli(["generate", "x", "--target", str(d), "--draft", str(t), "--method", "tree",
+                            "--max-new-tokens", "4"], capsys)
+    assert code == 0, err  # (a target with the larger vocabulary verifies any draft id)
+
+
 def test_shape_mismatch_names_the_checkpoint(tiny_checkpoint, tmp_path, capsys):
     import shutil
 

@@ -744,3 +744,12 @@ def test_greedy_decoding_with_captured_passes_equals_ar(pair, monkeypatch):
                           drafter=OracleTreeDrafter(ref, nodes=12, seed=1))
     assert res.token_ids == ref and max(res.accept_lengths) >= 4
     assert len(runs) > 60
+
+
+def test_w12_conversion_refuses_a_hybrid_checkpoint_in_one_line(pair, tmp_path):
+    from tandem.quant.checkpoint import write_w12_checkpoint
+
+    d = pair("default")[0]
+    with pytest.raises(ConfigError, match="is a Qwen3.5 \\(hybrid\\) checkpoint; W12 conversion covers"):
+        write_w12_checkpoint(d, tmp_path / "w12")
+    assert not (tmp_path / "w12").exists()

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.config import ConfigError
+from tandem.config import HYBRID_ARCHITECTURES, ConfigError
 from tandem.kernels.gdn_path import gdn_path_commit, gdn_path_tree, path_kernel_runs, root_paths
 from tandem.kernels.gdn import (conv_commit, conv_tree, conv_windows, gdn_chain_chunked, gdn_replay, gdn_tree_walk,
                                 gdn_tree_wy, gdn_wy_commit)
@@ -44,7 +44,7 @@ from tandem.kv.cache import KVCache
 from tandem.models.layers import MLP
 from tandem.tree.draft_tree import ancestor_mask
 
-ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+ARCHITECTURES = HYBRID_ARCHITECTURES  # ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 # a tree pass's GDN kernel: "walk" (exact: the updates token-by-token decoding does) or "wy"
 GDN_KERNELS = ("walk", "wy", "path")
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")

@@ -149,6 +149,16 @@ def write_w12_checkpoint(src: str | Path, out: str | Path, device: str | torch.d
     from tandem.models.files import weight_files as _weight_files
 
     src, out = Path(src), Path(out)
+    if (src / "config.json").is_file():
+        from tandem.models.qwen3_5 import is_qwen3_5
+
+        try:
+            hybrid = is_qwen3_5(json.loads((src / "config.json").read_text()))
+        except (ValueError, AttributeError):
+            hybrid = False  # (read_config says what is wrong with it)
+        if hybrid:
+            raise ConfigError(f"{str(src)!r} is a Qwen3.5 (hybrid) checkpoint; W12 conversion covers the attention-only "
+                              "families (Llama, Mistral, Qwen2, Qwen3) for now")
     read_config(src)  # the clearest error for a wrong folder
     if is_w12_checkpoint(src):
         raise ConfigError(f"{str(src)!r} is already a W12 checkpoint")

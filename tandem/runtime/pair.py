@@ -151,6 +151,10 @@ def load_pair(target: str | Path | None = None, draft: str | Path | None = None,
     dm = None
     if kind == "model":
         dm = _load("draft", draft, dev, dtype)
+        tv, dv = tm.config.vocab_size, dm.config.vocab_size
+        if dv > tv:  # (a padded embedding: it could draft ids the target has no row for)
+            raise ConfigError(f"draft {str(draft)!r} has vocab_size {dv}, more than the target's {tv}: it could "
+                              f"draft ids the target cannot verify; use a draft whose vocab_size is at most {tv}")
     elif kind == "block":  # heads ship no tokenizer: the target's applies
         from tandem.models.block_drafter import load_block_drafter
 
