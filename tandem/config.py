@@ -315,3 +315,16 @@ class GenerationConfig:
             raise ConfigError(f"--max-new-tokens must be a positive integer (got {self.max_new_tokens})")
         if any(not s for s in self.stop):
             raise ConfigError("--stop needs a non-empty string (an empty stop string would match at once)")
+
+
+def lazy_exports(package: str, table: dict[str, str]):
+    """A module `__getattr__` that imports each name of `table` from its module on first use, so that
+    importing a package (`import tandem`: the CLI's --version and --help) does not import torch."""
+    def __getattr__(name: str):
+        if name in table:
+            import importlib
+
+            return getattr(importlib.import_module(table[name]), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

@@ -19,7 +19,7 @@ The paged KV pool itself is tandem.kv.paged.
 """
 
 
-from tandem import lazy_exports
+from tandem.config import lazy_exports
 
 __all__ = ["Engine", "EngineConfig", "LLM", "SamplingParams"]
 # lazy: `from tandem.engine import Engine` without importing every engine module for one submodule
