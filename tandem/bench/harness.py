@@ -710,14 +710,12 @@ def precapture_graphs(runner) -> None:
 
 def write_outputs(results: dict, out: Path, plots: bool = True) -> list[Path]:
     """results.json, results.md and (unless plots=False) the PNGs; returns the paths written."""
-    from tandem.bench.env import write_json
-
     from tandem.bench import plots as P
+    from tandem.bench.env import write_json
 
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json", out / "results.md"]
     if plots and P.available():
-
         by: dict[str, list[dict]] = {}
         for r in results["requests"]:
             by.setdefault(r["method"], []).append(r)

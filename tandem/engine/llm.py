@@ -27,15 +27,13 @@ class LLM:
         from tandem.runtime.pair import load_pair
 
         bundled = target is None
-        if engine_config is not None and method is not None and engine_config.method != method:
-            if engine_config.method != EngineConfig().method:  # (the config's own default says nothing)
-                raise ConfigError(f"method={method!r} and engine_config.method={engine_config.method!r} differ; "
-                                  f"give the method once")
-        if method is None:
-            method = (engine_config.method if engine_config is not None and engine_config.method != EngineConfig().method
-                      else "tree" if draft is not None or bundled else "ar")
-        pair = load_pair(target, draft, device, dtype, need_draft=method != "ar")
         cfg = engine_config or EngineConfig()
+        # the config's method where it names one (its default says nothing), else the pair's
+        named = cfg.method if cfg.method != EngineConfig().method else None
+        if method is not None and named is not None and method != named:
+            raise ConfigError(f"method={method!r} and engine_config.method={named!r} differ; give the method once")
+        method = method or named or ("tree" if draft is not None or bundled else "ar")
+        pair = load_pair(target, draft, device, dtype, need_draft=method != "ar")
         cfg = replace(cfg, method=method, spec=spec or cfg.spec)
         self.tokenizer = pair.tokenizer
         self.engine = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
@@ -68,6 +66,6 @@ class LLM:
         """A prompt -> (its token ids, add_request's keywords); ConfigError for anything else."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt).ids, {"prompt": prompt}
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt), {}  # (add_request checks them against the vocabulary)
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt), {}  # (add_request checks the ids: ints in the vocabulary)
         raise ConfigError(f"a prompt is text or a list of int token ids (got {type(prompt).__name__} {str(prompt)[:40]})")
