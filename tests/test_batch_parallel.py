@@ -365,6 +365,22 @@ def test_the_draft_gate_weighs_measured_step_costs_against_accepted_tokens():
     assert g.predicted(2) == pytest.approx((0.010, 0.020 + 0.010 / 3))  # (linear between the measured points)
 
 
+def test_the_draft_gate_neither_learns_nor_probes_where_no_acceptance_could_pay():
+    """With its ceiling (the most draft tokens a request can have accepted in a step, a tree's
+    depth), the gate spends no drafting step where even a fully accepted tree would not repay one:
+    plain steps 10 ms; drafting 40 ms alone (5 x 10 x 1.5 covers it: it learns), 100 ms for 8
+    (75 ms at most: never drafts, however long it runs)."""
+    from tandem.engine.draft_gate import DraftGate, StepCosts
+
+    costs = StepCosts((1, 8), plain=(0.010, 0.010), drafting=(0.040, 0.100))
+    g = DraftGate(costs, ceiling=4, min_samples=1, probe_every=2, probe_budget=10.0)
+    assert g.could_pay(1) and not g.could_pay(8)
+    assert [g.plan(8) for _ in range(50)] == [0] * 50 and g.probes == 0 and g.accepted is None
+    assert g.plan(1) == 1  # alone it could pay: it drafts to learn a
+    free = DraftGate(costs, sample=4)  # (no ceiling: no bound; it learns everywhere)
+    assert free.could_pay(8) and free.plan(8) == 4
+
+
 def test_the_draft_gate_learns_the_acceptance_per_drafted_request():
     """a is accepted tokens per drafted request: while learning (min_samples steps) every request
     weighs the same, so a request's slow first step (its drafter just started) does not dominate;
@@ -552,7 +568,11 @@ def test_the_draft_gate_turns_drafting_off_where_it_does_not_pay_and_outputs_sta
     assert_clean(engine)
     c = engine.counters
     assert c.gate_off_steps > c.steps / 2 and engine.gate.decisions_off == c.gate_off_steps
-    assert sum(r.nodes > 0 for r in c.records) >= 1  # it drafted to learn (probes: the unit test above)
+    # the tree is 4 deep (8 nodes, width 2): a drafting step drafts only where 5 accepted tokens a
+    # request could repay it (learning and probes: the unit tests above)
+    gate = engine.gate
+    assert gate.ceiling == 4
+    assert all(gate.could_pay(r.verified) for r in c.records if r.nodes > 0)
 
 
 def test_draft_length_calibration_and_cut():

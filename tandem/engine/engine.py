@@ -286,10 +286,22 @@ class Engine:
         # row selection's draft-cost term: whether a step drafts at all (None: always drafts),
         # from this engine's step costs, measured now on throwaway requests
         if gated:
-            self.gate = DraftGate(config.step_costs or self.measure_step_costs(), arms=GateArms())
+            self.gate = DraftGate(config.step_costs or self.measure_step_costs(), arms=GateArms(),
+                                  ceiling=self._accept_ceiling())
         warm = config.warmup_request if config.warmup_request is not None else target.device.type == "cuda"
         if warm:
             self.warmup_request()
+
+    def _accept_ceiling(self) -> int:
+        """The most draft tokens one request can have accepted in a step: a chain's k; a block
+        drafter's tree at most its block's positions after the root; a level tree its depth (each
+        level one deeper); never more than the node budget."""
+        spec = self.spec
+        if self.config.method == "chain":
+            return spec.k
+        if isinstance(self.draft, BlockDrafter):
+            return min(spec.nodes, self.draft.bconfig.block_size - 1)
+        return min(spec.nodes, spec.resolved_depth())
 
     def _batched_drafter(self, draft, num_blocks: int, graphs: bool | None):
         """The batched drafter of this draft and method, or None (each request then drafts on its
