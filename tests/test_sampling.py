@@ -72,3 +72,13 @@ def test_the_tolerance_catches_a_sampler_that_follows_the_draft(pair):
     # "Generate" with the draft as if it were the target: what an always-accept bug produces.
     e1, _ = empirical(Generator(draft), "ar", sampling)
     assert tv(e1, p1) > 2 * TOL
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1e-38, 1.0), (1e-300, 0.5), (1.0, 1e-46), (0.7, 1e-300)])
+def test_extreme_temperatures_and_top_p_give_the_argmax_not_nan(temperature, top_p):
+    """Accepted values at the edge: a temperature so small that logits / T overflow fp32, a top_p
+    below fp32's smallest number (it compares as 0). Each is the limit of its family: the point
+    mass on the argmax (the server answered 500 with 'probability tensor contains nan')."""
+    logits = torch.tensor([[1.0, 30.0, -5.0, 29.0], [-1e4, 0.0, 2.0, 1.0]])
+    probs = probs_from_logits(logits, SamplingConfig(temperature=temperature, top_p=top_p, seed=0))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]))

@@ -16,12 +16,17 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.T
     if sampling.greedy:
         # A point mass on the argmax: greedy is the temperature -> 0 limit.
         return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).float()
-    probs = torch.softmax(x / sampling.temperature, dim=-1)
+    # the max comes off first: x / T of a tiny T (1e-38) would overflow to inf, and inf - inf is nan;
+    # (x - max) / T is <= 0, so a tiny T gives the argmax's point mass, as its limit does (and a T
+    # below fp32's range, 0 once in fp32, leaves the max's 0 / 0 at 0)
+    d = x - x.amax(-1, keepdim=True)
+    probs = torch.softmax(torch.where(d == 0, 0.0, d / sampling.temperature), dim=-1)
     if sampling.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         cum = sorted_p.cumsum(-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = (cum - sorted_p) >= sampling.top_p
+        drop[..., 0] = False  # (a top_p below fp32's smallest number compares as 0, which would drop it)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
