@@ -642,3 +642,147 @@ def test_a_stream_behind_the_engine_gets_its_queued_deltas_as_one():
 
     first, end, done, left = asyncio.run(go())
     assert first == Delta([1, 2, 3], ["a", "b", "c"]) and end == Failed("gone") and done and left == 1
+
+
+# ---- the OpenAI surface, as clients written for OpenAI and vLLM use it -------------------------------
+ACCENTS = "# é è ê ë é è ê ë é è ê ë é è"  # the bundled model continues it with split characters
+
+
+def test_logprobs_of_tokens_inside_a_character_carry_their_own_bytes(client):
+    """The bundled tokenizer splits "é" into two byte tokens, each of which decodes alone to U+FFFD:
+    keyed by that text, a token's top-5 entries overwrote each other and its own logprob was
+    replaced by another's. Each token now shows its bytes ("bytes:\\xc3" where they are not UTF-8
+    alone), chat's `bytes` are the token's real bytes (they join to the text), and each offset is
+    where the token's character starts in the text."""
+    out = complete(client, prompt=ACCENTS, max_tokens=12, logprobs=5, method="ar")
+    text, lp = out["choices"][0]["text"], out["choices"][0]["logprobs"]
+    assert any(t.startswith("bytes:") for t in lp["tokens"]), lp["tokens"]  # (the case under test happened)
+    for tok, own, top, at in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], lp["text_offset"]):
+        assert len(top) == 5 and top[tok] == pytest.approx(own, abs=1e-5) and own == max(top.values())
+        if tok.startswith("bytes:"):  # a byte of the character at `at`
+            raw = bytes(int(h, 16) for h in tok[len("bytes:"):].split("\\x")[1:])
+            assert raw in text[at].encode("utf-8")
+        else:
+            assert text[at:at + len(tok)] == tok
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ACCENTS}], "max_tokens": 12,
+                                                  "temperature": 0, "logprobs": True, "top_logprobs": 3})
+    ch = r.json()["choices"][0]
+    content = ch["logprobs"]["content"]
+    assert b"".join(bytes(c["bytes"]) for c in content) == ch["message"]["content"].encode("utf-8")
+    assert all(len({e["token"] for e in c["top_logprobs"]}) == 3 for c in content)
+
+
+def test_prompt_plus_max_tokens_over_the_context_window_is_refused_as_vllm_does(client, live):
+    ctx = live.state.context_window
+    ids = [300] * (ctx - 100)
+    err = assert_error(client.post("/v1/completions", json={"prompt": ids, "max_tokens": 101}), 400, "max_tokens",
+                       "context_length_exceeded")
+    assert f"lower max_tokens to at most 100" in err["message"] and str(ctx) in err["message"]
+    assert complete(client, prompt=ids, max_tokens=100, ignore_eos=True)["usage"]["completion_tokens"] == 100
+    msg = [{"role": "user", "content": "hi"}]
+    err = assert_error(client.post("/v1/chat/completions", json={"messages": msg, "max_completion_tokens": 0}), 400,
+                       "max_completion_tokens", "invalid_value")  # (the field the client sent, not max_tokens)
+    assert err["message"].startswith("max_completion_tokens must be in 1..")
+
+
+@pytest.mark.parametrize("field,value", [("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.2), ("min_tokens", 10),
+                                         ("stop_token_ids", [1]), ("response_format", {"type": "json_object"}),
+                                         ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("tool_choice", "required"), ("guided_json", {"type": "object"}),
+                                         ("use_beam_search", True)])
+def test_fields_the_server_does_not_implement_are_refused_unless_neutral(client, field, value):
+    """vLLM's sampling extensions, tools and structured output would change the output: a value
+    other than the neutral one gets 400 naming the field (they were silently ignored)."""
+    for route, body in (("/v1/completions", {"prompt": "x"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        err = assert_error(client.post(route, json={**body, "max_tokens": 2, field: value}), 400, field,
+                           "unsupported_value")
+        assert err["message"].startswith(f"{field} is not supported")
+
+
+def test_neutral_values_nulls_and_unknown_fields_pass(client, live, caplog):
+    """Neutral values of the refused fields pass, null means the default for the fields OpenAI
+    types "X or null", and a field no one defines is ignored with one warning in the log."""
+    ref = complete(client, prompt=PROMPTS[3])["choices"][0]["text"]
+    extras = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1, "response_format": {"type": "text"},
+              "tool_choice": "none", "skip_special_tokens": True, "n": None, "top_p": None, "stream": None,
+              "presence_penalty": None, "frequency_penalty": None, "echo": None, "logprobs": None,
+              "my_custom_field": 1}
+    with caplog.at_level("WARNING", logger="tandem.serve"):
+        assert complete(client, prompt=PROMPTS[3], **extras)["choices"][0]["text"] == ref
+        complete(client, prompt=PROMPTS[3], my_custom_field=2)
+    warned = [r.getMessage() for r in caplog.records if "my_custom_field" in r.getMessage()]
+    assert len(warned) == 1 and "ignoring request field(s)" in warned[0]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                                  "temperature": None, "logprobs": None, "stream": None})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("route,body,param,words", [
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature",
+     "invalid field temperature: Input should be a valid number"),
+    ("/v1/completions", {"prompt": 5}, "prompt", "must be a string, a list of token ids, or a list of one of those"),
+    ("/v1/completions", {"prompt": "x", "stop": 3}, "stop", "must be a string or a list of strings"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages", "only text content parts are supported (got 'image_url')"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None,
+                                            "tool_calls": [{"id": "c", "type": "function"}]}]},
+     "messages", "tool calls are not supported"),
+    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt", "lone UTF-16 surrogate (\\ud800) at character 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfffb"}]}, "messages",
+     "lone UTF-16 surrogate"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+     "only allowed with stream: true"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usag": True}}, "stream_options",
+     "Extra inputs are not permitted"),
+])
+def test_bad_fields_get_a_message_about_the_field(client, route, body, param, words):
+    raw = json.dumps({"max_tokens": 2, **body})  # (ASCII escapes: "\ud800" as JSON carries it)
+    err = assert_error(client.post(route, content=raw, headers={"Content-Type": "application/json"}), 400, param)
+    assert words in err["message"], err["message"]
+
+
+def test_a_tiny_temperature_or_top_p_is_the_greedy_output_not_a_500(client):
+    greedy = complete(client, prompt=PROMPTS[4])["choices"][0]["text"]
+    for extra in ({"temperature": 1e-38}, {"temperature": 1.0, "top_p": 1e-46}):
+        for method in ("ar", "tree"):
+            assert complete(client, prompt=PROMPTS[4], method=method, **extra)["choices"][0]["text"] == greedy
+
+
+def test_a_chat_stream_starts_with_the_role_and_usage_is_null_until_the_last_chunk(client):
+    """The role comes first, in a chunk of its own, even for an output stopped at once; with
+    include_usage every other chunk carries "usage": null (OpenAI's shape)."""
+    msg = [{"role": "user", "content": "hi"}]
+    for stop, usage in (("#", True), ("@@never@@", False)):
+        body = {"messages": msg, "max_tokens": 6, "temperature": 0, "stream": True, "stop": stop,
+                "stream_options": {"include_usage": usage}}
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            events = sse_events(r)
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all("role" not in e["choices"][0]["delta"] for e in events[1:] if e["choices"])
+        if usage:
+            assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] >= 0
+        else:
+            assert all("usage" not in e for e in events)
+
+
+def test_a_model_is_retrieved_by_its_id(client):
+    card = client.get("/v1/models/tandem").json()
+    assert card["id"] == "tandem" and card["object"] == "model"
+    err = assert_error(client.get("/v1/models/gpt-9"), 404, "model", "model_not_found")
+    assert err["type"] == "invalid_request_error"
+
+
+def test_chat_add_generation_prompt_and_template_kwargs(client, live, pair):
+    """vLLM's chat extensions: add_generation_prompt false leaves the assistant's turn out of the
+    prompt; chat_template_kwargs reach the template as variables (never replacing its own)."""
+    msg = [{"role": "user", "content": "fib please"}]
+    r = client.post("/v1/chat/completions", json={"messages": msg, "max_tokens": 6, "temperature": 0,
+                                                  "add_generation_prompt": False})
+    text = live.state.chat_template.render(msg, add_generation_prompt=False)
+    assert text == "# user: fib please\n"
+    ref = complete(client, prompt=pair.tokenizer.encode(text, add_special_tokens=False).ids, max_tokens=6)
+    assert r.json()["choices"][0]["message"]["content"] == ref["choices"][0]["text"]
+    t = ChatTemplate("{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}")
+    assert t.render(msg, extra={"enable_thinking": True}) == "<think>fib please"
+    assert t.render(msg, extra={"enable_thinking": False, "messages": []}) == "fib please"

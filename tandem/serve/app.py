@@ -38,14 +38,15 @@ from tandem.serve.driver import (FAULT_PREFIX, FAULT_USER, KILL_PREFIX, KILL_USE
                                  Finished, Job, inject_faults)
 from tandem.serve.errors import APIError, error_body
 from tandem.serve.engine_process import EngineSpec, ProcessDriver
-from tandem.serve.logprobs import LogprobEngine, TokenLogprob
+from tandem.serve.logprobs import LogprobEngine, LogprobFormat
 from tandem.serve.metrics import ServerMetrics
-from tandem.serve.schemas import ChatCompletionRequest, CompletionRequest
+from tandem.serve.schemas import ChatCompletionRequest, CompletionRequest, unknown_fields, unsupported
 from tandem.serve.sse import DONE, ChunkTemplate, Slot, frame
 
 log = logging.getLogger("tandem.serve")
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+OMIT = object()  # a record's "usage" left out (None: sent as null)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions `logprobs`
 DISCONNECT_POLL_S = 0.25
 
@@ -153,6 +154,49 @@ class RequestHandle:
             self.server.driver.abort(self.request_id)
 
 
+# a pydantic location's union-member tags ("str", "list[int]", "function-after[...]"): not part of the field path
+_MEMBER_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "TextPart", "ChatMessage"}
+
+# the union-typed fields, in words (pydantic reports each member's failure; the first one misleads)
+_UNION_TYPES = {
+    "prompt": "a string, a list of token ids, or a list of one of those",
+    "stop": "a string or a list of strings",
+    "content": "a string, a list of text parts ({\"type\": \"text\", \"text\": ...}) or null",
+}
+
+
+def _field_error(e: ValidationError) -> tuple[str, str | None]:
+    """A validation error -> (one line for the client, the top-level field). A union field's
+    message says what the field takes, not why its first member refused the value; a validator's
+    own message (ValueError) comes through as it is."""
+    errs = e.errors(include_url=False, include_input=False)
+    err = errs[0]
+    loc = [str(x) for x in err["loc"] if not (isinstance(x, str) and (x in _MEMBER_TAGS or "[" in x))]
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    own = [x for x in errs if x["type"] == "value_error"]
+    if own:  # (a validator's message: the field's own words)
+        where = ".".join(str(x) for x in own[0]["loc"] if not (isinstance(x, str) and (x in _MEMBER_TAGS or "[" in x)))
+        return f"invalid field {where}: {own[0]['msg'].removeprefix('Value error, ')}", param
+    field = loc[-1] if loc and loc[-1] in _UNION_TYPES else None
+    if field is not None and len(errs) > 1:
+        return f"invalid field {where}: must be {_UNION_TYPES[field]}", param
+    if err["type"] == "missing":
+        return f"missing field {where}", param
+    return f"invalid field {where}: {err['msg']}", param
+
+
+def valid_text(text: str, param: str) -> str:
+    """text, if it is valid Unicode: JSON's escapes can carry a lone UTF-16 surrogate ("\\ud800"),
+    which no tokenizer encodes (it failed inside the tokenizer: a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x}) at character "
+                            f"{e.start}; send valid Unicode text", param=param, code="invalid_value") from None
+    return text
+
+
 def clip(value: str, limit: int = 64) -> str:
     """A client's string echoed in an error message, cut short: an error body stays small (<= 4 KB)."""
     return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value)} characters)"
@@ -186,6 +230,7 @@ class Server:
                     e.fault_hook = inject_faults
         self.pending = 0
         self.created = int(time.time())
+        self.warned_fields: set[str] = set()  # unknown request fields already logged
 
     # ---- checks --------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -206,17 +251,27 @@ class Server:
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         try:
-            return schema.model_validate(data)
+            body = schema.model_validate(data)
         except ValidationError as e:
-            err = e.errors(include_url=False, include_input=False)[0]
-            loc = [str(x) for x in err["loc"]]
-            param = loc[0] if loc else None
-            where = ".".join(loc) or "body"
-            raise APIError(400, f"invalid field {where}: {err['msg']}", param=param, code="invalid_value") from None
+            raise APIError(400, *_field_error(e), code="invalid_value") from None
+        refused = unsupported(body)
+        if refused is not None:
+            name, neutral = refused
+            raise APIError(400, f"{name} is not supported by this server (send {neutral} or leave it out)",
+                           param=name, code="unsupported_value")
+        new = [n for n in unknown_fields(body) if n not in self.warned_fields]
+        if new:  # (once per field name: a client sends the same fields with every request)
+            self.warned_fields.update(new)
+            log.warning("ignoring request field(s) this server does not know: %s", ", ".join(sorted(new)))
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options",
+                           code="invalid_value")
+        return body
 
-    def sampling(self, body, prompt_len: int, max_tokens: int | None, top_logprobs: int | None
-                 ) -> tuple[SamplingParams, str]:
-        """Bounds of the shared fields -> the engine's SamplingParams and the method."""
+    def sampling(self, body, prompt_len: int, max_tokens: int | None, top_logprobs: int | None,
+                 max_name: str = "max_tokens") -> tuple[SamplingParams, str]:
+        """Bounds of the shared fields -> the engine's SamplingParams and the method. max_name: the
+        field the client set max_tokens by (chat's max_completion_tokens)."""
         c = self.config
         if body.model is not None and body.model != c.served_model_name:
             raise APIError(404, f"model {clip(body.model)} is not served here; this server serves "
@@ -241,14 +296,19 @@ class Server:
         if max_tokens is None:
             max_tokens = min(c.max_tokens_limit, self.context_window - prompt_len)
         if not 1 <= max_tokens <= cap:
-            raise APIError(400, f"max_tokens must be in 1..{cap} (got {max_tokens})", param="max_tokens",
+            raise APIError(400, f"{max_name} must be in 1..{cap} (got {max_tokens})", param=max_name,
                            code="invalid_value")
+        if prompt_len + max_tokens > self.context_window:  # (as vLLM: refused, not cut short without a word)
+            raise APIError(400, f"the context window is {self.context_window} tokens, and the prompt's {prompt_len} "
+                                f"plus {max_name}={max_tokens} ask for {prompt_len + max_tokens}; lower {max_name} to "
+                                f"at most {self.context_window - prompt_len} or shorten the prompt", param=max_name,
+                           code="context_length_exceeded")
         if not 0 <= body.temperature <= 2:
             raise APIError(400, f"temperature must be in [0, 2] (got {body.temperature})", param="temperature",
                            code="invalid_value")
         if not 0 < body.top_p <= 1:
             raise APIError(400, f"top_p must be in (0, 1] (got {body.top_p})", param="top_p", code="invalid_value")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stop = [valid_text(x, "stop") for x in ([body.stop] if isinstance(body.stop, str) else list(body.stop or []))]
         if len(stop) > c.max_stop:
             raise APIError(400, f"at most {c.max_stop} stop strings (got {len(stop)})", param="stop",
                            code="invalid_value")
@@ -324,30 +384,6 @@ def usage(fin: Finished) -> dict:
                             "tau": round(out.tau, 4)}}
 
 
-class LogprobFormat:
-    """The target's logprobs in the two OpenAI shapes (completions' legacy lists, chat's `content`)."""
-
-    def __init__(self, decode):
-        self.decode = decode
-
-    def completion(self, lps: list[TokenLogprob], offset: int = 0) -> dict:
-        tokens = [self.decode([t.token]) for t in lps]
-        offsets, pos = [], offset
-        for s in tokens:
-            offsets.append(pos)
-            pos += len(s)
-        return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
-                "top_logprobs": [{self.decode([i]): v for i, v in t.top} for t in lps], "text_offset": offsets}
-
-    def chat(self, lps: list[TokenLogprob]) -> dict:
-        def entry(token: int, logprob: float) -> dict:
-            s = self.decode([token])
-            return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
-
-        return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
-                            for t in lps]}
-
-
 def create_app(server: Server) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -361,7 +397,7 @@ def create_app(server: Server) -> FastAPI:
     app.state.server = server
     app.add_middleware(BodyLimit, limit=server.config.max_body_bytes)
     tok = server.tokenizer
-    fmt = LogprobFormat(tok.decode)
+    fmt = LogprobFormat(tok)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -388,13 +424,23 @@ def create_app(server: Server) -> FastAPI:
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        c = server.config
+        return {"id": c.served_model_name, "object": "model", "created": server.created, "owned_by": "tandem",
+                "max_model_len": server.context_window, "methods": list(c.methods)}
+
     @app.get("/v1/models")
     async def models(request: Request):
         server.authorize(request)
-        c = server.config
-        return {"object": "list", "data": [{"id": c.served_model_name, "object": "model", "created": server.created,
-                                            "owned_by": "tandem", "max_model_len": server.context_window,
-                                            "methods": list(c.methods)}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str):
+        server.authorize(request)
+        if model != server.config.served_model_name:
+            raise APIError(404, f"model {clip(model)} is not served here; this server serves "
+                                f"{server.config.served_model_name!r}", param="model", code="model_not_found")
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -418,27 +464,28 @@ def create_app(server: Server) -> FastAPI:
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise APIError(400, f"logprobs must be in 0..{MAX_COMPLETION_LOGPROBS}", param="logprobs",
                            code="invalid_value")
-        ids = list(prompt) if isinstance(prompt, list) else tok.encode(prompt).ids  # as `tandem generate` encodes
+        ids = list(prompt) if isinstance(prompt, list) else tok.encode(valid_text(prompt, "prompt")).ids  # as `tandem generate` encodes
         params, method = server.sampling(body, len(ids), body.max_tokens, body.logprobs)
         handle = await server.open(ids, params, method, body.logprobs, body.user)
         rid, created, name = f"cmpl-{handle.request_id}", int(time.time()), server.config.served_model_name
 
-        def choice(text: str, finish: str | None, lps) -> dict:
-            return {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
+        offsets = fmt.offsets()  # (each token's place in the text, across a stream's chunks)
 
-        def record(choices: list, use: dict | None = None) -> dict:
+        def choice(text: str, finish: str | None, lps) -> dict:
+            return {"index": 0, "text": text, "logprobs": fmt.completion(lps, offsets) if lps is not None else None,
+                    "finish_reason": finish}
+
+        def record(choices: list, use=OMIT) -> dict:
             out = {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices}
-            if use is not None:
+            if use is not OMIT:
                 out["usage"] = use
             return out
 
         if not body.stream:
             fin = await server.collect(request, handle)
-            lps = fmt.completion(fin.logprobs) if fin.logprobs is not None else None
-            return record([choice(fin.output.text, FINISH_REASONS.get(fin.output.finish_reason), lps)], usage(fin))
-        return stream(handle, params, body, record,
-                      lambda text, finish, lps, offset: choice(text, finish, fmt.completion(lps, offset)
-                                                               if lps is not None else None), len(ids))
+            return record([choice(fin.output.text, FINISH_REASONS.get(fin.output.finish_reason), fin.logprobs)],
+                          usage(fin))
+        return stream(handle, params, body, record, choice, len(ids))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -452,17 +499,17 @@ def create_app(server: Server) -> FastAPI:
                                param="top_logprobs", code="invalid_value")
         elif body.top_logprobs is not None:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        messages = [{"role": m.role, "content": valid_text(m.text(), "messages"), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
         try:
-            text = server.chat_template.render(messages)
+            text = server.chat_template.render(messages, body.add_generation_prompt, body.chat_template_kwargs)
         except TemplateError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
         ids = tok.encode(text, add_special_tokens=False).ids  # the template wrote any special tokens
         if not ids:
             raise APIError(400, "the messages render to an empty prompt", param="messages", code="invalid_value")
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params, method = server.sampling(body, len(ids), max_tokens, top)
+        named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        params, method = server.sampling(body, len(ids), getattr(body, named), top, named)
         handle = await server.open(ids, params, method, top, body.user)
         rid, created, name = f"chatcmpl-{handle.request_id}", int(time.time()), server.config.served_model_name
 
@@ -475,55 +522,64 @@ def create_app(server: Server) -> FastAPI:
                                  "finish_reason": FINISH_REASONS.get(fin.output.finish_reason)}],
                     "usage": usage(fin)}
 
-        def record(choices: list, use: dict | None = None) -> dict:
+        def record(choices: list, use=OMIT) -> dict:
             out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                    "choices": choices}
-            if use is not None:
+            if use is not OMIT:
                 out["usage"] = use
             return out
 
-        def choice(text: str, finish: str | None, lps, offset: int) -> dict:
-            delta = {"role": "assistant", "content": text} if offset == 0 and finish is None else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": fmt.chat(lps) if lps is not None else None,
+        def choice(text: str, finish: str | None, lps) -> dict:
+            return {"index": 0, "delta": {"content": text}, "logprobs": fmt.chat(lps) if lps is not None else None,
                     "finish_reason": finish}
 
-        return stream(handle, params, body, record, choice, len(ids))
+        # (the role first, in a chunk of its own, as OpenAI and vLLM send it: an output that stops
+        # at once has no text chunk to carry it)
+        first = record([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}])
+        return stream(handle, params, body, record, choice, len(ids), first)
 
-    def stream(handle: RequestHandle, params: SamplingParams, body, record, choice, prompt_len: int) -> ClosingStream:
-        """Server-sent events: a chunk per step that released text (or logprobs; a stream behind the
-        engine joins its queued steps into one chunk), a last chunk with the finish_reason, an
-        optional usage chunk, then `data: [DONE]`. With stream_options `continuous_usage_stats`
-        (vLLM's extension, with include_usage) every chunk also carries the token counts so far."""
+    def stream(handle: RequestHandle, params: SamplingParams, body, record, choice, prompt_len: int,
+               first: dict | None = None) -> ClosingStream:
+        """Server-sent events: `first` (chat: the role), a chunk per step that released text (or
+        logprobs; a stream behind the engine joins its queued steps into one chunk), a last chunk
+        with the finish_reason, an optional usage chunk, then `data: [DONE]`. With include_usage
+        every other chunk has "usage": null (OpenAI's shape); with `continuous_usage_stats` too
+        (vLLM's extension) every chunk carries the token counts so far instead."""
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)
 
-        def counts(n: int) -> dict | None:
-            return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n} \
-                if continuous else None
+        def counts(n: int):
+            if continuous:
+                return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+            return None if include_usage else OMIT
 
-        # the common chunk (text after the first, no logprobs) from a template: the same bytes as frame()
-        later = ChunkTemplate(record([choice(Slot("text"), None, None, 1)],
+        if first is not None:
+            first = record(first["choices"], counts(0))
+        # the common chunk (text, no logprobs) from a template: the same bytes as frame()
+        later = ChunkTemplate(record([choice(Slot("text"), None, None)],
                                      {"prompt_tokens": prompt_len, "completion_tokens": Slot("n"),
-                                      "total_tokens": Slot("total")} if continuous else None))
+                                      "total_tokens": Slot("total")} if continuous else counts(0)))
 
         async def events():
+            if first is not None:
+                yield frame(first)
             streamer = StopStreamer(IncrementalDecode(tok.decode), params.stop)
-            printed = tokens = 0
+            tokens = 0
             while True:
                 ev = await handle.next_merged()
                 if isinstance(ev, Delta):
                     tokens += len(ev.token_ids)
                     text = streamer.push(ev.token_ids)
-                    if ev.logprobs is None and printed > 0:
+                    if ev.logprobs is None:
                         if text:
                             yield later.fill(text=text, n=tokens, total=prompt_len + tokens)
                     elif text or ev.logprobs:
-                        yield frame(record([choice(text, None, ev.logprobs, printed)], counts(tokens)))
-                    printed += len(text)
+                        yield frame(record([choice(text, None, ev.logprobs)], counts(tokens)))
                 elif isinstance(ev, Finished):
                     rest = streamer.finish(ev.output.text)
-                    yield frame(record([choice(rest, FINISH_REASONS.get(ev.output.finish_reason), None, printed)],
+                    yield frame(record([choice(rest, FINISH_REASONS.get(ev.output.finish_reason), None)],
                                        counts(len(ev.output.token_ids))))
                     if include_usage:
                         yield frame(record([], usage(ev)))

@@ -5,8 +5,8 @@ a list of {"name", "template"} of which "default" is used), or from `--chat-temp
 for a checkpoint without one (the bundled pair, trained on Python source), `BUILTIN_TEMPLATE`:
 each message as a comment line, then the assistant's turn. Rendering runs in jinja2's immutable
 sandbox with the variables Hugging Face templates expect (messages, add_generation_prompt,
-bos_token, eos_token, raise_exception). The rendered text already holds any special tokens, so it
-is encoded without adding them again.
+bos_token, eos_token, raise_exception), plus a request's `chat_template_kwargs`. The rendered
+text already holds any special tokens, so it is encoded without adding them again.
 """
 from __future__ import annotations
 
@@ -68,12 +68,15 @@ class ChatTemplate:
             return cls(source, bos, eos)
         return cls(BUILTIN_TEMPLATE, bos, eos, builtin=True)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, extra: dict | None = None) -> str:
+        """extra: more variables for the template (a request's chat_template_kwargs, e.g. Qwen3's
+        enable_thinking); they never replace the four above."""
         from jinja2 import TemplateError as JinjaError
 
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
+            return self.template.render({**(extra or {}), "messages": messages,
+                                         "add_generation_prompt": add_generation_prompt,
+                                         "bos_token": self.bos_token, "eos_token": self.eos_token})
         except TemplateError:
             raise
         except (JinjaError, TypeError, ValueError, KeyError, AttributeError) as e:

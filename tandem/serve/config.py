@@ -16,7 +16,9 @@ class ServerConfig:
     api_key: str | None = None  # required as `Authorization: Bearer KEY` on every /v1 route when set
     served_model_name: str = "tandem"  # the only `model` a request may name
     methods: tuple[str, ...] = ("tree", "ar")  # served engines; the first is a request's default
-    max_pending: int = 64  # admitted requests (queued + running) at most; more get 503 + Retry-After
+    # admitted requests (queued + running) at most; more get 503 + Retry-After. A burst of a few
+    # hundred (an eval harness) queues, as it does on vLLM, which has no such bound
+    max_pending: int = 1024
     retry_after_s: int = 1
     max_body_bytes: int = 1 << 20  # larger bodies get 413 before any parsing
     max_tokens_limit: int = 4096  # max_tokens above this (or above the context window) get 400

@@ -11,7 +11,7 @@ from __future__ import annotations
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # (OpenAI's type for an unknown model or route too)
     413: "invalid_request_error",
     500: "server_error",
     503: "server_overloaded",

@@ -319,7 +319,7 @@ def check_status_map(t: Target) -> CheckResult:
          "authentication_error", None),
         ("wrong API key", "POST", "/v1/chat/completions", {"Authorization": "Bearer wrong"}, {"messages": msg}, 401,
          "authentication_error", None),
-        ("unknown model", "POST", "/v1/completions", {}, {"prompt": "x", "model": "gpt-9"}, 404, "not_found_error",
+        ("unknown model", "POST", "/v1/completions", {}, {"prompt": "x", "model": "gpt-9"}, 404, "invalid_request_error",
          "model"),
         ("body too large", "POST", "/v1/completions", {}, b"{" + b" " * big + b"}", 413, "invalid_request_error",
          None),
@@ -337,7 +337,7 @@ def check_status_map(t: Target) -> CheckResult:
         ("temperature out of range", "POST", "/v1/completions", {}, {"prompt": "x", "temperature": 9}, 400,
          "invalid_request_error", "temperature"),
         ("wrong method", "GET", "/v1/completions", {}, None, 405, "invalid_request_error", None),
-        ("unknown route", "GET", "/v1/nothing", {}, None, 404, "not_found_error", None),
+        ("unknown route", "GET", "/v1/nothing", {}, None, 404, "invalid_request_error", None),
     ]
     problems = []
 
