@@ -10,6 +10,7 @@ import importlib
 import importlib.metadata
 import json
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -51,7 +52,8 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
                    help="at most the context window minus the prompt")
     p.add_argument("--temperature", type=float, default=SamplingConfig().temperature)
     p.add_argument("--top-p", type=float, default=SamplingConfig().top_p)
-    p.add_argument("--seed", type=int, default=SamplingConfig().seed, help="any integer (taken modulo 2**64)")
+    p.add_argument("--seed", type=int, default=SamplingConfig().seed,
+                   help="any integer (taken modulo 2**64; generate's default: a random one, printed when sampling)")
     p.add_argument("--ignore-eos", action="store_true")
 
 
@@ -137,7 +139,12 @@ def _generate(args) -> int:
         prompt = args.prompt
     else:
         raise ConfigError("no prompt: give PROMPT or --prompt-file F")
+    drawn = args.seed is None
+    if drawn:
+        args.seed = secrets.randbits(63)
     spec, sampling, gen = configs_from_args(args)
+    if drawn and not sampling.greedy:
+        notice(f"sampling with seed {args.seed} (--seed {args.seed} repeats this output)")
     if args.target is None and args.draft is None:
         args.draft = default_drafter(args.method, args.device, args.certified_head)
         if args.draft is not None:
@@ -222,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(g)
     add_decoding_arguments(g)
     g.set_defaults(k=None, nodes=None, width=None, depth=None)  # given or not: _check_generate_args
+    # a sampled run without --seed differs from run to run (vLLM's and transformers' habit); its
+    # seed is printed so it can be repeated. (bench and audit keep seed 0: reproducible figures)
+    g.set_defaults(seed=None)
     g.add_argument("--certified-head", action="store_true",
                    help="greedy ar/chain/tree: verify through the certified INT8 LM head (same tokens; the "
                         "target runs without CUDA graphs); refused with sampling")

@@ -202,6 +202,26 @@ def test_any_integer_seed_is_taken_modulo_2_64(capsys):
     assert json.loads(out_huge)["token_ids"] == json.loads(out_small)["token_ids"]
 
 
+def test_a_sampled_generate_without_a_seed_draws_one_and_prints_it(capsys):
+    """vLLM's and transformers' habit: sampling without a seed differs from run to run. The seed
+    drawn is printed, and passing it repeats the output."""
+    import re
+
+    base = ["generate", "import os", "--method", "ar", "--temperature", "2.0", "--max-new-tokens", "6",
+            "--ignore-eos", "--json"]
+    runs = []
+    for _ in range(3):
+        code, out, err = run_cli(base, capsys)
+        assert code == 0, err
+        seed = int(re.search(r"sampling with seed (\d+) \(--seed \1 repeats this output\)", err).group(1))
+        runs.append((seed, json.loads(out)["token_ids"]))
+    assert len({seed for seed, _ in runs}) == 3
+    code, out, err = run_cli(base + ["--seed", str(runs[0][0])], capsys)
+    assert json.loads(out)["token_ids"] == runs[0][1] and "sampling with seed" not in err
+    code, _, err = run_cli(["generate", "import os", "--method", "ar", "--max-new-tokens", "2"], capsys)
+    assert code == 0 and "seed" not in err  # (greedy: no seed to speak of)
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--method", "ar", "--stop", ""], "--stop needs a non-empty string"),
     (["--method", "ar", "--temperature", "inf"], "--temperature must be a finite number >= 0 (got inf)"),

@@ -277,7 +277,7 @@ def test_bad_requests_are_one_line_config_errors(models):
     assert not engine.has_unfinished()
     with pytest.raises(ConfigError, match="temperature must be a finite number"):
         engine.add_request([1], SamplingParams(temperature=-1.0))
-    for bad, field in (({"top_p": 0.0}, "top_p must be"), ({"seed": "x"}, "seed must be an integer (got 'x')"),
+    for bad, field in (({"top_p": 0.0}, "top_p must be"), ({"seed": "x"}, "seed must be an integer or None (got 'x')"),
                        ({"stop": [""]}, "stop must be non-empty strings"), ({"max_tokens": 2.5}, "max_tokens must")):
         with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")):
             SamplingParams(**bad)  # refused where it is written, as vLLM's SamplingParams
@@ -318,7 +318,8 @@ def test_llm_on_the_bundled_pair_equals_tandem_generate_ar(capsys):
     ids = llm.tokenizer.encode(prompts[0]).ids
     assert [o.token_ids for o in llm.generate(ids, SP(max_tokens=8)) + llm.generate([ids, ids], SP(max_tokens=8))] \
         == [outs[0].token_ids] * 3
-    for bad, msg in (([ids, 1.5], "a prompt is text or a list of int token ids"), ([[10 ** 9]], r"must be in \[0, ")):
+    for bad, msg in (([ids, 1.5], "a prompt is text, a list of int token ids, or a dict"),
+                     ([[10 ** 9]], r"must be in \[0, ")):
         with pytest.raises(ConfigError, match=msg):
             llm.generate(bad)
     assert not llm.engine.has_unfinished()
@@ -330,6 +331,71 @@ def test_llm_on_the_bundled_pair_equals_tandem_generate_ar(capsys):
     for n in (1, 2, 3):
         short = LLM(method="tree").generate(prompts[0], SP(max_tokens=n))[0]
         assert len(short.token_ids) == n and short.figures.accepted_tokens <= n
+
+
+def test_llm_speaks_vllms_dialect(capsys, monkeypatch):
+    """What a vLLM user writes works: sampling without a seed differs between requests (seed None,
+    vLLM's default; a given seed repeats), {"prompt"} / {"prompt_token_ids"} prompts, the
+    `sampling_params` and `use_tqdm` keywords, `outputs[0]` with finish_reason "stop" for an EOS and
+    stop_reason for a stop string, `finished`, `model=`, dtype "auto", get_tokenizer(); a request
+    id the caller took is never generated again."""
+    from tandem import LLM, SamplingParams as SP
+    from tandem.runtime.pair import bundled_available
+
+    if not bundled_available():
+        pytest.skip("the bundled pair is not in this checkout")
+    llm = LLM(method="ar", dtype="auto")
+    hot = SP(max_tokens=4, temperature=2.0)
+    outs = llm.generate(["def fib(n):"] * 8, hot, use_tqdm=False)
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # (a fixed default seed gave 8 equal samples)
+    seeded = [llm.generate("def fib(n):", sampling_params=SP(max_tokens=4, temperature=2.0, seed=7))[0].token_ids
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    assert "Processed prompts" in capsys.readouterr().err  # (the progress bar, on by default)
+    ref = llm.generate("import os\n", SP(max_tokens=6), use_tqdm=False)[0]
+    ids = llm.get_tokenizer().encode("import os\n").ids
+    for prompt in ({"prompt": "import os\n"}, {"prompt_token_ids": ids}, [{"prompt_token_ids": ids}]):
+        assert llm.generate(prompt, SP(max_tokens=6), use_tqdm=False)[0].token_ids == ref.token_ids
+    for bad in ({"prompt": ids}, {"text": "x"}, {"prompt": "x", "prompt_token_ids": ids}):
+        with pytest.raises(ConfigError, match="prompt"):
+            llm.generate(bad, use_tqdm=False)
+    out = ref.outputs[0]
+    assert ref.finished and out.index == 0 and (out.text, out.token_ids) == (ref.text, ref.token_ids)
+    stop = ref.text[2:4]
+    cut = llm.generate("import os\n", SP(max_tokens=6, stop=[" @@", stop]), use_tqdm=False)[0]
+    assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop == cut.stop_reason
+    eng = llm.engine
+    eng.add_request(ids, SP(max_tokens=2), request_id="req-999999")
+    with pytest.raises(ConfigError, match="request_id must be a string"):
+        eng.add_request(ids, SP(max_tokens=2), request_id=5)
+    import tandem.engine.request as rq
+    monkeypatch.setattr(rq, "_IDS", iter([999999, 1000000]))  # (the next generated id is one the caller holds)
+    assert eng.add_request(ids, SP(max_tokens=2)).request_id == "req-1000000"
+    eng.run()
+    with pytest.raises(ConfigError, match="model and target name the same checkpoint"):
+        LLM(target="a", model="b")
+    with pytest.raises(ConfigError, match="unknown dtype 'fp8'"):
+        LLM(dtype="fp8")
+
+
+def test_generation_config_eos_ids_end_the_output(tiny_checkpoint):
+    """An instruct checkpoint lists its end-of-turn ids in generation_config.json; transformers'
+    generate stops at any of them, and so does Tandem (they were read from config.json only)."""
+    from tandem import LLM, SamplingParams as SP
+
+    d = tiny_checkpoint("llama")
+    llm = LLM(target=d, method="ar")
+    free = llm.generate([5, 6, 7], SP(max_tokens=6, ignore_eos=False), use_tqdm=False)[0]
+    assert len(free.token_ids) == 6 and free.finish_reason == "length"
+    end = free.token_ids[2]
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, end]}))
+    stopped = LLM(target=d, method="ar").generate([5, 6, 7], SP(max_tokens=6), use_tqdm=False)[0]
+    assert stopped.token_ids == free.token_ids[:3] and stopped.finish_reason == "eos"
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason is None  # (vLLM's shape)
+    # max_tokens None: up to the context window, as vLLM
+    window = llm.engine.context_window
+    full = llm.generate([5, 6, 7], SP(max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(full.token_ids) == window - 3 and full.finish_reason == "length"
 
 
 _SNIPPETS = ["def fib(n):\n", "import os\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):\n",

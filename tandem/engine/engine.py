@@ -39,10 +39,11 @@ throwaway requests when the engine starts (`measure_step_costs`).
 from __future__ import annotations
 
 import logging
+import secrets
 import statistics
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -60,7 +61,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine import batched_draft, device_verify, draft_length
 from tandem.engine.draft_gate import DraftGate, StepCosts
 from tandem.engine.gate_arms import GateArms
-from tandem.engine.request import Request, RequestOutput, RequestState, SamplingParams
+from tandem.engine.request import Request, RequestOutput, RequestState, SamplingParams, new_request_id
 from tandem.engine.row_selection import RowCost, select_step
 from tandem.engine.scheduler import Scheduler, ScheduledRows, StepPlan
 from tandem.engine.hybrid_model import HybridBatchedModel
@@ -357,12 +358,20 @@ class Engine:
         if len(prompt_ids) >= self.context_window:
             raise ConfigError(f"prompt is {len(prompt_ids)} tokens but the context window is "
                               f"{self.context_window}; shorten the prompt")
+        if request_id is not None and not isinstance(request_id, str):
+            raise ConfigError(f"request_id must be a string (got {type(request_id).__name__} {request_id!r})")
+        if params.seed is None:  # (vLLM's default: a fresh random stream per request)
+            params = replace(params, seed=secrets.randbits(63))
         req = Request(list(prompt_ids), params, prompt=prompt)
         if request_id is not None:
             req.request_id = request_id
-        if req.request_id in self.requests:
-            raise ConfigError(f"request id {req.request_id!r} is in use")
-        req.max_new = min(params.max_tokens, self.context_window - len(prompt_ids))
+            if request_id in self.requests:
+                raise ConfigError(f"request id {request_id!r} is in use")
+        while req.request_id in self.requests:  # (a generated id a caller took for one of its own)
+            req.request_id = new_request_id()
+        # (max_tokens None: up to the context window, as vLLM)
+        room = self.context_window - len(prompt_ids)
+        req.max_new = room if params.max_tokens is None else min(params.max_tokens, room)
         need = self.pool.blocks_for(len(prompt_ids) + req.max_new + self.config.draft_rows())
         if need > self.pool.num_blocks:
             raise ConfigError(f"request needs {need} KV blocks but the pool has {self.pool.num_blocks}; "
@@ -1432,14 +1441,14 @@ class Engine:
         if f.ttft is None:
             f.ttft = time.perf_counter() - req.arrival
         if done:
-            req.finish_reason, req.stop_text = em.finish, em.stop_text
+            req.finish_reason, req.stop_text, req.stop_reason = em.finish, em.stop_text, em.stop_string
         return done
 
     def _emitter(self, req: Request) -> Emitter:
         em = req.runtime.get("emitter")
         if em is None:
             eos = set() if req.params.ignore_eos else self.eos
-            em = req.runtime["emitter"] = Emitter(req.max_new, eos, req.params.generation(), self.tokenizer,
+            em = req.runtime["emitter"] = Emitter(req.max_new, eos, req.params.generation(req.max_new), self.tokenizer,
                                                   None, req.arrival)
             em.out = req.output_ids  # survives preemption: the request owns the list
         return em
@@ -1449,4 +1458,4 @@ class Engine:
         if self.tokenizer is not None:
             text = req.stop_text if req.stop_text is not None else self.tokenizer.decode(req.output_ids)
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), list(req.output_ids), text,
-                             req.finish_reason, req.figures)
+                             req.finish_reason, req.figures, req.stop_reason)

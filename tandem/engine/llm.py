@@ -4,9 +4,11 @@
     llm = LLM()                                   # the bundled pair, method tree
     outs = llm.generate(["def fib(n):", "import os"], SamplingParams(max_tokens=32))
     outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].figures.ttft
+    outs[0].outputs[0].text                       # vLLM's shape too
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
@@ -16,16 +18,34 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.engine.request import RequestOutput, SamplingParams
 
+# dtype names vLLM and Hugging Face users write -> Tandem's
+DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "half": "float16", "fp16": "float16"}
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """dtype as vLLM takes it ("auto": bfloat16 on a GPU, float32 on the CPU) -> Tandem's name."""
+    if dtype == "auto":
+        return "bfloat16" if str(device).startswith("cuda") else "float32"
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
 
 class LLM:
-    """target / draft: checkpoint folders (default: the bundled pair). `method`: ar | chain | tree
-    (default: tree with a draft, ar without one); `engine_config` overrides the engine's knobs."""
+    """target / draft: checkpoint folders (default: the bundled pair; `model` is vLLM's name for
+    target). `method`: ar | chain | tree (default: tree with a draft, ar without one);
+    `engine_config` overrides the engine's knobs."""
 
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = None, device: str = "cpu",
                  dtype: str = "float32", method: str | None = None, spec: SpecConfig | None = None,
-                 engine_config: EngineConfig | None = None):
+                 engine_config: EngineConfig | None = None, *, model: str | Path | None = None):
         from tandem.runtime.pair import load_pair
 
+        if model is not None:
+            if target is not None:
+                raise ConfigError("model and target name the same checkpoint; give one")
+            target = model
         bundled = target is None
         cfg = engine_config or EngineConfig()
         # the config's method where it names one (its default says nothing), else the pair's
@@ -33,20 +53,23 @@ class LLM:
         if method is not None and named is not None and method != named:
             raise ConfigError(f"method={method!r} and engine_config.method={named!r} differ; give the method once")
         method = method or named or ("tree" if draft is not None or bundled else "ar")
-        pair = load_pair(target, draft, device, dtype, need_draft=method != "ar")
+        pair = load_pair(target, draft, device, resolve_dtype(dtype, device), need_draft=method != "ar")
         cfg = replace(cfg, method=method, spec=spec or cfg.spec)
         self.tokenizer = pair.tokenizer
         self.engine = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Decode every prompt together (continuous batching); outputs in prompt order. A prompt is
-        text, or token ids (a list of ints; a list of such lists for several)."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
+        text, token ids (a list of ints), or vLLM's {"prompt": text} / {"prompt_token_ids": ids};
+        several prompts come as a list of those. use_tqdm: a progress bar on stderr (requests done)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
-        if params is None:
-            params = SamplingParams()
+        params = sampling_params if sampling_params is not None else SamplingParams()
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ConfigError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; give one or one each")
@@ -55,17 +78,33 @@ class LLM:
             for prompt, p in zip(prompts, plist):
                 ids, kw = self._ids(prompt)
                 reqs.append(self.engine.add_request(ids, p, **kw))
-            by_id = {o.request_id: o for o in self.engine.run()}
+            by_id = {o.request_id: o for o in self._run(len(reqs), use_tqdm)}
         except BaseException:
             for r in reqs:  # leave the engine empty for the next call
                 self.engine.abort(r.request_id)
             raise
         return [by_id[r.request_id] for r in reqs]
 
+    def _run(self, n: int, use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        with tqdm(total=n, desc="Processed prompts", unit="req", file=sys.stderr, disable=not use_tqdm,
+                  dynamic_ncols=True) as bar:
+            return self.engine.run(on_step=lambda done: bar.update(len(done)) if done else None)
+
     def _ids(self, prompt) -> tuple[list[int], dict]:
         """A prompt -> (its token ids, add_request's keywords); ConfigError for anything else."""
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            keys = set(prompt) & {"prompt", "prompt_token_ids"}
+            if len(keys) != 1 or set(prompt) - keys:
+                raise ConfigError('a prompt dict holds one key, "prompt" (text) or "prompt_token_ids" '
+                                  f"(got keys {sorted(prompt)})")
+            prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+            if isinstance(prompt, str) != ("prompt" in keys):
+                raise ConfigError('"prompt" takes text and "prompt_token_ids" a list of ints')
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt).ids, {"prompt": prompt}
         if isinstance(prompt, (list, tuple)):
             return list(prompt), {}  # (add_request checks the ids: ints in the vocabulary)
-        raise ConfigError(f"a prompt is text or a list of int token ids (got {type(prompt).__name__} {str(prompt)[:40]})")
+        raise ConfigError(f"a prompt is text, a list of int token ids, or a dict with 'prompt' or "
+                          f"'prompt_token_ids' (got {type(prompt).__name__} {str(prompt)[:40]})")

@@ -22,10 +22,12 @@ from tandem.config import ConfigError, GenerationConfig, SamplingConfig
 class SamplingParams:
     """Per-request decoding settings, named as in vLLM. temperature 0 is greedy."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context window (as vLLM)
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int = 0  # the request's own random stream (reproducible whatever else is in the batch)
+    # the request's own random stream (the same output whatever else is in the batch); None (vLLM's
+    # default): a fresh random seed for each request, drawn when the engine takes it
+    seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
@@ -36,22 +38,26 @@ class SamplingParams:
         self.validate()  # at construction, as vLLM's: a bad value is named where it was written
 
     def sampling(self) -> SamplingConfig:
-        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+        """(seed None, not yet drawn by the engine: 0)"""
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, seed=self.seed or 0)
 
-    def generation(self) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=self.max_tokens, ignore_eos=self.ignore_eos, stop=self.stop)
+    def generation(self, max_new: int | None = None) -> GenerationConfig:
+        """max_new: max_tokens as the engine held it to the context window."""
+        return GenerationConfig(max_new_tokens=max_new or self.max_tokens or 1, ignore_eos=self.ignore_eos,
+                                stop=self.stop)
 
     def validate(self) -> None:
         """One-line ConfigErrors naming the field (SamplingConfig's name the CLI's flags)."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            raise ConfigError(f"max_tokens must be a positive integer or None (got {self.max_tokens!r})")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not 0.0 <= self.temperature < math.inf:
             raise ConfigError(f"temperature must be a finite number >= 0 (got {self.temperature!r}); use 0 for greedy")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be a number in (0, 1] (got {self.top_p!r})")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"seed must be an integer (got {self.seed!r})")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed must be an integer or None (got {self.seed!r})")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ConfigError(f"stop must be non-empty strings (got {list(self.stop)!r})")
 
@@ -81,6 +87,10 @@ class RequestFigures:
 _IDS = itertools.count()
 
 
+def new_request_id() -> str:
+    return f"req-{next(_IDS)}"
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request. `token_ids()` (prompt + output) is what the target has seen or
@@ -88,12 +98,13 @@ class Request:
 
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    request_id: str = field(default_factory=lambda: f"req-{next(_IDS)}")
+    request_id: str = field(default_factory=new_request_id)
     prompt: str | None = None  # the text, when the caller gave text
     state: RequestState = RequestState.WAITING
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # eos | length | stop | abort | error (it raised in its part of a step)
     stop_text: str | None = None  # text cut before the matched stop string
+    stop_reason: str | None = None  # that stop string
     figures: RequestFigures = field(default_factory=RequestFigures)
     arrival: float = field(default_factory=time.perf_counter)
     num_computed: int = 0  # target K/V rows committed (reset by preemption)
@@ -125,8 +136,28 @@ class Request:
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a request, in vLLM's shape: `finish_reason` is "stop" for an EOS as for a
+    stop string (`stop_reason`: the string; None for an EOS), "length", "abort" or "error"."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | None
+    cumulative_logprob: float | None = None  # (not computed)
+    logprobs: None = None  # (not computed)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
 class RequestOutput:
-    """What `Engine.step` and `LLM.generate` hand back for a finished (or aborted) request."""
+    """What `Engine.step` and `LLM.generate` hand back for a finished (or aborted) request. The
+    fields are flat (`finish_reason`: eos | stop | length | abort | error, telling an EOS from a
+    stop string); `outputs[0]` and `finished` give the same in vLLM's shape."""
 
     request_id: str
     prompt: str | None
@@ -135,7 +166,17 @@ class RequestOutput:
     text: str | None
     finish_reason: str | None
     figures: RequestFigures
+    stop_reason: str | None = None  # the stop string that ended it
 
     @property
     def tau(self) -> float:
         return self.figures.tau(len(self.token_ids))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        reason = "stop" if self.finish_reason == "eos" else self.finish_reason
+        return [CompletionOutput(0, self.text, self.token_ids, reason, self.stop_reason)]

@@ -24,7 +24,33 @@ def read_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{cfg_file} is not valid JSON ({e.msg} at line {e.lineno}); re-export the checkpoint") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{cfg_file} must hold a JSON object")
-    return ModelConfig.from_hf(hf)
+    return ModelConfig.from_hf(with_generation_eos(d, hf))
+
+
+def with_generation_eos(d: Path, hf: dict) -> dict:
+    """hf (config.json) with `eos_token_id` widened by generation_config.json's: instruct
+    checkpoints list their end-of-turn ids there (Llama-3's <|eot_id|> beside <|end_of_text|>),
+    and transformers' and vLLM's generation stop at any of them. An unreadable file adds nothing."""
+    try:
+        gen = json.loads((Path(d) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return hf
+    more = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    if more is None:
+        return hf
+    text = hf.get("text_config")
+    if isinstance(text, dict) and "eos_token_id" in text:  # (a multimodal wrapper: its text part's ids)
+        return {**hf, "text_config": with_generation_eos_ids(text, more)}
+    return with_generation_eos_ids(hf, more)
+
+
+def with_generation_eos_ids(hf: dict, more) -> dict:
+    ids = [] if hf.get("eos_token_id") is None else hf["eos_token_id"]
+    ids = list(ids) if isinstance(ids, list) else [ids]
+    for e in more if isinstance(more, list) else [more]:
+        if isinstance(e, int) and not isinstance(e, bool) and e not in ids:
+            ids.append(e)
+    return {**hf, "eos_token_id": ids}
 
 
 def weight_files(d: Path) -> list[Path]:

@@ -8,7 +8,7 @@ import torch
 
 from tandem.config import ConfigError
 from tandem.models.files import first_line as _first_line
-from tandem.models.files import install_state, open_safetensors, read_config
+from tandem.models.files import install_state, open_safetensors, read_config, with_generation_eos
 from tandem.models.files import weight_files as _weight_files
 from tandem.models.layers import rope_inv_freq
 from tandem.models.transformer import Transformer
@@ -38,7 +38,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
 
     hf = read_hf_config(d) if d.is_dir() else {}
     if isinstance(hf, dict) and is_qwen3_5(hf):
-        return load_qwen3_5(d, hf, device, resolve_dtype(dtype))
+        return load_qwen3_5(d, with_generation_eos(d, hf), device, resolve_dtype(dtype))
     cfg = read_config(d)
     dt = resolve_dtype(dtype)
     with torch.device("meta"):

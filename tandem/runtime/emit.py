@@ -23,6 +23,7 @@ class Emitter:
         self.ttft = 0.0
         self.finish = "length"
         self.stop_text: str | None = None
+        self.stop_string: str | None = None  # the stop string that ended the output (the first found)
 
     def emit(self, tree: DraftTree, result: VerifyResult, deepest: int | None = None) -> bool:
         """Record one pass; returns True when generation is over. deepest: the depth of the
@@ -97,7 +98,8 @@ class Emitter:
                 del out[end:]
                 text = head
                 break
-        self.finish, self.stop_text = "stop", text[:min(text.find(s) for s in stops if s in text)]
+        at, self.stop_string = min((text.find(s), i, s) for i, s in enumerate(stops) if s in text)[::2]
+        self.finish, self.stop_text = "stop", text[:at]
         return True
 
     def _stop_in_tail(self, new: int) -> bool:
