@@ -143,8 +143,6 @@ def _generate(args) -> int:
     if drawn:
         args.seed = secrets.randbits(63)
     spec, sampling, gen = configs_from_args(args)
-    if drawn and not sampling.greedy:
-        notice(f"sampling with seed {args.seed} (--seed {args.seed} repeats this output)")
     if args.target is None and args.draft is None:
         args.draft = default_drafter(args.method, args.device, args.certified_head)
         if args.draft is not None:
@@ -180,11 +178,13 @@ def _generate(args) -> int:
             "dtype": args.dtype,
             **({"q_agreement": round(res.q_agreement, 4)} if hasattr(res, "q_agreement") else {}),
             **({"auto_pick": res.auto_pick} if res.auto_pick else {}),  # --method auto: the shape it ran
+            **({"seed": args.seed} if not sampling.greedy else {}),  # (drawn or given: what repeats it)
         }))
     else:
         sys.stdout.write(streamer.finish(text) + "\n")
+        seed = f", seed {args.seed} (--seed {args.seed} repeats it)" if drawn and not sampling.greedy else ""
         print(f"[{res.auto_pick or res.method}: {res.new_tokens} tokens in {res.seconds:.2f}s, {res.tokens_per_s:.1f} tok/s, "
-              f"tau {res.tau:.2f}, {res.target_passes} target passes]", file=sys.stderr)
+              f"tau {res.tau:.2f}, {res.target_passes} target passes{seed}]", file=sys.stderr)
     return 0
 
 

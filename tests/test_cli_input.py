@@ -208,18 +208,21 @@ def test_a_sampled_generate_without_a_seed_draws_one_and_prints_it(capsys):
     import re
 
     base = ["generate", "import os", "--method", "ar", "--temperature", "2.0", "--max-new-tokens", "6",
-            "--ignore-eos", "--json"]
+            "--ignore-eos"]
     runs = []
     for _ in range(3):
-        code, out, err = run_cli(base, capsys)
+        code, out, err = run_cli(base + ["--json"], capsys)
         assert code == 0, err
-        seed = int(re.search(r"sampling with seed (\d+) \(--seed \1 repeats this output\)", err).group(1))
-        runs.append((seed, json.loads(out)["token_ids"]))
+        runs.append((json.loads(out)["seed"], json.loads(out)["token_ids"]))
     assert len({seed for seed, _ in runs}) == 3
-    code, out, err = run_cli(base + ["--seed", str(runs[0][0])], capsys)
-    assert json.loads(out)["token_ids"] == runs[0][1] and "sampling with seed" not in err
-    code, _, err = run_cli(["generate", "import os", "--method", "ar", "--max-new-tokens", "2"], capsys)
-    assert code == 0 and "seed" not in err  # (greedy: no seed to speak of)
+    code, out, err = run_cli(base + ["--json", "--seed", str(runs[0][0])], capsys)
+    assert json.loads(out)["token_ids"] == runs[0][1] and json.loads(out)["seed"] == runs[0][0]
+    code, out, err = run_cli(base, capsys)  # streamed text: the seed in the summary line
+    seed = int(re.search(r", seed (\d+) \(--seed \1 repeats it\)\]", err).group(1))
+    code, again, _ = run_cli(base + ["--seed", str(seed)], capsys)
+    assert again == out
+    code, out, err = run_cli(["generate", "import os", "--method", "ar", "--max-new-tokens", "2", "--json"], capsys)
+    assert code == 0 and "seed" not in err and "seed" not in json.loads(out)  # (greedy: no seed to speak of)
 
 
 @pytest.mark.parametrize("flags, needle", [
