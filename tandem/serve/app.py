@@ -170,17 +170,14 @@ def _field_error(e: ValidationError) -> tuple[str, str | None]:
     message says what the field takes, not why its first member refused the value; a validator's
     own message (ValueError) comes through as it is."""
     errs = e.errors(include_url=False, include_input=False)
-    err = errs[0]
-    loc = [str(x) for x in err["loc"] if not (isinstance(x, str) and (x in _MEMBER_TAGS or "[" in x))]
-    param = loc[0] if loc else None
-    where = ".".join(loc) or "body"
     own = [x for x in errs if x["type"] == "value_error"]
+    err = own[0] if own else errs[0]
+    loc = [str(x) for x in err["loc"] if not (isinstance(x, str) and (x in _MEMBER_TAGS or "[" in x))]
+    param, where = (loc[0] if loc else None), ".".join(loc) or "body"
     if own:  # (a validator's message: the field's own words)
-        where = ".".join(str(x) for x in own[0]["loc"] if not (isinstance(x, str) and (x in _MEMBER_TAGS or "[" in x)))
-        return f"invalid field {where}: {own[0]['msg'].removeprefix('Value error, ')}", param
-    field = loc[-1] if loc and loc[-1] in _UNION_TYPES else None
-    if field is not None and len(errs) > 1:
-        return f"invalid field {where}: must be {_UNION_TYPES[field]}", param
+        return f"invalid field {where}: {err['msg'].removeprefix('Value error, ')}", param
+    if loc and loc[-1] in _UNION_TYPES and len(errs) > 1:
+        return f"invalid field {where}: must be {_UNION_TYPES[loc[-1]]}", param
     if err["type"] == "missing":
         return f"missing field {where}", param
     return f"invalid field {where}: {err['msg']}", param
