@@ -786,3 +786,22 @@ def test_chat_add_generation_prompt_and_template_kwargs(client, live, pair):
     t = ChatTemplate("{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}")
     assert t.render(msg, extra={"enable_thinking": True}) == "<think>fib please"
     assert t.render(msg, extra={"enable_thinking": False, "messages": []}) == "fib please"
+
+
+def test_logprob_offsets_index_the_decoded_text(pair):
+    """LogprobFormat on its own: over split characters and a closing EOS (which the text leaves
+    out), each offset is where its token's character starts in the decoded text."""
+    from tandem.serve.logprobs import LogprobFormat, TokenLogprob
+
+    tok = pair.tokenizer
+    eos = pair.target.config.eos_token_ids[0]
+    ids = tok.encode("x = 'é€' # ok").ids + [eos]
+    text = tok.decode(ids)
+    lp = LogprobFormat(tok).completion([TokenLogprob(t, -1.0, ((t, -1.0),)) for t in ids])
+    assert lp["tokens"][-1] == tok.id_to_token(eos) and lp["text_offset"][-1] == len(text)
+    for s, at in zip(lp["tokens"][:-1], lp["text_offset"]):
+        if s.startswith("bytes:"):
+            assert text[at] in "é€"
+        else:
+            assert text[at:at + len(s)] == s
+    assert [list(t)[0] for t in lp["top_logprobs"]] == lp["tokens"]

@@ -161,7 +161,7 @@ class LogprobFormat:
         for t in lps:
             raw, s = self.text(t.token)
             tokens.append(s)
-            where.append(offsets.next(raw))
+            where.append(offsets.next(b"" if t.token in self.text.special else raw))  # (no text: the decode skips it)
         return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
                 "top_logprobs": [{self.text(i)[1]: v for i, v in t.top} for t in lps], "text_offset": where}
 
