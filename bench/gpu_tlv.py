@@ -32,15 +32,23 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--q-scale", type=int, default=None,
+                    help="the first tree's size over N, which only the Q pass checks (default: tandem.runtime.tlv.Q_SCALE)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    if a.q_scale is not None:
+        from tandem.runtime import tlv
+
+        tlv.Q_SCALE = a.q_scale
     pair = load_pair(None, None, a.device, a.dtype)
     gen = Generator(pair.target, pair.draft, tokenizer=pair.tokenizer)
     prompts = [pair.tokenizer.encode(p.text).ids[-256:] for p in load_workload("mbpp", a.num_prompts, a.data_dir)]
     cfg = GenerationConfig(max_new_tokens=128, ignore_eos=True)
     spec = SpecConfig(nodes=a.nodes, width=a.width)
+    from tandem.runtime import tlv
+
     rep: dict = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "dtype": a.dtype,
-                 "nodes": a.nodes, "width": a.width, "prompts": len(prompts), "methods": {}}
+                 "nodes": a.nodes, "width": a.width, "q_scale": tlv.Q_SCALE, "prompts": len(prompts), "methods": {}}
     outputs: dict[str, list[list[int]]] = {}
     for method in ("ar", "tree", "tlv"):
         gen.generate(prompts[0], method, spec, gen=GenerationConfig(max_new_tokens=32, ignore_eos=True))  # warm-up
