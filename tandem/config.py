@@ -101,7 +101,12 @@ class ModelConfig:
                     # spellings of one config compare equal: theta lives in `rope_theta`.
                     scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
                     scaling["rope_type"] = rtype
+                    # (transformers 5's fallback: the model's own window; a fixed 8192 gave other frequencies)
+                    scaling.setdefault("original_max_position_embeddings", int(hf.get("max_position_embeddings", 2048)))
                     float(scaling["factor"])  # a non-number is reported below
+            act = hf.get("hidden_act", "silu")
+            if act not in ("silu", "swish"):  # (every family here gates its MLP with SiLU)
+                raise ConfigError(f"hidden_act {act!r} is not supported (Tandem's MLP is SiLU-gated: silu)")
             eos = hf.get("eos_token_id")
             eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             # transformers hard-codes the biases of Qwen2 (q/k/v: always) and Mistral (never);
@@ -140,7 +145,8 @@ class ModelConfig:
                 num_hidden_layers=int(hf["num_hidden_layers"]),
                 num_attention_heads=heads,
                 num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
+                # (a config without head_dim: transformers' default, hidden / heads, but 128 for Qwen3)
+                head_dim=int(hf.get("head_dim") or (128 if family == "qwen3" else hidden // heads)),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=None if scaling is None else tuple(sorted(scaling.items())),

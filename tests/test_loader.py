@@ -220,6 +220,38 @@ def test_legacy_rope_scaling_spelling_equals_rope_parameters(tiny_checkpoint):
     assert dict(new.rope_scaling)["original_max_position_embeddings"] == 16
 
 
+@pytest.mark.parametrize("family,edit", [
+    # llama3 rope without original_max_position_embeddings: transformers 5 takes the model's window
+    # (a fixed 8192 gave other frequencies: tokens parted from transformers' at the 15th)
+    ("llama", lambda d, c: _edit_config(d, rope_parameters={k: v for k, v in c["rope_parameters"].items()
+                                                               if k != "original_max_position_embeddings"})),
+    # a Qwen3 config without head_dim: transformers' Qwen3 default is 128, not hidden / heads
+    ("qwen3", lambda d, c: _edit_config(d, head_dim=_DELETE)),
+])
+def test_configs_missing_a_key_read_as_transformers_reads_them(tiny_checkpoint, family, edit):
+    overrides = {"head_dim": 128} if family == "qwen3" else {}
+    d = tiny_checkpoint(family, tokenizer=False, **overrides)
+    edit(d, json.loads((d / "config.json").read_text()))
+    ours, ids = load_model(d), _ids()
+    if family == "llama":
+        assert dict(ours.config.rope_scaling)["original_max_position_embeddings"] == ours.config.max_position_embeddings
+    else:
+        assert ours.config.head_dim == 128
+    with torch.no_grad():
+        assert (ours(ids) - _hf_logits(d, ids)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu", "gelu_pytorch_tanh"])
+def test_an_mlp_activation_other_than_silu_is_refused(tiny_checkpoint, act):
+    """Every family here gates its MLP with SiLU; another hidden_act ran as SiLU, silently wrong."""
+    d = tiny_checkpoint("llama", tokenizer=False)
+    _edit_config(d, hidden_act=act)
+    with pytest.raises(ConfigError, match=f"hidden_act '{act}' is not supported"):
+        load_model(d)
+    _edit_config(d, hidden_act="swish")  # (transformers' other name for SiLU)
+    load_model(d)
+
+
 # ---------------------------------------------------------------------------- to_hf round trip
 HANDMADE = ModelConfig(
     family="llama", vocab_size=100, hidden_size=48, intermediate_size=96, num_hidden_layers=3,

@@ -39,7 +39,7 @@ def rope_inv_freq(cfg: "ModelConfig") -> torch.Tensor:
         s = dict(cfg.rope_scaling)
         factor = float(s["factor"])
         low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
-        old_ctx = float(s.get("original_max_position_embeddings", 8192))
+        old_ctx = float(s.get("original_max_position_embeddings", cfg.max_position_embeddings))
         low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
