@@ -152,8 +152,10 @@ def _generate(args) -> int:
     engine = Generator(pair.target, pair.draft, pair.tokenizer, certified_head=args.certified_head)
     ids = pair.tokenizer.encode(prompt).ids
     ctx = engine.context_window
+    reads = SHAPE_FLAGS[args.method]
     for note in spec.capped(ctx)[1]:
-        notice(note)
+        if note.split()[0].lstrip("-") in reads:  # (not a flag this method never reads)
+            notice(note)
     if 0 < ctx - len(ids) < gen.max_new_tokens:
         notice(f"--max-new-tokens {gen.max_new_tokens} capped to {ctx - len(ids)}: the context window is {ctx} "
                f"tokens and the prompt takes {len(ids)}")

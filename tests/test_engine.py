@@ -980,3 +980,20 @@ def test_the_warmup_request_drafts_then_leaves_no_trace(models, solo, method, sp
     assert [o.token_ids for o in outs] == want[:8]
     cold = Engine(target, draft, config=EngineConfig(warmup_request=False, **cfg))
     assert [o.token_ids for o in run_all(cold, prompts[:8])] == want[:8]
+
+
+def test_max_tokens_past_the_context_window_is_lowered_with_a_warning(tiny_checkpoint, caplog, capsys):
+    """The API lowers max_tokens to what the window leaves (as vLLM's offline API ends the output
+    there) and says so; `tandem generate` notes only flags its method reads."""
+    from tandem import LLM, SamplingParams as SP
+    from tandem.cli import main
+
+    d = tiny_checkpoint("llama", name="short", max_position_embeddings=16)
+    with caplog.at_level("WARNING", logger="tandem"):
+        out = LLM(target=d, method="ar").generate([5, 6, 7], SP(max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 13 and out.finish_reason == "length"
+    assert any("max_tokens lowered for 1 prompt(s)" in r.getMessage() and "20 -> 13" in r.getMessage()
+               for r in caplog.records)
+    assert main(["generate", "def f():", "--target", str(d), "--method", "ar", "--max-new-tokens", "20"]) == 0
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 20 capped to" in err and "--nodes" not in err

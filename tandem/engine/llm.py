@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +18,8 @@ from tandem.config import ConfigError, SpecConfig
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.engine.request import RequestOutput, SamplingParams
+
+log = logging.getLogger("tandem")
 
 # dtype names vLLM and Hugging Face users write -> Tandem's
 DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -78,6 +81,12 @@ class LLM:
             for prompt, p in zip(prompts, plist):
                 ids, kw = self._ids(prompt)
                 reqs.append(self.engine.add_request(ids, p, **kw))
+            short = [r for r in reqs if r.params.max_tokens is not None and r.max_new < r.params.max_tokens]
+            if short:  # (as `tandem generate` notes it: the output ends at the context window)
+                log.warning("max_tokens lowered for %d prompt(s) to what the context window (%d tokens) leaves "
+                            "after each prompt (%s)", len(short), self.engine.context_window,
+                            ", ".join(f"{r.params.max_tokens} -> {r.max_new}" for r in short[:3])
+                            + (", ..." if len(short) > 3 else ""))
             by_id = {o.request_id: o for o in self._run(len(reqs), use_tqdm)}
         except BaseException:
             for r in reqs:  # leave the engine empty for the next call
