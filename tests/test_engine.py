@@ -351,7 +351,7 @@ def test_llm_speaks_vllms_dialect(capsys, monkeypatch):
     seeded = [llm.generate("def fib(n):", sampling_params=SP(max_tokens=4, temperature=2.0, seed=7))[0].token_ids
               for _ in range(2)]
     assert seeded[0] == seeded[1]
-    assert "Processed prompts" in capsys.readouterr().err  # (the progress bar, on by default)
+    assert "Processed requests" in capsys.readouterr().err  # (the progress bar, on by default)
     ref = llm.generate("import os\n", SP(max_tokens=6), use_tqdm=False)[0]
     ids = llm.get_tokenizer().encode("import os\n").ids
     for prompt in ({"prompt": "import os\n"}, {"prompt_token_ids": ids}, [{"prompt_token_ids": ids}]):
@@ -364,7 +364,19 @@ def test_llm_speaks_vllms_dialect(capsys, monkeypatch):
     stop = ref.text[2:4]
     cut = llm.generate("import os\n", SP(max_tokens=6, stop=[" @@", stop]), use_tqdm=False)[0]
     assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop == cut.stop_reason
+    # n completions a prompt (pass@k): n requests, seeds 7, 8, 9 for seed 7; one output with n choices
+    three = llm.generate(["def fib(n):", "import os\n"], SP(max_tokens=4, temperature=2.0, seed=7, n=3),
+                         use_tqdm=False)
+    assert [len(o.outputs) for o in three] == [3, 3] and [c.index for c in three[0].outputs] == [0, 1, 2]
+    assert three[0].outputs[0].token_ids == seeded[0]  # (the first sample is seed 7's)
+    again = llm.generate("def fib(n):", SP(max_tokens=4, temperature=2.0, seed=8), use_tqdm=False)[0]
+    assert three[0].outputs[1].token_ids == again.token_ids
+    assert len({tuple(c.token_ids) for c in three[0].outputs}) > 1
+    greedy = llm.generate("def fib(n):", SP(max_tokens=4, n=2), use_tqdm=False)[0].outputs
+    assert greedy[0].token_ids == greedy[1].token_ids
     eng = llm.engine
+    with pytest.raises(ConfigError, match="n=2: the engine runs one completion per request"):
+        eng.add_request(ids, SP(max_tokens=2, n=2))
     eng.add_request(ids, SP(max_tokens=2), request_id="req-999999")
     with pytest.raises(ConfigError, match="request_id must be a string"):
         eng.add_request(ids, SP(max_tokens=2), request_id=5)

@@ -348,6 +348,9 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be a SamplingParams (got {type(params).__name__})")
         params.validate()
+        if params.n != 1:
+            raise ConfigError(f"n={params.n}: the engine runs one completion per request; add n requests "
+                              "(LLM.generate does)")
         if isinstance(prompt_ids, (str, bytes)) or not all(type(t) is int for t in prompt_ids):
             raise ConfigError("prompt_ids must be a list of int token ids (encode text with the tokenizer first)")
         if not prompt_ids:

@@ -68,7 +68,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Decode every prompt together (continuous batching); outputs in prompt order. A prompt is
         text, token ids (a list of ints), or vLLM's {"prompt": text} / {"prompt_token_ids": ids};
-        several prompts come as a list of those. use_tqdm: a progress bar on stderr (requests done)."""
+        several prompts come as a list of those. A prompt's SamplingParams.n > 1 runs n requests (seeds
+        seed, seed + 1, ... when one is given); its output holds them as outputs[0..n-1] (`samples`).
+        use_tqdm: a progress bar on stderr (requests done)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -76,11 +78,14 @@ class LLM:
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ConfigError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; give one or one each")
-        reqs = []
+        reqs, groups = [], []  # groups: each prompt's requests (n of them)
         try:
             for prompt, p in zip(prompts, plist):
                 ids, kw = self._ids(prompt)
-                reqs.append(self.engine.add_request(ids, p, **kw))
+                group = [self.engine.add_request(ids, replace(p, n=1, seed=None if p.seed is None else p.seed + i),
+                                                 **kw) for i in range(p.n)]
+                reqs += group
+                groups.append(group)
             short = [r for r in reqs if r.params.max_tokens is not None and r.max_new < r.params.max_tokens]
             if short:  # (as `tandem generate` notes it: the output ends at the context window)
                 log.warning("max_tokens lowered for %d prompt(s) to what the context window (%d tokens) leaves "
@@ -92,12 +97,12 @@ class LLM:
             for r in reqs:  # leave the engine empty for the next call
                 self.engine.abort(r.request_id)
             raise
-        return [by_id[r.request_id] for r in reqs]
+        return [replace(by_id[g[0].request_id], samples=tuple(by_id[r.request_id] for r in g[1:])) for g in groups]
 
     def _run(self, n: int, use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm
 
-        with tqdm(total=n, desc="Processed prompts", unit="req", file=sys.stderr, disable=not use_tqdm,
+        with tqdm(total=n, desc="Processed requests", unit="req", file=sys.stderr, disable=not use_tqdm,
                   dynamic_ncols=True) as bar:
             return self.engine.run(on_step=lambda done: bar.update(len(done)) if done else None)
 

@@ -30,6 +30,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # completions per prompt (LLM.generate runs n requests, seeds seed, seed + 1, ... when a seed is
+    # given; the engine itself takes one: Engine.add_request refuses n > 1)
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # vLLM accepts one string
@@ -58,6 +61,8 @@ class SamplingParams:
             raise ConfigError(f"top_p must be a number in (0, 1] (got {self.top_p!r})")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an integer or None (got {self.seed!r})")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"n must be a positive integer (got {self.n!r})")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ConfigError(f"stop must be non-empty strings (got {list(self.stop)!r})")
 
@@ -167,6 +172,7 @@ class RequestOutput:
     finish_reason: str | None
     figures: RequestFigures
     stop_reason: str | None = None  # the stop string that ended it
+    samples: tuple["RequestOutput", ...] = ()  # SamplingParams.n > 1 (LLM.generate): the other completions
 
     @property
     def tau(self) -> float:
@@ -178,5 +184,6 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        reason = "stop" if self.finish_reason == "eos" else self.finish_reason
-        return [CompletionOutput(0, self.text, self.token_ids, reason, self.stop_reason)]
+        """Every completion of the prompt (n of them), this one first."""
+        return [CompletionOutput(i, o.text, o.token_ids, "stop" if o.finish_reason == "eos" else o.finish_reason,
+                                 o.stop_reason) for i, o in enumerate((self, *self.samples))]
