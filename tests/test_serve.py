@@ -356,7 +356,8 @@ BAD = [
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
     ({"prompt": "x", "stop": [""]}, 400, "stop", "invalid_value"),
     ({"prompt": "x", "stop": 3}, 400, "stop", "invalid_value"),
-    ({"prompt": "x", "n": 2}, 400, "n", "unsupported_value"),
+    ({"prompt": "x", "n": 17}, 400, "n", "invalid_value"),
+    ({"prompt": "x", "n": 0}, 400, "n", "invalid_value"),
     ({"prompt": "x", "model": "../../etc/passwd"}, 404, "model", "model_not_found"),
     ({"prompt": "x", "method": "async"}, 400, "method", "unsupported_value"),
     # a name echoed in full made a 5 KB error body (found by the reliability harness): it is clipped
@@ -383,8 +384,8 @@ def test_bad_chat_requests_and_unknown_routes(client):
     assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400, "messages")
     assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}),
                  400, "messages")
-    assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 3}),
-                 400, "n", "unsupported_value")
+    assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 99}),
+                 400, "n", "invalid_value")
     assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                            "top_logprobs": 2}), 400, "top_logprobs")
     assert_error(client.get("/v1/nothing"), 404)
@@ -805,3 +806,32 @@ def test_logprob_offsets_index_the_decoded_text(pair):
         else:
             assert text[at:at + len(s)] == s
     assert [list(t)[0] for t in lp["top_logprobs"]] == lp["tokens"]
+
+
+def test_n_choices_each_sample_with_its_own_seed(client):
+    """n > 1 (pass@k harnesses send it): n requests, choice i sampling with seed + i, so choice i
+    equals an n = 1 request with that seed; greedy choices are all alike; usage counts the prompt
+    once; a stream interleaves the choices by index, each with its role and finish chunk."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 1.5, "seed": 11, "ignore_eos": True}
+    out = client.post("/v1/completions", json={**body, "n": 3}).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    for i, c in enumerate(out["choices"]):
+        assert c["text"] == complete(client, **{**body, "seed": 11 + i})["choices"][0]["text"]
+    assert out["usage"]["completion_tokens"] == 18 and out["usage"]["prompt_tokens"] == complete(
+        client, **body)["usage"]["prompt_tokens"]
+    greedy = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
+                                                  "n": 2}).json()["choices"]
+    assert greedy[0]["text"] == greedy[1]["text"]
+    msg = {"messages": [{"role": "user", "content": "a loop"}], "max_tokens": 6, "temperature": 1.5, "seed": 5,
+           "ignore_eos": True}
+    full = client.post("/v1/chat/completions", json={**msg, "n": 2}).json()
+    with client.stream("POST", "/v1/chat/completions",
+                       json={**msg, "n": 2, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r)
+    roles = [e["choices"][0]["index"] for e in events if e["choices"] and "role" in e["choices"][0]["delta"]]
+    assert roles == [0, 1]
+    for i in (0, 1):
+        mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == i]
+        assert "".join(c["delta"].get("content", "") for c in mine) == full["choices"][i]["message"]["content"]
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["length"]
+    assert events[-1]["usage"]["completion_tokens"] == 12 == full["usage"]["completion_tokens"]

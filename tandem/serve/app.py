@@ -20,6 +20,7 @@ import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -273,9 +274,8 @@ class Server:
         if body.model is not None and body.model != c.served_model_name:
             raise APIError(404, f"model {clip(body.model)} is not served here; this server serves "
                                 f"{c.served_model_name!r}", param="model", code="model_not_found")
-        if body.n != 1:
-            raise APIError(400, f"n={body.n} is not supported: this server returns one choice per request (n=1)",
-                           param="n", code="unsupported_value")
+        if not 1 <= body.n <= c.max_n:
+            raise APIError(400, f"n must be in 1..{c.max_n} (got {body.n})", param="n", code="invalid_value")
         for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0)):
             if getattr(body, name) != neutral:
                 raise APIError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_value")
@@ -345,6 +345,32 @@ class Server:
             raise
         return handle
 
+    async def open_all(self, prompt_ids: list[int], params: SamplingParams, n: int, method: str,
+                       top_logprobs: int | None, user: str | None = None) -> list[RequestHandle]:
+        """n requests for one prompt (choice i samples with seed + i), each counted against
+        --max-pending; if one cannot open, those already open are closed."""
+        handles: list[RequestHandle] = []
+        try:
+            for i in range(n):
+                handles.append(await self.open(prompt_ids, replace(params, seed=params.seed + i), method,
+                                               top_logprobs, user))
+        except BaseException:
+            for h in handles:
+                h.close()
+            raise
+        return handles
+
+    async def collect_all(self, request: Request, handles: list[RequestHandle]) -> list[Finished]:
+        """collect() for every choice; the first failure aborts the others."""
+        if len(handles) == 1:
+            return [await self.collect(request, handles[0])]
+        tasks = [asyncio.ensure_future(self.collect(request, h)) for h in handles]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:  # (a choice that failed leaves the others: cancelled, so each aborts)
+                t.cancel()
+
     async def collect(self, request: Request, handle: RequestHandle) -> Finished:
         """Wait for the end of a non-streamed request; abort it if the client goes away.
 
@@ -370,15 +396,16 @@ class Server:
             handle.close()
 
 
-def usage(fin: Finished) -> dict:
-    out = fin.output
-    f = out.figures
-    n, p = len(out.token_ids), len(out.prompt_token_ids)
+def usage(fins: list[Finished]) -> dict:
+    """A request's usage over its choices (the prompt counted once, as OpenAI counts it)."""
+    outs = [fin.output for fin in fins]
+    n, p = sum(len(o.token_ids) for o in outs), len(outs[0].prompt_token_ids)
+    passes = sum(o.figures.target_passes for o in outs)
     return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
             # extension: the request's speculation (tau: tokens per target verify pass, bonus included)
-            "speculative": {"method": fin.method, "draft_tokens": f.draft_tokens,
-                            "accepted_tokens": f.accepted_tokens, "target_passes": f.target_passes,
-                            "tau": round(out.tau, 4)}}
+            "speculative": {"method": fins[0].method, "draft_tokens": sum(o.figures.draft_tokens for o in outs),
+                            "accepted_tokens": sum(o.figures.accepted_tokens for o in outs),
+                            "target_passes": passes, "tau": round(n / max(1, passes), 4)}}
 
 
 def create_app(server: Server) -> FastAPI:
@@ -463,14 +490,13 @@ def create_app(server: Server) -> FastAPI:
                            code="invalid_value")
         ids = list(prompt) if isinstance(prompt, list) else tok.encode(valid_text(prompt, "prompt")).ids  # as `tandem generate` encodes
         params, method = server.sampling(body, len(ids), body.max_tokens, body.logprobs)
-        handle = await server.open(ids, params, method, body.logprobs, body.user)
-        rid, created, name = f"cmpl-{handle.request_id}", int(time.time()), server.config.served_model_name
+        handles = await server.open_all(ids, params, body.n, method, body.logprobs, body.user)
+        rid, created, name = f"cmpl-{handles[0].request_id}", int(time.time()), server.config.served_model_name
+        offsets = [fmt.offsets() for _ in handles]  # (each token's place in its choice's text, across chunks)
 
-        offsets = fmt.offsets()  # (each token's place in the text, across a stream's chunks)
-
-        def choice(text: str, finish: str | None, lps) -> dict:
-            return {"index": 0, "text": text, "logprobs": fmt.completion(lps, offsets) if lps is not None else None,
-                    "finish_reason": finish}
+        def choice(i: int, text: str, finish: str | None, lps) -> dict:
+            return {"index": i, "text": text,
+                    "logprobs": fmt.completion(lps, offsets[i]) if lps is not None else None, "finish_reason": finish}
 
         def record(choices: list, use=OMIT) -> dict:
             out = {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices}
@@ -479,10 +505,10 @@ def create_app(server: Server) -> FastAPI:
             return out
 
         if not body.stream:
-            fin = await server.collect(request, handle)
-            return record([choice(fin.output.text, FINISH_REASONS.get(fin.output.finish_reason), fin.logprobs)],
-                          usage(fin))
-        return stream(handle, params, body, record, choice, len(ids))
+            fins = await server.collect_all(request, handles)
+            return record([choice(i, fin.output.text, FINISH_REASONS.get(fin.output.finish_reason), fin.logprobs)
+                           for i, fin in enumerate(fins)], usage(fins))
+        return stream(handles, params, body, record, choice, len(ids))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -507,17 +533,17 @@ def create_app(server: Server) -> FastAPI:
             raise APIError(400, "the messages render to an empty prompt", param="messages", code="invalid_value")
         named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params, method = server.sampling(body, len(ids), getattr(body, named), top, named)
-        handle = await server.open(ids, params, method, top, body.user)
-        rid, created, name = f"chatcmpl-{handle.request_id}", int(time.time()), server.config.served_model_name
+        handles = await server.open_all(ids, params, body.n, method, top, body.user)
+        rid, created, name = f"chatcmpl-{handles[0].request_id}", int(time.time()), server.config.served_model_name
 
         if not body.stream:
-            fin = await server.collect(request, handle)
-            lps = fmt.chat(fin.logprobs) if fin.logprobs is not None else None
-            msg = {"role": "assistant", "content": fin.output.text}
+            fins = await server.collect_all(request, handles)
             return {"id": rid, "object": "chat.completion", "created": created, "model": name,
-                    "choices": [{"index": 0, "message": msg, "logprobs": lps,
-                                 "finish_reason": FINISH_REASONS.get(fin.output.finish_reason)}],
-                    "usage": usage(fin)}
+                    "choices": [{"index": i, "message": {"role": "assistant", "content": fin.output.text},
+                                 "logprobs": fmt.chat(fin.logprobs) if fin.logprobs is not None else None,
+                                 "finish_reason": FINISH_REASONS.get(fin.output.finish_reason)}
+                                for i, fin in enumerate(fins)],
+                    "usage": usage(fins)}
 
         def record(choices: list, use=OMIT) -> dict:
             out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
@@ -526,23 +552,24 @@ def create_app(server: Server) -> FastAPI:
                 out["usage"] = use
             return out
 
-        def choice(text: str, finish: str | None, lps) -> dict:
-            return {"index": 0, "delta": {"content": text}, "logprobs": fmt.chat(lps) if lps is not None else None,
+        def choice(i: int, text: str, finish: str | None, lps) -> dict:
+            return {"index": i, "delta": {"content": text}, "logprobs": fmt.chat(lps) if lps is not None else None,
                     "finish_reason": finish}
 
-        # (the role first, in a chunk of its own, as OpenAI and vLLM send it: an output that stops
-        # at once has no text chunk to carry it)
-        first = record([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}])
-        return stream(handle, params, body, record, choice, len(ids), first)
+        # (each choice's role first, in a chunk of its own, as OpenAI and vLLM send it: an output that
+        # stops at once has no text chunk to carry it)
+        first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                 for i in range(len(handles))]
+        return stream(handles, params, body, record, choice, len(ids), first)
 
-    def stream(handle: RequestHandle, params: SamplingParams, body, record, choice, prompt_len: int,
-               first: dict | None = None) -> ClosingStream:
-        """Server-sent events: `first` (chat: the role), a chunk per step that released text (or
-        logprobs; a stream behind the engine joins its queued steps into one chunk), a last chunk
-        with the finish_reason, an optional usage chunk, then `data: [DONE]`. With include_usage
-        every other chunk has "usage": null (OpenAI's shape); with `continuous_usage_stats` too
-        (vLLM's extension) every chunk carries the token counts so far instead."""
+    def stream(handles: list[RequestHandle], params: SamplingParams, body, record, choice, prompt_len: int,
+               first: list[dict] | None = None) -> ClosingStream:
+        """Server-sent events: `first` (chat: each choice's role), a chunk per step that released
+        text (or logprobs; a stream behind the engine joins its queued steps into one chunk), a last
+        chunk per choice with its finish_reason, an optional usage chunk, then `data: [DONE]`. With
+        include_usage every other chunk has "usage": null (OpenAI's shape); with
+        `continuous_usage_stats` too (vLLM's extension) every chunk carries the token counts so far
+        (over every choice) instead. n choices (n requests) are interleaved as their steps come."""
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)
@@ -552,42 +579,75 @@ def create_app(server: Server) -> FastAPI:
                 return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
             return None if include_usage else OMIT
 
-        if first is not None:
-            first = record(first["choices"], counts(0))
-        # the common chunk (text, no logprobs) from a template: the same bytes as frame()
-        later = ChunkTemplate(record([choice(Slot("text"), None, None)],
-                                     {"prompt_tokens": prompt_len, "completion_tokens": Slot("n"),
-                                      "total_tokens": Slot("total")} if continuous else counts(0)))
+        # the common chunk of each choice (text, no logprobs) from a template: the same bytes as frame()
+        later = [ChunkTemplate(record([choice(i, Slot("text"), None, None)],
+                                      {"prompt_tokens": prompt_len, "completion_tokens": Slot("n"),
+                                       "total_tokens": Slot("total")} if continuous else counts(0)))
+                 for i in range(len(handles))]
+
+        async def merged():
+            """(choice, event) of every handle until each ended (one handle: straight from it)."""
+            if len(handles) == 1:
+                while True:
+                    ev = await handles[0].next_merged()
+                    yield 0, ev
+                    if not isinstance(ev, Delta):
+                        return
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, h: RequestHandle) -> None:
+                while True:
+                    ev = await h.next_merged()
+                    queue.put_nowait((i, ev))
+                    if not isinstance(ev, Delta):
+                        return
+
+            tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+            try:
+                for _ in range(len(handles)):
+                    while True:
+                        i, ev = await queue.get()
+                        yield i, ev
+                        if not isinstance(ev, Delta):
+                            break
+            finally:
+                for t in tasks:
+                    t.cancel()
 
         async def events():
-            if first is not None:
-                yield frame(first)
-            streamer = StopStreamer(IncrementalDecode(tok.decode), params.stop)
-            tokens = 0
-            while True:
-                ev = await handle.next_merged()
+            for c in first or ():
+                yield frame(record([c], counts(0)))
+            streamers = [StopStreamer(IncrementalDecode(tok.decode), params.stop) for _ in handles]
+            made = [0] * len(handles)  # each choice's tokens so far (at its end: its output's, cut at a stop)
+            tokens, ended = 0, []
+            async for i, ev in merged():
                 if isinstance(ev, Delta):
+                    made[i] += len(ev.token_ids)
                     tokens += len(ev.token_ids)
-                    text = streamer.push(ev.token_ids)
+                    text = streamers[i].push(ev.token_ids)
                     if ev.logprobs is None:
                         if text:
-                            yield later.fill(text=text, n=tokens, total=prompt_len + tokens)
+                            yield later[i].fill(text=text, n=tokens, total=prompt_len + tokens)
                     elif text or ev.logprobs:
-                        yield frame(record([choice(text, None, ev.logprobs)], counts(tokens)))
+                        yield frame(record([choice(i, text, None, ev.logprobs)], counts(tokens)))
                 elif isinstance(ev, Finished):
-                    rest = streamer.finish(ev.output.text)
-                    yield frame(record([choice(rest, FINISH_REASONS.get(ev.output.finish_reason), None)],
-                                       counts(len(ev.output.token_ids))))
-                    if include_usage:
-                        yield frame(record([], usage(ev)))
-                    yield DONE
-                    return
-                else:
+                    ended.append(ev)
+                    tokens += len(ev.output.token_ids) - made[i]
+                    rest = streamers[i].finish(ev.output.text)
+                    yield frame(record([choice(i, rest, FINISH_REASONS.get(ev.output.finish_reason), None)],
+                                       counts(tokens)))
+                else:  # (one choice failed: the stream ends; closing it aborts the others)
                     yield frame(error_body(ev.status, ev.message, code=ev.code))
                     yield DONE
                     return
+            if include_usage:
+                yield frame(record([], usage(ended)))
+            yield DONE
 
-        return ClosingStream(events(), handle.close, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+        def close() -> None:
+            for h in handles:
+                h.close()
+
+        return ClosingStream(events(), close, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     return app

@@ -22,6 +22,7 @@ class ServerConfig:
     retry_after_s: int = 1
     max_body_bytes: int = 1 << 20  # larger bodies get 413 before any parsing
     max_tokens_limit: int = 4096  # max_tokens above this (or above the context window) get 400
+    max_n: int = 16  # choices per request (n): each is a request of its own, counted against max_pending
     max_stop: int = 4  # stop strings per request (OpenAI's limit)
     max_stop_chars: int = 256  # characters per stop string
     max_top_logprobs: int = 20  # chat's top_logprobs (completions' logprobs: at most 5, as OpenAI)

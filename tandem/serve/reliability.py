@@ -329,7 +329,8 @@ def check_status_map(t: Target) -> CheckResult:
         ("missing messages", "POST", "/v1/chat/completions", {}, {}, 400, "invalid_request_error", "messages"),
         ("wrong-typed field", "POST", "/v1/completions", {}, {"prompt": "x", "max_tokens": "ten"}, 400,
          "invalid_request_error", "max_tokens"),
-        ("n > 1", "POST", "/v1/chat/completions", {}, {"messages": msg, "n": 2}, 400, "invalid_request_error", "n"),
+        ("n over max_n", "POST", "/v1/chat/completions", {}, {"messages": msg, "n": s.config.max_n + 1}, 400,
+         "invalid_request_error", "n"),
         ("huge max_tokens", "POST", "/v1/completions", {}, {"prompt": "x", "max_tokens": 10 ** 9}, 400,
          "invalid_request_error", "max_tokens"),
         ("prompt over the context window", "POST", "/v1/completions", {}, {"prompt": "def " * (ctx + 8)}, 400,
@@ -767,7 +768,7 @@ def check_ledger(t: Target, rounds: int = 2) -> CheckResult:
                 r = c.post("/v1/completions", json={"prompt": PROMPTS[i], "max_tokens": 3, "temperature": 0})
                 sent += 1
                 mine["completed" if r.status_code == 200 else "failed"] += 1
-            c.post("/v1/completions", json={"prompt": "x", "n": 2})  # refused by validation: not sent
+            c.post("/v1/completions", json={"prompt": "x", "n": s.config.max_n + 1})  # refused by validation: not sent
             held = HeldStreams(t, s.config.max_pending, max_tokens=min(400, s.context_window // 2))
             sent += s.config.max_pending
             r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
