@@ -39,6 +39,7 @@ throwaway requests when the engine starts (`measure_step_costs`).
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import statistics
 import time
@@ -287,7 +288,9 @@ class Engine:
         # row selection's draft-cost term: whether a step drafts at all (None: always drafts),
         # from this engine's step costs, measured now on throwaway requests
         if gated:
-            self.gate = DraftGate(config.step_costs or self.measure_step_costs(), arms=GateArms(),
+            # TANDEM_GATE_ARMS=0: the cost model alone decides (the A/B of the measured arms)
+            arms = GateArms() if os.environ.get("TANDEM_GATE_ARMS", "1") != "0" else None
+            self.gate = DraftGate(config.step_costs or self.measure_step_costs(), arms=arms,
                                   ceiling=self._accept_ceiling())
         warm = config.warmup_request if config.warmup_request is not None else target.device.type == "cuda"
         if warm:
