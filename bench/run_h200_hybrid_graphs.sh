@@ -6,7 +6,7 @@
 #   bash bench/run_h200_hybrid_graphs.sh $OUT       (device tool: carry .data, with .data/trace/results.json)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD:$PWD/bench
-export DEADLINE=${DEADLINE:-300} TANDEM_HYBRID_GRAPHS=1  # (opt-in until this lane has passed)
+export DEADLINE=${DEADLINE:-300} TANDEM_HYBRID_GRAPHS=1  # (the default since this lane passed, 2026-12-07)
 source bench/deadline.sh
 TRACE=${TRACE:-.data/trace/results.json}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/env.txt"

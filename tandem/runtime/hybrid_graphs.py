@@ -37,11 +37,11 @@ GRAPH_KERNELS = ("path", "wy")
 
 
 def graphs_apply(model) -> bool:
-    """Whether a hybrid target's tree passes are captured: asked for (TANDEM_HYBRID_GRAPHS=1), on
-    CUDA, with a capturable GDN kernel (path, the CUDA default, or wy), unless TANDEM_CUDA_GRAPHS=0.
-    NOTE: opt-in until the GPU lane (tests/gpu/test_gpu_hybrid_graphs.py) has run: the session that
-    built this had no device time left (the emulated passes are tested on the CPU)."""
-    return (os.environ.get("TANDEM_HYBRID_GRAPHS") == "1" and model.device.type == "cuda"
+    """Whether a hybrid target's tree passes are captured: on CUDA, with a capturable GDN kernel
+    (path, the CUDA default, or wy), unless TANDEM_HYBRID_GRAPHS=0 or TANDEM_CUDA_GRAPHS=0. (The
+    default since its GPU lane, tests/gpu/test_gpu_hybrid_graphs.py, passed on an H100, 2026-12-07;
+    a random Qwen3.5-4B-shaped target's `ar` ran at 93.7 tok/s captured against 13.1 eager.)"""
+    return (os.environ.get("TANDEM_HYBRID_GRAPHS", "1") != "0" and model.device.type == "cuda"
             and model.gdn_tree in GRAPH_KERNELS and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0")
 
 

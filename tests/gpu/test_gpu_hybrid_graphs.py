@@ -59,7 +59,7 @@ def test_greedy_decoding_through_graphs_equals_eager_ar(model, monkeypatch):
     monkeypatch.setattr(model, "gdn_tree", "walk")
     ref = generate_hybrid(model, prompt, "ar", gen=gen).token_ids  # eager (the walk is not captured)
     monkeypatch.setattr(model, "gdn_tree", "path")
-    monkeypatch.setenv("TANDEM_HYBRID_GRAPHS", "1")  # (opt-in until this lane has passed)
+    monkeypatch.setenv("TANDEM_HYBRID_GRAPHS", "1")  # (the default; set against a stray =0 in the environment)
     from tandem.runtime.hybrid_graphs import graphs_apply
 
     assert graphs_apply(model)
