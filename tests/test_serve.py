@@ -835,3 +835,21 @@ def test_n_choices_each_sample_with_its_own_seed(client):
         assert "".join(c["delta"].get("content", "") for c in mine) == full["choices"][i]["message"]["content"]
         assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["length"]
     assert events[-1]["usage"]["completion_tokens"] == 12 == full["usage"]["completion_tokens"]
+
+
+def test_the_sampled_token_is_in_its_top_logprobs_and_choices_carry_the_stop_reason(client):
+    """OpenAI's legacy logprobs give up to logprobs + 1 entries: the sampled token always among
+    them (a harness reads top_logprobs[i][tokens[i]]); vLLM's stop_reason names the stop string
+    that ended a choice (null for an EOS or a length end)."""
+    out = complete(client, prompt=PROMPTS[0], max_tokens=8, temperature=1.5, seed=3, logprobs=0, ignore_eos=True)
+    lp = out["choices"][0]["logprobs"]
+    assert all(top == {tok: own} for tok, own, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+    assert out["choices"][0]["stop_reason"] is None and out["choices"][0]["finish_reason"] == "length"
+    text = complete(client, prompt=PROMPTS[0], max_tokens=12)["choices"][0]["text"]
+    stop = text[4:7]
+    cut = complete(client, prompt=PROMPTS[0], max_tokens=12, stop=["@@never@@", stop])["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 12,
+                                                  "temperature": 0, "stop": [stop]})
+    ch = r.json()["choices"][0]
+    assert ch["stop_reason"] == (stop if ch["finish_reason"] == "stop" else None)

@@ -494,9 +494,10 @@ def create_app(server: Server) -> FastAPI:
         rid, created, name = f"cmpl-{handles[0].request_id}", int(time.time()), server.config.served_model_name
         offsets = [fmt.offsets() for _ in handles]  # (each token's place in its choice's text, across chunks)
 
-        def choice(i: int, text: str, finish: str | None, lps) -> dict:
+        def choice(i: int, text: str, finish: str | None, lps, stop: str | None = None) -> dict:
             return {"index": i, "text": text,
-                    "logprobs": fmt.completion(lps, offsets[i]) if lps is not None else None, "finish_reason": finish}
+                    "logprobs": fmt.completion(lps, offsets[i]) if lps is not None else None, "finish_reason": finish,
+                    "stop_reason": stop}  # (vLLM's: the stop string that ended it; null for an EOS)
 
         def record(choices: list, use=OMIT) -> dict:
             out = {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices}
@@ -506,8 +507,8 @@ def create_app(server: Server) -> FastAPI:
 
         if not body.stream:
             fins = await server.collect_all(request, handles)
-            return record([choice(i, fin.output.text, FINISH_REASONS.get(fin.output.finish_reason), fin.logprobs)
-                           for i, fin in enumerate(fins)], usage(fins))
+            return record([choice(i, fin.output.text, FINISH_REASONS.get(fin.output.finish_reason), fin.logprobs,
+                                  fin.output.stop_reason) for i, fin in enumerate(fins)], usage(fins))
         return stream(handles, params, body, record, choice, len(ids))
 
     @app.post("/v1/chat/completions")
@@ -541,7 +542,8 @@ def create_app(server: Server) -> FastAPI:
             return {"id": rid, "object": "chat.completion", "created": created, "model": name,
                     "choices": [{"index": i, "message": {"role": "assistant", "content": fin.output.text},
                                  "logprobs": fmt.chat(fin.logprobs) if fin.logprobs is not None else None,
-                                 "finish_reason": FINISH_REASONS.get(fin.output.finish_reason)}
+                                 "finish_reason": FINISH_REASONS.get(fin.output.finish_reason),
+                                 "stop_reason": fin.output.stop_reason}
                                 for i, fin in enumerate(fins)],
                     "usage": usage(fins)}
 
@@ -552,9 +554,9 @@ def create_app(server: Server) -> FastAPI:
                 out["usage"] = use
             return out
 
-        def choice(i: int, text: str, finish: str | None, lps) -> dict:
+        def choice(i: int, text: str, finish: str | None, lps, stop: str | None = None) -> dict:
             return {"index": i, "delta": {"content": text}, "logprobs": fmt.chat(lps) if lps is not None else None,
-                    "finish_reason": finish}
+                    "finish_reason": finish, "stop_reason": stop}
 
         # (each choice's role first, in a chunk of its own, as OpenAI and vLLM send it: an output that
         # stops at once has no text chunk to carry it)
@@ -634,8 +636,8 @@ def create_app(server: Server) -> FastAPI:
                     ended.append(ev)
                     tokens += len(ev.output.token_ids) - made[i]
                     rest = streamers[i].finish(ev.output.text)
-                    yield frame(record([choice(i, rest, FINISH_REASONS.get(ev.output.finish_reason), None)],
-                                       counts(tokens)))
+                    yield frame(record([choice(i, rest, FINISH_REASONS.get(ev.output.finish_reason), None,
+                                               ev.output.stop_reason)], counts(tokens)))
                 else:  # (one choice failed: the stream ends; closing it aborts the others)
                     yield frame(error_body(ev.status, ev.message, code=ev.code))
                     yield DONE

@@ -162,8 +162,11 @@ class LogprobFormat:
             raw, s = self.text(t.token)
             tokens.append(s)
             where.append(offsets.next(b"" if t.token in self.text.special else raw))  # (no text: the decode skips it)
-        return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
-                "top_logprobs": [{self.text(i)[1]: v for i, v in t.top} for t in lps], "text_offset": where}
+        # (the sampled token is always among its top_logprobs, as OpenAI's legacy API gives up to
+        # logprobs + 1 entries: a harness reads top_logprobs[i][tokens[i]])
+        tops = [{**{self.text(i)[1]: v for i, v in t.top}, s: t.logprob} for t, s in zip(lps, tokens)]
+        return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps], "top_logprobs": tops,
+                "text_offset": where}
 
     def chat(self, lps: list[TokenLogprob]) -> dict:
         def entry(token: int, logprob: float) -> dict:
