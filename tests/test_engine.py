@@ -333,7 +333,7 @@ def test_llm_on_the_bundled_pair_equals_tandem_generate_ar(capsys):
         assert len(short.token_ids) == n and short.figures.accepted_tokens <= n
 
 
-def test_llm_speaks_vllms_dialect(capsys, monkeypatch):
+def test_llm_speaks_vllms_dialect(capsys, monkeypatch, caplog):
     """What a vLLM user writes works: sampling without a seed differs between requests (seed None,
     vLLM's default; a given seed repeats), {"prompt"} / {"prompt_token_ids"} prompts, the
     `sampling_params` and `use_tqdm` keywords, `outputs[0]` with finish_reason "stop" for an EOS and
@@ -372,8 +372,12 @@ def test_llm_speaks_vllms_dialect(capsys, monkeypatch):
     again = llm.generate("def fib(n):", SP(max_tokens=4, temperature=2.0, seed=8), use_tqdm=False)[0]
     assert three[0].outputs[1].token_ids == again.token_ids
     assert len({tuple(c.token_ids) for c in three[0].outputs}) > 1
-    greedy = llm.generate("def fib(n):", SP(max_tokens=4, n=2), use_tqdm=False)[0].outputs
+    import logging
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        greedy = llm.generate("def fib(n):", SP(max_tokens=4, n=2), use_tqdm=False)[0].outputs
     assert greedy[0].token_ids == greedy[1].token_ids
+    assert any("n > 1 with temperature 0 gives n equal greedy completions" in r.getMessage() for r in caplog.records)
+    assert LLM().engine.config.method == "ar"  # (the CPU's default: the engine's tree lost to ar there)
     eng = llm.engine
     with pytest.raises(ConfigError, match="n=2: the engine runs one completion per request"):
         eng.add_request(ids, SP(max_tokens=2, n=2))

@@ -853,3 +853,11 @@ def test_the_sampled_token_is_in_its_top_logprobs_and_choices_carry_the_stop_rea
                                                   "temperature": 0, "stop": [stop]})
     ch = r.json()["choices"][0]
     assert ch["stop_reason"] == (stop if ch["finish_reason"] == "stop" else None)
+
+
+def test_a_server_without_methods_serves_tree_first_on_a_gpu_and_ar_first_on_the_cpu():
+    from tandem.serve.config import default_methods
+
+    assert default_methods(None, None, "cuda") == ("tree", "ar")
+    assert default_methods(None, None, "cpu") == default_methods("t", "d", "cpu") == ("ar", "tree")
+    assert default_methods("t", None, "cuda") == ("ar",)

@@ -642,7 +642,7 @@ def run(args: argparse.Namespace) -> int:
     if args.url is None:
         # the methods named, served as `tandem serve --methods` would (its first the default); `default`
         # alone serves what `tandem serve` does without --methods
-        served = [m for m in methods if m is not None] or list(default_methods(args.target, args.draft))
+        served = [m for m in methods if m is not None] or list(default_methods(args.target, args.draft, args.device))
         server = build_local_server(args, served, max(levels))
         prompts = prompt_texts(args, server.tokenizer)
         local = LocalServer(server)

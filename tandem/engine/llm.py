@@ -1,7 +1,7 @@
 """`tandem.LLM`: the offline Python API, in the shape vLLM users know.
 
     from tandem import LLM, SamplingParams
-    llm = LLM()                                   # the bundled pair, method tree
+    llm = LLM()                                   # the bundled pair (method tree on a GPU, ar on the CPU)
     outs = llm.generate(["def fib(n):", "import os"], SamplingParams(max_tokens=32))
     outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].figures.ttft
     outs[0].outputs[0].text                       # vLLM's shape too
@@ -37,7 +37,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 class LLM:
     """target / draft: checkpoint folders (default: the bundled pair; `model` is vLLM's name for
-    target). `method`: ar | chain | tree (default: tree with a draft, ar without one);
+    target). `method`: ar | chain | tree (default: tree with a draft on a GPU, else ar);
     `engine_config` overrides the engine's knobs."""
 
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = None, device: str = "cpu",
@@ -55,7 +55,10 @@ class LLM:
         named = cfg.method if cfg.method != EngineConfig().method else None
         if method is not None and named is not None and method != named:
             raise ConfigError(f"method={method!r} and engine_config.method={named!r} differ; give the method once")
-        method = method or named or ("tree" if draft is not None or bundled else "ar")
+        # (with a drafter: tree on a GPU, ar on the CPU, where the engine's tree lost to ar at every
+        # concurrency: tandem.serve.config.default_methods)
+        method = method or named or ("tree" if (draft is not None or bundled) and str(device).startswith("cuda")
+                                     else "ar")
         pair = load_pair(target, draft, device, resolve_dtype(dtype, device), need_draft=method != "ar")
         cfg = replace(cfg, method=method, spec=spec or cfg.spec)
         self.tokenizer = pair.tokenizer
@@ -78,6 +81,9 @@ class LLM:
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ConfigError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; give one or one each")
+        if any(p.n > 1 and p.temperature == 0 for p in plist):  # (a pass@k harness that left temperature unset)
+            log.warning("n > 1 with temperature 0 gives n equal greedy completions; set temperature > 0 to sample "
+                        "(SamplingParams' default is greedy, vLLM's is 1.0)")
         reqs, groups = [], []  # groups: each prompt's requests (n of them)
         try:
             for prompt, p in zip(prompts, plist):

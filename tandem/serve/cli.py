@@ -82,7 +82,7 @@ def build(args, check_address: bool = False) -> tuple[object, ServerConfig]:
     from tandem.serve.chat_template import ChatTemplate
 
     methods = (tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods is not None
-               else default_methods(args.target, args.draft))
+               else default_methods(args.target, args.draft, args.device))
     cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
                        methods=methods, max_pending=args.max_pending, max_tokens_limit=args.max_tokens_limit,
                        shutdown_grace_s=args.shutdown_grace, inject_faults=args.inject_faults)

@@ -60,7 +60,12 @@ def engine_config_for(cfg: EngineConfig, method: str) -> EngineConfig:
     return replace(cfg, method=method)
 
 
-def default_methods(target: str | None, draft: str | None) -> tuple[str, ...]:
-    """What a server serves without --methods: tree (its default) and ar where there is a drafter
-    (a --draft, or the bundled pair), else ar."""
-    return ("tree", "ar") if draft is not None or target is None else ("ar",)
+def default_methods(target: str | None, draft: str | None, device: str = "cuda") -> tuple[str, ...]:
+    """What a server serves without --methods: tree and ar where there is a drafter (a --draft, or
+    the bundled pair), else ar. The first is a request's default: tree on a GPU, ar on the CPU, where
+    the engine's tree lost to ar at every concurrency (the bundled pair on this project's 2-core CPU,
+    2026-12-07: 0.76x / 0.56x / 0.26x at 1 / 8 / 32 requests; `tandem bench --concurrency 1,8,32
+    --methods ar,tree --draft eagle3`). A request still picks either with `method`."""
+    if draft is None and target is not None:
+        return ("ar",)
+    return ("tree", "ar") if str(device).startswith("cuda") else ("ar", "tree")
