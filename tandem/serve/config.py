@@ -65,7 +65,7 @@ def default_methods(target: str | None, draft: str | None, device: str = "cuda")
     the bundled pair), else ar. The first is a request's default: tree on a GPU, ar on the CPU, where
     the engine's tree lost to ar at every concurrency (the bundled pair on this project's 2-core CPU,
     2026-12-07: 0.76x / 0.56x / 0.26x at 1 / 8 / 32 requests; `tandem bench --concurrency 1,8,32
-    --methods ar,tree --draft eagle3`). A request still picks either with `method`."""
+    --methods ar,tree,tree+gate --draft eagle3 --num-prompts 32 --max-new-tokens 64`). A request still picks either with `method`."""
     if draft is None and target is not None:
         return ("ar",)
     return ("tree", "ar") if str(device).startswith("cuda") else ("ar", "tree")
