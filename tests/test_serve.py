@@ -859,5 +859,6 @@ def test_a_server_without_methods_serves_tree_first_on_a_gpu_and_ar_first_on_the
     from tandem.serve.config import default_methods
 
     assert default_methods(None, None, "cuda") == ("tree", "ar")
-    assert default_methods(None, None, "cpu") == default_methods("t", "d", "cpu") == ("ar", "tree")
+    assert default_methods(None, None, "cpu") == ("ar", "tree")
+    assert default_methods("t", "d", "cpu") == default_methods(None, "d", "cpu") == ("tree", "ar")  # (a draft given)
     assert default_methods("t", None, "cuda") == ("ar",)

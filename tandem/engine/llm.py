@@ -37,7 +37,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 class LLM:
     """target / draft: checkpoint folders (default: the bundled pair; `model` is vLLM's name for
-    target). `method`: ar | chain | tree (default: tree with a draft on a GPU, else ar);
+    target). `method`: ar | chain | tree (default: tree with a draft; the bundled pair: tree on a
+    GPU, ar on the CPU; ar without a draft);
     `engine_config` overrides the engine's knobs."""
 
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = None, device: str = "cpu",
@@ -55,9 +56,9 @@ class LLM:
         named = cfg.method if cfg.method != EngineConfig().method else None
         if method is not None and named is not None and method != named:
             raise ConfigError(f"method={method!r} and engine_config.method={named!r} differ; give the method once")
-        # (with a drafter: tree on a GPU, ar on the CPU, where the engine's tree lost to ar at every
-        # concurrency: tandem.serve.config.default_methods)
-        method = method or named or ("tree" if (draft is not None or bundled) and str(device).startswith("cuda")
+        # (tree with a draft given; the bundled pair: tree on a GPU, ar on the CPU, where the engine's
+        # tree lost to ar at every concurrency: tandem.serve.config.default_methods)
+        method = method or named or ("tree" if draft is not None or (bundled and str(device).startswith("cuda"))
                                      else "ar")
         pair = load_pair(target, draft, device, resolve_dtype(dtype, device), need_draft=method != "ar")
         cfg = replace(cfg, method=method, spec=spec or cfg.spec)

@@ -23,8 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="required as 'Authorization: Bearer KEY' on every /v1 route (default: $TANDEM_API_KEY)")
     p.add_argument("--served-model-name", default=s.served_model_name, help="the `model` name requests use")
     p.add_argument("--methods", default=None,
-                   help="comma list of ar | chain | tree served; the first is the default (default with a draft: "
-                        "tree,ar on cuda, ar,tree on cpu; ar without)")
+                   help="comma list of ar | chain | tree served; the first is the default (default: tree,ar with "
+                        "--draft; the bundled pair: tree,ar on cuda, ar,tree on cpu; ar with --target alone)")
     p.add_argument("--chat-template", default=None, help="jinja2 file overriding the checkpoint's chat template")
     p.add_argument("--max-pending", type=int, default=s.max_pending,
                    help="requests in flight at most; more get 503 with Retry-After")

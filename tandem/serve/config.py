@@ -62,10 +62,11 @@ def engine_config_for(cfg: EngineConfig, method: str) -> EngineConfig:
 
 def default_methods(target: str | None, draft: str | None, device: str = "cuda") -> tuple[str, ...]:
     """What a server serves without --methods: tree and ar where there is a drafter (a --draft, or
-    the bundled pair), else ar. The first is a request's default: tree on a GPU, ar on the CPU, where
-    the engine's tree lost to ar at every concurrency (the bundled pair on this project's 2-core CPU,
+    the bundled pair), else ar. The first is a request's default: tree with a --draft; for the
+    bundled pair tree on a GPU and ar on the CPU, where the engine's tree lost to ar at every
+    concurrency (the bundled pair on this project's 2-core CPU,
     2026-12-07: 0.76x / 0.56x / 0.26x at 1 / 8 / 32 requests; `tandem bench --concurrency 1,8,32
     --methods ar,tree,tree+gate --draft eagle3 --num-prompts 32 --max-new-tokens 64`). A request still picks either with `method`."""
     if draft is None and target is not None:
         return ("ar",)
-    return ("tree", "ar") if str(device).startswith("cuda") else ("ar", "tree")
+    return ("tree", "ar") if draft is not None or str(device).startswith("cuda") else ("ar", "tree")
