@@ -329,6 +329,21 @@ def test_replay_needs_a_preset_and_a_real_trace(tmp_path, capsys):
     assert "need --replay" in capsys.readouterr().err
 
 
+def test_replay_refuses_a_draft_preset_that_cannot_embed_the_targets_tokens(capsys):
+    """A replay feeds the target's tokens to the draft: a draft preset of a smaller vocabulary
+    stopped on the GPU at a device-side index assert (Qwen3.5-4B with a Qwen2.5-0.5B draft)."""
+    from pathlib import Path
+
+    trace = Path(__file__).parent.parent / "bench/results/h200-2026-12-01-drafters-table/mbpp_eagle3/results.json.gz"
+    assert cli.main(["bench", "--preset", "qwen3.5-4b", "--draft-preset", "qwen2.5-0.5b", "--replay",
+                     str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert "draft preset qwen2.5-0.5b has 151936 tokens, fewer than qwen3.5-4b's 248320" in err
+    assert "(qwen3.5-0.8b)" in err and len(err.strip().splitlines()) == 1
+    assert cli.main(["bench", "--preset", "llama3.2-1b", "--replay", str(trace)]) == 2  # (its default draft: tiny)
+    assert "draft preset tiny has 512 tokens" in capsys.readouterr().err
+
+
 def test_read_json_reads_a_gzipped_results_file(tmp_path):
     """Older results are kept gzipped; --replay and --tau-json read them as they are."""
     import gzip

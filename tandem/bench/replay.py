@@ -54,6 +54,13 @@ def run_replay(args) -> int:
                           f"preset takes a draft model preset (e.g. {DEFAULT_HYBRID_DRAFT[args.preset]})")
     trace = load_trace(args.replay)
     draft_preset = args.draft_preset or {**DEFAULT_DRAFT, **DEFAULT_HYBRID_DRAFT}[args.preset]
+    if draft_preset not in EAGLE3_PRESETS:  # (a head embeds through the target's own table)
+        tv, dv = known[args.preset].vocab_size, known[draft_preset].vocab_size
+        if dv < tv:  # (on a GPU: a device-side assert when the draft embedded such a token)
+            fits = [n for n, c in known.items() if c.vocab_size >= tv and n != args.preset]
+            raise ConfigError(f"draft preset {draft_preset} has {dv} tokens, fewer than {args.preset}'s {tv}: the "
+                              "replay feeds the target's tokens to the draft; give --draft-preset with the "
+                              f"target's vocabulary ({', '.join(fits) or 'none of the presets has it'})")
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     specs = trace["config"]["method_specs"]
     wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
