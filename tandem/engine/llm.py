@@ -26,7 +26,7 @@ DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16
           "float16": "float16", "half": "float16", "fp16": "float16"}
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
+def dtype_name(dtype: str, device: str) -> str:
     """dtype as vLLM takes it ("auto": bfloat16 on a GPU, float32 on the CPU) -> Tandem's name."""
     if dtype == "auto":
         return "bfloat16" if str(device).startswith("cuda") else "float32"
@@ -60,7 +60,7 @@ class LLM:
         # tree lost to ar at every concurrency: tandem.serve.config.default_methods)
         method = method or named or ("tree" if draft is not None or (bundled and str(device).startswith("cuda"))
                                      else "ar")
-        pair = load_pair(target, draft, device, resolve_dtype(dtype, device), need_draft=method != "ar")
+        pair = load_pair(target, draft, device, dtype_name(dtype, device), need_draft=method != "ar")
         cfg = replace(cfg, method=method, spec=spec or cfg.spec)
         self.tokenizer = pair.tokenizer
         self.engine = Engine(pair.target, pair.draft, pair.tokenizer, cfg)

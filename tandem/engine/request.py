@@ -44,10 +44,9 @@ class SamplingParams:
         """(seed None, not yet drawn by the engine: 0)"""
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, seed=self.seed or 0)
 
-    def generation(self, max_new: int | None = None) -> GenerationConfig:
-        """max_new: max_tokens as the engine held it to the context window."""
-        return GenerationConfig(max_new_tokens=max_new or self.max_tokens or 1, ignore_eos=self.ignore_eos,
-                                stop=self.stop)
+    def generation(self, max_new: int) -> GenerationConfig:
+        """max_new: max_tokens as the engine held it to the context window (None: the whole window)."""
+        return GenerationConfig(max_new_tokens=max_new, ignore_eos=self.ignore_eos, stop=self.stop)
 
     def validate(self) -> None:
         """One-line ConfigErrors naming the field (SamplingConfig's name the CLI's flags)."""

@@ -112,14 +112,14 @@ class ChainedProposer:
         L = len(path) - 1
         sub = DraftTree(tokens=[path.tokens[-1]], parents=[-1], logp=[0.0])
         leaves = [0]
-        level = 0
+        level, depth = 0, depth or self.depth
         while True:
             logp = torch.log_softmax(logits.float(), dim=-1)  # [len(leaves), V]
             top = logp.topk(min(self.width, logp.shape[-1]), dim=-1)
             cand = sorted(((sub.logp[u] + float(v), u, int(t)) for u, vs, ts in zip(leaves, top.values, top.indices)
                            for v, t in zip(vs, ts)), key=lambda c: -c[0])
             left = nodes - (len(sub) - 1)  # (budget left, spread over the levels left)
-            keep = min(left, max(self.width, -(-left // max(1, (depth or self.depth) - level))))
+            keep = min(left, max(self.width, -(-left // max(1, depth - level))))
             level += 1
             leaves = []
             for score, parent, token in cand[:keep]:

@@ -39,7 +39,7 @@ from tandem.serve.driver import (FAULT_PREFIX, FAULT_USER, KILL_PREFIX, KILL_USE
                                  Finished, Job, inject_faults)
 from tandem.serve.errors import APIError, error_body
 from tandem.serve.engine_process import EngineSpec, ProcessDriver
-from tandem.serve.logprobs import LogprobEngine, LogprobFormat
+from tandem.serve.logprobs import LogprobEngine, LogprobFormat, TextOffsets
 from tandem.serve.metrics import ServerMetrics
 from tandem.serve.schemas import ChatCompletionRequest, CompletionRequest, unknown_fields, unsupported
 from tandem.serve.sse import DONE, ChunkTemplate, Slot, frame
@@ -396,6 +396,18 @@ class Server:
             handle.close()
 
 
+def records(kind: str, rid: str, created: int, model: str):
+    """record(choices, use=OMIT): a response record of `kind` ("text_completion",
+    "chat.completion.chunk") holding `choices`; `use` its usage (OMIT: no key, None: null)."""
+    def record(choices: list, use=OMIT) -> dict:
+        out = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+        if use is not OMIT:
+            out["usage"] = use
+        return out
+
+    return record
+
+
 def usage(fins: list[Finished]) -> dict:
     """A request's usage over its choices (the prompt counted once, as OpenAI counts it)."""
     outs = [fin.output for fin in fins]
@@ -492,18 +504,14 @@ def create_app(server: Server) -> FastAPI:
         params, method = server.sampling(body, len(ids), body.max_tokens, body.logprobs)
         handles = await server.open_all(ids, params, body.n, method, body.logprobs, body.user)
         rid, created, name = f"cmpl-{handles[0].request_id}", int(time.time()), server.config.served_model_name
-        offsets = [fmt.offsets() for _ in handles]  # (each token's place in its choice's text, across chunks)
+        offsets = [TextOffsets() for _ in handles]  # (each token's place in its choice's text, across chunks)
 
         def choice(i: int, text: str, finish: str | None, lps, stop: str | None = None) -> dict:
             return {"index": i, "text": text,
                     "logprobs": fmt.completion(lps, offsets[i]) if lps is not None else None, "finish_reason": finish,
                     "stop_reason": stop}  # (vLLM's: the stop string that ended it; null for an EOS)
 
-        def record(choices: list, use=OMIT) -> dict:
-            out = {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices}
-            if use is not OMIT:
-                out["usage"] = use
-            return out
+        record = records("text_completion", rid, created, name)
 
         if not body.stream:
             fins = await server.collect_all(request, handles)
@@ -547,12 +555,7 @@ def create_app(server: Server) -> FastAPI:
                                 for i, fin in enumerate(fins)],
                     "usage": usage(fins)}
 
-        def record(choices: list, use=OMIT) -> dict:
-            out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                   "choices": choices}
-            if use is not OMIT:
-                out["usage"] = use
-            return out
+        record = records("chat.completion.chunk", rid, created, name)
 
         def choice(i: int, text: str, finish: str | None, lps, stop: str | None = None) -> dict:
             return {"index": i, "delta": {"content": text}, "logprobs": fmt.chat(lps) if lps is not None else None,

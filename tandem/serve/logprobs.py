@@ -153,8 +153,6 @@ class LogprobFormat:
     def __init__(self, tokenizer):
         self.text = TokenText(tokenizer)
 
-    offsets = TextOffsets
-
     def completion(self, lps: list[TokenLogprob], offsets: TextOffsets | None = None) -> dict:
         offsets = offsets or TextOffsets()
         tokens, where = [], []
