@@ -98,7 +98,8 @@ class Emitter:
                 del out[end:]
                 text = head
                 break
-        at, self.stop_string = min((text.find(s), i, s) for i, s in enumerate(stops) if s in text)[::2]
+        # (the earliest in the text; at one place, the first listed)
+        at, _, self.stop_string = min((text.find(s), i, s) for i, s in enumerate(stops) if s in text)
         self.finish, self.stop_text = "stop", text[:at]
         return True
 
