@@ -97,7 +97,9 @@ class ChainedProposer:
     `width`). A level that kept every candidate (the budget spent in a few levels) made the trees
     wide and shallow: at N = 32, w = 2, five levels where `tree`'s best-first tree has twelve, and
     TLV's chain C, the Q pass's path through the first tree, could be no deeper than that (the
-    bundled pair in fp32 on MBPP: 9.5 tokens per exact pass against `tree`'s 9.8, 2026-12-07)."""
+    bundled pair in fp32, the first 4 MBPP prompts, N = 32, before this change: 9.5 tokens per exact
+    pass against `tree`'s 9.8, 2026-12-07, `python bench/gpu_tlv.py --device cpu --dtype float32
+    --num-prompts 4 --nodes 32`)."""
 
     def __init__(self, draft: CachedPass, width: int, depth: int = 12):
         self.draft, self.width, self.depth = draft, width, depth
@@ -139,10 +141,11 @@ class ChainedProposer:
 
 # The first tree, which only the Q pass checks, is Q_SCALE times the exact pass's node budget N and
 # depth: the Q pass reads no target state, and a deeper first tree gives a longer chain C (C is
-# still cut to N). The bundled pair in fp32, 4 MBPP prompts, w = 2 (2026-12-07, this project's CPU,
-# `python bench/gpu_tlv.py --device cpu --dtype float32 --num-prompts 4 --nodes N --q-scale S`):
-# tokens per exact pass at N = 8 / 16 / 32: 7.0 / 10.9 / 15.1 with S = 1, 7.6 / 12.2 / 16.5 with
-# S = 2, against `tree`'s 5.2 / 7.6 / 9.8. It costs twice the first draft's levels.
+# still cut to N). The bundled pair in fp32, 8 MBPP prompts, w = 2 (2026-12-07, this project's CPU,
+# `python bench/gpu_tlv.py --device cpu --dtype float32 --data-dir ../shared/datasets --num-prompts 8
+# --nodes N --q-scale S`): tokens per exact pass at N = 8 / 16 / 32: 7.16 / 11.13 / 16.00 with S = 1,
+# 7.76 / 12.64 / 17.66 with S = 2, against `tree`'s 5.25 / 7.70 / 9.94. It costs twice the first
+# draft's levels.
 Q_SCALE = 2
 
 
