@@ -437,6 +437,7 @@ class Engine:
             drafts, plain = [], []
             for s in plan.decodes:
                 (drafts if self._drafts(s.request) else plain).append(s)
+            steady = self._steady(drafts)  # (before the step extends the outputs it reads)
             trees = {s.request.request_id: self._skip_draft(s.request) for s in plain}
             n_dev = self._device_nodes(plan, drafts, plain)
             self._accepted = 0
@@ -457,12 +458,6 @@ class Engine:
                 nodes = sum([len(t.tokens) for t in trees.values()]) - len(trees)
             if self.gate is not None and self._forced is None:  # (the accepts read the logits: the pass is done)
                 drafted_now = {s.request.request_id for s in drafts}
-                # steady: every drafted request drafted in the step before too, or decodes for the
-                # first time (a steady state admits a request every step or two, and its drafter's
-                # start over the prompt is part of what drafting costs there: counted as unsteady,
-                # hardly a step taught the cost, H200 2026-12-03); not one that decoded plain since
-                before = self._drafted_before
-                steady = all([s.request.request_id in before or len(s.request.output_ids) <= 2 for s in drafts])
                 self.gate.observe(len(plan.decodes), len(drafts), time.perf_counter() - t_step, self._accepted,
                                   prefill_rows=plan.prefill_rows, steady=steady)
                 self._drafted_before = drafted_now
@@ -645,6 +640,18 @@ class Engine:
         # row selection plans the roots first and grows them by the chosen nodes (`_select`)
         drafting = self._drafting  # (_drafts, inlined: the scheduler asks for every request every step)
         return self._verify_rows if drafting is None or req.request_id in drafting else 1
+
+    def _steady(self, drafts: list) -> bool:
+        """Whether a step drafting for `drafts` (scheduled decodes) is steady for the gate: every
+        drafted request drafted in the step before too, or decodes for the first time. A steady
+        state admits a request every step or two, and its drafter's start over the prompt is part
+        of what drafting costs there: counted as unsteady, hardly a step taught the cost (H200
+        2026-12-03). Not one that decoded plain since: its drafter first catches up. Read before
+        the step runs: after it, a new request's output already holds the step's accepted tokens,
+        and every step that admitted one looked unsteady (at 64 requests in a steady state, 13 of
+        ~100 drafting steps counted, and the gate kept drafting on at 0.47x `ar`, H100 2026-12-07)."""
+        before = self._drafted_before
+        return all([s.request.request_id in before or len(s.request.output_ids) <= 1 for s in drafts])
 
     def _drafts(self, req: Request) -> bool:
         """Whether the request drafts this step (the draft gate's pick)."""
