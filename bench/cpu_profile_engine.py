@@ -33,7 +33,9 @@ from tandem.runtime.pair import load_pair
 def build(args, concurrency: int) -> Engine:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar")
     cfg = EngineConfig(method=args.method, max_num_seqs=concurrency, device_verify=not args.host_verify,
-                       max_num_batched_tokens=max(2048, concurrency * 33))  # (every request's 33-row tree at once)
+                       max_num_batched_tokens=max(2048, concurrency * 33),  # (every request's 33-row tree at once)
+                       async_scheduling=True if args.async_steps else None,
+                       draft_gate=True if args.gate_off else None)  # (a gated engine: its plain steps run async)
     eng = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
     if args.gate_off:  # every step as the draft gate runs it while it keeps drafting off
         eng.gate = _Off()
@@ -172,6 +174,8 @@ def main() -> int:
                     "(EngineConfig.device_verify False)")
     ap.add_argument("--gate-off", action="store_true", help="a speculative method's steps with the draft gate "
                     "keeping drafting off (what they cost beside `ar`'s)")
+    ap.add_argument("--async", dest="async_steps", action="store_true", help="async scheduling, as a GPU runs "
+                    "`ar` and the gate's plain steps (the CPU's default is synchronous)")
     ap.add_argument("--profile", action="store_true", help="cProfile the last run's steps")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--ops", action="store_true", help="count the host path's torch calls per step (one more run)")

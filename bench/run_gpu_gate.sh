@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call for the batched engine's draft gate (2026-12-07, ninth session): steady-state
+# tables (REQS requests a level, at most C in flight; MBPP, bf16, 128 new tokens, EAGLE-3 head)
+# with the gate's measured arms on (default) and off (TANDEM_GATE_ARMS=0: its cost model alone),
+# `ar` in both for the ratio; then PROFILE=1: where an engine `tree` step's device time goes
+# (bench/gpu_profile_engine_kernels.py) at one request and at 64.
+#   bash bench/run_gpu_gate.sh $OUT   (device tool: carry .data = a copy of ../shared/datasets/mbpp under .data/mbpp)
+# ARMS: the arms settings to run (default "1 0"); METHODS_1 / METHODS_0: each run's methods.
+set -uo pipefail
+OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
+DEADLINE=${DEADLINE:-560}; source bench/deadline.sh
+record_env; cat "$OUT/env.txt"
+for arms in ${ARMS:-1 0}; do
+  v=METHODS_$arms; m=${!v:-ar,tree,tree+gate}; [ "$arms" = 0 ] && m=${!v:-ar,tree+gate}
+  name=engine_arms$arms
+  echo "== $name: TANDEM_GATE_ARMS=$arms --methods $m"
+  TANDEM_GATE_ARMS=$arms within "${TMO:-240}" python3 -m tandem bench --device cuda --dtype bfloat16 \
+    --concurrency "${CONC:-1,8,32,64}" --methods "$m" --ignore-eos --max-new-tokens 128 --workload mbpp \
+    --data-dir .data --num-prompts 64 --max-prompt-tokens 256 --no-plots --allow-mismatch --draft eagle3 \
+    --peers none --requests "${REQS:-256}" --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+  grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "^- " -e "rror" | cut -c1-400 | tail -24
+  rm -f "$OUT/$name/results.json"
+done
+if [ "${PROFILE:-0}" = 1 ]; then
+  for c in ${PCONC:-1 64}; do
+    echo "== engine tree step's kernels at $c request(s)"
+    within 90 python3 bench/gpu_profile_engine_kernels.py --draft eagle3 --method tree --concurrency "$c" \
+      --top 30 > "$OUT/kernels_tree_$c.txt" 2>&1
+    head -45 "$OUT/kernels_tree_$c.txt"
+  done
+fi
