@@ -3,7 +3,8 @@
 # tables (REQS requests a level, at most C in flight; MBPP, bf16, 128 new tokens, EAGLE-3 head)
 # with the gate's measured arms on (default) and off (TANDEM_GATE_ARMS=0: its cost model alone),
 # `ar` in both for the ratio; then PROFILE=1: where an engine `tree` step's device time goes
-# (bench/gpu_profile_engine_kernels.py) at one request and at 64.
+# (bench/gpu_profile_engine_kernels.py) at one request and at 64; TIMELINE=1: host time by phase of `ar`'s
+# steps and of the gated engine's plain steps (bench/gpu_step_timeline.py --host-only).
 #   bash bench/run_gpu_gate.sh $OUT   (device tool: carry .data = a copy of ../shared/datasets/mbpp under .data/mbpp)
 # ARMS: the arms settings to run (default "1 0"); METHODS_1 / METHODS_0: each run's methods.
 set -uo pipefail
@@ -21,6 +22,17 @@ for arms in ${ARMS:-1 0}; do
   grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "^- " -e "rror" | cut -c1-400 | tail -24
   rm -f "$OUT/$name/results.json"
 done
+if [ "${TIMELINE:-0}" = 1 ]; then  # the gated engine's plain steps against `ar`'s: each host phase's time
+  for m in "ar" "tree --gate-off real"; do
+    echo "== host-only timeline: $m"
+    within 100 python3 bench/gpu_step_timeline.py --method $m --concurrency 1 64 --host-only --steps 60 \
+      --out "$OUT/timeline" 2>/dev/null | grep '^{' | python3 -c "import json,sys
+for l in sys.stdin:
+    d=json.loads(l); h=d['host_by_phase_us']
+    print(d['method'], d['gate_off'], d['concurrency'], 'ms', d['step_ms_unprofiled'], 'wall_us', d['wall_us'],
+          {k: v for k, v in list(h.items())[:12]})"
+  done
+fi
 if [ "${PROFILE:-0}" = 1 ]; then
   for c in ${PCONC:-1 64}; do
     echo "== engine tree step's kernels at $c request(s)"
