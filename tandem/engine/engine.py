@@ -162,6 +162,12 @@ class _Inflight:
         return any(not s.request.done for s in self.plan.scheduled)
 
 
+def _decoding(running: list[Request]) -> int:
+    """How many of `running` decode (not in prefill): Request.in_prefill inlined, as the gate
+    asks every step for every request."""
+    return sum([r.num_computed >= len(r.prompt_ids) + len(r.output_ids) - 1 for r in running])
+
+
 class _BatchedFeatureHandle:
     """A request's drafter as the engine's step sees it when a batched feature drafter drafts for
     it; the step hands the verify pass's committed tokens and features over for all requests at once."""
@@ -665,7 +671,7 @@ class Engine:
             return None
         running = self.scheduler.running
         if self._forced is not None:  # (measure_step_costs and warm-ups, before the gate exists)
-            n = sum([not r.in_prefill for r in running])
+            n = _decoding(running)
             k = n if self._forced is True else (0 if self._forced is False else min(self._forced, n))
             if k >= n and k:
                 self._dormant = self._swept = False
@@ -677,7 +683,7 @@ class Engine:
             self._swept = self._swept and self._dormant
             self._dormant, self._keep_fed = True, set(sample)
             return set(sample) if k else set()
-        n = sum([not r.in_prefill for r in running])  # (the decoding requests)
+        n = _decoding(running)
         k = self.gate.plan(n)
         if k >= n and k:
             self._dormant = self._swept = False
@@ -1170,7 +1176,8 @@ class Engine:
             emits.append((req, toks[k]))
         self.pool.commit_many(commits, keep_later=True)
         if inf.fed:  # the feature drafters kept fed: the new tokens with their rows' features, handed over later
-            tok = {req.request_id: t for req, t in emits}
+            fed = {req.request_id for req, _ in inf.fed}  # (the gate's sample: a few of the emits)
+            tok = {req.request_id: t for req, t in emits if req.request_id in fed}
             for i, (req, h) in enumerate(inf.fed):
                 if req.request_id in tok:  # (no view per row: a tensor op costs the host ~10 us)
                     self._unfed.append((req, h, [tok[req.request_id]], inf.fed_feats, i))
