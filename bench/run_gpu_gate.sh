@@ -6,7 +6,8 @@
 # (bench/gpu_profile_engine_kernels.py) at one request and at 64; TIMELINE=1: host time by phase of `ar`'s
 # steps and of the gated engine's plain steps (bench/gpu_step_timeline.py --host-only).
 #   bash bench/run_gpu_gate.sh $OUT   (device tool: carry .data = a copy of ../shared/datasets/mbpp under .data/mbpp)
-# ARMS: the arms settings to run (default "1 0"); METHODS_1 / METHODS_0: each run's methods.
+# ONLINE=1: the server (--online --engine-process; carry .whl: .whl/site.tar.xz, the server's packages for the
+# device's Python 3.12). ARMS: the arms settings to run (default "1 0"); METHODS_1 / METHODS_0: each run's methods.
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-560}; source bench/deadline.sh
@@ -40,4 +41,14 @@ if [ "${PROFILE:-0}" = 1 ]; then
       --top 30 > "$OUT/kernels_tree_$c.txt" 2>&1
     head -45 "$OUT/kernels_tree_$c.txt"
   done
+fi
+if [ "${ONLINE:-0}" = 1 ]; then  # the server's packages: .whl/site.tar.xz (fastapi, starlette, pydantic, uvicorn, unpacked and xz'd)
+  tar -xJf .whl/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
+  echo "== online (--engine-process): eagle3, ${ONLINE_METHODS:-ar,tree+gate}; the client in its own process"
+  within "${ONLINE_TMO:-240}" python3 -m tandem bench --online --engine-process --device cuda --dtype bfloat16 --draft eagle3 \
+    --methods "${ONLINE_METHODS:-ar,tree+gate}" --concurrency "${ONLINE_CONC:-1,8,16,32,64}" --requests "${ONLINE_REQS:-128}" \
+    --max-new-tokens 128 --ignore-eos --workload mbpp --data-dir .data --num-prompts 64 --max-prompt-tokens 256 --no-plots \
+    --out "$OUT/online" > "$OUT/online.log" 2>&1
+  grep -v -e "it/s" "$OUT/online.log" | grep -e "^|" -e "rror" | tail -16
+  rm -f "$OUT/online/results.json"
 fi
