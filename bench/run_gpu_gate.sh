@@ -7,7 +7,7 @@
 # steps and of the gated engine's plain steps (bench/gpu_step_timeline.py --host-only).
 #   bash bench/run_gpu_gate.sh $OUT   (device tool: carry .data = a copy of ../shared/datasets/mbpp under .data/mbpp)
 # ONLINE=1: the server (--online --engine-process; carry .whl: .whl/site.tar.xz, the server's packages for the
-# device's Python 3.12). ARMS: the arms settings to run (default "1 0"); METHODS_1 / METHODS_0: each run's methods.
+# device's Python 3.12). NODES="12 20": `ar` and `tree` with those node budgets at NCONC (default 1,8,32). ARMS: the arms settings to run (default "1 0"); METHODS_1 / METHODS_0: each run's methods.
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-560}; source bench/deadline.sh
@@ -21,6 +21,16 @@ for arms in ${ARMS:-1 0}; do
     --data-dir .data --num-prompts 64 --max-prompt-tokens 256 --no-plots --allow-mismatch --draft eagle3 \
     --peers none --requests "${REQS:-256}" --out "$OUT/$name" > "$OUT/$name.log" 2>&1
   grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "^- " -e "rror" | cut -c1-400 | tail -24
+  rm -f "$OUT/$name/results.json"
+done
+for n in ${NODES:-}; do  # smaller trees (depth N / 4): what a step's drafting costs against what it accepts
+  name=engine_nodes$n
+  echo "== $name: ar,tree --nodes $n"
+  within "${NTMO:-120}" python3 -m tandem bench --device cuda --dtype bfloat16 --concurrency "${NCONC:-1,8,32}" \
+    --methods ar,tree --nodes "$n" --ignore-eos --max-new-tokens 128 --workload mbpp --data-dir .data --num-prompts 64 \
+    --max-prompt-tokens 256 --no-plots --allow-mismatch --draft eagle3 --peers none --requests "${REQS:-256}" \
+    --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+  grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "^- " -e "rror" | cut -c1-300 | tail -12
   rm -f "$OUT/$name/results.json"
 done
 if [ "${TIMELINE:-0}" = 1 ]; then  # the gated engine's plain steps against `ar`'s: each host phase's time
