@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # One device call for the batched engine's draft gate (2026-12-07, ninth session): steady-state
 # tables (REQS requests a level, at most C in flight; MBPP, bf16, 128 new tokens, EAGLE-3 head)
-# with the gate's measured arms on (default) and off (TANDEM_GATE_ARMS=0: its cost model alone),
-# `ar` in both for the ratio; then PROFILE=1: where an engine `tree` step's device time goes
+# with the gate's cost model alone (the default, TANDEM_GATE_ARMS=0) and with its measured arms
+# (TANDEM_GATE_ARMS=1), `ar` in both for the ratio; then PROFILE=1: where an engine `tree` step's device time goes
 # (bench/gpu_profile_engine_kernels.py) at one request and at 64; TIMELINE=1: host time by phase of `ar`'s
 # steps and of the gated engine's plain steps (bench/gpu_step_timeline.py --host-only).
 #   bash bench/run_gpu_gate.sh $OUT   (device tool: carry .data = a copy of ../shared/datasets/mbpp under .data/mbpp)
 # ONLINE=1: the server (--online --engine-process; carry .whl: .whl/site.tar.xz, the server's packages for the
-# device's Python 3.12). NODES="12 20": `ar` and `tree` with those node budgets at NCONC (default 1,8,32). ARMS: the arms settings to run (default "1 0"); METHODS_1 / METHODS_0: each run's methods.
+# device's Python 3.12). NODES="12 20": `ar` and `tree` with those node budgets at NCONC (default 1,8,32). ARMS: the arms settings to run (default "0 1"); METHODS_1 / METHODS_0: each run's methods.
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-560}; source bench/deadline.sh
 record_env; cat "$OUT/env.txt"
-for arms in ${ARMS:-1 0}; do
-  v=METHODS_$arms; m=${!v:-ar,tree,tree+gate}; [ "$arms" = 0 ] && m=${!v:-ar,tree+gate}
+for arms in ${ARMS:-0 1}; do
+  v=METHODS_$arms; m=${!v:-ar,tree,tree+gate}; [ "$arms" = 1 ] && m=${!v:-ar,tree+gate}
   name=engine_arms$arms
   echo "== $name: TANDEM_GATE_ARMS=$arms --methods $m"
   TANDEM_GATE_ARMS=$arms within "${TMO:-240}" python3 -m tandem bench --device cuda --dtype bfloat16 \

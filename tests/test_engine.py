@@ -11,6 +11,7 @@ from models_for_tests import assert_clean, noisy_copy, run_all, tiny_model
 from tandem.config import ConfigError, GenerationConfig, SamplingConfig, SpecConfig
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
+from tandem.engine.gate_arms import GateArms
 from tandem.engine.request import RequestState, SamplingParams
 from tandem.runtime.generate import Generator
 
@@ -731,6 +732,16 @@ def test_drafting_steps_that_admit_a_request_teach_the_gate(models, solo):
     drafting = [s for s in seen if s[1]]
     assert len(drafting) > 10 and all(d == r for r, d, _ in drafting)  # (admissions ride in them)
     assert all(steady for _, _, steady in drafting), drafting
+
+
+def test_the_gate_decides_by_its_cost_model_unless_the_arms_are_asked_for(models, monkeypatch):
+    """The engine's gate runs its cost model alone by default (the measured arms lost to it on an
+    H100 at every concurrency); TANDEM_GATE_ARMS=1 adds them."""
+    cfg = EngineConfig(method="tree", spec=SpecConfig(nodes=8, width=2), block_size=8, max_num_seqs=4, draft_gate=True)
+    monkeypatch.delenv("TANDEM_GATE_ARMS", raising=False)
+    assert Engine(*models, config=cfg).gate.arms is None
+    monkeypatch.setenv("TANDEM_GATE_ARMS", "1")
+    assert isinstance(Engine(*models, config=cfg).gate.arms, GateArms)
 
 
 def _gated_eagle3_engine(n_prompts: int, max_tokens: int, asynchronous: bool = False):

@@ -38,8 +38,8 @@ at 8 requests where it paid 1.3x, kept on at 64 where it lost 0.73x):
   (H200, 2026-12-03: on at 32 requests where `tree` ran 0.64x `ar`).
 
 That model decides until it is measured. With `arms` (tandem.engine.gate_arms; the engine's gate
-has them), once drafting has run in a concurrency bucket, what decides there is the measured
-throughput of both regimes.
+has them with TANDEM_GATE_ARMS=1), once drafting has run in a concurrency bucket, what decides
+there is the measured throughput of both regimes.
 """
 from __future__ import annotations
 
