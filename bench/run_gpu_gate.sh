@@ -45,6 +45,9 @@ for l in sys.stdin:
   done
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
+  echo "== engine tree step's timeline: device busy / idle by host phase, at 1 and 8 requests"
+  within 120 python3 bench/gpu_step_timeline.py --method tree --concurrency 1 8 --steps 20 --out "$OUT/timeline" \
+    2>/dev/null | grep '^{' | cut -c1-1500
   for c in ${PCONC:-1 64}; do
     echo "== engine tree step's kernels at $c request(s)"
     within 90 python3 bench/gpu_profile_engine_kernels.py --draft eagle3 --method tree --concurrency "$c" \
