@@ -35,7 +35,7 @@ def build(args, concurrency: int) -> Engine:
     cfg = EngineConfig(method=args.method, max_num_seqs=concurrency, device_verify=not args.host_verify,
                        max_num_batched_tokens=max(2048, concurrency * 33),  # (every request's 33-row tree at once)
                        async_scheduling=True if args.async_steps else None,
-                       draft_gate=True if args.gate_off else None)  # (a gated engine: its plain steps run async)
+                       draft_gate=bool(args.gate_off))  # (a gated engine: its plain steps run async)
     eng = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
     if args.gate_off:  # every step as the draft gate runs it while it keeps drafting off
         eng.gate = _Off()

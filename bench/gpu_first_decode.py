@@ -47,7 +47,7 @@ def main() -> int:
                      need_draft=args.method != "ar")
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     eng = Engine(pair.target, pair.draft if args.method != "ar" else None, pair.tokenizer,
-                 EngineConfig(method=args.method, max_num_seqs=1, max_num_batched_tokens=2048))
+                 EngineConfig(method=args.method, max_num_seqs=1, max_num_batched_tokens=2048, draft_gate=False))
     eng.warmup_request()
     prompts = [pair.tokenizer.encode(p.text).ids[-256:] for p in load_workload("mbpp", 2 * args.requests + 4,
                                                                               args.data_dir)]

@@ -37,7 +37,8 @@ def main() -> int:
     for c in args.concurrency:
         prompts = [pair.tokenizer.encode(p.text).ids[-256:] for p in load_workload("mbpp", 2 * c, args.data_dir)]
         eng = Engine(pair.target, pair.draft if args.method != "ar" else None, pair.tokenizer,
-                     EngineConfig(method=args.method, max_num_seqs=c, max_num_batched_tokens=max(2048, 33 * c)))
+                     EngineConfig(method=args.method, max_num_seqs=c, max_num_batched_tokens=max(2048, 33 * c),
+                                  draft_gate=False))
         for rnd, batch in enumerate((prompts[:c], prompts[c:])):
             sync()
             t0 = time.perf_counter()

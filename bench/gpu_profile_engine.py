@@ -37,7 +37,7 @@ def main() -> int:
     args = ap.parse_args()
     pair = load_pair(None, None if args.draft == "draft" else args.draft, args.device, args.dtype,
                      need_draft=args.method != "ar")
-    cfg = EngineConfig(method=args.method, max_num_seqs=max(args.concurrency, 1))
+    cfg = EngineConfig(method=args.method, max_num_seqs=max(args.concurrency, 1), draft_gate=False)
     if args.draft in ("block",):
         cfg = replace(cfg, spec=SpecConfig(method=args.method))
     eng = Engine(pair.target, pair.draft, pair.tokenizer, cfg)

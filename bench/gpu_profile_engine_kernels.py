@@ -29,7 +29,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
     pair = load_pair(None, None if a.draft == "draft" else a.draft, a.device, "bfloat16" if a.device == "cuda" else "float32", need_draft=a.method != "ar")
-    eng = Engine(pair.target, pair.draft, pair.tokenizer, EngineConfig(method=a.method, max_num_seqs=a.concurrency))
+    cfg = EngineConfig(method=a.method, max_num_seqs=a.concurrency, draft_gate=False)  # (every step drafts)
+    eng = Engine(pair.target, pair.draft, pair.tokenizer, cfg)
     g = torch.Generator().manual_seed(0)
 
     def sync() -> None:

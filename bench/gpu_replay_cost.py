@@ -47,7 +47,8 @@ def main() -> int:
 
     for c in args.concurrency:
         eng = Engine(pair.target, pair.draft if args.method != "ar" else None, pair.tokenizer,
-                     EngineConfig(method=args.method, max_num_seqs=c, max_num_batched_tokens=max(2048, 33 * c)))
+                     EngineConfig(method=args.method, max_num_seqs=c, max_num_batched_tokens=max(2048, 33 * c),
+                                  draft_gate=False))
         g = torch.Generator().manual_seed(0)
         for _ in range(c):
             eng.add_request(torch.randint(0, pair.target.config.vocab_size, (16,), generator=g).tolist(),

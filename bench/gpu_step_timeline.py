@@ -115,7 +115,8 @@ def build(args, concurrency: int) -> Engine:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=args.method != "ar")
     cfg = EngineConfig(method=args.method, max_num_seqs=concurrency, device_verify=not args.host_verify,
                        draft_ahead=not args.no_draft_ahead, device_context=not args.no_device_context,
-                       async_scheduling=not args.no_async_scheduling, max_num_batched_tokens=max(2048, concurrency * 33))
+                       async_scheduling=not args.no_async_scheduling, max_num_batched_tokens=max(2048, concurrency * 33),
+                       draft_gate=False)  # (every step drafts; --gate-off: a gate that never does)
     if args.gate_off:  # a gated engine whose gate keeps drafting off: its plain steps against `ar`'s
         cfg = dataclasses.replace(cfg, draft_gate=True, step_costs=StepCosts((1,), (1e-3,), (2e-3,)))
     eng = Engine(pair.target, pair.draft, pair.tokenizer, cfg)

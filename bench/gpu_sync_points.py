@@ -48,7 +48,8 @@ def main() -> int:
         prompts = [pair.tokenizer.encode(p.text).ids[-256:] for p in load_workload("mbpp", c, args.data_dir)]
         eng = Engine(pair.target, pair.draft if args.method != "ar" else None, pair.tokenizer,
                      EngineConfig(method=args.method, max_num_seqs=c, max_num_batched_tokens=max(2048, 33 * c),
-                                  draft_ahead=not args.no_draft_ahead, device_context=not args.no_device_context))
+                                  draft_ahead=not args.no_draft_ahead, device_context=not args.no_device_context,
+                                  draft_gate=False))
         for p in prompts:
             eng.add_request(p, SamplingParams(max_tokens=96, ignore_eos=True))
         for _ in range(4):  # prefill, then steady decode steps

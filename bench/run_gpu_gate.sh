@@ -59,14 +59,14 @@ if [ "${ONLINE:-0}" = 1 ]; then  # the server's packages: .whl/site.tar.xz (fast
   tar -xJf .whl/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
   echo "== offline, the same requests (the served table's reference)"
   within "${ONLINE_TMO:-240}" python3 -m tandem bench --device cuda --dtype bfloat16 --draft eagle3 --allow-mismatch \
-    --methods "${ONLINE_METHODS:-ar,tree+gate}" --concurrency "${ONLINE_CONC:-1,8,16,32,64}" --requests "${ONLINE_REQS:-128}" \
+    --methods ar,tree+gate --concurrency "${ONLINE_CONC:-1,8,16,32,64}" --requests "${ONLINE_REQS:-128}" \
     --max-new-tokens 128 --ignore-eos --workload mbpp --data-dir .data --num-prompts 64 --max-prompt-tokens 256 --no-plots \
     --peers none --out "$OUT/offline" > "$OUT/offline.log" 2>&1
   grep -v -e "it/s" -e "req/s" "$OUT/offline.log" | grep -e "^|" -e "rror" | tail -12
   rm -f "$OUT/offline/results.json"
-  echo "== online (--engine-process): eagle3, ${ONLINE_METHODS:-ar,tree+gate}; the client in its own process"
+  echo "== online (--engine-process): eagle3, ar and tree (gated: a GPU's default); the client in its own process"
   within "${ONLINE_TMO:-240}" python3 -m tandem bench --online --engine-process --device cuda --dtype bfloat16 --draft eagle3 \
-    --methods "${ONLINE_METHODS:-ar,tree+gate}" --concurrency "${ONLINE_CONC:-1,8,16,32,64}" --requests "${ONLINE_REQS:-128}" \
+    --methods ar,tree --concurrency "${ONLINE_CONC:-1,8,16,32,64}" --requests "${ONLINE_REQS:-128}" \
     --max-new-tokens 128 --ignore-eos --workload mbpp --data-dir .data --num-prompts 64 --max-prompt-tokens 256 --no-plots \
     --out "$OUT/online" > "$OUT/online.log" 2>&1
   grep -v -e "it/s" "$OUT/online.log" | grep -e "^|" -e "rror" | tail -16

@@ -235,10 +235,11 @@ def test_engine_mode_errors_are_one_line(tiny, tmp_path, capsys):
     assert parse_engine_methods("tree,tree+seq") == ["ar", "tree", "tree+seq"]
     assert engine_modes("tree+seq")[1]["batched_drafting"] is False and "batched_drafting" not in engine_modes("tree")[1]
     assert engine_modes("tree+gate")[1]["draft_gate"] is True and "draft_gate" not in engine_modes("tree+sel")[1]
+    assert engine_modes("tree")[1]["draft_gate"] is False  # (`tree` drafts every step, even where a GPU gates by default)
     assert engine_modes("tree+sel+adapt")[1]["adaptive_draft"] is True
     assert parse_engine_methods("ar,ar+sync") == ["ar", "ar+sync"]  # (ar's A/B of async scheduling)
     assert engine_modes("ar+sync") == ("ar", {"batch_parallel": False, "row_selection": False, "deterministic": False,
-                                              "draft_ahead": False, "async_scheduling": False})
+                                              "draft_ahead": False, "async_scheduling": False, "draft_gate": False})
     with pytest.raises(ConfigError, match="need a speculative method"):
         parse_engine_methods("ar+seq")
     with pytest.raises(ConfigError, match="need a speculative method"):

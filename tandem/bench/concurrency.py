@@ -197,6 +197,8 @@ def engine_modes(label: str) -> tuple[str, dict[str, bool]]:
     modes = {flag: key in mods for key, flag in MODES.items()}
     modes.update({flag: False for key, flags in OFF_MODES.items() if key in mods for flag in flags})
     modes.update({flag: True for key, flag in ON_MODES.items() if key in mods})
+    if not modes.get("draft_gate") and not modes.get("row_selection"):
+        modes["draft_gate"] = False  # (`tree` drafts every step; the engine's GPU default gates it: `tree+gate`)
     return base, modes
 
 

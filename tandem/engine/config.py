@@ -39,7 +39,8 @@ class EngineConfig:
     prompt_admission: bool = False  # with row_selection: admit new prompts only into the flat region's rows
     # skip drafting in steps where its cost is not repaid (tandem.engine.draft_gate: goodput with
     # and without drafting, from running figures); outside batch-parallel mode. None: on with
-    # row_selection, off without it; True / False: on / off for every speculative method
+    # row_selection, and on a GPU (not for hybrid targets), else off; True / False: on / off for
+    # every speculative method
     draft_gate: bool | None = None
     # the gate's step costs, given (an earlier engine's `gate.costs` for the same config and
     # device: measuring takes seconds of steps) or None: measured when the engine starts

@@ -223,8 +223,12 @@ class Engine:
         # a request's block table holds at most its context window plus one verify pass's rows
         seq_blocks = self.pool.blocks_for(self.context_window + config.draft_rows())
         graphs = None if not config.enforce_eager else False
-        # whether the draft gate decides each step (row selection's draft-cost term, or asked for)
-        gated = (config.row_selection if config.draft_gate is None else config.draft_gate) \
+        # whether the draft gate decides each step (row selection's draft-cost term, or asked for;
+        # by default on a GPU: there an ungated `tree` ran 0.52-0.67x `ar` at 32-64 requests, the
+        # gate's cost model 0.58-0.68x before its steady-step fix and 1.43x at one request against
+        # `tree`'s 1.25x, H100 2026-12-07; on the CPU measuring its step costs takes seconds)
+        gate_default = config.row_selection or (target.device.type == "cuda" and not self.hybrid)
+        gated = (gate_default if config.draft_gate is None else config.draft_gate) \
             and config.method != "ar" and not config.batch_parallel
         # async scheduling (config.async_scheduling): `ar` steps, and the steps in which the draft
         # gate keeps every request from drafting, queued before the last one is read (an engine

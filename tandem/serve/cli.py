@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--row-selection", action="store_true",
                    help="SpecPilot: one node budget per step shared by all requests (a request may get none)")
     p.add_argument("--draft-gate", action=argparse.BooleanOptionalAction, default=None,
-                   help="skip drafting in steps where its cost is not repaid (default: on with --row-selection); "
+                   help="skip drafting in steps where its cost is not repaid (default: on with --row-selection "
+                        "and on a GPU); "
                         "--no-draft-gate turns it off")
     p.add_argument("--adaptive-draft", action="store_true",
                    help="a per-request draft length: each request's draft confidence calibrated by its recent "

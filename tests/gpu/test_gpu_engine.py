@@ -29,7 +29,7 @@ def test_engine_matches_an_uncached_forward(device, method, num_blocks):
     # 24 requests: every prompt cut at 8 lengths (shared prefixes exercise the prefix cache)
     requests = [p[:max(1, len(p) * k // 8)] for p in prompts for k in range(1, 9)]
     cfg = EngineConfig(method=method, spec=SpecConfig(nodes=16, width=4), block_size=16, num_blocks=num_blocks,
-                       max_num_batched_tokens=256, debug_check=True)
+                       max_num_batched_tokens=256, debug_check=True, draft_gate=False)  # (every step drafts)
     engine = Engine(target, draft, config=cfg)
     ids = [engine.add_request(p, SamplingParams(max_tokens=48, ignore_eos=True)).request_id for p in requests]
     outs = {o.request_id: o for o in engine.run()}
@@ -56,7 +56,7 @@ def test_engine_with_a_batched_feature_drafter_matches_an_uncached_forward(devic
     pair = load_pair(None, kind, device=device, dtype="float32")
     prompts = [pair.tokenizer.encode(f"# case {i}\ndef f{i}(x):\n").ids for i in range(16)]
     cfg = EngineConfig(method="tree", spec=SpecConfig(nodes=16, width=4), block_size=16, max_num_batched_tokens=512,
-                       debug_check=True)
+                       debug_check=True, draft_gate=False)  # (every step drafts: a GPU's default gates)
     engine = Engine(pair.target, pair.draft, config=cfg)
     assert isinstance(engine.batched, {"eagle3": BatchedEagleDrafter, "block": BatchedBlockDrafter}[kind])
     ids = [engine.add_request(p, SamplingParams(max_tokens=32, ignore_eos=True)).request_id for p in prompts]

@@ -83,7 +83,8 @@ def test_deterministic_engine_gives_one_output_alone_in_a_batch_of_16_and_with_s
     for method in ("ar", "tree"):
         for n in (1, 16):
             cfg = EngineConfig(method=method, spec=SpecConfig(nodes=16, width=4), block_size=16, max_num_seqs=16,
-                               max_num_batched_tokens=512, deterministic=True, debug_check=True)
+                               max_num_batched_tokens=512, deterministic=True, debug_check=True,
+                               draft_gate=False)
             engine = Engine(target, draft if method == "tree" else None, config=cfg)
             assert engine.model.use_graphs and engine.model._graphs, "deterministic passes should be CUDA graphs"
             req = engine.add_request(prompt, SamplingParams(max_tokens=48, ignore_eos=True))
