@@ -1169,13 +1169,15 @@ class Engine:
         commits: list[tuple[str, list[int], list[int]]] = []
         emits: list[tuple[Request, int]] = []
         k = -1
+        running, ended = RequestState.RUNNING, (RequestState.FINISHED, RequestState.ABORTED)
         for s in inf.plan.scheduled:
             req = s.request
             k += s.kind == "decode"
-            if req.done:
+            state = req.state  # (Request.done inlined: a loop over every request, every step)
+            if state in ended:
                 self.counters.spare_rows += s.rows
                 continue
-            held = req.state is RequestState.RUNNING and req.request_id in seqs
+            held = state is running and req.request_id in seqs
             if s.kind == "prefill":
                 if held:
                     commits.append((req.request_id, list(range(s.rows)), req.token_ids()[s.start:s.start + s.rows]))
@@ -1195,7 +1197,8 @@ class Engine:
         finished, failed = [], []
         for req, tok in emits:
             try:
-                if self._emit_token(req, tok):
+                em = req.runtime.get("emitter") or self._emitter(req)  # (_emit_token inlined)
+                if self._books(req, em, em.emit_token(tok), 0, 0):
                     self._end(req, RequestState.FINISHED, req.finish_reason)
                     finished.append(self.output(req))
             except Exception:

@@ -93,14 +93,22 @@ class Scheduler:
         plan = StepPlan(batch_id=batch_id)
         budget = self.config.max_num_batched_tokens
         running, scheduled, try_reserve = self.running, plan.scheduled, self.pool.try_reserve
+        row_budget = self.row_budget
         i = 0
-        while i < len(running) and budget > 0:  # (a loop over every running request, every step: kept lean)
+        # (a loop over every running request, every step: kept lean; a decode's rows and its
+        # prefill test inlined, as at 64 requests each call here cost the step ~5 us)
+        while i < len(running) and budget > 0:
             req = running[i]
-            todo = req.prefill_target - req.num_computed  # (in_prefill: todo > 0)
-            if todo <= 0 and verify is not None and not verify(req):
+            todo = len(req.prompt_ids) + len(req.output_ids) - 1 - req.num_computed  # (prefill_target: in_prefill)
+            if todo > 0:
+                kind, rows = self._want(req, budget, todo)
+            elif verify is not None and not verify(req):
                 i += 1  # drafted, not verified, this step: no rows reserved
                 continue
-            kind, rows = self._want(req, budget, todo)
+            else:
+                kind, rows = "decode", row_budget(req)
+                if not 1 <= rows <= budget:
+                    rows = max(1, min(rows, budget))
             while not try_reserve(req.request_id, rows):
                 victim = running[-1]
                 self._preempt(victim)
