@@ -452,7 +452,7 @@ class Engine:
             drafts, plain = [], []
             for s in plan.decodes:
                 (drafts if self._drafts(s.request) else plain).append(s)
-            steady = self._steady(drafts)  # (before the step extends the outputs it reads)
+            steady = self.gate is not None and self._steady(drafts)  # (before the step extends the outputs it reads)
             trees = {s.request.request_id: self._skip_draft(s.request) for s in plain}
             n_dev = self._device_nodes(plan, drafts, plain)
             self._accepted = 0
