@@ -401,6 +401,20 @@ def test_the_draft_gate_learns_the_acceptance_per_drafted_request():
     assert 5 < g.accepted < 5.6
 
 
+def test_one_outlying_drafting_step_moves_the_gates_scale_at_most_by_its_clamp():
+    """A steady drafting step teaches drafting's extra scale by at most OUTLIER x the scale it
+    corrects: a step that waited for a capture or the collector (on an H100, 233 ms over a 1.4 ms
+    extra) would otherwise take the scale to ~150 and keep drafting off where it paid."""
+    from tandem.engine.draft_gate import OUTLIER, DraftGate, StepCosts
+
+    g = DraftGate(StepCosts((1,), (0.001,), (0.002,)), alpha=0.25)  # extra D - P = 1 ms
+    g.observe(1, 1, 0.001 + 0.233, accepted=6)
+    assert g.extra_scale == pytest.approx(0.75 + 0.25 * OUTLIER)  # (not 0.75 + 0.25 x 233)
+    for _ in range(12):  # steady steps at the measured cost bring it back
+        g.observe(1, 1, 0.002, accepted=6)
+    assert g.extra_scale == pytest.approx(1.0, abs=0.05) and g.pays(1)
+
+
 def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their_budget():
     """Each step kind's predictions follow the observed steps: plain steps by a fit of their
     measured time and their prefill rows, drafting's extra over a plain step by a moving average,

@@ -51,6 +51,9 @@ from tandem.engine.gate_arms import GateArms
 from tandem.engine.row_selection import polyline
 
 
+# the most a single drafting step's observed extra may be, in multiples of the scale it corrects
+OUTLIER = 4.0
+
 # a plain step teaches the plain fit with at most this many prompt rows (plus 4 a decoding
 # request): a steady state's one or two prompts a step, not a wave's chunked prefill
 PREFILL_ROWS_MAX = 512
@@ -315,7 +318,11 @@ class DraftGate:
         if steady:  # every request drafting, or a probe's second step: drafting's extra, scaled
             extra = self._extra(drafted) if drafted >= requests else self._probe_extra(requests)
             if extra > 0:
-                self.extra_scale = self._ema(self.extra_scale, max(0.0, over) / extra)
+                # one step teaches at most OUTLIER x the scale it corrects: a step that waited for a
+                # capture, a compile or the collector (233 ms over a ~1.4 ms extra) took the scale
+                # to 150 at one request and kept drafting off for good (H100, 2026-12-07)
+                ratio = min(max(0.0, over) / extra, OUTLIER * self.extra_scale)
+                self.extra_scale = self._ema(self.extra_scale, ratio)
         elif drafted < requests:  # a probe's first step (or a learning step): its cost over a plain step
             self.probe_extra = self._ema(self.probe_extra, max(0.0, over))
 

@@ -658,15 +658,22 @@ class Engine:
 
     def _steady(self, drafts: list) -> bool:
         """Whether a step drafting for `drafts` (scheduled decodes) is steady for the gate: every
-        drafted request drafted in the step before too, or decodes for the first time. A steady
-        state admits a request every step or two, and its drafter's start over the prompt is part
-        of what drafting costs there: counted as unsteady, hardly a step taught the cost (H200
-        2026-12-03). Not one that decoded plain since: its drafter first catches up. Read before
-        the step runs: after it, a new request's output already holds the step's accepted tokens,
-        and every step that admitted one looked unsteady (at 64 requests in a steady state, 13 of
-        ~100 drafting steps counted, and the gate kept drafting on at 0.47x `ar`, H100 2026-12-07)."""
-        before = self._drafted_before
-        return all([s.request.request_id in before or len(s.request.output_ids) <= 1 for s in drafts])
+        drafted request drafted in the step before too, or decodes for the first time while at
+        most half of them do. A steady state admits a request every step or two, and its
+        drafter's start over the prompt is part of what drafting costs there: counted as unsteady,
+        hardly a step taught the cost (H200 2026-12-03). A step that is mostly newcomers (at one
+        request, every request's first) is their start, not a steady step. Not one that decoded
+        plain since: its drafter first catches up. Read before the step runs: after it, a new
+        request's output already holds the step's accepted tokens, and every step that admitted one
+        looked unsteady (at 64 requests in a steady state, 13 of ~100 drafting steps counted, and
+        the gate kept drafting on at 0.47x `ar`, H100 2026-12-07)."""
+        before, new = self._drafted_before, 0
+        for s in drafts:
+            if s.request.request_id not in before:
+                if len(s.request.output_ids) > 1:
+                    return False
+                new += 1
+        return 2 * new <= len(drafts)
 
     def _drafts(self, req: Request) -> bool:
         """Whether the request drafts this step (the draft gate's pick)."""
