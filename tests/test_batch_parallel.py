@@ -352,7 +352,7 @@ def test_the_draft_gate_weighs_measured_step_costs_against_accepted_tokens():
 
     # plain steps 10 ms at any batch; drafting 20 ms for one request, 30 for 4, 50 ms for 8
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.030, 0.050))
-    g = DraftGate(costs, sample=4, alpha=1.0, a_alpha=1.0, min_samples=1, probe_every=3, probe_budget=10.0)
+    g = DraftGate(costs, sample=4, alpha=1.0, a_alpha=1.0, min_samples=1, min_plain=0, probe_every=3, probe_budget=10.0)
     assert [g.plan(8), g.plan(8)] == [4, 4]  # learning: a sample of 4 drafts, two steps
     g.observe(8, 4, 0.030, accepted=4)  # 1 accepted token each; drafting's extra as measured
     assert g.accepted == 1.0 and g.extra_scale == 1.0
@@ -415,6 +415,30 @@ def test_one_outlying_drafting_step_moves_the_gates_scale_at_most_by_its_clamp()
     assert g.extra_scale == pytest.approx(1.0, abs=0.05) and g.pays(1)
 
 
+def test_the_draft_gate_measures_the_steady_plain_step_before_drafting_for_every_request():
+    """Past its sample's size the gate first decodes plain until the off regime has taught its
+    plain fit min_plain steps: the start-up curve's plain step (a forced pair) can be far dearer
+    than a steady one, and drafting then looks cheaper in plain steps than it is. With the steady
+    plain step measured, drafting that the start-up curve would turn on stays off."""
+    from tandem.engine.draft_gate import DraftGate, StepCosts
+
+    costs = StepCosts((1, 32), (0.001, 0.0008), (0.002, 0.004))  # start-up: plain 0.8 ms, drafting 4 ms at 32
+    g = DraftGate(costs, sample=4, min_samples=1, min_plain=8, dormant_after=2)
+    for _ in range(2):  # learning a on the sample: a probe's pair
+        assert g.plan(32) == 4
+        g.observe(32, 4, 0.002, accepted=4 * 5)  # a = 5: (1 + 5) 0.8 ms = 4.8 ms >= 4 ms, by the start-up curve
+    assert g.pays(32)
+    decided = []
+    for _ in range(12):
+        k = g.plan(32)
+        decided.append(k)
+        g.observe(32, k, 0.0005, accepted=0)  # steady plain steps cost 0.5 ms, not 0.8
+    assert decided[:10] == [0] * 10 and g.plain_seen >= 8  # (2 before dormant, then 8 measured)
+    assert g.plain_scale == pytest.approx(0.5 / 0.8, rel=0.05)
+    assert not g.pays(32) and g.plan(32) == 0  # (1 + 5) 0.5 = 3.0 ms < 0.5 + 3.2 ms
+    assert DraftGate(costs, sample=4, min_samples=1).plan(2) == 2  # (at or under the sample, as before)
+
+
 def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their_budget():
     """Each step kind's predictions follow the observed steps: plain steps by a fit of their
     measured time and their prefill rows, drafting's extra over a plain step by a moving average,
@@ -425,7 +449,7 @@ def test_the_draft_gate_follows_observed_steps_and_its_probes_lose_at_most_their
     from tandem.engine.draft_gate import DraftGate, PlainFit, StepCosts
 
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.040, 0.050))
-    g = DraftGate(costs, sample=4, alpha=0.5, a_alpha=0.5, min_samples=1, probe_every=16, probe_max=1024,
+    g = DraftGate(costs, sample=4, alpha=0.5, a_alpha=0.5, min_samples=1, min_plain=0, probe_every=16, probe_max=1024,
                   probe_budget=0.03, plain=PlainFit(unit=1e-4, alpha=0.5, prior=0.0))
     g.observe(8, 4, 0.040, accepted=4)  # a = 1: off at 8 requests
     decisions = [g.plan(8) for _ in range(340)]
@@ -508,7 +532,7 @@ def test_a_probe_is_judged_against_the_measured_probe_step():
     # a probe at 8 requests cost 35 ms at start-up: 25 over a plain step, where D(4) - P(4) is 10
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.020, 0.050),
                       probe=(0.020, 0.020, 0.035), sample=4)
-    g = DraftGate(costs, alpha=1.0, min_samples=1, plain=PlainFit(unit=1e-4, alpha=1.0, prior=0.0))
+    g = DraftGate(costs, alpha=1.0, min_samples=1, min_plain=0, plain=PlainFit(unit=1e-4, alpha=1.0, prior=0.0))
     g.observe(8, 4, 0.035, accepted=12)  # as at start-up
     assert g.extra_scale == pytest.approx(1.0)
     g.observe(8, 4, 0.060, accepted=12)  # 50 ms over a plain step: twice the measured probe's
@@ -527,7 +551,7 @@ def test_the_draft_gate_keeps_both_step_kinds_current_whichever_runs():
     from tandem.engine.draft_gate import DraftGate, PlainFit, StepCosts
 
     costs = StepCosts((1, 4, 8), plain=(0.010, 0.010, 0.010), drafting=(0.020, 0.030, 0.050))
-    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=4, probe_budget=0.03, dormant_after=2,
+    g = DraftGate(costs, alpha=1.0, min_samples=1, min_plain=0, probe_every=4, probe_budget=0.03, dormant_after=2,
                   plain=PlainFit(unit=1e-4, alpha=1.0, prior=0.0))
     g.observe(8, 8, 0.050, accepted=40)  # a = 5: 48 tokens in 50 ms against 8 in 10: on
     assert [g.plan(8) for _ in range(3)] == [8] * 3 and not g.dormant
@@ -541,7 +565,7 @@ def test_the_draft_gate_keeps_both_step_kinds_current_whichever_runs():
     g.extra_scale = 0.4  # (drafting got cheap: 6 x 4 >= 4 + 0.4 x 40 ms) every drafter restarts
     assert g.plan(8) == 8 and not g.dormant
 
-    g = DraftGate(costs, alpha=1.0, min_samples=1, probe_every=2, probe_budget=10.0)
+    g = DraftGate(costs, alpha=1.0, min_samples=1, min_plain=0, probe_every=2, probe_budget=10.0)
     g.observe(8, 4, 0.030, accepted=12)  # a = 3: 32 tokens in 50 ms against 8 in 10: off
     assert [g.plan(8) for _ in range(4)] == [0, 0, 4, 4]  # a probe, two steps
     g.observe(8, 4, 0.030, accepted=12, steady=False)  # its first step (caught up)

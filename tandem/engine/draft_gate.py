@@ -139,6 +139,13 @@ class DraftGate:
     sample: int = 4  # requests a learning or probe step drafts (the others decode plain)
     alpha: float = 0.25  # weight of the newest observation in each moving average
     min_samples: int = 3  # drafting steps observed before the gate trusts a
+    # off-regime plain steps observed before drafting may first turn on for every request: the
+    # start-up curve's plain step (a forced, synchronous pair) ran 1.4x the steady async one at 32
+    # requests, which made drafting look 1.4x cheaper in plain steps and turned it on for 22 steps
+    # at 0.72x `ar` (H100, 2026-12-07). Plain steps cost what `ar` costs, so measuring them first
+    # loses little: ~24 steps (16 before the drafters go dormant) once an engine
+    min_plain: int = 8
+    plain_seen: int = 0  # off-regime plain steps the plain fit has observed
     probe_every: int = 16  # fewest steps between two probes
     probe_max: int = 1024  # most steps between two probes
     probe_budget: float = 0.03  # the share of the time probes may lose
@@ -205,6 +212,8 @@ class DraftGate:
             return self._off()
         if self.accepted is None or self.samples < self.min_samples:
             return self._probe(requests)  # still learning a
+        if self.plain_seen < self.min_plain and requests > self.sample:
+            return self._off()  # (the steady plain step, measured before drafting is weighed against it)
         if self.pays(requests):
             return requests
         if self.off_streak >= self.probe_interval(requests):
@@ -313,6 +322,7 @@ class DraftGate:
             # of those taught a scale of 2.7 at 32-64 requests, H200 2026-12-03, drafting's favour)
             if steady and self.dormant and prefill_rows <= PREFILL_ROWS_MAX + 4 * requests:
                 self.plain.observe(p, prefill_rows, seconds)
+                self.plain_seen += 1
             return
         over = seconds - self.plain.seconds(p, prefill_rows)  # (what drafting added)
         if steady:  # every request drafting, or a probe's second step: drafting's extra, scaled
