@@ -103,13 +103,17 @@ def test_measured_rates_overrule_a_cost_model_that_favours_drafting():
     plain decoding (64 tokens a ms) beats drafting (53). The model alone drafts throughout: no
     plain step of the off regime ever corrects it. With arms the gate turns drafting off after a
     window of each and keeps within 3% of plain decoding's rate (its budget, 2%, explores drafting
-    again every 2.8 s here: a window and a restart of the drafters)."""
+    again every 2.8 s here: a window and a restart of the drafters). (Without min_plain: the model
+    now measures steady plain steps before it first drafts for every request, and then keeps
+    drafting off too.)"""
     costs = StepCosts((1, 64), plain=(0.003, 0.003), drafting=(0.004, 0.004))
     world = dict(r=64, plain_s=0.001, draft_s=0.006, a=4.0, restart_s=0.030, fed_plain_s=0.0016)
-    model = DraftGate(costs)
+    model = DraftGate(costs, min_plain=0)
     t, s, on = simulate(model, 3000, **world)
     assert on > 2900 and t / s < 0.85 * 64 / 0.001
-    gate = DraftGate(costs, arms=GateArms())
+    t, s, on = simulate(DraftGate(costs), 3000, **world)  # (min_plain: the plain step measured first)
+    assert on < 100
+    gate = DraftGate(costs, arms=GateArms(), min_plain=0)
     t, s, on = simulate(gate, 10000, **world)
     assert on < 100 and t / s > 0.97 * 64 / 0.001
     assert gate.arms.buckets[6].off.per_s() > gate.arms.buckets[6].on.per_s()
