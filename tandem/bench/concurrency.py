@@ -97,6 +97,7 @@ class RunResult:
     drafted_step_ms: float | None = None  # engine: mean wall ms of those steps
     plain_step_ms: float | None = None  # engine: mean wall ms of the others (prefill-only steps included)
     undrafted: int | None = None  # engine: of the others, steps that verified decodes (not prefill alone)
+    empty: int | None = None  # engine: steps whose target pass had no rows (nothing planned)
     step_costs: object = None  # engine with a draft gate: its measured StepCosts (handed to the next engine)
     gate: str | None = None  # engine with a draft gate: what it learned and decided, in words
     gate_trace: list | None = None  # engine with a draft gate: its steps, runs alike (DraftGate.trace)
@@ -119,7 +120,7 @@ class RunResult:
                 "cached_tokens": self.cached_tokens, "preemptions": self.preemptions,
                 "step_ms": self.step_ms, "drafting_ms": self.drafting_ms, "drafted_steps": self.drafted_steps,
                 "drafted_step_ms": self.drafted_step_ms, "plain_step_ms": self.plain_step_ms,
-                "undrafted": self.undrafted, "gate": self.gate, "gate_trace": self.gate_trace,
+                "undrafted": self.undrafted, "empty": self.empty, "gate": self.gate, "gate_trace": self.gate_trace,
                 "ttft_s": summarize([r.ttft for r in reqs]).to_dict(),
                 "itl_s": summarize([r.itl for r in reqs if r.itl is not None]).to_dict(),
                 "e2e_s": summarize([r.e2e for r in reqs]).to_dict(),
@@ -286,6 +287,7 @@ def engine_run(pair, method: str, spec: SpecConfig, prompts: list[list[int]], pr
                      drafted_step_ms=1e3 * sum(drafted) / len(drafted) if drafted else None,
                      plain_step_ms=1e3 * sum(plain) / len(plain) if plain else None,
                      undrafted=sum([r.nodes == 0 and r.verified > 0 for r in k.records]),
+                     empty=sum([r.rows == 0 for r in k.records]),
                      step_costs=engine.gate.costs if engine.gate is not None else None,
                      gate=gate_summary(engine.gate, c) if engine.gate is not None else None,
                      gate_trace=engine.gate.trace if engine.gate is not None else None)
@@ -446,7 +448,8 @@ def markdown(results: dict) -> str:
         lines += [f"- {r['name']} C={r['concurrency']}: {f(r['step_ms'], nd=3)} / {f(r['drafting_ms'], nd=3)}"
                   + (f"; {r['drafted_steps']} of {r['steps']} steps drafted ({f(r['drafted_step_ms'], nd=3)} ms "
                      f"each), the others {f(r['plain_step_ms'], nd=3)} ms"
-                     + (f" ({r['undrafted']} of them verified decodes)" if r.get("undrafted") is not None else "")
+                     + (f" ({r['undrafted']} of them verified decodes, {r.get('empty') or 0} had no rows)"
+                        if r.get("undrafted") is not None else "")
                      if r.get("drafted_steps") else "")
                   + (f"; gate: {r['gate']}" if r.get("gate") else "")
                   for r in timed]
