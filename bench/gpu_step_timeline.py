@@ -32,7 +32,7 @@ from tandem.runtime.pair import load_pair
 
 # (object path from the engine, method names): the phases labelled
 PHASES = [
-    ("", ["_rows", "_boundary", "_async_step", "_read", "_async_plain", "_hand_over", "_skip_draft", "_feature_handle", "_emit_token", "_drain", "_gate_drafts", "_device_nodes", "_device_drafts", "_verify_on_device", "_apply", "_feed",
+    ("", ["_rows", "_boundary", "_async_step", "_read", "_async_plain", "_hand_over", "_skip_draft", "_feature_handle", "_drain", "_gate_drafts", "_device_nodes", "_device_drafts", "_verify_on_device", "_apply", "_feed",
           "_commit", "_emit", "_record", "_forward", "_host_drafts", "_feature_handles", "_draft_ahead",
           "_run_accepts"]),
     ("scheduler", ["plan_step"]),

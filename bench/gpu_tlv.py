@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from tandem.bench.workloads import load_workload  # noqa: E402
 from tandem.config import GenerationConfig, SpecConfig  # noqa: E402
 from tandem.runtime.generate import Generator  # noqa: E402
+from tandem.runtime import tlv  # noqa: E402
 from tandem.runtime.pair import load_pair  # noqa: E402
 
 
@@ -37,16 +38,12 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     if a.q_scale is not None:
-        from tandem.runtime import tlv
-
         tlv.Q_SCALE = a.q_scale
     pair = load_pair(None, None, a.device, a.dtype)
     gen = Generator(pair.target, pair.draft, tokenizer=pair.tokenizer)
     prompts = [pair.tokenizer.encode(p.text).ids[-256:] for p in load_workload("mbpp", a.num_prompts, a.data_dir)]
     cfg = GenerationConfig(max_new_tokens=128, ignore_eos=True)
     spec = SpecConfig(nodes=a.nodes, width=a.width)
-    from tandem.runtime import tlv
-
     rep: dict = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "dtype": a.dtype,
                  "nodes": a.nodes, "width": a.width, "q_scale": tlv.Q_SCALE, "prompts": len(prompts), "methods": {}}
     outputs: dict[str, list[list[int]]] = {}

@@ -1204,7 +1204,8 @@ class Engine:
         finished, failed = [], []
         for req, tok in emits:
             try:
-                em = req.runtime.get("emitter") or self._emitter(req)  # (_emit_token inlined)
+                # (_emit of a plain step's one token, no draft: the same books, fewer calls a request)
+                em = req.runtime.get("emitter") or self._emitter(req)
                 if self._books(req, em, em.emit_token(tok), 0, 0):
                     self._end(req, RequestState.FINISHED, req.finish_reason)
                     finished.append(self.output(req))
@@ -1464,11 +1465,6 @@ class Engine:
         em = self._emitter(req)
         done = em.emit(tree, result, deepest)
         return self._books(req, em, done, result.num_draft, em.accept_lengths[-1])  # (accepts kept, after any cut)
-
-    def _emit_token(self, req: Request, token: int) -> bool:
-        """_emit of a plain step's one token (root alone, no draft): the same books, fewer calls."""
-        em = self._emitter(req)
-        return self._books(req, em, em.emit_token(token), 0, 0)
 
     @staticmethod
     def _books(req: Request, em: Emitter, done: bool, drafted: int, accepted: int) -> bool:

@@ -45,7 +45,8 @@ class SamplingParams:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, seed=self.seed or 0)
 
     def generation(self, max_new: int) -> GenerationConfig:
-        """max_new: max_tokens as the engine held it to the context window (None: the whole window)."""
+        """max_new: max_tokens as the engine held it to the context window (for max_tokens None, the
+        whole window after the prompt)."""
         return GenerationConfig(max_new_tokens=max_new, ignore_eos=self.ignore_eos, stop=self.stop)
 
     def validate(self) -> None:
