@@ -224,9 +224,9 @@ class Engine:
         seq_blocks = self.pool.blocks_for(self.context_window + config.draft_rows())
         graphs = None if not config.enforce_eager else False
         # whether the draft gate decides each step (row selection's draft-cost term, or asked for;
-        # by default on a GPU: there an ungated `tree` ran 0.52-0.67x `ar` at 32-64 requests, the
-        # gate's cost model 0.58-0.68x before its steady-step fix and 1.43x at one request against
-        # `tree`'s 1.25x, H100 2026-12-07; on the CPU measuring its step costs takes seconds)
+        # by default on a GPU: in one run there, H100 2026-12-07, 256 MBPP requests, EAGLE-3, the
+        # gated `tree` ran 1.22 / 1.02 / 0.84 / 0.62x `ar` at 1 / 8 / 32 / 64 requests and the
+        # ungated one 1.24 / 1.07 / 0.66 / 0.49x; on the CPU measuring its step costs takes seconds)
         gate_default = config.row_selection or (target.device.type == "cuda" and not self.hybrid)
         gated = (gate_default if config.draft_gate is None else config.draft_gate) \
             and config.method != "ar" and not config.batch_parallel
