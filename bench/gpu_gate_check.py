@@ -3,6 +3,11 @@ engine start, then after a run of C requests its acceptance, scales, decisions a
 preemptions, beside the same run without the gate and `ar`'s (wall time, steps).
 
     python bench/gpu_gate_check.py --draft eagle3 --concurrency 1 64 [--workload mbpp --data-dir .data] [--max-tokens 128] [--phases]
+    python bench/gpu_gate_check.py --draft eagle3 --concurrency 64 --requests 256 --phases   (a steady state)
+
+The measured round is one wave of C requests, or with `--requests N` a steady state: N requests, at
+most C in flight, the next admitted as one finishes (as `tandem bench --requests`), so prompts
+arrive while others decode.
 
 Prompts: the workload's (MBPP by default, cycled), or with `--workload random` random token ids
 (--prompt-tokens of them: on random text the drafters accept little, so the gate should stay off).
@@ -37,6 +42,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="the measured round: this many requests, at most C in flight (default: one wave of C)")
     ap.add_argument("--phases", action="store_true", help="the measured round's exclusive host time per phase "
                     "(bench/gpu_step_timeline.py's labels and clock), us a step")
     a = ap.parse_args()
@@ -50,23 +57,34 @@ def main() -> int:
             start_s = time.perf_counter() - t0
             g = torch.Generator().manual_seed(0)
             texts = None if a.workload == "random" else [p.text for p in load_workload(a.workload, 2 * c, a.data_dir)]
+
+            def add(i: int) -> None:
+                ids = (torch.randint(10, 8000, (a.prompt_tokens,), generator=g).tolist() if texts is None
+                       else pair.tokenizer.encode(texts[i % len(texts)]).ids[-256:])
+                eng.add_request(ids, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True))
+
+            total = c
             for rnd in range(2):  # a warm-up round, then the measured one
+                total = (a.requests or c) if rnd == 1 else c
                 for i in range(c):
-                    ids = (torch.randint(10, 8000, (a.prompt_tokens,), generator=g).tolist() if texts is None
-                           else pair.tokenizer.encode(texts[(rnd * c + i) % len(texts)]).ids[-256:])
-                    eng.add_request(ids, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True))
+                    add(rnd * c + i)
                 clock = None
                 if rnd == 1 and a.phases:
                     clock = timeline.HostClock()
                     timeline.label_phases(eng, clock)
                     eng.step = clock.wrap(eng.step, "Engine.step")
                 s0, t = eng.steps, time.perf_counter()
-                eng.run()
+                added = c
+                while eng.has_unfinished():
+                    for _ in eng.step():  # (each request that finished: the next one in, up to `total`)
+                        if added < total:
+                            add(rnd * c + added)
+                            added += 1
                 if a.device == "cuda":
                     torch.cuda.synchronize()
                 wall, steps = time.perf_counter() - t, eng.steps - s0
             k = eng.counters
-            print(f"C={c} {method} gate={gate}: {c * a.max_tokens / wall:.0f} tok/s, {steps} steps, {wall / steps * 1e3:.2f} ms/step, "
+            print(f"C={c} {method} gate={gate}: {total * a.max_tokens / wall:.0f} tok/s, {steps} steps, {wall / steps * 1e3:.2f} ms/step, "
                   f"preemptions {k.preemptions}, engine start {start_s:.1f} s")
             if clock is not None:
                 top = sorted(clock.spent.items(), key=lambda kv: -kv[1])[:16]
@@ -75,7 +93,8 @@ def main() -> int:
             recs = [r for r in k.records if r.step >= s0]
             kinds = {"prefill": [r for r in recs if r.rows > r.verified + r.nodes],  # (prefill rows in it)
                      "plain": [r for r in recs if r.rows == r.verified and r.nodes == 0],
-                     "drafting": [r for r in recs if r.rows == r.verified + r.nodes and r.nodes > 0]}
+                     "drafting": [r for r in recs if r.rows == r.verified + r.nodes and r.nodes > 0],
+                     "no rows": [r for r in recs if r.rows == 0]}
             print(f"  async steps {k.async_steps} of {eng.steps}; " + ", ".join(
                 f"{name} {len(rs)} steps, {sum(r.seconds for r in rs) * 1e3:.1f} ms"
                 f" (median {statistics.median([r.seconds for r in rs]) * 1e3:.3f})" for name, rs in kinds.items() if rs))

@@ -6,6 +6,7 @@
 # (bench/gpu_profile_engine_kernels.py) at one request and at 64; TIMELINE=1: host time by phase of `ar`'s
 # steps and of the gated engine's plain steps (bench/gpu_step_timeline.py --host-only).
 #   bash bench/run_gpu_gate.sh $OUT   (device tool: carry .data = a copy of ../shared/datasets/mbpp under .data/mbpp)
+# GATECHECK=1: bench/gpu_gate_check.py --phases in a steady state (GC_CONC, GC_REQS). ONLINE_PROFILE=1: the engine process under cProfile.
 # ONLINE=1: the server (--online --engine-process; carry .whl: .whl/site.tar.xz, the server's packages for the
 # device's Python 3.12). NODES="12 20": `ar` and `tree` with those node budgets at NCONC (default 1,8,32). ARMS: the arms settings to run (default "0 1"); METHODS_1 / METHODS_0: each run's methods.
 set -uo pipefail
@@ -55,6 +56,14 @@ if [ "${PROFILE:-0}" = 1 ]; then
     head -45 "$OUT/kernels_tree_$c.txt"
   done
 fi
+if [ "${GATECHECK:-0}" = 1 ]; then  # host time by phase, ar / tree / tree+gate, prompts arriving (a steady state)
+  for c in ${GC_CONC:-64}; do
+    echo "== gate check with phases at C=$c, ${GC_REQS:-256} requests"
+    within "${GC_TMO:-150}" python3 bench/gpu_gate_check.py --draft eagle3 --concurrency "$c" --requests "${GC_REQS:-256}" \
+      --phases --data-dir .data > "$OUT/gate_check_$c.txt" 2>&1
+    cut -c1-900 "$OUT/gate_check_$c.txt" | grep -v "it/s"
+  done
+fi
 if [ "${ONLINE:-0}" = 1 ]; then  # the server's packages: .whl/site.tar.xz (fastapi, starlette, pydantic, uvicorn, unpacked and xz'd)
   tar -xJf .whl/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
   echo "== offline, the same requests (the served table's reference)"
@@ -71,4 +80,12 @@ if [ "${ONLINE:-0}" = 1 ]; then  # the server's packages: .whl/site.tar.xz (fast
     --out "$OUT/online" > "$OUT/online.log" 2>&1
   grep -v -e "it/s" "$OUT/online.log" | grep -e "^|" -e "rror" | tail -16
   rm -f "$OUT/online/results.json"
+  if [ "${ONLINE_PROFILE:-0}" = 1 ]; then  # the engine process's loop under cProfile (ar at 64: where its time goes)
+    echo "== online, engine process profiled: ar at 64"
+    TANDEM_ENGINE_PROFILE="$OUT/engine.prof" within 120 python3 -m tandem bench --online --engine-process --device cuda \
+      --dtype bfloat16 --methods ar --concurrency 64 --requests 128 --max-new-tokens 128 --ignore-eos --workload mbpp \
+      --data-dir .data --num-prompts 64 --max-prompt-tokens 256 --no-plots --out "$OUT/online_prof" > "$OUT/online_prof.log" 2>&1
+    grep -e "^|" "$OUT/online_prof.log" | tail -3
+    python3 -c "import pstats; pstats.Stats('$OUT/engine.prof').sort_stats('tottime').print_stats(30)" 2>&1 | tail -40 | cut -c1-160
+  fi
 fi

@@ -492,6 +492,7 @@ def build_local_server(args: argparse.Namespace, methods: list[str], max_concurr
     from tandem.serve.app import Server
     from tandem.serve.chat_template import ChatTemplate
     from tandem.serve.config import ServerConfig, engine_config_for
+    from tandem.serve.driver import spare_main_thread
 
     for m in methods:
         if m not in ENGINE_METHODS:
@@ -506,8 +507,10 @@ def build_local_server(args: argparse.Namespace, methods: list[str], max_concurr
         from tandem.serve.cli import process_server
 
         return process_server(args, cfg, ecfg)
+    threads = spare_main_thread() if str(args.device).startswith("cpu") else None  # (as tandem serve)
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=any(m != "ar" for m in methods))
-    return Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg, ChatTemplate.for_checkpoint(pair.target_dir))
+    return Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg, ChatTemplate.for_checkpoint(pair.target_dir),
+                  engine_threads=threads)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -206,9 +206,10 @@ class Server:
 
     def __init__(self, target, draft, tokenizer, config: ServerConfig = ServerConfig(),
                  engine_config: EngineConfig = EngineConfig(), chat_template: ChatTemplate | None = None,
-                 engine_process: EngineSpec | None = None):
+                 engine_process: EngineSpec | None = None, engine_threads: int | None = None):
         """engine_process: run the engines in a process of their own, built from this spec
-        (tandem.serve.engine_process; target and draft are then None: this process loads no model)."""
+        (tandem.serve.engine_process; target and draft are then None: this process loads no model).
+        engine_threads: torch's intra-op threads for the engine thread (driver.spare_main_thread)."""
         config.validate()
         self.config, self.engine_config, self.tokenizer = config, engine_config, tokenizer
         self.vocab_size = tokenizer.get_vocab_size()  # token-id prompts are ids the tokenizer can decode
@@ -222,7 +223,7 @@ class Server:
             self.engines = {m: LogprobEngine(target, draft if m != "ar" else None, tokenizer,
                                              engine_config_for(engine_config, m)) for m in config.methods}
             self.context_window = min(e.context_window for e in self.engines.values())
-            self.driver = EngineDriver(self.engines, self.metrics)
+            self.driver = EngineDriver(self.engines, self.metrics, threads=engine_threads)
             if config.inject_faults:
                 for e in self.engines.values():
                     e.fault_hook = inject_faults

@@ -81,6 +81,7 @@ def build(args, check_address: bool = False) -> tuple[object, ServerConfig]:
     from tandem.runtime.pair import load_pair
     from tandem.serve.app import Server, create_app
     from tandem.serve.chat_template import ChatTemplate
+    from tandem.serve.driver import spare_main_thread
 
     methods = (tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods is not None
                else default_methods(args.target, args.draft, args.device))
@@ -105,9 +106,11 @@ def build(args, check_address: bool = False) -> tuple[object, ServerConfig]:
     if args.engine_process:  # this process keeps the tokenizer and the template; the engine process the models
         server = process_server(args, cfg, ecfg)
     else:
+        # on the CPU the engine thread gets torch's intra-op threads and the main thread (HTTP) one
+        threads = spare_main_thread() if str(args.device).startswith("cpu") else None
         pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=any(m != "ar" for m in methods))
         template = ChatTemplate.for_checkpoint(pair.target_dir, args.chat_template)
-        server = Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg, template)
+        server = Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg, template, engine_threads=threads)
     return create_app(server), cfg
 
 

@@ -22,13 +22,16 @@ joins the steps' tokens into one chunk (RequestHandle.next_merged) while the eng
     ProcessDriver.stop() --------- ("stop",) ------->  EngineDriver.stop (in-flight: 503), exit
                    <------------- ("ended", error)     also when the loop dies (error: its text)
 
-The child ignores SIGINT and SIGTERM: the server process's shutdown path stops it (a terminal's
+The child runs the engine loop on its main thread, the one that loaded the models (on the CPU,
+torch ops on another thread cost several times as much: tandem.serve.driver.spare_main_thread),
+and reads the pipe on a thread of its own. It ignores SIGINT and SIGTERM: the server process's shutdown path stops it (a terminal's
 Ctrl-C reaches the whole process group); if the server process dies, the pipe closes and the
 child stops and exits.
 """
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -206,7 +209,23 @@ def _child(spec: EngineSpec, conn) -> None:
         return
     driver = _ChildDriver(engines, _Recorder(), send)
     send(("ready", {m: e.context_window for m, e in engines.items()}))
-    driver.start()
+    threading.Thread(target=_receive, args=(conn, driver, send), name="tandem-engine-pipe", daemon=True).start()
+    profile = os.environ.get("TANDEM_ENGINE_PROFILE")  # (a file: the engine loop's cProfile stats, for bench scripts)
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    try:
+        driver.run()  # the engine loop on this thread, which loaded the models (see spare_main_thread)
+    finally:
+        if profile:
+            prof.disable()
+            prof.dump_stats(profile)
+
+
+def _receive(conn, driver: "_ChildDriver", send) -> None:
+    """The engine process's pipe: the server process's commands, onto the driver's queue."""
     while True:
         try:
             msg = conn.recv()
