@@ -314,6 +314,7 @@ def test_models_health_and_metrics(client, live):
     assert [m["id"] for m in models["data"]] == ["tandem"] and models["data"][0]["methods"] == ["tree", "ar"]
     assert httpx.get(live.url + "/health").json() == {"status": "ok"}  # no key needed
     complete(client, prompt=PROMPTS[2], method="tree")
+    complete(client, prompt=PROMPTS[2], method="ar")  # (the ar engine's step metric: this test's own steps)
     m = httpx.get(live.url + "/metrics").text
     for needle in ('tandem_requests_total{outcome="completed"}', 'tandem_request_tau_bucket{le="1.0",method="tree"}',
                    'tandem_kv_blocks_in_use{method="tree"}', 'tandem_steps_total{method="tree",speculative="true"}',
