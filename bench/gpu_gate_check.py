@@ -42,6 +42,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--skip-ungated", action="store_true", help="ar and tree+gate only")
+    ap.add_argument("--async-steps", action="store_true", help="async scheduling on the CPU too (a GPU has it by default)")
     ap.add_argument("--requests", type=int, default=None,
                     help="the measured round: this many requests, at most C in flight (default: one wave of C)")
     ap.add_argument("--phases", action="store_true", help="the measured round's exclusive host time per phase "
@@ -50,10 +52,11 @@ def main() -> int:
     pair = load_pair(None, None if a.draft == "draft" else a.draft, a.device,
                      "bfloat16" if a.device == "cuda" else "float32")
     for c in a.concurrency:
-        for method, gate in (("ar", False), ("tree", False), ("tree", True)):
+        for method, gate in [(m, g) for m, g in (("ar", False), ("tree", False), ("tree", True)) if not a.skip_ungated or g or m == "ar"]:
             t0 = time.perf_counter()
             eng = Engine(pair.target, pair.draft if method != "ar" else None, pair.tokenizer,
-                         EngineConfig(method=method, max_num_seqs=c, draft_gate=gate))
+                         EngineConfig(method=method, max_num_seqs=c, draft_gate=gate,
+                                      async_scheduling=True if a.async_steps else None))
             start_s = time.perf_counter() - t0
             g = torch.Generator().manual_seed(0)
             texts = None if a.workload == "random" else [p.text for p in load_workload(a.workload, 2 * c, a.data_dir)]
@@ -89,13 +92,13 @@ def main() -> int:
             if clock is not None:
                 top = sorted(clock.spent.items(), key=lambda kv: -kv[1])[:16]
                 print("  host us a step: " + ", ".join(f"{name} {sec / steps * 1e6:.0f}" for name, sec in top))
-            # the measured round's steps by kind: where its time went
+            # the measured round's steps by kind: where its time went (of the engine's latest 4,096 steps)
             recs = [r for r in k.records if r.step >= s0]
             kinds = {"prefill": [r for r in recs if r.rows > r.verified + r.nodes],  # (prefill rows in it)
                      "plain": [r for r in recs if r.rows == r.verified and r.nodes == 0],
                      "drafting": [r for r in recs if r.rows == r.verified + r.nodes and r.nodes > 0],
                      "no rows": [r for r in recs if r.rows == 0]}
-            print(f"  async steps {k.async_steps} of {eng.steps}; " + ", ".join(
+            print(f"  async steps {k.async_steps} of {eng.steps}; {len(recs)} of the round's {steps} steps kept: " + ", ".join(
                 f"{name} {len(rs)} steps, {sum(r.seconds for r in rs) * 1e3:.1f} ms"
                 f" (median {statistics.median([r.seconds for r in rs]) * 1e3:.3f})" for name, rs in kinds.items() if rs))
             gt = eng.gate

@@ -673,9 +673,11 @@ def test_a_step_the_gate_keeps_from_drafting_reserves_one_row_a_request(models, 
 
 
 def test_the_gates_sample_stays_while_its_requests_decode(models, solo):
-    """The gate's learning and probe steps draft a sample of the requests; the sample stays the
+    """The gate's learning and probe steps draft a sample of the requests, the newest decoding
+    ones (they stay longest, and their drafters start over a prompt alone); the sample stays the
     same while its requests decode (a request new to it first catches up on every token since it
-    last drafted), a finished one replaced by the next decoding request; outputs equal solo ar."""
+    last drafted), a finished one replaced by the newest decoding request outside it; outputs
+    equal solo ar."""
     prompts, refs = solo
     engine = Engine(*models, config=EngineConfig(method="tree", spec=SpecConfig(nodes=8, width=2), block_size=8,
                                                  draft_gate=True, debug_check=True))
@@ -691,17 +693,19 @@ def test_the_gates_sample_stays_while_its_requests_decode(models, solo):
 
     engine.gate = Two()
     reqs = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
-            for p, n in zip(prompts[:4], (6, MAX_NEW, MAX_NEW, MAX_NEW))]
+            for p, n in zip(prompts[:4], (MAX_NEW, MAX_NEW, MAX_NEW, 6))]
     samples = []
     while engine.has_unfinished():
         engine.step()
         if engine._drafting:
             samples.append((sorted(engine._drafting), {r.request_id for r in reqs if not r.done}))
-    assert [r.output_ids for r in reqs[1:]] == [refs[i] for i in (1, 2, 3)] and reqs[0].output_ids == refs[0][:6]
+    assert [r.output_ids for r in reqs[:3]] == [refs[i] for i in (0, 1, 2)] and reqs[3].output_ids == refs[3][:6]
     for (before, _), (now, live) in zip(samples, samples[1:]):
         kept = [rid for rid in before if rid in live]
         assert set(kept) <= set(now) and len(now) == 2, (before, now)
-    assert samples[0][0] == sorted(r.request_id for r in reqs[:2]) and samples[-1][0] != samples[0][0]
+    ids = [r.request_id for r in reqs]
+    assert samples[0][0] == sorted(ids[2:4])  # the two newest
+    assert sorted(ids[1:3]) in [s for s, _ in samples]  # the finished one's place: the newest left
 
 
 def test_drafting_steps_that_admit_a_request_teach_the_gate(models, solo):
@@ -1055,3 +1059,26 @@ def test_max_tokens_past_the_context_window_is_lowered_with_a_warning(tiny_check
     assert main(["generate", "def f():", "--target", str(d), "--method", "ar", "--max-new-tokens", "20"]) == 0
     err = capsys.readouterr().err
     assert "--max-new-tokens 20 capped to" in err and "--nodes" not in err
+
+
+def test_step_counters_count_every_step_past_the_records_window(models, solo):
+    """The counters' step kinds (drafted, decodes without nodes, no rows) are totals over the
+    engine's life, not counts over `records`, which keeps the latest steps only (a bench run of
+    5,544 steps counted its drafted steps among the latest 4,096 and reported 1,380 steps that
+    verified nothing)."""
+    from collections import deque
+
+    prompts, refs = solo
+    engine = Engine(*models, config=EngineConfig(method="tree", spec=SpecConfig(nodes=8, width=2), block_size=8))
+    engine.counters.records = deque(maxlen=3)
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for p in prompts[:2]]
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        seen.append(engine.counters.records[-1])
+    k = engine.counters
+    assert [r.output_ids for r in reqs] == refs[:2] and len(k.records) == 3 and k.steps == len(seen) > 3
+    assert k.drafted_steps == sum(r.nodes > 0 for r in seen) > 0
+    assert k.drafted_step_s == pytest.approx(sum(r.seconds for r in seen if r.nodes > 0))
+    assert k.undrafted_steps == sum(r.nodes == 0 and r.verified > 0 for r in seen)
+    assert k.empty_steps == sum(r.rows == 0 for r in seen)
