@@ -7,6 +7,7 @@
 # steps and of the gated engine's plain steps (bench/gpu_step_timeline.py --host-only).
 #   bash bench/run_gpu_gate.sh $OUT   (device tool: carry .data = a copy of ../shared/datasets/mbpp under .data/mbpp)
 # GATECHECK=1: bench/gpu_gate_check.py --phases in a steady state (GC_CONC, GC_REQS). ONLINE_PROFILE=1: the engine process under cProfile.
+# CHUNK_RATES="default 0": the online runs, one a server --max-chunk-rate.
 # ONLINE=1: the server (--online --engine-process; carry .whl: .whl/site.tar.xz, the server's packages for the
 # device's Python 3.12). NODES="12 20": `ar` and `tree` with those node budgets at NCONC (default 1,8,32). ARMS: the arms settings to run (default "0 1"); METHODS_1 / METHODS_0: each run's methods.
 set -uo pipefail
@@ -66,6 +67,11 @@ if [ "${GATECHECK:-0}" = 1 ]; then  # host time by phase, ar / tree / tree+gate,
 fi
 if [ "${ONLINE:-0}" = 1 ]; then  # the server's packages: .whl/site.tar.xz (fastapi, starlette, pydantic, uvicorn, unpacked and xz'd)
   tar -xJf .whl/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD
+  python3 -c "import uvicorn, fastapi; print('uvicorn', uvicorn.__version__, 'fastapi', fastapi.__version__)
+for m in ('uvloop', 'httptools'):
+    try:
+        mod = __import__(m); print(m, mod.__version__)
+    except Exception as e: print(m, 'missing:', e)"
   echo "== offline, the same requests (the served table's reference)"
   within "${ONLINE_TMO:-240}" python3 -m tandem bench --device cuda --dtype bfloat16 --draft eagle3 --allow-mismatch \
     --methods ar,tree+gate --concurrency "${ONLINE_CONC:-1,8,16,32,64}" --requests "${ONLINE_REQS:-128}" \
@@ -73,13 +79,16 @@ if [ "${ONLINE:-0}" = 1 ]; then  # the server's packages: .whl/site.tar.xz (fast
     --peers none --out "$OUT/offline" > "$OUT/offline.log" 2>&1
   grep -v -e "it/s" -e "req/s" "$OUT/offline.log" | grep -e "^|" -e "rror" | tail -12
   rm -f "$OUT/offline/results.json"
-  echo "== online (--engine-process): eagle3, ar and tree (gated: a GPU's default); the client in its own process"
-  within "${ONLINE_TMO:-240}" python3 -m tandem bench --online --engine-process --device cuda --dtype bfloat16 --draft eagle3 \
-    --methods ar,tree --concurrency "${ONLINE_CONC:-1,8,16,32,64}" --requests "${ONLINE_REQS:-128}" \
-    --max-new-tokens 128 --ignore-eos --workload mbpp --data-dir .data --num-prompts 64 --max-prompt-tokens 256 --no-plots \
-    --out "$OUT/online" > "$OUT/online.log" 2>&1
-  grep -v -e "it/s" "$OUT/online.log" | grep -e "^|" -e "rror" | tail -16
-  rm -f "$OUT/online/results.json"
+  for rate in ${CHUNK_RATES:-default}; do
+    name=online; flag=""; [ "$rate" != default ] && { name=online_rate$rate; flag="--max-chunk-rate $rate"; }
+    echo "== $name (--engine-process $flag): eagle3, ar and tree (gated: a GPU's default); the client in its own process"
+    within "${ONLINE_TMO:-240}" python3 -m tandem bench --online --engine-process $flag --device cuda --dtype bfloat16 \
+      --draft eagle3 --methods ar,tree --concurrency "${ONLINE_CONC:-1,8,16,32,64}" --requests "${ONLINE_REQS:-128}" \
+      --max-new-tokens 128 --ignore-eos --workload mbpp --data-dir .data --num-prompts 64 --max-prompt-tokens 256 --no-plots \
+      --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+    grep -v -e "it/s" "$OUT/$name.log" | grep -e "^|" -e "rror" | tail -16
+    rm -f "$OUT/$name/results.json"
+  done
   if [ "${ONLINE_PROFILE:-0}" = 1 ]; then  # the engine process's loop under cProfile (ar at 64: where its time goes)
     echo "== online, engine process profiled: ar at 64"
     TANDEM_ENGINE_PROFILE="$OUT/engine.prof" within 120 python3 -m tandem bench --online --engine-process --device cuda \

@@ -438,6 +438,7 @@ def test_a_full_queue_gets_503_with_retry_after_then_health_503_once_the_engine_
                                           (["--long-prefill-token-threshold", "-1"],
                                            "long_prefill_token_threshold must be >= 0"),
                                           (["--methods", ""], "serve at least one method"),
+                                          (["--max-chunk-rate", "-5"], "--max-chunk-rate must be >= 0"),
                                           (["--methods", "ar", "--adaptive-draft"],
                                            "--adaptive-draft need a speculative method")])
 def test_serve_cli_refuses_bad_flags_in_one_line(capsys, args, message):
@@ -634,8 +635,12 @@ def test_a_stream_behind_the_engine_gets_its_queued_deltas_as_one():
     from tandem.serve.app import RequestHandle
     from tandem.serve.driver import Delta, Failed
 
+    class NoGap:  # (the server's one method a handle reads: no pacing)
+        def chunk_gap(self):
+            return 0.0
+
     async def go():
-        h = RequestHandle(None, "r")
+        h = RequestHandle(NoGap(), "r")
         for ev in (Delta([1], ["a"]), Delta([2, 3], ["b", "c"]), Failed("gone"), Delta([9], ["z"])):
             h.queue.put_nowait(ev)
         first = await h.next_merged()
@@ -644,6 +649,37 @@ def test_a_stream_behind_the_engine_gets_its_queued_deltas_as_one():
 
     first, end, done, left = asyncio.run(go())
     assert first == Delta([1, 2, 3], ["a", "b", "c"]) and end == Failed("gone") and done and left == 1
+
+
+def test_a_paced_stream_joins_the_steps_between_its_chunks_and_never_holds_its_end():
+    """With a chunk gap (Server.chunk_gap: the open streams share --max-chunk-rate) a stream's
+    Delta waits until the gap has passed since its last chunk, joining the Deltas that come
+    meanwhile; the request's end cuts the wait short (the last tokens go out at once)."""
+    import asyncio
+    import time as clock
+
+    from tandem.serve.app import RequestHandle
+    from tandem.serve.driver import Delta, Failed
+
+    class Gap:
+        def chunk_gap(self):
+            return 0.2
+
+    async def go(end: bool):
+        loop = asyncio.get_running_loop()
+        h = RequestHandle(Gap(), "r")
+        h.put(Delta([1], None))
+        t0 = clock.monotonic()
+        first = await h.next_merged()  # (no chunk before: at once)
+        loop.call_later(0.02, h.put, Delta([2], None))
+        loop.call_later(0.04, h.put, Failed("gone") if end else Delta([3], None))
+        second = await h.next_merged()
+        return first, second, clock.monotonic() - t0, h.queue.qsize() + (h._held is not None)
+
+    first, second, took, left = asyncio.run(go(end=False))
+    assert first == Delta([1], None) and second == Delta([2, 3], None) and took >= 0.19 and left == 0
+    first, second, took, left = asyncio.run(go(end=True))
+    assert first == Delta([1], None) and second == Delta([2], None) and took < 0.15 and left == 1
 
 
 # ---- the OpenAI surface, as clients written for OpenAI and vLLM use it -------------------------------

@@ -502,7 +502,9 @@ def build_local_server(args: argparse.Namespace, methods: list[str], max_concurr
                         long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", 0))
     for m in methods:
         engine_config_for(ecfg, m).validate()
-    cfg = ServerConfig(methods=tuple(methods), max_pending=max(ServerConfig().max_pending, max_concurrency))
+    rate = getattr(args, "max_chunk_rate", None)
+    cfg = ServerConfig(methods=tuple(methods), max_pending=max(ServerConfig().max_pending, max_concurrency),
+                       max_chunk_rate=ServerConfig().max_chunk_rate if rate is None else rate)
     if getattr(args, "engine_process", False):
         from tandem.serve.cli import process_server
 
@@ -533,6 +535,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-process", action="store_true",
                    help="with --online and no --url: the server's engines in a process of their own "
                         "(tandem serve --engine-process)")
+    p.add_argument("--max-chunk-rate", type=float, default=None,
+                   help="with --online and no --url: the server's --max-chunk-rate (default: tandem serve's)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="with --online and no --url: the server's prefill chunk per step at most this many tokens "
                         "(tandem serve's flag; 0: off)")

@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inject-faults", action="store_true",
                    help="testing only (the reliability harness): a request with user 'tandem-fault' fails inside "
                         "the engine, one with user 'tandem-kill' stops the engine loop")
+    p.add_argument("--max-chunk-rate", type=float, default=s.max_chunk_rate,
+                   help="chunks a second sent over all open streams together (0: one a step); each stream joins "
+                        "the steps between its chunks, so the server keeps up at many streams")
     p.add_argument("--shutdown-grace", type=float, default=s.shutdown_grace_s,
                    help="seconds in-flight requests may run after SIGTERM; then each gets 503")
     p.add_argument("--engine-process", action="store_true",
@@ -87,7 +90,8 @@ def build(args, check_address: bool = False) -> tuple[object, ServerConfig]:
                else default_methods(args.target, args.draft, args.device))
     cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
                        methods=methods, max_pending=args.max_pending, max_tokens_limit=args.max_tokens_limit,
-                       shutdown_grace_s=args.shutdown_grace, inject_faults=args.inject_faults)
+                       max_chunk_rate=args.max_chunk_rate, shutdown_grace_s=args.shutdown_grace,
+                       inject_faults=args.inject_faults)
     cfg.validate()
     spec = SpecConfig(k=args.k, nodes=args.nodes, width=args.width, depth=args.depth)
     ecfg = EngineConfig(spec=spec, block_size=args.block_size, num_blocks=args.num_blocks,

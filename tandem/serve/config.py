@@ -26,6 +26,10 @@ class ServerConfig:
     max_stop: int = 4  # stop strings per request (OpenAI's limit)
     max_stop_chars: int = 256  # characters per stop string
     max_top_logprobs: int = 20  # chat's top_logprobs (completions' logprobs: at most 5, as OpenAI)
+    # chunks a second that every open stream together is sent at most (0: a chunk per step): each
+    # stream waits streams / max_chunk_rate seconds between chunks, joining the steps that come
+    # meanwhile (its end is never held back): at 4,000, 8 streams get a chunk every 2 ms, 64 every 16 ms
+    max_chunk_rate: float = 4000.0
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests may finish this long, then get 503
     # the reliability harness's faults: a request with `user` "tandem-fault" raises inside the
     # engine (it alone fails), one with "tandem-kill" stops the engine loop; never in production
@@ -44,6 +48,8 @@ class ServerConfig:
         for name in ("max_pending", "max_body_bytes", "max_tokens_limit", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        if not self.max_chunk_rate >= 0:
+            raise ConfigError(f"--max-chunk-rate must be >= 0 chunks a second (0: a chunk per step; got {self.max_chunk_rate})")
         if not self.shutdown_grace_s >= 0:
             raise ConfigError(f"--shutdown-grace must be >= 0 seconds (got {self.shutdown_grace_s})")
         if self.api_key is not None and not self.api_key:
