@@ -157,6 +157,11 @@ def test_bench_online_loads_the_in_process_server_and_writes_its_report(tmp_path
         assert r["output_tokens_per_s"] == pytest.approx(3 * 6 / r["wall_s"], rel=0.01)  # exact counts (ignore_eos)
         assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
         assert r["itl_ms"]["p50"] is not None and r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
+        # the served engine's own steps over the level (the server's step histogram): `ar` makes a token a
+        # request a step, so 3 requests of 6 tokens take 18 steps one at a time and at least 6 together
+        steps = r["engine_steps_per_s"] * r["wall_s"]
+        assert steps >= (18 / r["concurrency"] if r["method"] == "ar" else 1) - 0.5, (r["method"], steps)
+        assert 0 < r["engine_step_ms"] and 0 < r["engine_busy"] <= 1
     md = (out / "results.md").read_text()
     assert md.count("\n| tree |") == 2 and "TTFT p50/p99 ms" in md
     assert "results.md" in res["files"] and ("online_latency.png" not in res["files"]

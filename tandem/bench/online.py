@@ -89,6 +89,12 @@ class Level:
     tokens_per_chunk: float | None = None  # > 1: the server joined steps (or released held text) into chunks
     client_cpu: float | None = None  # the load generator's cores busy over the level (near 1: it is the limit)
     cpu: dict = field(default_factory=dict)  # the same for the in-process server ("server", "engine")
+    # the in-process server's engine over the level (its /metrics step histogram): steps a second and
+    # the mean wall ms of a step (Engine.step, as the offline bench's step line) and the share of the
+    # level's wall time inside steps (well below 1: the engine waited for requests or for the server)
+    engine_steps_per_s: float | None = None
+    engine_step_ms: float | None = None
+    engine_busy: float | None = None
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -421,11 +427,19 @@ def process_cpu_s(pid: int) -> float | None:
         return None
 
 
+def step_totals(metrics, method: str) -> tuple[float, float]:
+    """(steps, seconds in them) of a served method's engine so far: its /metrics step histogram."""
+    reg, labels = metrics.registry, {"method": method}
+    return (reg.get_sample_value("tandem_step_seconds_count", labels) or 0.0,
+            reg.get_sample_value("tandem_step_seconds_sum", labels) or 0.0)
+
+
 def client_process(prompts: list[str], plan: list[tuple[Load, str | None, int]],
-                   watch: dict[str, int] | None = None) -> list[Level]:
+                   watch: dict[str, int] | None = None, steps=None) -> list[Level]:
     """run_levels in a spawned process (no CUDA, no model: only the HTTP client), one level at a
     time; `watch` (name -> pid, e.g. this process as the server) gets each level's CPU use
-    (cores busy over the level's wall time, in Level.cpu)."""
+    (cores busy over the level's wall time, in Level.cpu); `steps(method)` (step_totals of the
+    in-process server) each level's engine steps."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -433,9 +447,16 @@ def client_process(prompts: list[str], plan: list[tuple[Load, str | None, int]],
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
         for step in plan:
             before = {name: process_cpu_s(pid) for name, pid in (watch or {}).items()}
+            s0 = steps(step[1]) if steps is not None else None
             t0 = time.perf_counter()
             level = ex.submit(run_levels, prompts, [step]).result()[0]
             wall = time.perf_counter() - t0
+            if s0 is not None:
+                (n1, sec1), (n0, sec0) = steps(step[1]), s0
+                if n1 > n0:
+                    level.engine_steps_per_s = round((n1 - n0) / wall, 1)
+                    level.engine_step_ms = round(1e3 * (sec1 - sec0) / (n1 - n0), 3)
+                    level.engine_busy = round((sec1 - sec0) / wall, 3)
             for name, pid in (watch or {}).items():
                 after = process_cpu_s(pid)
                 if after is not None and before[name] is not None:
@@ -611,8 +632,8 @@ def markdown(results: dict) -> str:
              f"{c['requests']} requests per level, max_tokens {c['max_tokens']}, "
              f"request rate {c['request_rate'] or 'unbounded'}, {c['max_seconds']} s per level at most.", "",
              "| method | conc | ok | errors | skipped | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms "
-             "| e2e p50/p99 ms | tok/chunk | CPU client / server / engine |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| e2e p50/p99 ms | tok/chunk | CPU client / server / engine | engine steps/s, ms a step, busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["levels"]:
         errs = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "0"
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['completed']} | {errs} | {r['skipped']} | "
@@ -620,7 +641,9 @@ def markdown(results: dict) -> str:
                      f"{r['ttft_ms']['p50']}/{r['ttft_ms']['p99']} | {r['itl_ms']['p50']}/{r['itl_ms']['p99']} | "
                      f"{r['e2e_ms']['p50']}/{r['e2e_ms']['p99']} | {r.get('tokens_per_chunk')} | "
                      f"{r.get('client_cpu')} / {r.get('cpu', {}).get('server', '-')} / "
-                     f"{r.get('cpu', {}).get('engine', '-')} |")
+                     f"{r.get('cpu', {}).get('engine', '-')} | "
+                     + (f"{r['engine_steps_per_s']}, {r['engine_step_ms']}, {r['engine_busy']} |"
+                        if r.get("engine_step_ms") is not None else "- |"))
     return "\n".join(lines) + "\n"
 
 
@@ -673,7 +696,9 @@ def run(args: argparse.Namespace) -> int:
             engine = getattr(local.state.driver, "process", None)  # (--engine-process)
             if engine is not None:
                 watch["engine"] = engine.pid
-            rows = client_process(prompts, plan, watch)
+            served = local.state.config.methods
+            rows = client_process(prompts, plan, watch,
+                                  steps=lambda m: step_totals(local.state.metrics, m or served[0]))
         else:
             rows = run_levels(prompts, plan)
         rows = rows[len(methods):]
