@@ -23,6 +23,7 @@ import time
 import torch
 
 from tandem.bench.concurrency import gate_summary
+from tandem.bench.stack_sampler import StackSampler
 from tandem.bench.workloads import load_workload
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
@@ -46,6 +47,8 @@ def main() -> int:
     ap.add_argument("--async-steps", action="store_true", help="async scheduling on the CPU too (a GPU has it by default)")
     ap.add_argument("--requests", type=int, default=None,
                     help="the measured round: this many requests, at most C in flight (default: one wave of C)")
+    ap.add_argument("--stacks", action="store_true", help="the measured round's stack, sampled (tandem.bench."
+                    "stack_sampler): where its wall time goes, by function")
     ap.add_argument("--phases", action="store_true", help="the measured round's exclusive host time per phase "
                     "(bench/gpu_step_timeline.py's labels and clock), us a step")
     a = ap.parse_args()
@@ -76,6 +79,7 @@ def main() -> int:
                     clock = timeline.HostClock()
                     timeline.label_phases(eng, clock)
                     eng.step = clock.wrap(eng.step, "Engine.step")
+                sampler = StackSampler().start() if rnd == 1 and a.stacks else None
                 s0, t = eng.steps, time.perf_counter()
                 added = c
                 while eng.has_unfinished():
@@ -86,6 +90,8 @@ def main() -> int:
                 if a.device == "cuda":
                     torch.cuda.synchronize()
                 wall, steps = time.perf_counter() - t, eng.steps - s0
+                if sampler is not None:
+                    print(sampler.stop().report(25))
             k = eng.counters
             print(f"C={c} {method} gate={gate}: {total * a.max_tokens / wall:.0f} tok/s, {steps} steps, {wall / steps * 1e3:.2f} ms/step, "
                   f"preemptions {k.preemptions}, engine start {start_s:.1f} s")

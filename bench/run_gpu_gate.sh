@@ -6,7 +6,8 @@
 # (bench/gpu_profile_engine_kernels.py) at one request and at 64; TIMELINE=1: host time by phase of `ar`'s
 # steps and of the gated engine's plain steps (bench/gpu_step_timeline.py --host-only).
 #   bash bench/run_gpu_gate.sh $OUT   (device tool: carry .data = a copy of ../shared/datasets/mbpp under .data/mbpp)
-# GATECHECK=1: bench/gpu_gate_check.py --phases in a steady state (GC_CONC, GC_REQS). ONLINE_PROFILE=1: the engine process under cProfile.
+# GATECHECK=1: bench/gpu_gate_check.py --phases in a steady state (GC_CONC, GC_REQS). ONLINE_PROFILE=1: the engine process's stack sampled (PROFILE_METHODS,
+# PROFILE_CONC; ONLINE_MAIN=0 skips the tables). GC_FLAGS: more gpu_gate_check flags (--stacks, --skip-ungated).
 # CHUNK_RATES="default 0": the online runs, one a server --max-chunk-rate.
 # ONLINE=1: the server (--online --engine-process; carry .whl: .whl/site.tar.xz, the server's packages for the
 # device's Python 3.12). NODES="12 20": `ar` and `tree` with those node budgets at NCONC (default 1,8,32). ARMS: the arms settings to run (default "0 1"); METHODS_1 / METHODS_0: each run's methods.
@@ -61,7 +62,7 @@ if [ "${GATECHECK:-0}" = 1 ]; then  # host time by phase, ar / tree / tree+gate,
   for c in ${GC_CONC:-64}; do
     echo "== gate check with phases at C=$c, ${GC_REQS:-256} requests"
     within "${GC_TMO:-150}" python3 bench/gpu_gate_check.py --draft eagle3 --concurrency "$c" --requests "${GC_REQS:-256}" \
-      --phases --data-dir .data > "$OUT/gate_check_$c.txt" 2>&1
+      ${GC_PHASES---phases} ${GC_FLAGS:-} --data-dir .data > "$OUT/gate_check_$c.txt" 2>&1
     cut -c1-900 "$OUT/gate_check_$c.txt" | grep -v "it/s"
   done
 fi
@@ -72,6 +73,7 @@ for m in ('uvloop', 'httptools'):
     try:
         mod = __import__(m); print(m, mod.__version__)
     except Exception as e: print(m, 'missing:', e)"
+  if [ "${ONLINE_MAIN:-1}" = 1 ]; then  # (ONLINE_MAIN=0: the profile below only)
   echo "== offline, the same requests (the served table's reference)"
   within "${ONLINE_TMO:-240}" python3 -m tandem bench --device cuda --dtype bfloat16 --draft eagle3 --allow-mismatch \
     --methods ar,tree+gate --concurrency "${ONLINE_CONC:-1,8,16,32,64}" --requests "${ONLINE_REQS:-128}" \
@@ -89,12 +91,16 @@ for m in ('uvloop', 'httptools'):
     grep -v -e "it/s" "$OUT/$name.log" | grep -e "^|" -e "rror" | tail -16
     rm -f "$OUT/$name/results.json"
   done
-  if [ "${ONLINE_PROFILE:-0}" = 1 ]; then  # the engine process's loop under cProfile (ar at 64: where its time goes)
-    echo "== online, engine process profiled: ar at 64"
-    TANDEM_ENGINE_PROFILE="$OUT/engine.prof" within 120 python3 -m tandem bench --online --engine-process --device cuda \
-      --dtype bfloat16 --methods ar --concurrency 64 --requests 128 --max-new-tokens 128 --ignore-eos --workload mbpp \
-      --data-dir .data --num-prompts 64 --max-prompt-tokens 256 --no-plots --out "$OUT/online_prof" > "$OUT/online_prof.log" 2>&1
-    grep -e "^|" "$OUT/online_prof.log" | tail -3
-    python3 -c "import pstats; pstats.Stats('$OUT/engine.prof').sort_stats('tottime').print_stats(30)" 2>&1 | tail -40 | cut -c1-160
+  fi
+  if [ "${ONLINE_PROFILE:-0}" = 1 ]; then  # the engine process's loop, its stack sampled (where its time goes)
+    for m in ${PROFILE_METHODS:-ar}; do
+      echo "== online, engine process sampled: $m at ${PROFILE_CONC:-64}"
+      TANDEM_ENGINE_PROFILE="$OUT/engine_stacks_$m.txt" within 120 python3 -m tandem bench --online --engine-process \
+        --device cuda --dtype bfloat16 --draft eagle3 --methods $m --concurrency "${PROFILE_CONC:-64}" --requests 512 \
+        --max-new-tokens 128 --ignore-eos --workload mbpp --data-dir .data --num-prompts 64 --max-prompt-tokens 256 \
+        --no-plots --out "$OUT/online_prof_$m" > "$OUT/online_prof_$m.log" 2>&1
+      grep -e "^|" "$OUT/online_prof_$m.log" | tail -1
+      head -45 "$OUT/engine_stacks_$m.txt"
+    done
   fi
 fi

@@ -359,3 +359,27 @@ def test_read_json_reads_a_gzipped_results_file(tmp_path):
 
     with pytest.raises(ConfigError, match="ends in .gz but is not gzip data"):
         read_json(tmp_path / "bad.json.gz", "--replay")
+
+
+def test_the_stack_sampler_charges_a_busy_function_of_the_watched_thread():
+    """StackSampler reads the watched thread's innermost Python frame every interval: a thread
+    spinning in one function gets nearly every sample, and the switch interval is restored."""
+    import sys
+    import time
+
+    from tandem.bench.stack_sampler import StackSampler
+
+    def spin_here(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    before = sys.getswitchinterval()
+    sampler = StackSampler(interval_s=0.002).start()
+    spin_here(0.3)
+    sampler.stop()
+    own = sampler.own.most_common(1)[0]
+    assert sampler.samples >= 20 and own[0].endswith(":spin_here") and own[1] >= 0.8 * sampler.samples
+    assert sampler.total["test_bench.py:test_the_stack_sampler_charges_a_busy_function_of_the_watched_thread"] \
+        == sampler.samples and sys.getswitchinterval() == before
+    assert "spin_here" in sampler.report(5)

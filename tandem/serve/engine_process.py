@@ -210,18 +210,18 @@ def _child(spec: EngineSpec, conn) -> None:
     driver = _ChildDriver(engines, _Recorder(), send)
     send(("ready", {m: e.context_window for m, e in engines.items()}))
     threading.Thread(target=_receive, args=(conn, driver, send), name="tandem-engine-pipe", daemon=True).start()
-    profile = os.environ.get("TANDEM_ENGINE_PROFILE")  # (a file: the engine loop's cProfile stats, for bench scripts)
+    profile = os.environ.get("TANDEM_ENGINE_PROFILE")  # (a file: where the engine loop's time went, for bench scripts)
+    sampler = None
     if profile:
-        import cProfile
+        from tandem.bench.stack_sampler import StackSampler
 
-        prof = cProfile.Profile()
-        prof.enable()
+        sampler = StackSampler().start()
     try:
         driver.run()  # the engine loop on this thread, which loaded the models (see spare_main_thread)
     finally:
-        if profile:
-            prof.disable()
-            prof.dump_stats(profile)
+        if sampler is not None:
+            with open(profile, "w") as f:
+                f.write(sampler.stop().report(40) + "\n")
 
 
 def _receive(conn, driver: "_ChildDriver", send) -> None:
