@@ -31,7 +31,10 @@ from tandem.serve.logprobs import LogprobEngine
 
 
 def _drain(conn) -> None:
-    """The other end of the pipe: read and drop every message until the pipe closes."""
+    """The other end of the pipe: say it is reading, then read and drop every message until the
+    pipe closes (the writer waits for the first: a spawned child takes seconds to import, and
+    writes into a pipe nobody reads block once its buffer is full)."""
+    conn.send_bytes(b"ready")
     try:
         while True:
             conn.recv_bytes()
@@ -82,6 +85,7 @@ def main() -> int:
             proc = multiprocessing.get_context("spawn").Process(target=_drain, args=(child,), daemon=True)
             proc.start()
             child.close()
+            conn.recv_bytes()  # (the drain reads)
 
         def send(msg) -> None:
             data = pickle.dumps(msg)
@@ -112,7 +116,14 @@ def main() -> int:
             proc.join(10)
         return wall, eng.steps - s0
 
+    import gc
+
+    import torch
+
     for name in ("offline", "driver", "nopipe", "offline"):
+        gc.collect()  # (the last run's engine: its graphs and pinned buffers go before this one starts)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         eng = engine()
         offline_warm = offline if name == "offline" else (lambda e: served(e, name == "driver"))
         offline_warm(eng)  # (a warm-up round: graphs, first shapes)
@@ -121,6 +132,7 @@ def main() -> int:
         step_s = (eng.counters.step_s - k0[0]) / max(1, eng.counters.steps - k0[1])
         print(f"{name}: {N * a.max_tokens / wall:.0f} tok/s, {steps} steps, Engine.step {step_s * 1e3:.3f} ms, "
               f"a turn {wall / max(1, steps) * 1e3:.3f} ms", flush=True)
+        del eng
     return 0
 
 
