@@ -5,6 +5,7 @@ Three runs of the same requests (N of them, at most C in flight, the next added 
   driver   tandem serve's engine-process driver (_ChildDriver: publish each step's tokens, record
            metrics, pickle one message a turn) on this thread, its messages written to a pipe that
            another process drains, requests added from another thread as the ends are sent;
+  driverN  the same, one write every N turns (the messages of N turns pickled together);
   nopipe   the same driver, its messages pickled but not written.
 Each prints tokens a second, steps, the mean ms of Engine.step and of a whole loop turn.
 
@@ -52,6 +53,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--data-dir", default=".data")
+    ap.add_argument("--runs", default="offline,driver,nopipe,offline",
+                    help="in order; driverN: one pipe write every N turns")
     a = ap.parse_args()
     pair = load_pair(a.target, None if a.method == "ar" else a.draft, a.device,
                      "bfloat16" if a.device == "cuda" else "float32", need_draft=a.method != "ar")
@@ -77,7 +80,7 @@ def main() -> int:
                     sent += 1
         return time.perf_counter() - t0, eng.steps - s0
 
-    def served(eng, pipe: bool) -> tuple[float, int]:
+    def served(eng, pipe: bool, every: int = 1) -> tuple[float, int]:
         ends = threading.Semaphore(0)
         conn = proc = None
         if pipe:
@@ -87,10 +90,15 @@ def main() -> int:
             child.close()
             conn.recv_bytes()  # (the drain reads)
 
+        held: list = []
+
         def send(msg) -> None:
-            data = pickle.dumps(msg)
-            if conn is not None:
-                conn.send_bytes(data)
+            held.append(msg)  # (every: one write for that many turns' messages)
+            if len(held) >= every or msg[0] != "events":
+                data = pickle.dumps(held)
+                held.clear()
+                if conn is not None:
+                    conn.send_bytes(data)
             if msg[0] == "events":
                 for _ in msg[5]:
                     ends.release()
@@ -120,12 +128,13 @@ def main() -> int:
 
     import torch
 
-    for name in ("offline", "driver", "nopipe", "offline"):
+    for name in a.runs.split(","):
         gc.collect()  # (the last run's engine: its graphs and pinned buffers go before this one starts)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         eng = engine()
-        offline_warm = offline if name == "offline" else (lambda e: served(e, name == "driver"))
+        every = int(name[len("driver"):] or 1) if name.startswith("driver") else 1
+        offline_warm = offline if name == "offline" else (lambda e: served(e, name != "nopipe", every))
         offline_warm(eng)  # (a warm-up round: graphs, first shapes)
         k0 = (eng.counters.step_s, eng.counters.steps)
         wall, steps = offline_warm(eng)
