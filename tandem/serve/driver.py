@@ -132,6 +132,9 @@ def spare_main_thread() -> int:
     return n
 
 
+GAUGE_S = 0.02  # the gauges (queue depth, running, KV blocks) while busy: set this often, not every step
+
+
 class EngineDriver:
     def __init__(self, engines: dict[str, LogprobEngine], metrics: ServerMetrics, idle_wait_s: float = 0.05,
                  threads: int | None = None):
@@ -139,6 +142,7 @@ class EngineDriver:
         self.engines, self.metrics, self.idle_wait_s = engines, metrics, idle_wait_s
         self.threads = threads
         self._running = False  # the loop runs (set before its thread starts, so alive holds from start())
+        self._gauges_at = 0.0  # (perf_counter) when the gauges are next set while the engines are busy
         self.commands: queue.Queue = queue.Queue()
         self.live: dict[str, _Live] = {}  # engine thread only
         self._outbox: list[tuple[Job, Event]] = []  # this step's events, engine thread only
@@ -198,7 +202,9 @@ class EngineDriver:
                     if engine.has_unfinished():
                         self._step(method, engine)
                 self._flush()
-                self._gauges()
+                if not busy or time.perf_counter() >= self._gauges_at:  # (gauges: every GAUGE_S while busy)
+                    self._gauges()
+                    self._gauges_at = time.perf_counter() + GAUGE_S
         except Exception as e:  # a bug outside a step: the loop is dead, say so everywhere
             log.exception("the engine loop stopped")
             self.error = f"{type(e).__name__}: {e}"
@@ -216,6 +222,8 @@ class EngineDriver:
             self._gauges()
 
     def _drain(self, block: bool) -> None:
+        if not block and not self.commands.queue:  # (the queue's deque, read without its lock: a busy loop's usual case)
+            return
         try:
             cmd = self.commands.get(timeout=self.idle_wait_s) if block else self.commands.get_nowait()
         except queue.Empty:

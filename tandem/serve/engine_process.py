@@ -139,14 +139,24 @@ class _ChildDriver(EngineDriver):
         """The step's new tokens of every request into the turn's flat lists (no Delta per
         request here: the server process builds those, off the engine's interpreter)."""
         new = 0
+        d = self.deltas
+        rids, counts, tokens = d.rids, d.counts, d.tokens  # (_add_tokens inlined: a call per request a step)
         for lv in mine:
             out = lv.request.output_ids
             sent, end = lv.sent, len(out)
             if end <= sent:
                 continue
-            rid = lv.job.request_id
-            have = lv.engine.logprobs.get(rid) if lv.job.top_logprobs is not None else None
-            self._add_tokens(rid, out[sent:], have[sent:end] if have is not None else None)
+            job = lv.job
+            rids.append(job.request_id)
+            counts.append(end - sent)
+            if end - sent == 1:
+                tokens.append(out[sent])
+            else:
+                tokens += out[sent:]
+            if job.top_logprobs is not None:
+                have = lv.engine.logprobs.get(job.request_id)
+                if have is not None:
+                    d.logprobs[job.request_id] = have[sent:end]
             lv.sent = end
             new += end - sent
         return new
