@@ -610,7 +610,7 @@ def test_a_feature_drafter_is_fed_through_steps_that_skip_drafting(kind, ahead, 
     last_drafted = 3 if kind == "eagle3" else 2  # (the step whose start holds what it ran)
 
     class Pattern:  # drafts on its first two decode steps, not on the next three, then again
-        decisions_off, calls, dormant = 0, 0, True  # (its sample, the one request, stays fed)
+        decisions_off, calls, dormant = 0, 0, False  # (not dormant yet: every drafter stays fed)
 
         def plan(self, requests):
             if requests == 0:
@@ -766,37 +766,42 @@ def _gated_eagle3_engine(n_prompts: int, max_tokens: int, asynchronous: bool = F
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_while_the_gate_keeps_drafting_off_only_its_samples_feature_drafters_are_fed(asynchronous):
-    """Feeding every request's feature drafter through plain steps costs a plain step more than
-    `ar`'s; while the gate keeps drafting off only its sample's drafters are fed (the next probe
-    drafts those), the others are released and restart from the whole context when drafting
-    resumes. Outputs equal solo ar throughout (a restarted drafter proposes worse, never wrongly)."""
+def test_a_dormant_gates_plain_steps_feed_no_drafter_and_its_probes_start_the_newest(asynchronous):
+    """Feeding feature drafters through plain steps costs a plain step more than `ar`'s: once the
+    gate is dormant its plain steps release every drafter and feed none; a probe (two steps of k
+    requests drafting) starts the drafters of the k newest decoding requests, the next plain step
+    releases them, and drafting for all restarts every drafter from its whole context. Outputs
+    equal solo ar throughout (a restarted drafter proposes worse, never wrongly)."""
     pair, prompts, params, engine = _gated_eagle3_engine(6, 20, asynchronous)
-    fed_while_off = []
+    held, probed = [], []
 
-    class OnOffOn:  # all draft for two decode steps, none for four, then all again
+    class OnOffProbeOffOn:  # all for 2 decode steps, none for 3, a probe of 2 (two steps), none for 2, all
         decisions_off, calls, sample, dormant = 0, 0, 2, True
 
         def plan(self, requests):
             if requests == 0:
                 return 0
             self.calls += 1
-            if 4 <= self.calls <= 6:  # (the step before decided off: its plain requests were fed or dropped)
-                fed_while_off.append({rid for rid, r in engine.requests.items() if "drafter" in r.runtime})
-            return 0 if 3 <= self.calls <= 6 else requests
+            if 4 <= self.calls <= 10:  # (what the step before left: drafters held)
+                held.append({rid for rid, r in engine.requests.items() if "drafter" in r.runtime})
+            if self.calls in (6, 7):
+                newest = [r.request_id for r in engine.scheduler.running if not r.in_prefill][-2:]
+                probed.append(set(newest))
+                return 2
+            return 0 if 3 <= self.calls <= 9 else requests
 
         def observe(self, *a, **k):
             pass
 
-    engine.gate = OnOffOn()
+    engine.gate = OnOffProbeOffOn()
     outs = run_all(engine, prompts, params)
     solo = Engine(pair.target, None, config=EngineConfig(method="ar"))
     assert [o.token_ids for o in outs] == [o.token_ids for o in run_all(solo, prompts, params)]
-    sample = set(engine._sample)
-    assert len(sample) == 2 and fed_while_off and all(fed == sample for fed in fed_while_off)
-    drafted_again = [r for r in engine.counters.records if r.nodes > 0]
-    assert len(drafted_again) > 2  # (drafting resumed for every request after the off stretch)
-    assert (engine.counters.async_steps >= 4) == asynchronous  # (the four plain steps, and prefill steps)
+    # held before calls 4-10: after plain steps 3, 4, 5 none; after the probe's steps (6, 7) its two;
+    # after plain steps 8, 9 none again
+    assert held[:3] == [set(), set(), set()] and held[3] == held[4] == probed[0] == probed[1], (held, probed)
+    assert held[5:] == [set(), set()], held
+    assert len([r for r in engine.counters.records if r.nodes > 0]) > 3  # (drafting resumed for every request)
 
 
 def test_rows_kept_for_a_drafter_that_is_gone_are_not_handed_over():
@@ -853,7 +858,7 @@ def test_rows_kept_for_a_drafter_that_is_gone_are_not_handed_over():
 def test_drafters_go_dormant_only_after_the_gates_off_streak_reaches_dormant_after(asynchronous):
     """Near break-even the gate turns drafting on and off often, and a restarted drafter catches
     up on its whole context: every drafter stays fed until the gate has kept drafting off for
-    `dormant_after` plain steps in a row; then only its sample's, until drafting resumes for all."""
+    `dormant_after` plain steps in a row; then none, until drafting resumes for all."""
     pair, prompts, params, engine = _gated_eagle3_engine(5, 16, asynchronous)
     fed = []
 
@@ -884,7 +889,7 @@ def test_drafters_go_dormant_only_after_the_gates_off_streak_reaches_dormant_aft
     solo = Engine(pair.target, None, config=EngineConfig(method="ar"))
     assert [o.token_ids for o in outs] == [o.token_ids for o in run_all(solo, prompts, params)]
     # (fed: counted before the step's decision, so after the streak's previous value)
-    assert fed == [5, 5, 5, 2, 2, 2, 2], fed  # (the third off decision makes them dormant)
+    assert fed == [5, 5, 5, 0, 0, 0, 0], fed  # (the third off decision makes them dormant)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "draft"])

@@ -286,14 +286,14 @@ class Engine:
         self._forced: bool | int | None = None
         self._drafted_before: set[str] = set()  # the requests that drafted in the gate's last observed step
         self._sample: list[str] = []  # the gate's sample (its learning and probe steps draft these)
-        # the plain requests whose feature drafters are kept fed this step (None: all). While the
-        # gate keeps drafting off only its sample's are: feeding every request cost a plain step
-        # 1.61 ms against `ar`'s 0.97 at 64 requests (H200, 2026-12-02), and only the sample's
-        # drafters are needed for the next probe; the others restart when drafting resumes
+        # the plain requests whose feature drafters are kept fed this step (None: all). Once the
+        # gate has kept drafting off for a while (dormant) none are, but a probe's sample: feeding
+        # every request cost a plain step 1.61 ms against `ar`'s 0.97 at 64 requests (H200,
+        # 2026-12-02); the drafters restart when drafting resumes (_off_or_probe)
         self._keep_fed: set[str] | None = None
-        self._dormant = False  # the gate has kept drafting off long enough: only its sample stays fed
-        # a dormant step has released every drafter outside the sample: the next async plain steps
-        # visit the sample's requests only (a visit to each of 64 cost a plain step ~20 us)
+        self._dormant = False  # the gate has kept drafting off long enough: no drafter is fed but a probe's
+        # a dormant step has released every drafter outside _keep_fed: the next async plain steps
+        # visit those requests only (a visit to each of 64 cost a plain step ~20 us)
         self._swept = False
         # row selection's c(rows): given, or measured on this engine's target pass
         self.row_cost = config.row_cost
@@ -697,28 +697,45 @@ class Engine:
                 self._dormant = self._swept = False
                 return None
             # (a plain step or a probe's shape, a sample of k drafting, as the gate's off regime runs
-            # them: only the sample's drafters fed, the others dormant; a plain step that fed them
-            # all cost 1.5-1.7x, H200 2026-12-03, and made drafting look cheaper by a x that)
-            sample = self._pick_sample(running, k or DraftGate.sample)
-            self._swept = self._swept and self._dormant
-            self._dormant, self._keep_fed = True, set(sample)
-            return set(sample) if k else set()
+            # them: a plain step feeds no drafter, a probe starts its sample's; a plain step that fed
+            # them all cost 1.5-1.7x, H200 2026-12-03, and made drafting look cheaper by a x that)
+            self._dormant = True
+            return self._off_or_probe(running, k)
         n = _decoding(running)
         k = self.gate.plan(n)
         if k >= n and k:
             self._dormant = self._swept = False
             return None
         self._dormant = self.gate.dormant
-        self._swept = self._swept and self._dormant
-        sample = self._pick_sample(running, k or getattr(self.gate, "sample", 4))
-        if self._dormant:
-            self._keep_fed = set(sample)
-        return set(sample) if k else set()  # (a request admitted this step that decodes at once does not draft either)
+        if not self._dormant:  # (the first plain steps after drafting: every drafter still fed)
+            self._swept = False
+            return set(self._pick_sample(running, k)) if k else set()
+        return self._off_or_probe(running, k)
+
+    def _off_or_probe(self, running: list[Request], k: int) -> set[str]:
+        """A dormant gate's step: plain (k = 0), every drafter released and none fed, so the step
+        costs what `ar`'s does; or a probe of k requests, the newest decoding ones, whose drafters
+        start over their prompt and the few tokens after it. Keeping a sample fed between probes
+        (a gather of its features, a hand-over, a drafter start whenever a member ended) cost a
+        plain step ~0.08 ms of host work at 64 requests, 0.53 against `ar`'s 0.45 ms (H100,
+        2026-12-07), where probes come every few hundred steps."""
+        if not k:
+            self._sample = []
+            self._swept = self._swept and self._dormant
+            self._keep_fed = set()
+            return set()
+        # (a probe's first step comes after a plain one, which emptied the sample: the newest
+        # requests; its second step keeps them)
+        sample = self._pick_sample(running, k)
+        self._swept = False  # (the next plain step releases the probe's drafters)
+        self._keep_fed = set(sample)
+        return set(sample)  # (a request admitted this step that decodes at once does not draft either)
 
     def _pick_sample(self, running: list[Request], k: int) -> list[str]:
         """The gate's sample of k decoding requests (of `running`, those not in prefill). It stays
-        while its requests decode: a request new to it first catches up on every token since it
-        last drafted, so a sample that moved on each step made every probe a catch-up of a long
+        while its requests decode, over the steps of a probe and of the gate's learning (a dormant
+        gate's plain step empties it): a request new to it first catches up on every token since
+        it last drafted, so a sample that moved on each step made every probe a catch-up of a long
         stretch (H200, 2026-12-02: 34 ms probes against 1 ms plain steps)."""
         kept = [rid for rid in self._sample if (r := self.requests.get(rid)) is not None
                 and r.state is RequestState.RUNNING and not r.in_prefill][:k]
@@ -836,7 +853,7 @@ class Engine:
         """An `ar` step for a request while the gate keeps drafting off. A batched feature drafter
         keeps being handed the committed rows and their target features (the pass computes them
         anyway), so drafting resumes where it stopped, on real features; once the gate has kept
-        drafting off for `DraftGate.dormant_after` plain steps in a row, only its sample's are
+        drafting off for `DraftGate.dormant_after` plain steps in a row, none are but a probe's
         (`_keep_fed`): the others' drafters go, and restart from the whole context when drafting
         resumes (zeros for the features they missed: weaker first proposals, never wrong ones).
         A per-request drafter is dropped: it did not propose this step, so it restarts from the
