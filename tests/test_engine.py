@@ -766,12 +766,47 @@ def _gated_eagle3_engine(n_prompts: int, max_tokens: int, asynchronous: bool = F
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_a_dormant_gates_plain_steps_feed_no_drafter_and_its_probes_start_the_newest(asynchronous):
-    """Feeding feature drafters through plain steps costs a plain step more than `ar`'s: once the
-    gate is dormant its plain steps release every drafter and feed none; a probe (two steps of k
+def test_while_the_gate_keeps_drafting_off_only_its_samples_feature_drafters_are_fed(asynchronous):
+    """Feeding every request's feature drafter through plain steps costs a plain step more than
+    `ar`'s; while the gate keeps drafting off only its sample's drafters are fed (the next probe
+    drafts those), the others are released and restart from the whole context when drafting
+    resumes. Outputs equal solo ar throughout (a restarted drafter proposes worse, never wrongly)."""
+    pair, prompts, params, engine = _gated_eagle3_engine(6, 20, asynchronous)
+    fed_while_off = []
+
+    class OnOffOn:  # all draft for two decode steps, none for four, then all again
+        decisions_off, calls, sample, dormant = 0, 0, 2, True
+
+        def plan(self, requests):
+            if requests == 0:
+                return 0
+            self.calls += 1
+            if 4 <= self.calls <= 6:  # (the step before decided off: its plain requests were fed or dropped)
+                fed_while_off.append({rid for rid, r in engine.requests.items() if "drafter" in r.runtime})
+            return 0 if 3 <= self.calls <= 6 else requests
+
+        def observe(self, *a, **k):
+            pass
+
+    engine.gate = OnOffOn()
+    outs = run_all(engine, prompts, params)
+    solo = Engine(pair.target, None, config=EngineConfig(method="ar"))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in run_all(solo, prompts, params)]
+    sample = set(engine._sample)
+    assert len(sample) == 2 and fed_while_off and all(fed == sample for fed in fed_while_off)
+    drafted_again = [r for r in engine.counters.records if r.nodes > 0]
+    assert len(drafted_again) > 2  # (drafting resumed for every request after the off stretch)
+    assert (engine.counters.async_steps >= 4) == asynchronous  # (the four plain steps, and prefill steps)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_parked_gates_plain_steps_feed_no_drafter_and_its_probes_start_the_newest(asynchronous, monkeypatch):
+    """Feeding feature drafters through plain steps costs a plain step more than `ar`'s: with
+    TANDEM_GATE_PARK=1 a dormant gate's plain steps release every drafter and feed none; a probe (two steps of k
     requests drafting) starts the drafters of the k newest decoding requests, the next plain step
     releases them, and drafting for all restarts every drafter from its whole context. Outputs
     equal solo ar throughout (a restarted drafter proposes worse, never wrongly)."""
+    monkeypatch.setenv("TANDEM_GATE_PARK", "1")
     pair, prompts, params, engine = _gated_eagle3_engine(6, 20, asynchronous)
     held, probed = [], []
 
@@ -854,11 +889,14 @@ def test_rows_kept_for_a_drafter_that_is_gone_are_not_handed_over():
     assert_clean(engine)
 
 
+@pytest.mark.parametrize("park", [False, True], ids=["sample-fed", "parked"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_drafters_go_dormant_only_after_the_gates_off_streak_reaches_dormant_after(asynchronous):
+def test_drafters_go_dormant_only_after_the_gates_off_streak_reaches_dormant_after(asynchronous, park, monkeypatch):
     """Near break-even the gate turns drafting on and off often, and a restarted drafter catches
     up on its whole context: every drafter stays fed until the gate has kept drafting off for
-    `dormant_after` plain steps in a row; then none, until drafting resumes for all."""
+    `dormant_after` plain steps in a row; then only its sample's (parked: none), until drafting
+    resumes for all."""
+    monkeypatch.setenv("TANDEM_GATE_PARK", "1" if park else "0")
     pair, prompts, params, engine = _gated_eagle3_engine(5, 16, asynchronous)
     fed = []
 
@@ -889,7 +927,8 @@ def test_drafters_go_dormant_only_after_the_gates_off_streak_reaches_dormant_aft
     solo = Engine(pair.target, None, config=EngineConfig(method="ar"))
     assert [o.token_ids for o in outs] == [o.token_ids for o in run_all(solo, prompts, params)]
     # (fed: counted before the step's decision, so after the streak's previous value)
-    assert fed == [5, 5, 5, 0, 0, 0, 0], fed  # (the third off decision makes them dormant)
+    left = 0 if park else 2  # (the sample's two)
+    assert fed == [5, 5, 5] + [left] * 4, fed  # (the third off decision makes them dormant)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "draft"])

@@ -287,11 +287,17 @@ class Engine:
         self._drafted_before: set[str] = set()  # the requests that drafted in the gate's last observed step
         self._sample: list[str] = []  # the gate's sample (its learning and probe steps draft these)
         # the plain requests whose feature drafters are kept fed this step (None: all). Once the
-        # gate has kept drafting off for a while (dormant) none are, but a probe's sample: feeding
-        # every request cost a plain step 1.61 ms against `ar`'s 0.97 at 64 requests (H200,
-        # 2026-12-02); the drafters restart when drafting resumes (_off_or_probe)
+        # gate has kept drafting off for a while (dormant) only its sample's are (parked: none but a
+        # probe's): feeding every request cost a plain step 1.61 ms against `ar`'s 0.97 at 64
+        # requests (H200, 2026-12-02); the others restart when drafting resumes
         self._keep_fed: set[str] | None = None
-        self._dormant = False  # the gate has kept drafting off long enough: no drafter is fed but a probe's
+        self._dormant = False  # the gate has kept drafting off long enough: only its sample stays fed
+        # TANDEM_GATE_PARK=1: a dormant gate feeds no drafter between its probes (_off_or_probe); by
+        # default it keeps its sample's fed. On an H100 (2026-12-07, 256 MBPP requests, EAGLE-3)
+        # parking took `tree+gate` / `ar` at 64 requests from 0.67x to 0.77x but at 8 from 1.10x to
+        # 0.95x: a probe's drafters, started then, lacked the target's features of the tokens since
+        # their prompt, accepted ~1.4 tokens a step instead of ~6, and kept drafting off
+        self._park = os.environ.get("TANDEM_GATE_PARK", "0") == "1"
         # a dormant step has released every drafter outside _keep_fed: the next async plain steps
         # visit those requests only (a visit to each of 64 cost a plain step ~20 us)
         self._swept = False
@@ -697,10 +703,10 @@ class Engine:
                 self._dormant = self._swept = False
                 return None
             # (a plain step or a probe's shape, a sample of k drafting, as the gate's off regime runs
-            # them: a plain step feeds no drafter, a probe starts its sample's; a plain step that fed
-            # them all cost 1.5-1.7x, H200 2026-12-03, and made drafting look cheaper by a x that)
+            # them: only the sample's drafters fed, the others dormant; a plain step that fed them
+            # all cost 1.5-1.7x, H200 2026-12-03, and made drafting look cheaper by a x that)
             self._dormant = True
-            return self._off_or_probe(running, k)
+            return self._off_or_probe(running, k) if self._park else self._sample_fed(running, k)
         n = _decoding(running)
         k = self.gate.plan(n)
         if k >= n and k:
@@ -710,15 +716,25 @@ class Engine:
         if not self._dormant:  # (the first plain steps after drafting: every drafter still fed)
             self._swept = False
             return set(self._pick_sample(running, k)) if k else set()
-        return self._off_or_probe(running, k)
+        return self._off_or_probe(running, k) if self._park else self._sample_fed(running, k)
+
+    def _sample_fed(self, running: list[Request], k: int) -> set[str]:
+        """A dormant gate's step (the default): plain (k = 0) or a probe of k, its sample's drafters
+        kept fed through the plain steps (the next probe drafts those, on the target's features of
+        every token), the others released."""
+        self._swept = self._swept and self._dormant
+        sample = self._pick_sample(running, k or getattr(self.gate, "sample", DraftGate.sample))
+        self._keep_fed = set(sample)
+        return set(sample) if k else set()  # (a request admitted this step that decodes at once does not draft either)
 
     def _off_or_probe(self, running: list[Request], k: int) -> set[str]:
-        """A dormant gate's step: plain (k = 0), every drafter released and none fed, so the step
-        costs what `ar`'s does; or a probe of k requests, the newest decoding ones, whose drafters
-        start over their prompt and the few tokens after it. Keeping a sample fed between probes
-        (a gather of its features, a hand-over, a drafter start whenever a member ended) cost a
-        plain step ~0.08 ms of host work at 64 requests, 0.53 against `ar`'s 0.45 ms (H100,
-        2026-12-07), where probes come every few hundred steps."""
+        """A dormant gate's step when it parks (TANDEM_GATE_PARK=1): plain (k = 0), every drafter
+        released and none fed, so the step costs what `ar`'s does; or a probe of k requests, the
+        newest decoding ones, whose drafters start over their context (zeros for the target
+        features of the tokens since the prompt). Keeping a sample fed between probes (a gather of
+        its features, a hand-over, a drafter start whenever a member ended) cost a plain step ~0.08
+        ms of host work at 64 requests, 0.53 against `ar`'s 0.45 ms (H100, 2026-12-07), where probes
+        come every few hundred steps; but the started drafters proposed badly (see Engine.__init__)."""
         if not k:
             self._sample = []
             self._swept = self._swept and self._dormant
@@ -733,10 +749,10 @@ class Engine:
 
     def _pick_sample(self, running: list[Request], k: int) -> list[str]:
         """The gate's sample of k decoding requests (of `running`, those not in prefill). It stays
-        while its requests decode, over the steps of a probe and of the gate's learning (a dormant
-        gate's plain step empties it): a request new to it first catches up on every token since
-        it last drafted, so a sample that moved on each step made every probe a catch-up of a long
-        stretch (H200, 2026-12-02: 34 ms probes against 1 ms plain steps)."""
+        while its requests decode (a parked gate's plain step empties it): a request new to it
+        first catches up on every token since it last drafted, so a sample that moved on each step
+        made every probe a catch-up of a long stretch (H200, 2026-12-02: 34 ms probes against 1 ms
+        plain steps)."""
         kept = [rid for rid in self._sample if (r := self.requests.get(rid)) is not None
                 and r.state is RequestState.RUNNING and not r.in_prefill][:k]
         if len(kept) < k:  # (only then a walk over the requests)
@@ -853,8 +869,8 @@ class Engine:
         """An `ar` step for a request while the gate keeps drafting off. A batched feature drafter
         keeps being handed the committed rows and their target features (the pass computes them
         anyway), so drafting resumes where it stopped, on real features; once the gate has kept
-        drafting off for `DraftGate.dormant_after` plain steps in a row, none are but a probe's
-        (`_keep_fed`): the others' drafters go, and restart from the whole context when drafting
+        drafting off for `DraftGate.dormant_after` plain steps in a row, only its sample's are
+        (none when parked; `_keep_fed`): the others' drafters go, and restart from the whole context when drafting
         resumes (zeros for the features they missed: weaker first proposals, never wrong ones).
         A per-request drafter is dropped: it did not propose this step, so it restarts from the
         whole context."""
