@@ -79,7 +79,7 @@ def main() -> int:
                     clock = timeline.HostClock()
                     timeline.label_phases(eng, clock)
                     eng.step = clock.wrap(eng.step, "Engine.step")
-                sampler = StackSampler().start() if rnd == 1 and a.stacks else None
+                sampler = StackSampler(mode="cpu").start() if rnd == 1 and a.stacks else None
                 s0, t = eng.steps, time.perf_counter()
                 added = c
                 while eng.has_unfinished():

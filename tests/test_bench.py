@@ -378,6 +378,10 @@ def test_the_stack_sampler_charges_a_busy_function_of_the_watched_thread():
     sampler = StackSampler(interval_s=0.002).start()
     spin_here(0.3)
     sampler.stop()
+    cpu = StackSampler(interval_s=0.002, mode="cpu").start()  # (SIGPROF on the main thread: a CPU profile)
+    spin_here(0.3)
+    cpu.stop()
+    assert cpu.samples >= 20 and cpu.own.most_common(1)[0][0].endswith(":spin_here")
     own = sampler.own.most_common(1)[0]
     assert sampler.samples >= 20 and own[0].endswith(":spin_here") and own[1] >= 0.8 * sampler.samples
     assert sampler.total["test_bench.py:test_the_stack_sampler_charges_a_busy_function_of_the_watched_thread"] \

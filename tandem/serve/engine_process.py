@@ -225,7 +225,7 @@ def _child(spec: EngineSpec, conn) -> None:
     if profile:
         from tandem.bench.stack_sampler import StackSampler
 
-        sampler = StackSampler().start()
+        sampler = StackSampler(mode="cpu").start()  # (SIGPROF on this thread: no bias toward lock releases)
     try:
         driver.run()  # the engine loop on this thread, which loaded the models (see spare_main_thread)
     finally:
