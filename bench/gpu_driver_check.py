@@ -100,7 +100,7 @@ def main() -> int:
                 if conn is not None:
                     conn.send_bytes(data)
             if msg[0] == "events":
-                for _ in msg[5]:
+                for _ in msg[6]:  # (the ends)
                     ends.release()
 
         drv = _ChildDriver({a.method: eng}, _Recorder(), send)

@@ -9,12 +9,13 @@ joins the steps' tokens into one chunk (RequestHandle.next_merged) while the eng
 
     server process                                   engine process (spawned)
     ProcessDriver.submit(job) ---- ("add", ...) ---->  EngineDriver.submit
-                   <------------- ("added", rid, error)
     ProcessDriver.abort(rid) ----- ("abort", rid) -->  EngineDriver.abort
     ProcessDriver.pools() -------- ("pools", n) ---->  EngineDriver.pools (between two steps)
                    <------------- ("pools", n, report)
-    reader thread  <------ ("events", rids, counts, tokens, logprobs, ends, metric calls)  every turn
-      -> each event loop gets its requests' events in one call_soon_threadsafe;
+    reader thread  <-- ("events", acks, rids, counts, tokens, logprobs, ends, metric calls)  every turn
+      -> the acks first (each add: (rid, None) taken, or (rid, error) refused; they ride in the
+         turn's message, not a write each: a pipe write in the engine loop for every request);
+         then each event loop gets its requests' events in one call_soon_threadsafe;
          the metric calls are replayed on the server's ServerMetrics
          (deltas: flat lists of request ids, token counts and tokens (_Deltas), logprobs only for
          the requests that asked; the per-request part of every step kept to a few plain lists;
@@ -24,9 +25,9 @@ joins the steps' tokens into one chunk (RequestHandle.next_merged) while the eng
 
 The child runs the engine loop on its main thread, the one that loaded the models (on the CPU,
 torch ops on another thread cost several times as much: tandem.serve.driver.spare_main_thread),
-and reads the pipe on a thread of its own. It ignores SIGINT and SIGTERM: the server process's shutdown path stops it (a terminal's
-Ctrl-C reaches the whole process group); if the server process dies, the pipe closes and the
-child stops and exits.
+and reads the pipe on a thread of its own. It ignores SIGINT and SIGTERM: the server process's
+shutdown path stops it (a terminal's Ctrl-C reaches the whole process group); if the server
+process dies, the pipe closes and the child stops and exits.
 """
 from __future__ import annotations
 
@@ -134,6 +135,7 @@ class _ChildDriver(EngineDriver):
         self.send = send
         self.deltas = _Deltas()
         self.ends: list[tuple[str, Event]] = []
+        self.acks: list[tuple[str, str | None]] = []  # adds taken (None) or refused (the error), this turn
 
     def _publish_all(self, mine) -> int:
         """The step's new tokens of every request into the turn's flat lists (no Delta per
@@ -179,9 +181,9 @@ class _ChildDriver(EngineDriver):
     def _flush(self) -> None:
         calls = self.metrics.take()
         d = self.deltas
-        if d.rids or self.ends or calls:
-            ends, self.deltas, self.ends = self.ends, _Deltas(), []
-            self.send(("events", d.rids, d.counts, d.tokens, d.logprobs, ends, calls))
+        if d.rids or self.ends or calls or self.acks:
+            acks, ends, self.deltas, self.ends, self.acks = self.acks, self.ends, _Deltas(), [], []
+            self.send(("events", acks, d.rids, d.counts, d.tokens, d.logprobs, ends, calls))
 
     def _main(self) -> None:
         try:
@@ -244,7 +246,8 @@ def _receive(conn, driver: "_ChildDriver", send) -> None:
         if msg[0] == "add":
             _, rid, prompt_ids, params, method, top = msg
             fut: Future = Future()
-            fut.add_done_callback(lambda f, rid=rid: send(("added", rid, _error(f))))
+            # (resolved on the engine loop's thread, by its _add: the ack goes with that turn's events)
+            fut.add_done_callback(lambda f, rid=rid: driver.acks.append((rid, _error(f))))
             driver.commands.put(("add", Job(rid, prompt_ids, params, method, top), fut))  # (_send: no loop here)
         elif msg[0] == "abort":
             driver.abort(msg[1])
@@ -351,7 +354,9 @@ class ProcessDriver:
             while True:
                 msg = self.conn.recv()
                 if msg[0] == "events":
-                    _, rids, counts, tokens, lps, ends, calls = msg
+                    _, acks, rids, counts, tokens, lps, ends, calls = msg
+                    for rid, error in acks:  # (before the events: a request's handler starts on its ack)
+                        self._ack(rid, error)
                     self._events(rids, counts, tokens, lps, ends)
                     replay(self.metrics, calls)
                 elif msg[0] == "pools":
@@ -359,17 +364,6 @@ class ProcessDriver:
                         fut = self.reports.pop(msg[1], None)
                     if fut is not None:
                         fut.set_result(msg[2])
-                elif msg[0] == "added":
-                    _, rid, error = msg
-                    with self._lock:
-                        fut = self.futures.pop(rid, None)
-                        if error is not None:
-                            self.jobs.pop(rid, None)
-                    if fut is not None and fut.set_running_or_notify_cancel():
-                        if error is not None:
-                            fut.set_exception(ConfigError(error))
-                        else:
-                            fut.set_result(None)
                 else:  # ended
                     self.error = msg[1]
                     if self.error is None and not self._stopping.is_set():
@@ -379,6 +373,18 @@ class ProcessDriver:
             self.error = self.error or "the engine process exited"
         finally:
             self._fail_all()
+
+    def _ack(self, rid: str, error: str | None) -> None:
+        """The engine process took the request (error None) or refused it: its submit() resolves."""
+        with self._lock:
+            fut = self.futures.pop(rid, None)
+            if error is not None:
+                self.jobs.pop(rid, None)
+        if fut is not None and fut.set_running_or_notify_cancel():
+            if error is not None:
+                fut.set_exception(ConfigError(error))
+            else:
+                fut.set_result(None)
 
     def _events(self, rids: list[str], counts: list[int], tokens: list[int], lps: dict, ends: list) -> None:
         """One turn's events (_Deltas' fields, then the ends), each to its request's job (a
