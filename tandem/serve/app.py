@@ -682,8 +682,14 @@ def create_app(server: Server) -> FastAPI:
                     tail += frame(record([choice(i, rest, FINISH_REASONS.get(ev.output.finish_reason), None,
                                                  ev.output.stop_reason)], counts(tokens)))
                 else:  # (one choice failed: the stream ends; closing it aborts the others)
+                    close()  # (before the last write: see below)
                     yield tail + frame(error_body(ev.status, ev.message, code=ev.code)) + DONE
                     return
+            # the requests are done: their places in the bounded queue go before the last write, as a
+            # client that reads [DONE] may send its next request at once (a soak of 8 streams back to
+            # back on a server admitting 8 got 503 for 90 of 1,084 requests, the places still held
+            # while the response closed)
+            close()
             yield tail + (frame(record([], usage(ended))) if include_usage else b"") + DONE
 
         server.streams += len(handles)

@@ -485,6 +485,14 @@ def _rss_bytes(server=None) -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _error_code(body: bytes) -> str | None:
+    """An OpenAI-shaped error body's code (None if it is not one)."""
+    try:
+        return json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def check_soak(t: Target, seconds: float = 600.0, concurrency: int = 8, max_tokens: int = 48,
                method: str = "tree", warmup_s: float = 5.0) -> CheckResult:
     """(3) `concurrency` clients send streamed requests back to back for `seconds`, speculation on:
@@ -505,6 +513,8 @@ def check_soak(t: Target, seconds: float = 600.0, concurrency: int = 8, max_toke
                     with c.stream("POST", "/v1/completions", json=body) as r:
                         events = sse_data(r.iter_lines()) if r.status_code == 200 else []
                         status = r.status_code
+                        if status != 200:  # (the error's code, for the report)
+                            status = f"{status} {_error_code(r.read())}"
                 except httpx.HTTPError as e:
                     with lock:
                         errors.append(f"{type(e).__name__}: {e}")
