@@ -6,11 +6,15 @@
 # (bench/gpu_profile_engine_kernels.py) at one request and at 64; TIMELINE=1: host time by phase of `ar`'s
 # steps and of the gated engine's plain steps (bench/gpu_step_timeline.py --host-only).
 #   bash bench/run_gpu_gate.sh $OUT   (device tool: carry .data = a copy of ../shared/datasets/mbpp under .data/mbpp)
-# GATECHECK=1: bench/gpu_gate_check.py --phases in a steady state (GC_CONC, GC_REQS). ONLINE_PROFILE=1: the engine process's stack sampled (PROFILE_METHODS,
-# PROFILE_CONC; ONLINE_MAIN=0 skips the tables). GC_FLAGS: more gpu_gate_check flags (--stacks, --skip-ungated).
-# CHUNK_RATES="default 0": the online runs, one a server --max-chunk-rate.
-# ONLINE=1: the server (--online --engine-process; carry .whl: .whl/site.tar.xz, the server's packages for the
-# device's Python 3.12). NODES="12 20": `ar` and `tree` with those node budgets at NCONC (default 1,8,32). ARMS: the arms settings to run (default "0 1"); METHODS_1 / METHODS_0: each run's methods.
+# GATECHECK=1: bench/gpu_gate_check.py --phases in a steady state (GC_CONC, GC_REQS; GC_PHASES="" drops
+#   --phases, GC_FLAGS adds flags such as --stacks --skip-ungated).
+# ONLINE=1: the server against the offline engine (--online --engine-process; carry .whl: .whl/site.tar.xz,
+#   the server's packages for the device's Python 3.12, uvloop and httptools included; ONLINE_CONC,
+#   ONLINE_REQS; CHUNK_RATES="default 0": one online run a server --max-chunk-rate; ONLINE_MAIN=0 skips
+#   these tables); ONLINE_PROFILE=1: the engine process's main thread sampled (PROFILE_METHODS, PROFILE_CONC).
+# NODES="12 20": `ar` and `tree` with those node budgets at NCONC (default 1,8,32). ARMS: the arms
+#   settings to run (default "0 1"; ARMS=" " none); METHODS_1 / METHODS_0: each run's methods.
+# (tenth session, 2026-12-07: `bench/results/h100-2026-12-07-serve/README.md` has each call's command)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-560}; source bench/deadline.sh
