@@ -212,3 +212,32 @@ def test_sampling_two_tokens_follow_the_target(method):
     # drafts are really offered and accepted (the test exercises verification, not the bonus alone)
     greedy = gen.generate(prompt, method, spec, gen=GenerationConfig(max_new_tokens=8, ignore_eos=True))
     assert greedy.draft_steps > 0
+
+
+def test_position_weights_decay_with_the_position_and_keep_the_mean():
+    """The block loss's weights by lattice position (DFlash's decay): exp(-(j - 1) / decay) for
+    the row j positions after the root, mean 1; decay 0 weighs every position alike."""
+    from tandem.train.drafters import position_weights
+
+    assert torch.equal(position_weights(6, 0.0), torch.ones(5))
+    w = position_weights(16, 7.0)
+    want = torch.exp(-torch.arange(15, dtype=torch.float32) / 7.0)
+    assert w.shape == (15,) and torch.allclose(w, want / want.mean()) and abs(w.mean().item() - 1) < 1e-6
+    assert all(a > b for a, b in zip(w, w[1:]))
+
+
+def test_a_decayed_block_loss_weighs_the_early_positions_more():
+    """block_loss_fn with a position decay: the mask rows' KL terms weighted by their position in
+    their block (the context rows' term unchanged), equal to the uniform loss at decay 0."""
+    from tandem.train.drafters import block_loss_fn, position_weights
+
+    target = tiny_model(seed=0, vocab=16)
+    target.enable_features()
+    d = make_drafter(target, block=4, k=4, markov=0, seed=3)
+    x = torch.randint(0, 16, (2, 12), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for decay in (0.0, 1.0):
+        torch.manual_seed(5)  # (the same anchors in both)
+        losses[decay] = block_loss_fn(d, target, anchors=3, device=torch.device("cpu"), position_decay=decay)(x, x)[0]
+    assert torch.isfinite(losses[1.0]) and not torch.isclose(losses[0.0], losses[1.0])
+    assert position_weights(4, 1.0)[0] > 1 > position_weights(4, 1.0)[-1]

@@ -439,3 +439,9 @@ def test_an_unwritable_train_pair_out_is_one_line(tmp_path, capsys):
     for cmd in (["train-pair", "--tiny"], ["train-drafters", "--tiny", "--kind", "block"]):
         bad(capsys, [*cmd, "--out", str(taken)], f"--out {str(taken)!r} is an existing file; give a folder")
     assert taken.read_text() == "keep me"
+
+
+def test_a_negative_position_decay_is_refused_in_one_line(tmp_path, capsys):
+    bad(capsys, ["train-drafters", "--tiny", "--kind", "block", "--position-decay", "-1", "--out", str(tmp_path / "d")],
+        "--position-decay must be >= 0")
+    assert not (tmp_path / "d" / "block").exists()

@@ -27,12 +27,12 @@ PRESETS = {
     # one H200: corpus + encoding about a minute, training 4 minutes
     "full": {"corpus_mb": 60.0, "ctx": 512, "batch_size": 32, "anchors": 16, "minutes": 4.0, "steps": None,
              "lr": 1e-3, "warmup": 100, "layers": 2, "intermediate": 1024, "block_size": 16, "candidates": 16,
-             "markov_rank": 64, "kinds": "stdlib,site",
+             "markov_rank": 64, "position_decay": 0.0, "kinds": "stdlib,site",
              "eagle_minutes": 4.0, "eagle_steps": None, "ttt_steps": 4, "eagle_intermediate": 1024},
     # CPU, seconds
     "tiny": {"corpus_mb": 0.3, "ctx": 64, "batch_size": 4, "anchors": 4, "minutes": None, "steps": 12,
              "lr": 3e-3, "warmup": 2, "layers": 1, "intermediate": 64, "block_size": 6, "candidates": 4,
-             "markov_rank": 8, "kinds": "stdlib",
+             "markov_rank": 8, "position_decay": 0.0, "kinds": "stdlib",
              "eagle_minutes": None, "eagle_steps": 12, "ttt_steps": 3, "eagle_intermediate": 64},
 }
 
@@ -84,11 +84,27 @@ def block_logits(drafter, x: torch.Tensor, feats: torch.Tensor, anchors: torch.T
         return drafter.shared["lm_head"](h).float()  # [b, S, V]
 
 
-def block_loss_fn(drafter, target, anchors: int, device: torch.device):
-    """(x [b, L], y [b, L]) -> (loss, aux = top-1 agreement with the target at lattice position 1)."""
+def position_weights(block_size: int, decay: float) -> torch.Tensor:
+    """The loss weight of a block's mask rows, by lattice position 2 .. B: exp(-(j - 1) / decay) for
+    the row j positions after the root, normalised to mean 1; decay 0: all 1 (the bundled recipe).
+
+    A tree accepts position j only when every position before it was accepted, so the early
+    positions carry most of the tokens a pass commits; DFlash weights its block loss this way
+    (a decay of ~7 for blocks of 16). [B - 1]"""
+    j = torch.arange(1, block_size, dtype=torch.float32)
+    if decay <= 0:
+        return torch.ones_like(j)
+    w = torch.exp(-(j - 1) / decay)
+    return w / w.mean()
+
+
+def block_loss_fn(drafter, target, anchors: int, device: torch.device, position_decay: float = 0.0):
+    """(x [b, L], y [b, L]) -> (loss, aux = top-1 agreement with the target at lattice position 1).
+    position_decay: the mask rows' loss weights (position_weights)."""
     from tandem.train.trainer import autocast_ctx
 
     B = drafter.bconfig.block_size
+    weights = position_weights(B, position_decay).to(device)  # [B - 1]
 
     def fn(x, y):
         b, L = x.shape
@@ -107,7 +123,8 @@ def block_loss_fn(drafter, target, anchors: int, device: torch.device):
         t_logp = F.log_softmax(t_rows, -1)
         d_logp = F.log_softmax(d_logits, -1)
         kl = (t_logp.exp() * (t_logp - d_logp)).sum(-1)  # [b, S]
-        loss = kl[:, :L].mean() + kl[:, L:].mean()
+        # (mask rows come anchor by anchor, B - 1 each: each row's weight by its position in its block)
+        loss = kl[:, :L].mean() + (kl[:, L:] * weights.repeat(a.numel())).mean()
         agree = (t_logp[:, :L].argmax(-1) == d_logp[:, :L].argmax(-1)).float().mean()
         return loss, agree.detach()
 
@@ -165,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
     for k, v in PRESETS[preset].items():
         if getattr(a, k, None) is None:
             setattr(a, k, v)
+    if not a.position_decay >= 0:
+        from tandem.config import ConfigError
+
+        raise ConfigError(f"--position-decay must be >= 0 (0: every block position weighs alike; got {a.position_decay})")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(a.seed)
     np.random.seed(a.seed)
@@ -186,13 +207,13 @@ def run(args: argparse.Namespace) -> int:
     metrics = {}
     if a.kind in ("block", "all"):
         drafter = new_block_drafter(target, a).to(device)
-        res = train_loop("block", drafter, block_loss_fn(drafter, target, a.anchors, device), stream,
+        res = train_loop("block", drafter, block_loss_fn(drafter, target, a.anchors, device, a.position_decay), stream,
                          batch_size=a.batch_size, ctx=ctx, lr=a.lr, warmup=a.warmup, min_lr_frac=0.1,
                          weight_decay=0.0, budget_s=None if a.steps else a.minutes * 60, steps=a.steps,
                          compile_mode="off", device=device, log=log)
         save_block_drafter(drafter, out / "block", dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         metrics["block"] = {"steps": res.steps, "seconds": round(res.seconds, 1), "final_loss": res.final_loss,
-                            "config": drafter.bconfig.to_hf(), "tokens": res.tokens}
+                            "config": drafter.bconfig.to_hf(), "tokens": res.tokens, "position_decay": a.position_decay}
         log(f"block drafter -> {out / 'block'}")
     if a.kind in ("eagle3", "all"):
         try:
