@@ -134,10 +134,10 @@ def main() -> int:
             torch.cuda.empty_cache()
         eng = engine()
         every = int(name[len("driver"):] or 1) if name.startswith("driver") else 1
-        offline_warm = offline if name == "offline" else (lambda e: served(e, name != "nopipe", every))
-        offline_warm(eng)  # (a warm-up round: graphs, first shapes)
+        run_once = offline if name == "offline" else (lambda e: served(e, name != "nopipe", every))
+        run_once(eng)  # (a warm-up round: graphs, first shapes)
         k0 = (eng.counters.step_s, eng.counters.steps)
-        wall, steps = offline_warm(eng)
+        wall, steps = run_once(eng)
         step_s = (eng.counters.step_s - k0[0]) / max(1, eng.counters.steps - k0[1])
         print(f"{name}: {N * a.max_tokens / wall:.0f} tok/s, {steps} steps, Engine.step {step_s * 1e3:.3f} ms, "
               f"a turn {wall / max(1, steps) * 1e3:.3f} ms", flush=True)

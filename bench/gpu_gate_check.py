@@ -55,7 +55,8 @@ def main() -> int:
     pair = load_pair(None, None if a.draft == "draft" else a.draft, a.device,
                      "bfloat16" if a.device == "cuda" else "float32")
     for c in a.concurrency:
-        for method, gate in [(m, g) for m, g in (("ar", False), ("tree", False), ("tree", True)) if not a.skip_ungated or g or m == "ar"]:
+        runs = (("ar", False), ("tree", False), ("tree", True))
+        for method, gate in (runs[::2] if a.skip_ungated else runs):
             t0 = time.perf_counter()
             eng = Engine(pair.target, pair.draft if method != "ar" else None, pair.tokenizer,
                          EngineConfig(method=method, max_num_seqs=c, draft_gate=gate,
@@ -69,7 +70,6 @@ def main() -> int:
                        else pair.tokenizer.encode(texts[i % len(texts)]).ids[-256:])
                 eng.add_request(ids, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True))
 
-            total = c
             for rnd in range(2):  # a warm-up round, then the measured one
                 total = (a.requests or c) if rnd == 1 else c
                 for i in range(c):

@@ -530,7 +530,7 @@ def build_local_server(args: argparse.Namespace, methods: list[str], max_concurr
         from tandem.serve.cli import process_server
 
         return process_server(args, cfg, ecfg)
-    threads = spare_main_thread() if str(args.device).startswith("cpu") else None  # (as tandem serve)
+    threads = spare_main_thread(args.device)  # (as tandem serve)
     pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=any(m != "ar" for m in methods))
     return Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg, ChatTemplate.for_checkpoint(pair.target_dir),
                   engine_threads=threads)

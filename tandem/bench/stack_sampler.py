@@ -2,11 +2,11 @@
 
 cProfile instruments every call (a host-bound engine step runs about twice as long under it) and
 sees only the thread it was enabled on. A sampler thread that reads the watched thread's frame
-every `interval_s` (sys._current_frames) costs one hand-over of the interpreter lock a sample and
-sees the real mix, time in C calls (a pipe write, a CUDA sync, a pickle) charged to the Python
-function that made the call. While it runs, the interpreter's switch interval is cut to
-`switch_s` so that the sampler gets the lock within that time of asking (at the default 5 ms a
-busy thread would be sampled at most 200 times a second, at the moments it let go).
+every `interval_s` (sys._current_frames) costs one hand-over of the interpreter lock a sample,
+time in C calls (a pipe write, a CUDA sync, a pickle) charged to the Python function that made
+the call. While it runs, the interpreter's switch interval is cut to `switch_s` so that the
+sampler gets the lock within that time of asking (at the default 5 ms a busy thread would be
+sampled at most 200 times a second).
 
     sampler = StackSampler().start()     # the calling thread
     ...
@@ -75,9 +75,7 @@ class StackSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            frame = sys._current_frames().get(self.thread_id)
-            if frame is not None:
-                self._record(frame)
+            self._record(sys._current_frames().get(self.thread_id))
 
     def _record(self, frame) -> None:
         if frame is None:

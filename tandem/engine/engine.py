@@ -722,7 +722,6 @@ class Engine:
         """A dormant gate's step (the default): plain (k = 0) or a probe of k, its sample's drafters
         kept fed through the plain steps (the next probe drafts those, on the target's features of
         every token), the others released."""
-        self._swept = self._swept and self._dormant
         sample = self._pick_sample(running, k or getattr(self.gate, "sample", DraftGate.sample))
         self._keep_fed = set(sample)
         return set(sample) if k else set()  # (a request admitted this step that decodes at once does not draft either)
@@ -737,7 +736,6 @@ class Engine:
         come every few hundred steps; but the started drafters proposed badly (see Engine.__init__)."""
         if not k:
             self._sample = []
-            self._swept = self._swept and self._dormant
             self._keep_fed = set()
             return set()
         # (a probe's first step comes after a plain one, which emptied the sample: the newest

@@ -125,13 +125,13 @@ class RequestHandle:
         self._held: Event | None = None  # taken from the queue by next_merged, not yet handed out
         self.done = self.closed = False
         self.sent_at = -math.inf  # (event-loop clock) when next_merged last handed out a Delta
-        self._wake: asyncio.Future | None = None  # a paced next_merged's wait, cut short by the request's end
+        self._pacing: asyncio.Future | None = None  # a paced next_merged's wait, cut short by the request's end
 
     def put(self, ev: Event) -> None:
         """The driver's delivery (on this handle's event loop)."""
         self.queue.put_nowait(ev)
-        if self._wake is not None and not isinstance(ev, Delta) and not self._wake.done():
-            self._wake.set_result(None)  # (the end goes out now, not after the pacing gap)
+        if self._pacing is not None and not isinstance(ev, Delta):
+            _wake(self._pacing)  # (the end goes out now, not after the pacing gap)
 
     async def next(self) -> Event:
         if self._held is not None:
@@ -153,13 +153,13 @@ class RequestHandle:
         loop = asyncio.get_running_loop()
         wait = self.sent_at + self.server.chunk_gap() - loop.time()
         if wait > 0 and self.queue.empty():
-            self._wake = loop.create_future()
-            timer = loop.call_later(wait, _wake, self._wake)
+            self._pacing = loop.create_future()
+            timer = loop.call_later(wait, _wake, self._pacing)
             try:
-                await self._wake
+                await self._pacing
             finally:
                 timer.cancel()
-                self._wake = None
+                self._pacing = None
         self.sent_at = loop.time()
         ids, lps = list(ev.token_ids), list(ev.logprobs) if ev.logprobs is not None else None
         while not self.queue.empty():

@@ -111,7 +111,7 @@ def build(args, check_address: bool = False) -> tuple[object, ServerConfig]:
         server = process_server(args, cfg, ecfg)
     else:
         # on the CPU the engine thread gets torch's intra-op threads and the main thread (HTTP) one
-        threads = spare_main_thread() if str(args.device).startswith("cpu") else None
+        threads = spare_main_thread(args.device)
         pair = load_pair(args.target, args.draft, args.device, args.dtype, need_draft=any(m != "ar" for m in methods))
         template = ChatTemplate.for_checkpoint(pair.target_dir, args.chat_template)
         server = Server(pair.target, pair.draft, pair.tokenizer, cfg, ecfg, template, engine_threads=threads)

@@ -118,13 +118,15 @@ def post(pairs: list[tuple[Job, Event]]) -> None:
             pass
 
 
-def spare_main_thread() -> int:
-    """Call before loading models on the CPU when the engine will step on another thread: the main
+def spare_main_thread(device: str) -> int | None:
+    """Call before loading models when the engine will step on another thread. On the CPU the main
     thread takes one intra-op thread (it forms no OpenMP team), and the returned count is the
-    engine thread's (EngineDriver(threads=...)). Measured on this project's 2-core CPU (torch
+    engine thread's (EngineDriver(threads=...)); on another device nothing changes (None). Measured on this project's 2-core CPU (torch
     2.13, libgomp): once the main thread has run a parallel op, a [64, 64] x [64, 128] linear on
     another thread takes 17-110 us against 8 us on the main thread, and the in-process server at 64
     streams delivered 0.31x of the offline engine."""
+    if not str(device).startswith("cpu"):
+        return None
     import torch
 
     n = torch.get_num_threads()

@@ -142,7 +142,7 @@ class _ChildDriver(EngineDriver):
         request here: the server process builds those, off the engine's interpreter)."""
         new = 0
         d = self.deltas
-        rids, counts, tokens = d.rids, d.counts, d.tokens  # (_add_tokens inlined: a call per request a step)
+        rids, counts, tokens = d.rids, d.counts, d.tokens  # (no call per request a step)
         for lv in mine:
             out = lv.request.output_ids
             sent, end = lv.sent, len(out)
@@ -164,19 +164,8 @@ class _ChildDriver(EngineDriver):
         return new
 
     def _send(self, lv, event) -> None:
-        if isinstance(event, Delta):  # (a request's last tokens, or the base class's path)
-            self._add_tokens(lv.job.request_id, event.token_ids, event.logprobs)
-        else:
-            self.ends.append((lv.job.request_id, event))
-
-    def _add_tokens(self, rid: str, token_ids: list[int], logprobs: list | None) -> None:
-        """One request's new tokens (and their logprobs, if it asked) into the turn's flat lists."""
-        d = self.deltas
-        d.rids.append(rid)
-        d.counts.append(len(token_ids))
-        d.tokens += token_ids
-        if logprobs is not None:
-            d.logprobs[rid] = logprobs
+        """A request's end (Finished or Failed); its tokens go through _publish_all's flat lists."""
+        self.ends.append((lv.job.request_id, event))
 
     def _flush(self) -> None:
         calls = self.metrics.take()
