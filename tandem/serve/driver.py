@@ -123,8 +123,8 @@ def spare_main_thread(device: str) -> int | None:
     thread takes one intra-op thread (it forms no OpenMP team), and the returned count is the
     engine thread's (EngineDriver(threads=...)); on another device nothing changes (None). Measured on this project's 2-core CPU (torch
     2.13, libgomp): once the main thread has run a parallel op, a [64, 64] x [64, 128] linear on
-    another thread takes 17-110 us against 8 us on the main thread, and the in-process server at 64
-    streams delivered 0.31x of the offline engine."""
+    another thread takes 24-41 us against 8 us on the main thread (bench/cpu_thread_ops.py), and
+    the in-process server at 64 streams delivered 0.31x of the offline engine."""
     if not str(device).startswith("cpu"):
         return None
     import torch
