@@ -27,12 +27,12 @@ PRESETS = {
     # one H200: corpus + encoding about a minute, training 4 minutes
     "full": {"corpus_mb": 60.0, "ctx": 512, "batch_size": 32, "anchors": 16, "minutes": 4.0, "steps": None,
              "lr": 1e-3, "warmup": 100, "layers": 2, "intermediate": 1024, "block_size": 16, "candidates": 16,
-             "markov_rank": 64, "position_decay": 0.0, "kinds": "stdlib,site",
+             "markov_rank": 64, "position_decay": 0.0, "kinds": "stdlib,site", "compile": "off",
              "eagle_minutes": 4.0, "eagle_steps": None, "ttt_steps": 4, "eagle_intermediate": 1024},
     # CPU, seconds
     "tiny": {"corpus_mb": 0.3, "ctx": 64, "batch_size": 4, "anchors": 4, "minutes": None, "steps": 12,
              "lr": 3e-3, "warmup": 2, "layers": 1, "intermediate": 64, "block_size": 6, "candidates": 4,
-             "markov_rank": 8, "position_decay": 0.0, "kinds": "stdlib",
+             "markov_rank": 8, "position_decay": 0.0, "kinds": "stdlib", "compile": "off",
              "eagle_minutes": None, "eagle_steps": 12, "ttt_steps": 3, "eagle_intermediate": 64},
 }
 
@@ -186,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
         from tandem.config import ConfigError
 
         raise ConfigError(f"--position-decay must be >= 0 (0: every block position weighs alike; got {a.position_decay})")
+    if a.compile not in ("auto", "on", "off"):
+        from tandem.config import ConfigError
+
+        raise ConfigError(f"--compile must be auto, on or off (auto: torch.compile on CUDA; got {a.compile!r})")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(a.seed)
     np.random.seed(a.seed)
@@ -210,10 +214,11 @@ def run(args: argparse.Namespace) -> int:
         res = train_loop("block", drafter, block_loss_fn(drafter, target, a.anchors, device, a.position_decay), stream,
                          batch_size=a.batch_size, ctx=ctx, lr=a.lr, warmup=a.warmup, min_lr_frac=0.1,
                          weight_decay=0.0, budget_s=None if a.steps else a.minutes * 60, steps=a.steps,
-                         compile_mode="off", device=device, log=log)
+                         compile_mode=a.compile, device=device, log=log)
         save_block_drafter(drafter, out / "block", dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         metrics["block"] = {"steps": res.steps, "seconds": round(res.seconds, 1), "final_loss": res.final_loss,
-                            "config": drafter.bconfig.to_hf(), "tokens": res.tokens, "position_decay": a.position_decay}
+                            "config": drafter.bconfig.to_hf(), "tokens": res.tokens, "position_decay": a.position_decay,
+                            "compiled": res.compiled, "step_ms": round(res.step_ms, 2)}
         log(f"block drafter -> {out / 'block'}")
     if a.kind in ("eagle3", "all"):
         try:
