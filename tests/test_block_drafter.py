@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from models_for_tests import check_best_first_trees, tiny_model
+from triton_interpreter import NEEDS_TRITON, run_checks
 from tandem.config import SamplingConfig, SpecConfig, GenerationConfig
 from tandem.drafting.lattice import Lattice, best_first_tree, build_lattice
 from tandem.models.block_drafter import BlockDrafter, BlockDrafterConfig, load_block_drafter, save_block_drafter
@@ -241,3 +242,30 @@ def test_a_decayed_block_loss_weighs_the_early_positions_more():
         losses[decay] = block_loss_fn(d, target, anchors=3, device=torch.device("cpu"), position_decay=decay)(x, x)[0]
     assert torch.isfinite(losses[1.0]) and not torch.isclose(losses[0.0], losses[1.0])
     assert position_weights(4, 1.0)[0] > 1 > position_weights(4, 1.0)[-1]
+
+
+@NEEDS_TRITON
+def test_block_draft_kernels_under_the_triton_interpreter():
+    """The draft pass's input rows in one kernel (embedding, feature norm, fc, mask rows) equal the
+    reference in fp32 and fp16, the mask rows exactly; the lattice's parent-conditioned log-probs from
+    each position's top K equal theirs, with and without the Markov head (tests/block_input_checks.py)."""
+    run_checks("block_input_checks.py", 2)
+
+
+def test_input_rows_equal_the_drafters_own_embedding():
+    """BlockDrafter.input_rows (what the resident loop's draft pass feeds) equals `embed` over the same
+    context tokens and features followed by mask rows: the reference the kernel is checked against is
+    the model's own input."""
+    from tandem.kernels.block_input import block_input_ref
+
+    d = make_drafter(tiny_model(seed=3), seed=3)
+    with torch.no_grad():
+        P, T = 5, 9
+        tok = torch.randint(0, d.bconfig.vocab_size, (P,))
+        feat = torch.randn(P, d.bconfig.feature_size)
+        ids = torch.cat([tok, torch.full((T - P,), d.mask_id)])
+        feats = torch.cat([feat, torch.randn(T - P, d.bconfig.feature_size)])  # (mask rows read none)
+        want = d.embed(ids[None], feats[None])[0]
+        assert torch.equal(d.input_rows(tok, feat, T), want)
+        assert torch.equal(block_input_ref(tok, feat, d.shared["embed"].weight, d.mask_embedding,
+                                           d.feature_norm.weight, d.feature_norm.eps, d.fc.weight, T), want)

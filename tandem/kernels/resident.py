@@ -126,13 +126,20 @@ def lattice_ref(logits: torch.Tensor, root: torch.Tensor, u: torch.Tensor | None
     log-prob of candidate c at position b + 1 given candidate a at position b (b = 0: given the
     root, every row alike), as BlockDrafter.lattice_rows and lattice_tables compute it."""
     lp, tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [B, K]
-    B = lp.shape[0]
+    return tok, lattice_cond_ref(tok, lp, root, u, v)
+
+
+def lattice_cond_ref(tok: torch.Tensor, lp: torch.Tensor, root: torch.Tensor, u: torch.Tensor | None,
+                     v: torch.Tensor | None) -> torch.Tensor:
+    """The lattice's parent-conditioned log-probs from each position's top K: tok [B, K] int64, lp [B, K]
+    float32 (best first) -> cond [B, K, K] float32 (lattice_ref's)."""
+    B, k = lp.shape
     if u is None:
-        return tok, lp[:, None, :].expand(B, k, k).contiguous()
+        return lp[:, None, :].expand(B, k, k).contiguous()
     rest = torch.log1p(-lp.exp().sum(-1).clamp(max=1 - 1e-6))  # [B] the mass outside the top K
     prev = torch.cat([root.expand(1, k), tok[:-1]])  # [B, K] the parent candidates of each position
     g = lp[:, None, :] + (u[prev].float()[:, :, None, :] * v[tok].float()[:, None, :, :]).sum(-1)  # [B, K, K]
-    return tok, g - torch.logaddexp(torch.logsumexp(g, -1), rest[:, None])[..., None]
+    return g - torch.logaddexp(torch.logsumexp(g, -1), rest[:, None])[..., None]
 
 
 def lattice(logits: torch.Tensor, root: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor | None,
@@ -143,14 +150,23 @@ def lattice(logits: torch.Tensor, root: torch.Tensor, u: torch.Tensor | None, v:
     dev = logits.device
     tok = torch.empty(B, k, dtype=torch.long, device=dev)
     lp = torch.empty(B, k, device=dev)
-    rest = torch.empty(B, device=dev)
-    cond = torch.empty(B, k, k, device=dev)
-    _topk_kernel[(B,)](logits, logits.stride(0), tok, lp, rest, V, K=k, BLOCK_V=pow2(V), num_warps=8, **pdl(logits))
+    _topk_kernel[(B,)](logits, logits.stride(0), tok, lp, V, K=k, BLOCK_V=pow2(V), num_warps=8, **pdl(logits))
+    return tok, lattice_cond(tok, lp, root, u, v)
+
+
+def lattice_cond(tok: torch.Tensor, lp: torch.Tensor, root: torch.Tensor, u: torch.Tensor | None,
+                 v: torch.Tensor | None) -> torch.Tensor:
+    """lattice_cond_ref, one program a position on CUDA (the resident loop's block drafter takes its
+    top K from head_topk, which folds the final norm and the LM head into the top-k's launch)."""
+    if not triton_enabled(lp):
+        return lattice_cond_ref(tok, lp, root, u, v)
+    B, k = lp.shape
+    cond = torch.empty(B, k, k, device=lp.device)
     markov = u is not None
     R = u.shape[1] if markov else 1
-    _cond_kernel[(B,)](tok, lp, rest, root, u if markov else lp, v if markov else lp, cond, R=R, K=k,
+    _cond_kernel[(B,)](tok, lp, root, u if markov else lp, v if markov else lp, cond, R=R, K=k,
                        HAS_MARKOV=markov, **pdl(tok))
-    return tok, cond
+    return cond
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,8 +184,7 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     R = rows.shape[0]
     tok = torch.empty(R, k, dtype=torch.long, device=logits.device)
     lp = torch.empty(R, k, device=logits.device)
-    rest = torch.empty(R, device=logits.device)
-    _topk_kernel[(R,)](rows, rows.stride(0), tok, lp, rest, V, K=k, BLOCK_V=pow2(V), num_warps=8, **pdl(rows))
+    _topk_kernel[(R,)](rows, rows.stride(0), tok, lp, V, K=k, BLOCK_V=pow2(V), num_warps=8, **pdl(rows))
     return lp.view(*logits.shape[:-1], k), tok.view(*logits.shape[:-1], k)
 
 
@@ -445,7 +460,7 @@ if triton is not None:
     from tandem.kernels.fused import _pdl_enter
 
     @triton.jit
-    def _topk_kernel(x_ptr, stride, tok_ptr, lp_ptr, rest_ptr, V, K: tl.constexpr, BLOCK_V: tl.constexpr,
+    def _topk_kernel(x_ptr, stride, tok_ptr, lp_ptr, V, K: tl.constexpr, BLOCK_V: tl.constexpr,
                      PDL: tl.constexpr = False):
         _pdl_enter(PDL)
         b = tl.program_id(0)
@@ -453,19 +468,16 @@ if triton is not None:
         x = tl.load(x_ptr + b * stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         m = tl.max(x, 0)
         lse = tl.log(tl.sum(tl.exp(x - m), 0)) + m
-        mass = 0.0
         for k in tl.static_range(K):
             best = tl.max(x, 0)
             i = tl.argmax(x, 0)  # the lowest index among equal maxima
             lp = best - lse
             tl.store(tok_ptr + b * K + k, i.to(tl.int64))
             tl.store(lp_ptr + b * K + k, lp)
-            mass += tl.exp(lp)
             x = tl.where(offs == i, float("-inf"), x)
-        tl.store(rest_ptr + b, tl.log(1.0 - tl.minimum(mass, 1.0 - 1e-6)))
 
     @triton.jit
-    def _cond_kernel(tok_ptr, lp_ptr, rest_ptr, root_ptr, u_ptr, v_ptr, cond_ptr, R: tl.constexpr, K: tl.constexpr,
+    def _cond_kernel(tok_ptr, lp_ptr, root_ptr, u_ptr, v_ptr, cond_ptr, R: tl.constexpr, K: tl.constexpr,
                      HAS_MARKOV: tl.constexpr, PDL: tl.constexpr = False):
         _pdl_enter(PDL)
         b = tl.program_id(0)
@@ -482,7 +494,7 @@ if triton is not None:
             g = lp[None, :] + tl.sum(uu[:, None, :] * vv[None, :, :], 2)  # [K, K]
             mx = tl.max(g, 1)
             lse = tl.log(tl.sum(tl.exp(g - mx[:, None]), 1)) + mx  # [K]
-            rest = tl.load(rest_ptr + b)
+            rest = tl.log(1.0 - tl.minimum(tl.sum(tl.exp(lp), 0), 1.0 - 1e-6))  # the mass outside the top K
             top = tl.maximum(lse, rest)
             norm = top + tl.log(tl.exp(lse - top) + tl.exp(rest - top))
             g = g - norm[:, None]

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from tandem.config import ConfigError, ModelConfig
+from tandem.kernels.block_input import block_input
 from tandem.kernels.fused import add_rmsnorm
 from tandem.models.files import check_names, check_shapes
 from tandem.models.layers import RMSNorm, fuse_decoder_layers, rope_inv_freq
@@ -135,12 +136,24 @@ class BlockDrafter(nn.Module):
         feats = feats.to(x.dtype).masked_fill(is_mask[..., None], 0.0)
         return x + self.fc(self.feature_norm(feats))
 
+    def input_rows(self, tok: torch.Tensor, feat: torch.Tensor, rows: int) -> torch.Tensor:
+        """`embed` for a pass of P context rows then rows - P mask rows, in one launch on CUDA
+        (tandem.kernels.block_input): tok [P], feat [P, F] -> x [rows, hidden]."""
+        return block_input(tok, feat, self.shared["embed"].weight, self.mask_embedding, self.feature_norm.weight,
+                           self.feature_norm.eps, self.fc.weight, rows)
+
     # ---- the pass ----------------------------------------------------------------------------
-    def hidden(self, x: torch.Tensor, positions: torch.Tensor, cache=None, slots=None, mask=None) -> torch.Tensor:
+    def residual(self, x: torch.Tensor, positions: torch.Tensor, cache=None, slots=None, mask=None):
+        """The decoder layers -> (x, delta): the residual stream before the last layer's update and
+        that update (the final norm reads x + delta; head_topk folds the add into its launch)."""
         mask = additive_off_gpu(mask, x)
         delta = None
         for layer in self.layers:
             x, delta = layer(x, delta, positions, self.inv_freq, cache, slots, mask)
+        return x, delta
+
+    def hidden(self, x: torch.Tensor, positions: torch.Tensor, cache=None, slots=None, mask=None) -> torch.Tensor:
+        x, delta = self.residual(x, positions, cache, slots, mask)
         return add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)[1]
 
     def forward(self, input_ids, positions=None, cache=None, slots=None, mask=None,

@@ -40,8 +40,8 @@ from functools import partial
 import torch
 
 from tandem.config import SamplingConfig, SpecConfig
-from tandem.kernels.head_level import head_select
-from tandem.kernels.resident import accept_fused, commit_rows, context_view, lattice, sample_walk, tree_view
+from tandem.kernels.head_level import head_select, head_topk
+from tandem.kernels.resident import accept_fused, commit_rows, context_view, lattice_cond, sample_walk, tree_view
 from tandem.drafting.device_tree import best_first_tree_device, chain_tokens
 from tandem.drafting.lattice_drafter import CONTEXT_CHUNK
 from tandem.runtime.emit import Emitter
@@ -81,7 +81,7 @@ class ResidentLoop:
             # (a tree cannot hold more nodes than the lattice has)
             nodes = min(spec.k, self.B) if chain else min(spec.nodes, sum(self.K ** d for d in range(1, self.B + 1)))
             self.T = self.pmax + self.B - 1  # rows of a draft pass: context, then B - 1 mask rows
-            self.mask_ids = torch.full((self.B - 1,), self.drafter.mask_id, **lng)
+            self.topk_counter = torch.zeros(1, dtype=torch.int32, device=dev)  # head_topk's (left zero)
             feature_size = cfg.feature_size
         elif self.kind in ("eagle3", "draft"):
             from tandem.drafting.eagle_drafter import DraftAsHead, HeadLevels
@@ -193,16 +193,17 @@ class ResidentLoop:
         # cache the P + B - 1 real rows go to dprefix.. (the mask rows are overwritten next
         # step); padding rows write the scratch row and see column 0 only.
         P = self.P
-        ids = torch.cat([self.ctx_tok, self.mask_ids])  # [T]
         pos, slots, see = self._context_view(width)
-        self.drafter.feature_in[0, :self.pmax].copy_(self.ctx_feat)
         drafter, last = self.drafter, self.pmax - 1
-        feats = drafter.feature_in[:, :self.T]
-        h = drafter.hidden(drafter.embed(ids[None], feats), pos[None], self.d.cache, slots[None], see[None, None])
-        # only the root's row and the mask rows need the LM head and the lattice (B of T rows)
-        logits = drafter.shared["lm_head"](h[0, last:])  # [B, V]
+        x = drafter.input_rows(self.ctx_tok, self.ctx_feat, self.T)  # [T, H] context rows, then mask rows
+        x, delta = drafter.residual(x[None], pos[None], self.d.cache, slots[None], see[None, None])  # [1, T, H]
+        # only the root's row and the mask rows need the final norm, the LM head and the lattice (B of
+        # T rows): the norm, the head and each row's top K in one launch on CUDA (head_topk), then the
+        # parent-conditioned log-probs
+        _, lp, tok, _ = head_topk(x[0, last:], delta[0, last:], drafter.norm.weight, drafter.norm.eps,
+                                  drafter.shared["lm_head"].weight, self.K, self.topk_counter)  # [B, K] each
         root = self.ctx_tok[self.pmax - 1:]  # [1]
-        tok, cond = lattice(logits, root, drafter.markov_u, drafter.markov_v, self.K)  # [B, K], [B, K, K]
+        cond = lattice_cond(tok, lp, root, drafter.markov_u, drafter.markov_v)  # [B, K, K]
         if self.chain:  # the shape is constant (set in __init__): only the tokens change
             self.tree_tok.copy_(chain_tokens(tok, cond, root, self.M - 1))
         else:

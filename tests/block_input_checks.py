@@ -1,0 +1,75 @@
+"""Checks of the block drafter's draft-pass kernels (tandem.kernels.block_input, and the lattice's
+parent-conditioned log-probs of tandem.kernels.resident.lattice_cond), shared by tests/test_block_drafter.py.
+
+They run the kernels on the CPU through Triton's interpreter (in a process of its own:
+`TRITON_INTERPRET=1 python tests/block_input_checks.py`, what the test starts), against the torch
+references. Each check raises AssertionError on failure and prints one line when it passes.
+"""
+from __future__ import annotations
+
+import torch
+
+from tandem.kernels import block_input as bi
+from tandem.kernels import resident as res
+
+
+def check_block_input() -> None:
+    """The input rows equal the reference (fp32: up to the order of fc's sums; fp16: equal after the
+    same roundings up to one unit where fc's fp32 sums round differently), the mask rows exactly the
+    mask embedding, over row counts around the 16-row tile, feature widths that are not a multiple of
+    the step and hidden sizes that are not a multiple of the column block."""
+    g = torch.Generator().manual_seed(0)
+    for P, T, H, Fw, V, bn, bk in ((17, 32, 96, 288, 50, 32, 128), (1, 5, 40, 100, 20, 16, 64),
+                                   (9, 9, 64, 192, 30, 32, 64), (20, 35, 48, 72, 40, 32, 32)):
+        tok = torch.randint(0, V, (P,), generator=g)
+        feat = torch.randn(P, Fw, generator=g) * 3
+        embed = torch.randn(V, H, generator=g)
+        me = torch.randn(H, generator=g)
+        nw = 1 + 0.1 * torch.randn(Fw, generator=g)
+        fc = torch.randn(H, Fw, generator=g) / Fw ** 0.5
+        want = bi.block_input_ref(tok, feat, embed, me, nw, 1e-5, fc, T)
+        got = bi.launch_block_input(tok, feat, embed, me, nw, 1e-5, fc, T, bn=bn, bk=bk)
+        assert got.shape == (T, H), got.shape
+        assert torch.equal(got[P:], me.expand(T - P, H)), (P, T)
+        err = (got - want).abs().max().item()
+        assert err <= 1e-4, (P, T, H, Fw, err)
+        h16 = torch.float16  # (the interpreter has no bf16 arithmetic; the GPU lane runs bf16)
+        want = bi.block_input_ref(tok, feat.to(h16), embed.to(h16), me.to(h16), nw.to(h16), 1e-5, fc.to(h16), T)
+        got = bi.launch_block_input(tok, feat.to(h16), embed.to(h16), me.to(h16), nw.to(h16), 1e-5, fc.to(h16), T,
+                                    bn=bn, bk=bk)
+        ulp = (want.float().abs() * 2.0 ** -10).clamp(min=2.0 ** -24)
+        assert ((got.float() - want.float()).abs() <= 2 * ulp).all(), (P, T, H, Fw, "fp16")
+    print("block input: ok")
+
+
+def check_lattice_cond() -> None:
+    """The parent-conditioned log-probs from each position's top K (the Markov head's bigram score
+    renormalised over the K candidates and the mass outside them) equal the reference, with and
+    without the head; a top K holding all the mass (the clamp) included."""
+    g = torch.Generator().manual_seed(1)
+    for B, K, V, R in ((16, 16, 500, 8), (4, 4, 30, 2), (1, 8, 100, 4)):
+        logits = torch.randn(B, V, generator=g) * 3
+        lp, tok = torch.log_softmax(logits, -1).topk(K, -1)
+        u, v = torch.randn(V, R, generator=g) * 0.5, torch.randn(V, R, generator=g) * 0.5
+        root = torch.tensor([7])
+        for markov in (True, False):
+            uu, vv = (u, v) if markov else (None, None)
+            want = res.lattice_cond_ref(tok, lp, root, uu, vv)
+            got = torch.empty(B, K, K)
+            res._cond_kernel[(B,)](tok, lp, root, uu if markov else lp, vv if markov else lp, got, R=R if markov else 1,
+                                   K=K, HAS_MARKOV=markov)
+            err = (got - want).abs().max().item()
+            assert err <= 1e-5, (B, K, markov, err)
+    lp = torch.log(torch.tensor([[0.5, 0.5, 0.0, 0.0]]).clamp(min=1e-30))  # all the mass in the top K
+    tok = torch.tensor([[1, 2, 3, 4]])
+    u = v = torch.ones(10, 2)
+    want = res.lattice_cond_ref(tok, lp, torch.tensor([0]), u, v)
+    got = torch.empty(1, 4, 4)
+    res._cond_kernel[(1,)](tok, lp, torch.tensor([0]), u, v, got, R=2, K=4, HAS_MARKOV=True)
+    assert torch.isfinite(got).all() and (got - want).abs().max().item() <= 1e-5
+    print("lattice cond: ok")
+
+
+if __name__ == "__main__":
+    check_block_input()
+    check_lattice_cond()
