@@ -3,7 +3,7 @@
 # draft graph's time goes (profile), a retrained drafter (TRAIN_ARGS, e.g. the DFlash position
 # decay or torch.compile) against the bundled one on the same machine, each with `ar` in its run.
 #   bash bench/run_gpu_block.sh $OUT   (device tool: carry .data = copies of ../shared/datasets/{mbpp,gsm8k})
-# PROFILE=0 skips the profile; TRAIN=0 the training; WORKLOADS="mbpp gsm8k"; NP prompts a workload.
+# LANE=1 runs the resident loop's GPU lane first; PROFILE=0 skips the profile; TRAIN=0 the training; WORKLOADS="mbpp gsm8k"; NP prompts a workload.
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-560}; source bench/deadline.sh
@@ -17,6 +17,11 @@ bench() {  # bench NAME WORKLOAD DRAFT METHODS [extra]
     --no-plots --allow-mismatch "$@" --out "$OUT/$name" > "$OUT/$name.log" 2>&1
   grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "^- " -e "^Per" -e "rror" | cut -c1-300
 }
+if [ "${LANE:-0}" = 1 ]; then
+  echo "== GPU lane: the resident loop and the block drafter's kernels"
+  within 200 python3 -m pytest -q -m cuda tests/gpu/test_gpu_resident.py -p no:cacheprovider > "$OUT/lane.log" 2>&1
+  tail -2 "$OUT/lane.log"; grep -e "^FAILED" -e "^ERROR" "$OUT/lane.log" | head -20
+fi
 if [ "${PROFILE:-1}" = 1 ]; then
   echo "== profile: the block drafter's draft and verify graphs"
   within 150 python3 bench/gpu_profile_resident.py --kind block > "$OUT/profile_block.txt" 2>&1

@@ -99,6 +99,20 @@ def test_resident_kernels_equal_their_references(device):
         tok_r, cond_r = kr.lattice_ref(logits, root, u, v, K)
         assert torch.equal(tok, tok_r)
         torch.testing.assert_close(cond, cond_r, atol=1e-4, rtol=1e-4)
+    # the block drafter's input rows (tandem.kernels.block_input) at the bundled drafter's shape, fp32 and bf16
+    from tandem.kernels.block_input import block_input, block_input_ref
+
+    P, T, H, Fw = 17, 32, 384, 1152
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        args = [torch.randint(0, V, (P,), generator=g), 3 * torch.randn(P, Fw, generator=g),
+                torch.randn(V, H, generator=g), torch.randn(H, generator=g), 1 + 0.1 * torch.randn(Fw, generator=g)]
+        args = [a.to(device) if a.dtype == torch.long else a.to(device, dtype) for a in args]
+        fc = (torch.randn(H, Fw, generator=g) / Fw ** 0.5).to(device, dtype)
+        with torch.no_grad():
+            got = block_input(*args, 1e-5, fc, T)
+        want = block_input_ref(*args, 1e-5, fc, T)
+        assert torch.equal(got[P:], args[3].expand(T - P, H))
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     # an EAGLE level's top-w children: [w, V] rows, a single [V] row, more leading dims; in bf16
     # ties are common and may come in another order than torch's, so there only the values
     for dtype in (torch.float32, torch.bfloat16):
