@@ -248,8 +248,10 @@ def test_a_decayed_block_loss_weighs_the_early_positions_more():
 def test_block_draft_kernels_under_the_triton_interpreter():
     """The draft pass's input rows in one kernel (embedding, feature norm, fc, mask rows) equal the
     reference in fp32 and fp16, the mask rows exactly; the lattice's parent-conditioned log-probs from
-    each position's top K equal theirs, with and without the Markov head (tests/block_input_checks.py)."""
-    run_checks("block_input_checks.py", 2)
+    each position's top K equal theirs, with and without the Markov head; the level beams' kernel equals
+    its reference with the early stop and without, and the stopped levels give the full levels' tree
+    (tests/block_draft_checks.py)."""
+    run_checks("block_draft_checks.py", 3)
 
 
 def test_input_rows_equal_the_drafters_own_embedding():

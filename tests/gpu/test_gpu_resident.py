@@ -151,6 +151,10 @@ def test_resident_kernels_equal_their_references(device):
         W = 1 << (nodes - 1).bit_length()
         beams = kr.beam_levels(cond, W)
         assert all(torch.equal(a, b) for a, b in zip(beams, kr.beam_levels_ref(cond, W)))
+        stopped = kr.beam_levels(cond, W, nodes)  # the early stop: the same N best, so the same tree
+        assert all(torch.equal(a, b) for a, b in zip(stopped, kr.beam_levels_ref(cond, W, nodes)))
+        assert all(torch.equal(a, b) for a, b in zip(kr.select_tree_ref(tok, root, *stopped, nodes),
+                                                     kr.select_tree_ref(tok, root, *beams, nodes)))
         M = nodes + 1
         out = (torch.zeros(M, dtype=torch.long, device=device), torch.zeros(M, dtype=torch.long, device=device),
                torch.zeros(M, dtype=torch.long, device=device), torch.zeros(M, M, dtype=torch.bool, device=device))

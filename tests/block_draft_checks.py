@@ -1,8 +1,8 @@
 """Checks of the block drafter's draft-pass kernels (tandem.kernels.block_input, and the lattice's
-parent-conditioned log-probs of tandem.kernels.resident.lattice_cond), shared by tests/test_block_drafter.py.
+parent-conditioned log-probs and level beams of tandem.kernels.resident), shared by tests/test_block_drafter.py.
 
 They run the kernels on the CPU through Triton's interpreter (in a process of its own:
-`TRITON_INTERPRET=1 python tests/block_input_checks.py`, what the test starts), against the torch
+`TRITON_INTERPRET=1 python tests/block_draft_checks.py`, what the test starts), against the torch
 references. Each check raises AssertionError on failure and prints one line when it passes.
 """
 from __future__ import annotations
@@ -70,6 +70,34 @@ def check_lattice_cond() -> None:
     print("lattice cond: ok")
 
 
+def check_beam_levels() -> None:
+    """The level beams (one program, B sequential top-Ws) equal beam_levels_ref exactly, with the early
+    stop (a node budget) and without, over lattices whose trees stop early and ones that run every
+    level (a flat lattice), ties included (every candidate equal)."""
+    g = torch.Generator().manual_seed(2)
+    cases = [(torch.log_softmax(3 * torch.randn(16, 16, 16, generator=g), -1), 32, 32),
+             (torch.log_softmax(0.01 * torch.randn(16, 16, 16, generator=g), -1), 32, 32),  # flat: deep trees
+             (torch.log_softmax(2 * torch.randn(6, 4, 4, generator=g), -1), 8, 5),
+             (torch.zeros(5, 4, 4) - 1.0, 4, 4)]  # ties everywhere
+    stopped = 0
+    for cond, W, n in cases:
+        for nodes in (0, n):
+            want = res.beam_levels_ref(cond, W, nodes)
+            got = res.launch_beam_levels(cond, W, nodes)
+            for name, a, b in zip(("scores", "cands", "pslots"), got, want):
+                assert torch.equal(a, b), (cond.shape, W, nodes, name)
+            stopped += bool(nodes) and bool(torch.isinf(want[0][-1]).all())
+        # the tree from the stopped levels is the tree from all of them
+        tok = torch.randint(0, 1000, cond.shape[:2], generator=g)
+        root = torch.tensor([3])
+        full = res.select_tree_ref(tok, root, *res.beam_levels_ref(cond, W), n)
+        early = res.select_tree_ref(tok, root, *res.beam_levels_ref(cond, W, n), n)
+        assert all(torch.equal(a, b) for a, b in zip(full, early)), (cond.shape, W, n)
+    assert stopped >= 1, "no case stopped early: the check would not see the stop"
+    print("beam levels: ok")
+
+
 if __name__ == "__main__":
     check_block_input()
     check_lattice_cond()
+    check_beam_levels()
