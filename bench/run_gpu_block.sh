@@ -3,7 +3,8 @@
 # draft graph's time goes (profile), a retrained drafter (TRAIN_ARGS, e.g. the DFlash position
 # decay or torch.compile) against the bundled one on the same machine, each with `ar` in its run.
 #   bash bench/run_gpu_block.sh $OUT   (device tool: carry .data = copies of ../shared/datasets/{mbpp,gsm8k})
-# LANE=1 runs the resident loop's GPU lane first; PROFILE=0 skips the profile; TRAIN=0 the training; WORKLOADS="mbpp gsm8k"; NP prompts a workload.
+# LANE=1 runs the resident loop's GPU lane first; PROFILE=0 skips the profile; TRAIN=0 the training; WORKLOADS="mbpp gsm8k"; NP prompts a workload;
+# BENCH_ARGS: more bench flags (e.g. --nodes 32,64: a tree per node budget).
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-560}; source bench/deadline.sh
@@ -14,7 +15,7 @@ bench() {  # bench NAME WORKLOAD DRAFT METHODS [extra]
   echo "== $name: $wl, --draft $d, $m"
   within "${BT:-90}" python3 -m tandem bench --device cuda --dtype bfloat16 --workload "$wl" --data-dir .data \
     --num-prompts "$NP" --max-new-tokens 128 --methods "$m" --warmup 2 --max-prompt-tokens 384 --draft "$d" \
-    --no-plots --allow-mismatch "$@" --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+    --no-plots --allow-mismatch ${BENCH_ARGS:-} "$@" --out "$OUT/$name" > "$OUT/$name.log" 2>&1
   grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "^- " -e "^Per" -e "rror" | cut -c1-300
 }
 if [ "${LANE:-0}" = 1 ]; then
@@ -29,7 +30,6 @@ if [ "${PROFILE:-1}" = 1 ]; then
 fi
 if [ "${TRAIN:-1}" = 1 ]; then
   echo "== train: tandem train-drafters --kind block ${TRAIN_ARGS:-}"
-  # shellcheck disable=SC2086
   within "${TT:-330}" python3 -m tandem train-drafters --kind block --out /tmp/dr ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
   grep -v "it/s" "$OUT/train.log" | tail -4
   mkdir -p "$OUT/block_new" && cp /tmp/dr/block/* /tmp/dr/drafters_metrics.json "$OUT/block_new/" 2>/dev/null
