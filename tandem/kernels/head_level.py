@@ -224,9 +224,8 @@ def launch_head_select(lp, tok, par, root, width, max_depth, n, out) -> None:
     total = lp.shape[0]
     t, p, d, anc = out
     tp = pow2(total)
-    scratch = torch.empty(tp, dtype=torch.long, device=lp.device)
     ids = torch.empty(total, dtype=torch.long, device=lp.device)
-    _head_select_kernel[(1,)](lp, tok, par, root, t, p, d, anc, scratch, ids, total, W=width, N=n, NP=pow2(n),
+    _head_select_kernel[(1,)](lp, tok, par, root, t, p, d, anc, ids, total, W=width, N=n, NP=pow2(n),
                               MP=pow2(n + 1), TP=tp, MAXD=max_depth, num_warps=4, **pdl(lp))
 
 
@@ -359,12 +358,12 @@ if triton is not None:
                             anc_ptr, mask_ptr, prefix_ptr, level, width, GP, K, GNP, GR, GRP, PREP, 256)
 
     @triton.jit
-    def _head_select_kernel(lp_ptr, tok_ptr, par_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, scratch_ptr, ids_ptr,
+    def _head_select_kernel(lp_ptr, tok_ptr, par_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, ids_ptr,
                             total, W: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
                             TP: tl.constexpr, MAXD: tl.constexpr, PDL: tl.constexpr = False):
         # the N best nodes (ties to the earlier node), in node order: a topological one
         _pdl_enter(PDL)
-        j, valid, sel = _best_n(lp_ptr, scratch_ptr, ids_ptr, total, N, NP, TP)
+        j, valid, sel = _best_n(lp_ptr, ids_ptr, total, N, NP, TP)
         tl.debug_barrier()
         pn = tl.load(par_ptr + sel, mask=valid, other=-1)
         parent = tl.where(pn < 0, 0, tl.load(ids_ptr + tl.maximum(pn, 0), mask=valid & (pn >= 0), other=0))

@@ -97,8 +97,7 @@ def launch_beam_levels(cond: torch.Tensor, width: int, nodes: int = 0):
     scores = torch.empty(B, width, device=cond.device)
     cands = torch.empty(B, width, dtype=torch.long, device=cond.device)
     pslots = torch.empty(B, width, dtype=torch.long, device=cond.device)
-    scratch = torch.empty(width * K, dtype=torch.long, device=cond.device)
-    _beam_kernel[(1,)](cond, scores, cands, pslots, scratch, nodes, B=B, W=width, K=K, BP=pow2(B),
+    _beam_kernel[(1,)](cond, scores, cands, pslots, nodes, B=B, W=width, K=K, BP=pow2(B),
                        EXIT=nodes > 0, **pdl(cond))
     return scores, cands, pslots
 
@@ -219,10 +218,9 @@ def select_tree_fused(tok, root, scores, cands, pslots, nodes: int, out: tuple[t
         return
     B, W = scores.shape
     dev = scores.device
-    scratch = torch.empty(pow2(B * W), dtype=torch.long, device=dev)
     ids = torch.empty(B * W, dtype=torch.long, device=dev)
     t, p, d, anc = out
-    _select_kernel[(1,)](scores, cands, pslots, tok, root, t, p, d, anc, scratch, ids, B * W, W=W,
+    _select_kernel[(1,)](scores, cands, pslots, tok, root, t, p, d, anc, ids, B * W, W=W,
                          K=tok.shape[1], N=nodes, NP=pow2(nodes), MP=pow2(nodes + 1), BWP=pow2(B * W), MAXD=B,
                        **pdl(scores))
 
@@ -519,7 +517,7 @@ if triton is not None:
         tl.store(cond_ptr + b * K * K + a[:, None] * K + c[None, :], g)
 
     @triton.jit
-    def _best_n(score_ptr, scratch_ptr, ids_ptr, n_all, N: tl.constexpr, NP: tl.constexpr, TP: tl.constexpr):
+    def _best_n(score_ptr, ids_ptr, n_all, N: tl.constexpr, NP: tl.constexpr, TP: tl.constexpr):
         # the N best of n_all scores (keys as score_keys: ties to the lower index), in ascending
         # index order (a topological one where parents precede children) -> (j [NP], valid, index
         # [NP]: 0 where not valid); ids[index] = j + 1, each kept entry's node id (NOTE: the caller
@@ -531,12 +529,9 @@ if triton is not None:
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
         key = (ordered.to(tl.int64) << 32) | (TP - 1 - f).to(tl.int64)
         key = tl.where(live, key, tl.full([TP], -1, tl.int64) << 63)  # INT64_MIN: below every real key (-inf's too)
-        key = tl.sort(key, 0, descending=True)
-        tl.store(scratch_ptr + f, key)
-        tl.debug_barrier()
         j = tl.arange(0, NP)
         valid = j < N
-        top = tl.load(scratch_ptr + j)
+        top = tl.topk(key, NP)  # the NP best, best first (a bitonic top-k)
         idx = (TP - 1) - (top - ((top >> 32) << 32))
         idx = tl.sort(tl.where(valid, idx, TP), 0)
         idx = tl.where(valid, idx, 0)  # (in bounds where masked)
@@ -566,12 +561,11 @@ if triton is not None:
             cur = tl.load(p_ptr + at, mask=ok, other=-1)
 
     @triton.jit
-    def _select_kernel(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, scratch_ptr,
-                       ids_ptr, BW, W: tl.constexpr, K: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+    def _select_kernel(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, ids_ptr, BW, W: tl.constexpr, K: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
                        MP: tl.constexpr, BWP: tl.constexpr, MAXD: tl.constexpr, PDL: tl.constexpr = False):
         # the N best of the B * W beam entries, level-major: a topological order
         _pdl_enter(PDL)
-        j, valid, sel = _best_n(score_ptr, scratch_ptr, ids_ptr, BW, N, NP, BWP)
+        j, valid, sel = _best_n(score_ptr, ids_ptr, BW, N, NP, BWP)
         level = sel // W
         tl.debug_barrier()
         ps = tl.load(pslot_ptr + sel, mask=valid, other=0)
@@ -631,7 +625,7 @@ if triton is not None:
         tl.store(prefix_ptr, pre + accepted + 1)
 
     @triton.jit
-    def _beam_kernel(cond_ptr, score_ptr, cand_ptr, pslot_ptr, scratch_ptr, N, B: tl.constexpr, W: tl.constexpr,
+    def _beam_kernel(cond_ptr, score_ptr, cand_ptr, pslot_ptr, N, B: tl.constexpr, W: tl.constexpr,
                      K: tl.constexpr, BP: tl.constexpr, EXIT: tl.constexpr, PDL: tl.constexpr = False):
         # one program: the B levels run in sequence, each a sort of W * K packed keys; with EXIT, the
         # levels after the one whose best is matched by N entries so far are -inf (beam_levels_ref)
@@ -651,11 +645,7 @@ if triton is not None:
                 bits = s.to(tl.int32, bitcast=True)
                 ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
                 key = (ordered.to(tl.int64) << 32) | (WK - 1 - flat).to(tl.int64)
-                key = tl.sort(key, 0, descending=True)
-                tl.store(scratch_ptr + flat, key)
-                tl.debug_barrier()
-                top = tl.load(scratch_ptr + w)  # the W best
-                tl.debug_barrier()
+                top = tl.topk(key, W)  # the W best, best first (a bitonic top-k: no full sort, no scratch)
                 hi64 = top >> 32
                 idx = (WK - 1) - (top - (hi64 << 32)).to(tl.int32)
                 hi = hi64.to(tl.int32)
