@@ -78,7 +78,8 @@ def check_beam_levels() -> None:
     cases = [(torch.log_softmax(3 * torch.randn(16, 16, 16, generator=g), -1), 32, 32),
              (torch.log_softmax(0.01 * torch.randn(16, 16, 16, generator=g), -1), 32, 32),  # flat: deep trees
              (torch.log_softmax(2 * torch.randn(6, 4, 4, generator=g), -1), 8, 5),
-             (torch.zeros(5, 4, 4) - 1.0, 4, 4)]  # ties everywhere
+             (torch.zeros(5, 4, 4) - 1.0, 4, 4),  # ties everywhere
+             (torch.log_softmax(2 * torch.randn(8, 16, 16, generator=g), -1), 1, 1)]  # a chain's width-1 beam
     stopped = 0
     for cond, W, n in cases:
         for nodes in (0, n):

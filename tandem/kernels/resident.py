@@ -517,6 +517,15 @@ if triton is not None:
         tl.store(cond_ptr + b * K * K + a[:, None] * K + c[None, :], g)
 
     @triton.jit
+    def _top(key, N: tl.constexpr):
+        # [N] the N largest keys, largest first: a bitonic top-k (no full sort of the keys, no trip
+        # through memory); tl.topk fails for N = 1 (it reduces to a scalar), so that is a max
+        if N == 1:
+            return tl.zeros([1], key.dtype) + tl.max(key, 0)
+        else:
+            return tl.topk(key, N)
+
+    @triton.jit
     def _best_n(score_ptr, ids_ptr, n_all, N: tl.constexpr, NP: tl.constexpr, TP: tl.constexpr):
         # the N best of n_all scores (keys as score_keys: ties to the lower index), in ascending
         # index order (a topological one where parents precede children) -> (j [NP], valid, index
@@ -531,7 +540,7 @@ if triton is not None:
         key = tl.where(live, key, tl.full([TP], -1, tl.int64) << 63)  # INT64_MIN: below every real key (-inf's too)
         j = tl.arange(0, NP)
         valid = j < N
-        top = tl.topk(key, NP)  # the NP best, best first (a bitonic top-k)
+        top = _top(key, NP)  # the NP best, best first
         idx = (TP - 1) - (top - ((top >> 32) << 32))
         idx = tl.sort(tl.where(valid, idx, TP), 0)
         idx = tl.where(valid, idx, 0)  # (in bounds where masked)
@@ -645,7 +654,7 @@ if triton is not None:
                 bits = s.to(tl.int32, bitcast=True)
                 ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
                 key = (ordered.to(tl.int64) << 32) | (WK - 1 - flat).to(tl.int64)
-                top = tl.topk(key, W)  # the W best, best first (a bitonic top-k: no full sort, no scratch)
+                top = _top(key, W)  # the W best, best first
                 hi64 = top >> 32
                 idx = (WK - 1) - (top - (hi64 << 32)).to(tl.int32)
                 hi = hi64.to(tl.int32)
