@@ -4,7 +4,7 @@
 # decay or torch.compile) against the bundled one on the same machine, each with `ar` in its run.
 #   bash bench/run_gpu_block.sh $OUT   (device tool: carry .data = copies of ../shared/datasets/{mbpp,gsm8k})
 # LANE=1 runs the resident loop's GPU lane first; PROFILE=0 skips the profile; TRAIN=0 the training; WORKLOADS="mbpp gsm8k"; NP prompts a workload;
-# BENCH_ARGS: more bench flags (e.g. --nodes 32,64: a tree per node budget).
+# DRAFTS: the bundled drafters benched (default block); BENCH_ARGS: more bench flags (e.g. --nodes 32,64).
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-560}; source bench/deadline.sh
@@ -20,7 +20,7 @@ bench() {  # bench NAME WORKLOAD DRAFT METHODS [extra]
 }
 if [ "${LANE:-0}" = 1 ]; then
   echo "== GPU lane: the resident loop and the block drafter's kernels"
-  within 200 python3 -m pytest -q -m cuda tests/gpu/test_gpu_resident.py -p no:cacheprovider > "$OUT/lane.log" 2>&1
+  within 240 python3 -m pytest -q -m cuda tests/gpu/test_gpu_resident.py tests/gpu/test_gpu_head_level.py -p no:cacheprovider > "$OUT/lane.log" 2>&1
   tail -2 "$OUT/lane.log"; grep -e "^FAILED" -e "^ERROR" "$OUT/lane.log" | head -20
 fi
 if [ "${PROFILE:-1}" = 1 ]; then
@@ -35,6 +35,6 @@ if [ "${TRAIN:-1}" = 1 ]; then
   mkdir -p "$OUT/block_new" && cp /tmp/dr/block/* /tmp/dr/drafters_metrics.json "$OUT/block_new/" 2>/dev/null
 fi
 for wl in ${WORKLOADS:-mbpp}; do
-  bench "${wl}_bundled" "$wl" block ar,chain,tree
+  for d in ${DRAFTS:-block}; do bench "${wl}_$d" "$wl" "$d" ar,chain,tree; done
   [ -d /tmp/dr/block ] && bench "${wl}_new" "$wl" /tmp/dr/block ar,chain,tree
 done
