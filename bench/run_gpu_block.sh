@@ -20,7 +20,7 @@ bench() {  # bench NAME WORKLOAD DRAFT METHODS [extra]
 }
 if [ "${LANE:-0}" = 1 ]; then
   echo "== GPU lane: the resident loop and the block drafter's kernels"
-  within 240 python3 -m pytest -q -m cuda tests/gpu/test_gpu_resident.py tests/gpu/test_gpu_head_level.py -p no:cacheprovider > "$OUT/lane.log" 2>&1
+  within 240 python3 -m pytest -q -m cuda tests/gpu/test_gpu_resident.py ${LANE_MORE:-} -p no:cacheprovider > "$OUT/lane.log" 2>&1
   tail -2 "$OUT/lane.log"; grep -e "^FAILED" -e "^ERROR" "$OUT/lane.log" | head -20
 fi
 if [ "${PROFILE:-1}" = 1 ]; then
