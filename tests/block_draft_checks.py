@@ -73,7 +73,8 @@ def check_lattice_cond() -> None:
 def check_beam_levels() -> None:
     """The level beams (one program, B sequential top-Ws) equal beam_levels_ref exactly, with the early
     stop (a node budget) and without, over lattices whose trees stop early and ones that run every
-    level (a flat lattice), ties included (every candidate equal)."""
+    level (a flat lattice), ties included (every candidate equal); the one-launch tree (beams and
+    selection in one program) equals the reference tree of the full levels."""
     g = torch.Generator().manual_seed(2)
     cases = [(torch.log_softmax(3 * torch.randn(16, 16, 16, generator=g), -1), 32, 32),
              (torch.log_softmax(0.01 * torch.randn(16, 16, 16, generator=g), -1), 32, 32),  # flat: deep trees
@@ -94,6 +95,13 @@ def check_beam_levels() -> None:
         full = res.select_tree_ref(tok, root, *res.beam_levels_ref(cond, W), n)
         early = res.select_tree_ref(tok, root, *res.beam_levels_ref(cond, W, n), n)
         assert all(torch.equal(a, b) for a, b in zip(full, early)), (cond.shape, W, n)
+        if W * cond.shape[1] >= 16:  # the one-launch tree (beams, then the selection, in one program)
+            M = n + 1
+            got = (torch.zeros(M, dtype=torch.long), torch.zeros(M, dtype=torch.long), torch.zeros(M, dtype=torch.long),
+                   torch.zeros(M, M, dtype=torch.bool))
+            res.launch_tree(tok, root, cond, W, n, got)
+            for name, a, b in zip(("tokens", "parents", "depth", "ancestors"), got, full):
+                assert torch.equal(a, b), (cond.shape, W, n, name)
     assert stopped >= 1, "no case stopped early: the check would not see the stop"
     print("beam levels: ok")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.resident import beam_levels, select_tree_fused
+from tandem.kernels.resident import beam_levels, select_tree_fused, tree_fused
 
 
 def best_first_tree_device(tok: torch.Tensor, cond: torch.Tensor, root: torch.Tensor, nodes: int,
@@ -37,6 +37,8 @@ def best_first_tree_device(tok: torch.Tensor, cond: torch.Tensor, root: torch.Te
         out = (torch.zeros(M, dtype=torch.long, device=dev), torch.zeros(M, dtype=torch.long, device=dev),
                torch.zeros(M, dtype=torch.long, device=dev), torch.zeros(M, M, dtype=torch.bool, device=dev))
     width = 1 << max(0, nodes - 1).bit_length()  # a power of two >= nodes (the kernel's tile)
+    if tree_fused(tok, root, cond, width, nodes, out):  # one launch on CUDA
+        return out
     scores, cands, pslots = beam_levels(cond, width, nodes)  # (the levels stop where no deeper node can be kept)
     select_tree_fused(tok, root, scores, cands, pslots, nodes, out)
     return out

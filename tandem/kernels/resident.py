@@ -225,6 +225,31 @@ def select_tree_fused(tok, root, scores, cands, pslots, nodes: int, out: tuple[t
                        **pdl(scores))
 
 
+def tree_fused(tok: torch.Tensor, root: torch.Tensor, cond: torch.Tensor, width: int, nodes: int,
+               out: tuple[torch.Tensor, ...]) -> bool:
+    """The level beams (stopping early) and the selection in one launch on CUDA, written into `out` =
+    (tokens, parents, depth, ancestors); False (nothing done) where the one-program kernels do not take
+    the shapes (the caller then runs beam_levels and select_tree_fused)."""
+    B, K, _ = cond.shape
+    if not (triton_enabled(cond) and width & (width - 1) == 0 and K & (K - 1) == 0 and width * K >= 16):
+        return False
+    launch_tree(tok, root, cond, width, nodes, out)
+    return True
+
+
+def launch_tree(tok, root, cond, width: int, nodes: int, out: tuple[torch.Tensor, ...]) -> None:
+    B, K, _ = cond.shape
+    dev = cond.device
+    cond = cond.float().contiguous()
+    scores = torch.empty(B, width, device=dev)
+    cands = torch.empty(B, width, dtype=torch.long, device=dev)
+    pslots = torch.empty(B, width, dtype=torch.long, device=dev)
+    ids = torch.empty(B * width, dtype=torch.long, device=dev)
+    t, p, d, anc = out
+    _tree_kernel[(1,)](cond, scores, cands, pslots, tok, root, t, p, d, anc, ids, B=B, W=width, K=K, BP=pow2(B),
+                       N=nodes, NP=pow2(nodes), MP=pow2(nodes + 1), BWP=pow2(B * width), **pdl(cond))
+
+
 # ---- the EAGLE-2 levels (tandem.drafting.eagle_drafter.HeadLevels) ----------------------------
 def level_step_ref(ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, prefix, d: int, width: int,
                    prep: bool) -> torch.Tensor | None:
@@ -570,10 +595,18 @@ if triton is not None:
             cur = tl.load(p_ptr + at, mask=ok, other=-1)
 
     @triton.jit
-    def _select_kernel(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, ids_ptr, BW, W: tl.constexpr, K: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-                       MP: tl.constexpr, BWP: tl.constexpr, MAXD: tl.constexpr, PDL: tl.constexpr = False):
-        # the N best of the B * W beam entries, level-major: a topological order
+    def _select_kernel(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, ids_ptr, BW,
+                       W: tl.constexpr, K: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
+                       BWP: tl.constexpr, MAXD: tl.constexpr, PDL: tl.constexpr = False):
         _pdl_enter(PDL)
+        _select_body(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, ids_ptr, BW, W,
+                     K, N, NP, MP, BWP, MAXD)
+
+    @triton.jit
+    def _select_body(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, ids_ptr, BW,
+                     W: tl.constexpr, K: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
+                     BWP: tl.constexpr, MAXD: tl.constexpr):
+        # the N best of the B * W beam entries, level-major: a topological order
         j, valid, sel = _best_n(score_ptr, ids_ptr, BW, N, NP, BWP)
         level = sel // W
         tl.debug_barrier()
@@ -636,9 +669,25 @@ if triton is not None:
     @triton.jit
     def _beam_kernel(cond_ptr, score_ptr, cand_ptr, pslot_ptr, N, B: tl.constexpr, W: tl.constexpr,
                      K: tl.constexpr, BP: tl.constexpr, EXIT: tl.constexpr, PDL: tl.constexpr = False):
-        # one program: the B levels run in sequence, each a sort of W * K packed keys; with EXIT, the
-        # levels after the one whose best is matched by N entries so far are -inf (beam_levels_ref)
         _pdl_enter(PDL)
+        _beam_body(cond_ptr, score_ptr, cand_ptr, pslot_ptr, N, B, W, K, BP, EXIT)
+
+    @triton.jit
+    def _tree_kernel(cond_ptr, score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr,
+                     ids_ptr, B: tl.constexpr, W: tl.constexpr, K: tl.constexpr, BP: tl.constexpr, N: tl.constexpr,
+                     NP: tl.constexpr, MP: tl.constexpr, BWP: tl.constexpr, PDL: tl.constexpr = False):
+        # the level beams (stopping early) then the selection, in one program: one launch for the tree
+        _pdl_enter(PDL)
+        _beam_body(cond_ptr, score_ptr, cand_ptr, pslot_ptr, N, B, W, K, BP, True)
+        tl.debug_barrier()  # the beams were written by other threads of this program
+        _select_body(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, ids_ptr, B * W, W,
+                     K, N, NP, MP, BWP, B)
+
+    @triton.jit
+    def _beam_body(cond_ptr, score_ptr, cand_ptr, pslot_ptr, N, B: tl.constexpr, W: tl.constexpr, K: tl.constexpr,
+                   BP: tl.constexpr, EXIT: tl.constexpr):
+        # one program: the B levels run in sequence, each a top-W of W * K packed keys; with EXIT, the
+        # levels after the one whose best is matched by N entries so far are -inf (beam_levels_ref)
         WK: tl.constexpr = W * K
         w = tl.arange(0, W)
         k = tl.arange(0, K)

@@ -161,6 +161,9 @@ def test_resident_kernels_equal_their_references(device):
         kr.select_tree_fused(tok, root, *beams, nodes, out)
         ref = kr.select_tree_ref(tok, root, *beams, nodes)
         assert all(torch.equal(a, b) for a, b in zip(out, ref))
+        one = tuple(torch.zeros_like(o) for o in out)  # the beams and the selection in one launch
+        assert kr.tree_fused(tok, root, cond, W, nodes, one)
+        assert all(torch.equal(a, b) for a, b in zip(one, ref))
         t, p, d, anc = ref
         for trial in range(8):  # target outputs that accept 0..7 levels down a random path
             am = torch.randint(0, 500, (M,), generator=g).to(device)
