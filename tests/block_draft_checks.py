@@ -11,6 +11,7 @@ import torch
 
 from tandem.kernels import block_input as bi
 from tandem.kernels import resident as res
+from tandem.kernels.fused import pow2
 
 
 def check_block_input() -> None:
@@ -74,7 +75,8 @@ def check_beam_levels() -> None:
     """The level beams (one program, B sequential top-Ws) equal beam_levels_ref exactly, with the early
     stop (a node budget) and without, over lattices whose trees stop early and ones that run every
     level (a flat lattice), ties included (every candidate equal); the one-launch tree (beams and
-    selection in one program) equals the reference tree of the full levels."""
+    selection in one program) equals the reference tree of the full levels, and the one-launch chain
+    the greedy path's tokens."""
     g = torch.Generator().manual_seed(2)
     cases = [(torch.log_softmax(3 * torch.randn(16, 16, 16, generator=g), -1), 32, 32),
              (torch.log_softmax(0.01 * torch.randn(16, 16, 16, generator=g), -1), 32, 32),  # flat: deep trees
@@ -102,6 +104,16 @@ def check_beam_levels() -> None:
             res.launch_tree(tok, root, cond, W, n, got)
             for name, a, b in zip(("tokens", "parents", "depth", "ancestors"), got, full):
                 assert torch.equal(a, b), (cond.shape, W, n, name)
+        if W == 1:  # the chain's tokens in one launch: the greedy path of the lattice
+            out = torch.zeros(cond.shape[0] + 1, dtype=torch.long)
+            k = cond.shape[0] - 2
+            _, cands, _ = res.beam_levels_ref(cond[:k], 1)
+            want = torch.cat([root, tok[:k].gather(1, cands).reshape(-1)])
+            c = cond[:k].contiguous()
+            res._chain_kernel[(1,)](c, torch.empty(k, 1), torch.empty(k, 1, dtype=torch.long),
+                                    torch.empty(k, 1, dtype=torch.long), tok, root, out, B=k, K=cond.shape[1],
+                                    BP=pow2(k))
+            assert torch.equal(out[:k + 1], want), (out, want)
     assert stopped >= 1, "no case stopped early: the check would not see the stop"
     print("beam levels: ok")
 

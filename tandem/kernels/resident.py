@@ -250,6 +250,21 @@ def launch_tree(tok, root, cond, width: int, nodes: int, out: tuple[torch.Tensor
                        N=nodes, NP=pow2(nodes), MP=pow2(nodes + 1), BWP=pow2(B * width), **pdl(cond))
 
 
+def chain_fused(tok: torch.Tensor, root: torch.Tensor, cond: torch.Tensor, k: int, out: torch.Tensor) -> bool:
+    """The greedy path's tokens [k + 1] (root first) written into `out`, in one launch on CUDA; False
+    (nothing done) where the one-program kernel does not take the shapes."""
+    B, K, _ = cond.shape
+    if not (triton_enabled(cond) and K & (K - 1) == 0 and K >= 16 and tok.is_contiguous()):
+        return False
+    c = cond[:k].float().contiguous()
+    dev = cond.device
+    scores = torch.empty(k, 1, device=dev)
+    cands = torch.empty(k, 1, dtype=torch.long, device=dev)
+    pslots = torch.empty(k, 1, dtype=torch.long, device=dev)
+    _chain_kernel[(1,)](c, scores, cands, pslots, tok, root, out, B=k, K=K, BP=pow2(k), **pdl(c))
+    return True
+
+
 # ---- the EAGLE-2 levels (tandem.drafting.eagle_drafter.HeadLevels) ----------------------------
 def level_step_ref(ctok, clp, d2t, tok, par, lp, fed, ids, src, anc, prefix, d: int, width: int,
                    prep: bool) -> torch.Tensor | None:
@@ -682,6 +697,19 @@ if triton is not None:
         tl.debug_barrier()  # the beams were written by other threads of this program
         _select_body(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, ids_ptr, B * W, W,
                      K, N, NP, MP, BWP, B)
+
+    @triton.jit
+    def _chain_kernel(cond_ptr, score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, out_ptr, B: tl.constexpr,
+                      K: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr = False):
+        # the greedy path (a beam of width 1) and its tokens, root first, in one program
+        _pdl_enter(PDL)
+        _beam_body(cond_ptr, score_ptr, cand_ptr, pslot_ptr, 0, B, 1, K, BP, False)
+        tl.debug_barrier()
+        d = tl.arange(0, BP)
+        dm = d < B
+        c = tl.load(cand_ptr + d, mask=dm, other=0)
+        tl.store(out_ptr + 1 + d, tl.load(tok_ptr + d * K + c, mask=dm, other=0), mask=dm)
+        tl.store(out_ptr, tl.load(root_ptr))
 
     @triton.jit
     def _beam_body(cond_ptr, score_ptr, cand_ptr, pslot_ptr, N, B: tl.constexpr, W: tl.constexpr, K: tl.constexpr,

@@ -41,7 +41,8 @@ import torch
 
 from tandem.config import SamplingConfig, SpecConfig
 from tandem.kernels.head_level import head_select, head_topk
-from tandem.kernels.resident import accept_fused, commit_rows, context_view, lattice_cond, sample_walk, tree_view
+from tandem.kernels.resident import (accept_fused, chain_fused, commit_rows, context_view, lattice_cond, sample_walk,
+                                     tree_view)
 from tandem.drafting.device_tree import best_first_tree_device, chain_tokens
 from tandem.drafting.lattice_drafter import CONTEXT_CHUNK
 from tandem.runtime.emit import Emitter
@@ -205,7 +206,8 @@ class ResidentLoop:
         root = self.ctx_tok[self.pmax - 1:]  # [1]
         cond = lattice_cond(tok, lp, root, drafter.markov_u, drafter.markov_v)  # [B, K, K]
         if self.chain:  # the shape is constant (set in __init__): only the tokens change
-            self.tree_tok.copy_(chain_tokens(tok, cond, root, self.M - 1))
+            if not chain_fused(tok, root, cond, self.M - 1, self.tree_tok):  # (one launch on CUDA)
+                self.tree_tok.copy_(chain_tokens(tok, cond, root, self.M - 1))
         else:
             best_first_tree_device(tok, cond, root, self.M - 1, (self.tree_tok, self.tree_par, self.tree_depth, self.anc))
         self.dprefix.add_(P)
