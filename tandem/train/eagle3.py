@@ -133,7 +133,7 @@ def train_eagle3(target, stream, a, device: torch.device, out_dir, log) -> dict:
     res = train_loop("eagle3", head, eagle3_loss_fn(head, target, ttt, device), stream,
                      batch_size=int(a.batch_size), ctx=ctx, lr=float(a.lr), warmup=int(a.warmup), min_lr_frac=0.1,
                      weight_decay=0.0, budget_s=None if steps else float(a.eagle_minutes) * 60, steps=steps,
-                     compile_mode=getattr(a, "compile", "off"), device=device, log=log)
+                     compile_mode="off", device=device, log=log)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     save_eagle3(head, out_dir, dtype=dtype)
     log(f"EAGLE-3 head -> {out_dir}")
