@@ -10,14 +10,6 @@ OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONP
 DEADLINE=${DEADLINE:-540}; source bench/deadline.sh
 NP=${NP:-10}
 record_env; cat "$OUT/env.txt"
-bench() {  # bench NAME WORKLOAD DRAFT METHODS [extra]
-  local name=$1 wl=$2 d=$3 m=$4; shift 4
-  echo "== $name: $wl, --draft $d, $m"
-  within "${BT:-80}" python3 -m tandem bench --device cuda --dtype bfloat16 --workload "$wl" --data-dir .data \
-    --num-prompts "$NP" --max-new-tokens 128 --methods "$m" --warmup 2 --max-prompt-tokens 384 --draft "$d" \
-    --no-plots --allow-mismatch "$@" --out "$OUT/$name" > "$OUT/$name.log" 2>&1
-  grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "Output check" -e "^Per" -e "auto:" -e "rror" | cut -c1-400
-}
 if [ "${LANE:-1}" = 1 ]; then
   echo "== GPU lane: the resident loop"
   within 150 python3 -m pytest -q -m cuda tests/gpu/test_gpu_resident.py -p no:cacheprovider > "$OUT/lane.log" 2>&1

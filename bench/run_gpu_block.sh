@@ -12,14 +12,6 @@ OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONP
 DEADLINE=${DEADLINE:-580}; source bench/deadline.sh
 NP=${NP:-10}
 record_env; cat "$OUT/env.txt"
-bench() {  # bench NAME WORKLOAD DRAFT METHODS [extra]
-  local name=$1 wl=$2 d=$3 m=$4; shift 4
-  echo "== $name: $wl, --draft $d, $m"
-  within "${BT:-90}" python3 -m tandem bench --device cuda --dtype bfloat16 --workload "$wl" --data-dir .data \
-    --num-prompts "$NP" --max-new-tokens 128 --methods "$m" --warmup 2 --max-prompt-tokens 384 --draft "$d" \
-    --no-plots --allow-mismatch ${BENCH_ARGS:-} "$@" --out "$OUT/$name" > "$OUT/$name.log" 2>&1
-  grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "^- " -e "^Per" -e "rror" | cut -c1-300
-}
 for phase in ${PHASES:-train bench lane profile}; do
   case $phase in
   train)
