@@ -42,7 +42,7 @@ def _check(out, lp, tok, r, d, nw, lm, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,k", [(1, 8), (8, 8), (4, 1), (16, 4)])
+@pytest.mark.parametrize("rows,k", [(1, 8), (8, 8), (4, 1), (16, 4), (16, 16), (5, 3)])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_head_topk_equals_the_reference(shape, rows, k, dtype):
     H, V = SHAPES[shape]
