@@ -724,7 +724,6 @@ if triton is not None:
         score = tl.where(w == 0, 0.0, float("-inf"))
         cand = tl.zeros([W], dtype=tl.int32)
         live = tl.full([], 1, tl.int32)
-        so_far = tl.full([BP, W], float("-inf"), tl.float32)
         for d in range(B):
             if live > 0:
                 row = tl.load(cond_ptr + d * K * K + cand[:, None] * K + k[None, :])  # [W, K]
@@ -742,7 +741,9 @@ if triton is not None:
                 tl.store(cand_ptr + d * W + w, cand.to(tl.int64))
                 tl.store(pslot_ptr + d * W + w, (idx // K).to(tl.int64))
                 if EXIT:
-                    so_far = tl.where(lv[:, None] == d, score[None, :], so_far)  # [BP, W] levels 0..d, in registers
+                    tl.debug_barrier()
+                    so_far = tl.load(score_ptr + lv[:, None] * W + w[None, :], mask=(lv <= d)[:, None],
+                                     other=float("-inf"))  # [BP, W] levels 0..d
                     best = tl.max(score, 0)
                     hits = tl.sum(tl.sum((so_far >= best).to(tl.int32), 1), 0)
                     live = (hits < N).to(tl.int32)
