@@ -28,7 +28,8 @@ def check_head_topk() -> None:
     g = torch.Generator().manual_seed(0)
     counter = torch.zeros(1, dtype=torch.int32)
     for R, H, V, k, bv, bk in ((1, 96, 1000, 4, 128, 64), (5, 64, 300, 8, 64, 32), (16, 96, 128, 1, 128, 64),
-                               (17, 40, 777, 3, 256, 16), (8, 128, 4096, 8, 128, 64)):
+                               (17, 40, 777, 3, 256, 16), (8, 128, 4096, 8, 128, 64),
+                               (16, 96, 2048, 16, 128, 64)):  # (the block drafter's lattice: 16 rows, top 16)
         r, d = torch.randn(R, H, generator=g), torch.randn(R, H, generator=g)
         nw = 1 + 0.1 * torch.randn(H, generator=g)
         lm = torch.randn(V, H, generator=g) * 2 / H ** 0.5
