@@ -250,6 +250,7 @@ def test_small_flag_mistakes_get_one_line_errors(flags, needle, capsys):
     (["generate", "x", "--max-new-tokens", "abc"], "argument --max-new-tokens: invalid int value: 'abc'"),
     (["bench", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["nonsense"], "argument command: invalid choice: 'nonsense'"),
+    (["train-drafters", "--out", "d", "--compile", "maybe"], "argument --compile: invalid choice: 'maybe'"),
 ])
 def test_argument_parsing_errors_are_one_line(args, needle, capsys):
     with pytest.raises(SystemExit) as e:

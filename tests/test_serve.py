@@ -899,4 +899,3 @@ def test_a_server_without_methods_serves_tree_first_on_a_gpu_and_ar_first_on_the
     assert default_methods(None, None, "cpu") == ("ar", "tree")
     assert default_methods("t", "d", "cpu") == default_methods(None, "d", "cpu") == ("tree", "ar")  # (a draft given)
     assert default_methods("t", None, "cuda") == ("ar",)
-

@@ -706,7 +706,7 @@ class Engine:
             # them: only the sample's drafters fed, the others dormant; a plain step that fed them
             # all cost 1.5-1.7x, H200 2026-12-03, and made drafting look cheaper by a x that)
             self._dormant = True
-            return self._off_or_probe(running, k) if self._park else self._sample_fed(running, k)
+            return self._dormant_step(running, k)
         n = _decoding(running)
         k = self.gate.plan(n)
         if k >= n and k:
@@ -716,6 +716,11 @@ class Engine:
         if not self._dormant:  # (the first plain steps after drafting: every drafter still fed)
             self._swept = False
             return set(self._pick_sample(running, k)) if k else set()
+        return self._dormant_step(running, k)
+
+    def _dormant_step(self, running: list[Request], k: int) -> set[str]:
+        """A dormant gate's step: plain (k = 0) or a probe of k; parked (TANDEM_GATE_PARK=1) or its
+        sample kept fed (the default)."""
         return self._off_or_probe(running, k) if self._park else self._sample_fed(running, k)
 
     def _sample_fed(self, running: list[Request], k: int) -> set[str]:

@@ -4,9 +4,9 @@ At the bundled pair's size a step is bound by the number of kernels, not by thei
 glue between the two models (the lattice, the tree, the accept) was ~60 small torch kernels
 of 2-3 us each. These fold each piece into one or two programs:
 
-- `lattice`: the drafter's B rows of logits -> each row's top-K candidates and the
-  parent-conditioned log-probs (log-softmax, top-K, the Markov head's bigram score given each
-  parent candidate, renormalised over the candidates plus the mass outside them);
+- `lattice_cond`: each of the drafter's B positions' top-K candidates (tandem.kernels.head_level.head_topk)
+  -> the parent-conditioned log-probs (the Markov head's bigram score given each parent candidate,
+  renormalised over the candidates plus the mass outside them);
 - `beam_levels`: the level beams of the best-first tree over the lattice (B sequential top-Ns
   of N x K candidates, as one program, stopping at the first level whose best cannot reach the N
   best; tandem.drafting.device_tree explains the tree);
@@ -81,12 +81,23 @@ def beam_levels_ref(cond: torch.Tensor, width: int, nodes: int = 0) -> tuple[tor
     return scores, cands, pslots
 
 
+def _beams_fit(cond: torch.Tensor, width: int) -> bool:
+    """Whether the one-program beam kernels (_beam_body) take a lattice cond [B, K, K] at this width:
+    on CUDA, W and K powers of two, W * K >= 16 (TANDEM_TRITON=0: never)."""
+    K = cond.shape[1]
+    return (triton is not None and cond.is_cuda and os.environ.get("TANDEM_TRITON", "1") != "0"
+            and width & (width - 1) == 0 and K & (K - 1) == 0 and width * K >= 16)
+
+
+def _beam_buffers(levels: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The beams' outputs: scores [levels, W] float32, candidates and parent slots [levels, W] int64."""
+    return (torch.empty(levels, width, device=device), torch.empty(levels, width, dtype=torch.long, device=device),
+            torch.empty(levels, width, dtype=torch.long, device=device))
+
+
 def beam_levels(cond: torch.Tensor, width: int, nodes: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """beam_levels_ref, as one Triton program on CUDA (TANDEM_TRITON=0: the reference)."""
-    B, K, _ = cond.shape
-    usable = (triton is not None and cond.is_cuda and os.environ.get("TANDEM_TRITON", "1") != "0"
-              and width & (width - 1) == 0 and K & (K - 1) == 0 and width * K >= 16)
-    if not usable:
+    if not _beams_fit(cond, width):
         return beam_levels_ref(cond, width, nodes)
     return launch_beam_levels(cond, width, nodes)
 
@@ -94,9 +105,7 @@ def beam_levels(cond: torch.Tensor, width: int, nodes: int = 0) -> tuple[torch.T
 def launch_beam_levels(cond: torch.Tensor, width: int, nodes: int = 0):
     B, K, _ = cond.shape
     cond = cond.float().contiguous()
-    scores = torch.empty(B, width, device=cond.device)
-    cands = torch.empty(B, width, dtype=torch.long, device=cond.device)
-    pslots = torch.empty(B, width, dtype=torch.long, device=cond.device)
+    scores, cands, pslots = _beam_buffers(B, width, cond.device)
     _beam_kernel[(1,)](cond, scores, cands, pslots, nodes, B=B, W=width, K=K, BP=pow2(B),
                        EXIT=nodes > 0, **pdl(cond))
     return scores, cands, pslots
@@ -155,18 +164,6 @@ def lattice_cond_ref(tok: torch.Tensor, lp: torch.Tensor, root: torch.Tensor, u:
     prev = torch.cat([root.expand(1, k), tok[:-1]])  # [B, K] the parent candidates of each position
     g = lp[:, None, :] + (u[prev].float()[:, :, None, :] * v[tok].float()[:, None, :, :]).sum(-1)  # [B, K, K]
     return g - torch.logaddexp(torch.logsumexp(g, -1), rest[:, None])[..., None]
-
-
-def lattice(logits: torch.Tensor, root: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor | None,
-            k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if not triton_enabled(logits):
-        return lattice_ref(logits, root, u, v, k)
-    B, V = logits.shape
-    dev = logits.device
-    tok = torch.empty(B, k, dtype=torch.long, device=dev)
-    lp = torch.empty(B, k, device=dev)
-    _topk_kernel[(B,)](logits, logits.stride(0), tok, lp, V, K=k, BLOCK_V=pow2(V), num_warps=8, **pdl(logits))
-    return tok, lattice_cond(tok, lp, root, u, v)
 
 
 def lattice_cond(tok: torch.Tensor, lp: torch.Tensor, root: torch.Tensor, u: torch.Tensor | None,
@@ -230,8 +227,7 @@ def tree_fused(tok: torch.Tensor, root: torch.Tensor, cond: torch.Tensor, width:
     """The level beams (stopping early) and the selection in one launch on CUDA, written into `out` =
     (tokens, parents, depth, ancestors); False (nothing done) where the one-program kernels do not take
     the shapes (the caller then runs beam_levels and select_tree_fused)."""
-    B, K, _ = cond.shape
-    if not (triton_enabled(cond) and width & (width - 1) == 0 and K & (K - 1) == 0 and width * K >= 16):
+    if not (triton_enabled(cond) and _beams_fit(cond, width)):
         return False
     launch_tree(tok, root, cond, width, nodes, out)
     return True
@@ -239,12 +235,9 @@ def tree_fused(tok: torch.Tensor, root: torch.Tensor, cond: torch.Tensor, width:
 
 def launch_tree(tok, root, cond, width: int, nodes: int, out: tuple[torch.Tensor, ...]) -> None:
     B, K, _ = cond.shape
-    dev = cond.device
     cond = cond.float().contiguous()
-    scores = torch.empty(B, width, device=dev)
-    cands = torch.empty(B, width, dtype=torch.long, device=dev)
-    pslots = torch.empty(B, width, dtype=torch.long, device=dev)
-    ids = torch.empty(B * width, dtype=torch.long, device=dev)
+    scores, cands, pslots = _beam_buffers(B, width, cond.device)
+    ids = torch.empty(B * width, dtype=torch.long, device=cond.device)
     t, p, d, anc = out
     _tree_kernel[(1,)](cond, scores, cands, pslots, tok, root, t, p, d, anc, ids, B=B, W=width, K=K, BP=pow2(B),
                        N=nodes, NP=pow2(nodes), MP=pow2(nodes + 1), BWP=pow2(B * width), **pdl(cond))
@@ -253,15 +246,10 @@ def launch_tree(tok, root, cond, width: int, nodes: int, out: tuple[torch.Tensor
 def chain_fused(tok: torch.Tensor, root: torch.Tensor, cond: torch.Tensor, k: int, out: torch.Tensor) -> bool:
     """The greedy path's tokens [k + 1] (root first) written into `out`, in one launch on CUDA; False
     (nothing done) where the one-program kernel does not take the shapes."""
-    B, K, _ = cond.shape
-    if not (triton_enabled(cond) and K & (K - 1) == 0 and K >= 16 and tok.is_contiguous()):
+    if not (triton_enabled(cond) and _beams_fit(cond, 1) and tok.is_contiguous()):
         return False
     c = cond[:k].float().contiguous()
-    dev = cond.device
-    scores = torch.empty(k, 1, device=dev)
-    cands = torch.empty(k, 1, dtype=torch.long, device=dev)
-    pslots = torch.empty(k, 1, dtype=torch.long, device=dev)
-    _chain_kernel[(1,)](c, scores, cands, pslots, tok, root, out, B=k, K=K, BP=pow2(k), **pdl(c))
+    _chain_kernel[(1,)](c, *_beam_buffers(k, 1, c.device), tok, root, out, B=k, K=cond.shape[1], BP=pow2(k), **pdl(c))
     return True
 
 

@@ -46,9 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="same as --preset tiny: CPU, seconds")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--seed", type=int, default=0)
+    choices = {"compile": ("auto", "on", "off")}  # (auto: torch.compile on CUDA)
     for k, v in PRESETS["full"].items():
         p.add_argument("--" + k.replace("_", "-"), type=type(v) if v is not None else float, default=None,
-                       help=f"default from the preset (full: {v})")
+                       choices=choices.get(k), help=f"default from the preset (full: {v})")
     return p
 
 
@@ -187,10 +188,6 @@ def run(args: argparse.Namespace) -> int:
         from tandem.config import ConfigError
 
         raise ConfigError(f"--position-decay must be >= 0 (0: every block position weighs alike; got {a.position_decay})")
-    if a.compile not in ("auto", "on", "off"):
-        from tandem.config import ConfigError
-
-        raise ConfigError(f"--compile must be auto, on or off (auto: torch.compile on CUDA; got {a.compile!r})")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(a.seed)
     np.random.seed(a.seed)

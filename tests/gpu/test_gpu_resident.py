@@ -95,7 +95,8 @@ def test_resident_kernels_equal_their_references(device):
         root = torch.tensor([5], device=device)
         u = (0.5 * torch.randn(V, R, generator=g)).to(device) if markov else None
         v = (0.5 * torch.randn(V, R, generator=g)).to(device) if markov else None
-        tok, cond = kr.lattice(logits, root, u, v, K)
+        lp, tok = kr.topk_logprobs(logits, K)  # (the loop takes them from head_topk, checked in its lane)
+        cond = kr.lattice_cond(tok, lp, root, u, v)
         tok_r, cond_r = kr.lattice_ref(logits, root, u, v, K)
         assert torch.equal(tok, tok_r)
         torch.testing.assert_close(cond, cond_r, atol=1e-4, rtol=1e-4)
