@@ -146,7 +146,8 @@ def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up):
 
 
 def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int = BLOCK_V, bk: int = BLOCK_K,
-                     num_warps: int = TOPK_WARPS, glue: LevelGlue | None = None):
+                     num_warps: int = TOPK_WARPS, glue: LevelGlue | None = None, bitonic: bool = True):
+    # bitonic: each block's and the merge's top K by tl.topk where K is a power of two (False: K max sweeps)
     R, H = r.shape
     V = lm_w.shape[0]
     assert r.stride(-1) == 1 and delta.stride(-1) == 1 and lm_w.is_contiguous() and k <= bv
@@ -174,7 +175,8 @@ def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int = BLO
         gshape = dict(GP=R, GNP=pow2(R * k), GR=ra, GRP=pow2(ra), PREP=glue.prep)
     _head_topk_kernel[(nb,)](r, delta, norm_w, lm_w, out, pkey, pstat, counter, tok, lp, R, H, V, r.stride(0),
                              delta.stride(0), eps, *g, K=k, RP=rp, BV=bv, BK=bk, NB=nb, NBKP=pow2(nb * k),
-                             IEEE=r.dtype == torch.float32, KEY64=key64, GLUE=glue is not None, **gshape,
+                             IEEE=r.dtype == torch.float32, KEY64=key64, TOPK=bitonic and k > 1 and k & (k - 1) == 0,
+                             GLUE=glue is not None, **gshape,
                              num_warps=num_warps, **pdl(r))
     return out, lp, tok, mask if glue is not None and glue.prep else None
 
@@ -226,7 +228,7 @@ def launch_head_select(lp, tok, par, root, width, max_depth, n, out) -> None:
     tp = pow2(total)
     ids = torch.empty(total, dtype=torch.long, device=lp.device)
     _head_select_kernel[(1,)](lp, tok, par, root, t, p, d, anc, ids, total, W=width, N=n, NP=pow2(n),
-                              MP=pow2(n + 1), TP=tp, MAXD=max_depth, num_warps=4, **pdl(lp))
+                              MP=max(16, pow2(n + 1)), TP=tp, MAXD=max_depth, num_warps=4, **pdl(lp))
 
 
 # ---- Triton ---------------------------------------------------------------------------------
@@ -278,7 +280,8 @@ if triton is not None:
                           d2t_ptr, ntok_ptr, npar_ptr, nlp_ptr, fed_ptr, ids_ptr, src_ptr, anc_ptr, mask_ptr,
                           prefix_ptr, level, width,
                           K: tl.constexpr, RP: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr,
-                          NBKP: tl.constexpr, IEEE: tl.constexpr, KEY64: tl.constexpr, GLUE: tl.constexpr,
+                          NBKP: tl.constexpr, IEEE: tl.constexpr, KEY64: tl.constexpr, TOPK: tl.constexpr,
+                          GLUE: tl.constexpr,
                           GP: tl.constexpr, GNP: tl.constexpr, GR: tl.constexpr, GRP: tl.constexpr,
                           PREP: tl.constexpr, PDL: tl.constexpr = False):
         _pdl_enter(PDL)
@@ -322,11 +325,15 @@ if triton is not None:
         low = _lowest(KEY64)  # below every real key
         best = tl.max(key, 1)  # [RP]
         mx, _ = _unkey(best, dt, KEY64)
-        tl.store(pkey_ptr + (pid * RP + rows) * K, best)
-        for j in tl.static_range(1, K):
-            key = tl.where(key == best[:, None], low, key)
-            best = tl.max(key, 1)
-            tl.store(pkey_ptr + (pid * RP + rows) * K + j, best)
+        if TOPK:  # the block's K best of each row by a bitonic top-k in registers
+            kj = tl.arange(0, K)
+            tl.store(pkey_ptr + (pid * RP + rows)[:, None] * K + kj[None, :], tl.topk(key, K))
+        else:  # (K not a power of two) K max sweeps
+            tl.store(pkey_ptr + (pid * RP + rows) * K, best)
+            for j in tl.static_range(1, K):
+                key = tl.where(key == best[:, None], low, key)
+                best = tl.max(key, 1)
+                tl.store(pkey_ptr + (pid * RP + rows) * K + j, best)
         tl.store(pstat_ptr + pid * RP + rows, mx)
         tl.store(pstat_ptr + (NB + pid) * RP + rows, tl.sum(tl.exp(logit - mx[:, None]), 1))
         # the last program to finish merges every block's partials
@@ -345,12 +352,19 @@ if triton is not None:
                            other=low, cache_modifier=".cg")
             gm = tl.max(bm, 1)  # [RP]
             lse = gm + tl.log(tl.sum(bs * tl.exp(bm - gm[:, None]), 1))
-            for n in tl.static_range(K):
-                best = tl.max(cand, 1)
-                val, at = _unkey(best, dt, KEY64)
-                tl.store(tok_ptr + rows * K + n, at.to(tl.int64), mask=rm)
-                tl.store(lp_ptr + rows * K + n, val - lse, mask=rm)
-                cand = tl.where(cand == best[:, None], low, cand)
+            if TOPK:
+                kj = tl.arange(0, K)
+                val, at = _unkey(tl.topk(cand, K), dt, KEY64)  # [RP, K] each row's K best, best first
+                km = rm[:, None] & (kj[None, :] < K)
+                tl.store(tok_ptr + rows[:, None] * K + kj[None, :], at.to(tl.int64), mask=km)
+                tl.store(lp_ptr + rows[:, None] * K + kj[None, :], val - lse[:, None], mask=km)
+            else:
+                for n in tl.static_range(K):
+                    best = tl.max(cand, 1)
+                    val, at = _unkey(best, dt, KEY64)
+                    tl.store(tok_ptr + rows * K + n, at.to(tl.int64), mask=rm)
+                    tl.store(lp_ptr + rows * K + n, val - lse, mask=rm)
+                    cand = tl.where(cand == best[:, None], low, cand)
             tl.atomic_xchg(cnt_ptr, 0)
             if GLUE:  # the level's glue (resident.level_step) on the children just written, in this program
                 tl.debug_barrier()

@@ -32,6 +32,9 @@ try:  # Triton ships with CUDA builds of PyTorch only
 except ImportError:  # pragma: no cover - CPU builds
     triton = None
 
+# warps of the one-program tree kernel (beams + selection): each level is a top-W of W x K keys that
+# waits on the last, so fewer warps means fewer barriers a level (bench/gpu_draft_kernels.py)
+TREE_WARPS = 4
 
 # ---- the best-first tree's pieces (tandem.drafting.device_tree composes them) -----------------
 def score_keys(score: torch.Tensor) -> torch.Tensor:
@@ -218,7 +221,7 @@ def select_tree_fused(tok, root, scores, cands, pslots, nodes: int, out: tuple[t
     ids = torch.empty(B * W, dtype=torch.long, device=dev)
     t, p, d, anc = out
     _select_kernel[(1,)](scores, cands, pslots, tok, root, t, p, d, anc, ids, B * W, W=W,
-                         K=tok.shape[1], N=nodes, NP=pow2(nodes), MP=pow2(nodes + 1), BWP=pow2(B * W), MAXD=B,
+                         K=tok.shape[1], N=nodes, NP=pow2(nodes), MP=max(16, pow2(nodes + 1)), BWP=pow2(B * W), MAXD=B,
                        **pdl(scores))
 
 
@@ -233,14 +236,16 @@ def tree_fused(tok: torch.Tensor, root: torch.Tensor, cond: torch.Tensor, width:
     return True
 
 
-def launch_tree(tok, root, cond, width: int, nodes: int, out: tuple[torch.Tensor, ...]) -> None:
+def launch_tree(tok, root, cond, width: int, nodes: int, out: tuple[torch.Tensor, ...],
+                num_warps: int = TREE_WARPS) -> None:
     B, K, _ = cond.shape
     cond = cond.float().contiguous()
     scores, cands, pslots = _beam_buffers(B, width, cond.device)
     ids = torch.empty(B * width, dtype=torch.long, device=cond.device)
     t, p, d, anc = out
     _tree_kernel[(1,)](cond, scores, cands, pslots, tok, root, t, p, d, anc, ids, B=B, W=width, K=K, BP=pow2(B),
-                       N=nodes, NP=pow2(nodes), MP=pow2(nodes + 1), BWP=pow2(B * width), **pdl(cond))
+                       N=nodes, NP=pow2(nodes), MP=max(16, pow2(nodes + 1)), BWP=pow2(B * width), num_warps=num_warps,
+                       **pdl(cond))
 
 
 def chain_fused(tok: torch.Tensor, root: torch.Tensor, cond: torch.Tensor, k: int, out: torch.Tensor) -> bool:
@@ -578,24 +583,23 @@ if triton is not None:
     @triton.jit
     def _finish_tree(root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, M: tl.constexpr, MP: tl.constexpr, MAXD: tl.constexpr):
         # a tree whose nodes 1.. were just written to t, p, d: its root row (the root token, parent
-        # -1, depth 0), then anc [M, M] bool: the identity, then each node's chain of parents, MAXD
-        # steps up
+        # -1, depth 0), then anc [M, M] bool. reach[i, j] (j is i or an ancestor of i) is the closure
+        # of the parent relation, by squaring in registers: after s products it holds the paths of
+        # length <= 2^s, so ceil(log2(MAXD)) products (MAXD: the deepest node) instead of MAXD
+        # dependent loads up the parent chain. 0/1 in fp16, sums <= MP in fp32: exact. (MP >= 16:
+        # tl.dot's smallest block.)
         tl.store(t_ptr, tl.load(root_ptr))
         tl.store(p_ptr, -1)
         tl.store(d_ptr, 0)
         tl.debug_barrier()
         i = tl.arange(0, MP)
-        jj = tl.arange(0, MP)
-        inside = (i[:, None] < M) & (jj[None, :] < M)
-        tl.store(anc_ptr + i[:, None] * M + jj[None, :], i[:, None] == jj[None, :], mask=inside)
-        tl.debug_barrier()
-        alive = i < M
-        cur = tl.load(p_ptr + i, mask=alive, other=-1)
-        for _ in tl.static_range(MAXD):
-            ok = alive & (cur >= 0)
-            at = tl.where(ok, cur, 0)
-            tl.store(anc_ptr + i * M + at, tl.full([MP], 1, tl.int1), mask=ok)
-            cur = tl.load(p_ptr + at, mask=ok, other=-1)
+        par = tl.load(p_ptr + i, mask=i < M, other=-1)  # [MP]
+        reach = ((par[:, None] == i[None, :]) | (i[:, None] == i[None, :])).to(tl.float16)  # [MP, MP]
+        for s in tl.static_range(8):
+            if (1 << s) < MAXD:
+                reach = (tl.dot(reach, reach) > 0).to(tl.float16)
+        inside = (i[:, None] < M) & (i[None, :] < M)
+        tl.store(anc_ptr + i[:, None] * M + i[None, :], reach > 0, mask=inside)
 
     @triton.jit
     def _select_kernel(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, ids_ptr, BW,
@@ -712,6 +716,7 @@ if triton is not None:
         score = tl.where(w == 0, 0.0, float("-inf"))
         cand = tl.zeros([W], dtype=tl.int32)
         live = tl.full([], 1, tl.int32)
+        so_far = tl.full([BP, W], float("-inf"), tl.float32)
         for d in range(B):
             if live > 0:
                 row = tl.load(cond_ptr + d * K * K + cand[:, None] * K + k[None, :])  # [W, K]
@@ -729,9 +734,7 @@ if triton is not None:
                 tl.store(cand_ptr + d * W + w, cand.to(tl.int64))
                 tl.store(pslot_ptr + d * W + w, (idx // K).to(tl.int64))
                 if EXIT:
-                    tl.debug_barrier()
-                    so_far = tl.load(score_ptr + lv[:, None] * W + w[None, :], mask=(lv <= d)[:, None],
-                                     other=float("-inf"))  # [BP, W] levels 0..d
+                    so_far = tl.where(lv[:, None] == d, score[None, :], so_far)  # [BP, W] levels 0..d, in registers
                     best = tl.max(score, 0)
                     hits = tl.sum(tl.sum((so_far >= best).to(tl.int32), 1), 0)
                     live = (hits < N).to(tl.int32)
