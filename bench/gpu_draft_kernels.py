@@ -75,13 +75,23 @@ def bench_tree(calls, rows):
     outs = [tuple(torch.empty(M, dtype=torch.long, device="cuda") for _ in range(3))
             + (torch.empty(M, M, dtype=torch.bool, device="cuda"),) for _ in calls]
     want = [kr.select_tree_ref(tok, root, *kr.beam_levels_ref(cond.float(), 32, n), n) for tok, cond, root, n in calls]
-    for w in (1, 2, 4, 8):
-        fns = [partial(kr.launch_tree, tok, root, cond, 32, n, o, num_warps=w) for (tok, cond, root, n), o
-               in zip(calls, outs)]
-        t = us(fns)
-        ok = all(all(torch.equal(a, b) for a, b in zip(o, wt)) for o, wt in zip(outs, want))
-        rows.append({"kernel": "tree (beams + selection, one launch)", "variant": f"num_warps={w}", "us": round(t, 2),
-                     "equal": ok})
+    for narrow in (0, 16, 8):
+        for w in (1, 2, 4, 8):
+            fns = [partial(kr.launch_tree, tok, root, cond, 32, n, o, num_warps=w, narrow=narrow)
+                   for (tok, cond, root, n), o in zip(calls, outs)]
+            t = us(fns)
+            ok = all(all(torch.equal(a, b) for a, b in zip(o, wt)) for o, wt in zip(outs, want))
+            rows.append({"kernel": "tree (beams + selection, one launch)", "variant": f"narrow={narrow} num_warps={w}",
+                         "us": round(t, 2), "equal": ok})
+    for narrow in (16, 8):  # how often the narrow pass's tree is kept (no level holds `narrow` of its nodes)
+        kept = 0
+        for tok, cond, root, n in calls:
+            d = kr.select_tree_ref(tok, root, *kr.beam_levels_ref(cond.float(), narrow, n), n)[2][1:]
+            per_level = torch.bincount(d - 1, minlength=cond.shape[0])
+            per_level[0] = 0 if cond.shape[1] <= narrow else per_level[0]
+            kept += int(not bool((per_level >= narrow).any()))
+        rows.append({"kernel": f"tree: narrow={narrow} pass kept (share of the recorded lattices)", "variant": "",
+                     "us": round(kept / len(calls), 3)})
     fns = [partial(kr.launch_beam_levels, cond, 32, n) for tok, cond, root, n in calls]
     rows.append({"kernel": "tree: beams alone (early stop)", "variant": "num_warps=4", "us": round(us(fns), 2)})
     beams = [kr.launch_beam_levels(cond, 32, n) for tok, cond, root, n in calls]

@@ -75,8 +75,9 @@ def check_beam_levels() -> None:
     """The level beams (one program, B sequential top-Ws) equal beam_levels_ref exactly, with the early
     stop (a node budget) and without, over lattices whose trees stop early and ones that run every
     level (a flat lattice), ties included (every candidate equal); the one-launch tree (beams and
-    selection in one program) equals the reference tree of the full levels, and the one-launch chain
-    the greedy path's tokens."""
+    selection in one program) equals the reference tree of the full levels, with a narrow first pass too
+    (kept on some lattices, redone with the full beams on others), and the one-launch chain the greedy
+    path's tokens."""
     g = torch.Generator().manual_seed(2)
     cases = [(torch.log_softmax(3 * torch.randn(16, 16, 16, generator=g), -1), 32, 32),
              (torch.log_softmax(0.01 * torch.randn(16, 16, 16, generator=g), -1), 32, 32),  # flat: deep trees
@@ -84,6 +85,7 @@ def check_beam_levels() -> None:
              (torch.zeros(5, 4, 4) - 1.0, 4, 4),  # ties everywhere
              (torch.log_softmax(2 * torch.randn(8, 16, 16, generator=g), -1), 1, 1)]  # a chain's width-1 beam
     stopped = 0
+    redone = set()  # whether the narrow first pass was kept (False) or followed by the full beams (True)
     for cond, W, n in cases:
         for nodes in (0, n):
             want = res.beam_levels_ref(cond, W, nodes)
@@ -104,6 +106,16 @@ def check_beam_levels() -> None:
             res.launch_tree(tok, root, cond, W, n, got)
             for name, a, b in zip(("tokens", "parents", "depth", "ancestors"), got, full):
                 assert torch.equal(a, b), (cond.shape, W, n, name)
+            for narrow in (W // 2, W // 4):  # a narrow first pass, kept or followed by the full beams
+                if narrow & (narrow - 1) or narrow * cond.shape[1] < 16 or cond.shape[0] * narrow < n:
+                    continue
+                res.launch_tree(tok, root, cond, W, n, got, narrow=narrow)
+                for name, a, b in zip(("tokens", "parents", "depth", "ancestors"), got, full):
+                    assert torch.equal(a, b), (cond.shape, W, n, narrow, name)
+                d = res.select_tree_ref(tok, root, *res.beam_levels_ref(cond, narrow, n), n)[2][1:]
+                per_level = torch.bincount(d - 1, minlength=cond.shape[0])
+                per_level[0] = per_level[0] if cond.shape[1] > narrow else 0
+                redone.add(bool((per_level >= narrow).any()))
         if W == 1:  # the chain's tokens in one launch: the greedy path of the lattice
             out = torch.zeros(cond.shape[0] + 1, dtype=torch.long)
             k = cond.shape[0] - 2
@@ -115,6 +127,7 @@ def check_beam_levels() -> None:
                                     BP=pow2(k))
             assert torch.equal(out[:k + 1], want), (out, want)
     assert stopped >= 1, "no case stopped early: the check would not see the stop"
+    assert redone == {False, True}, f"the narrow pass was only ever {'redone' if True in redone else 'kept'}"
     print("beam levels: ok")
 
 

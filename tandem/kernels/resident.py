@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - CPU builds
 # warps of the one-program tree kernel (beams + selection): each level is a top-W of W x K keys that
 # waits on the last, so fewer warps means fewer barriers a level (bench/gpu_draft_kernels.py)
 TREE_WARPS = 4
+TREE_NARROW = 0  # the narrow first pass's beam width (launch_tree; 0: off)
 
 # ---- the best-first tree's pieces (tandem.drafting.device_tree composes them) -----------------
 def score_keys(score: torch.Tensor) -> torch.Tensor:
@@ -237,15 +238,21 @@ def tree_fused(tok: torch.Tensor, root: torch.Tensor, cond: torch.Tensor, width:
 
 
 def launch_tree(tok, root, cond, width: int, nodes: int, out: tuple[torch.Tensor, ...],
-                num_warps: int = TREE_WARPS) -> None:
+                num_warps: int = TREE_WARPS, narrow: int = TREE_NARROW) -> None:
+    """The one-program tree (tree_fused). narrow (a power of two below width, 0: off): the width of a
+    first pass, kept where its tree holds fewer than `narrow` nodes at every level, exactly the tree
+    of the full beams then (_tree_kernel)."""
     B, K, _ = cond.shape
     cond = cond.float().contiguous()
     scores, cands, pslots = _beam_buffers(B, width, cond.device)
     ids = torch.empty(B * width, dtype=torch.long, device=cond.device)
     t, p, d, anc = out
+    narrow = narrow if 0 < narrow < width and narrow & (narrow - 1) == 0 and narrow * K >= 16 and B * narrow >= nodes \
+        else 0
     _tree_kernel[(1,)](cond, scores, cands, pslots, tok, root, t, p, d, anc, ids, B=B, W=width, K=K, BP=pow2(B),
-                       N=nodes, NP=pow2(nodes), MP=max(16, pow2(nodes + 1)), BWP=pow2(B * width), num_warps=num_warps,
-                       **pdl(cond))
+                       N=nodes, NP=pow2(nodes), MP=max(16, pow2(nodes + 1)), BWP=pow2(B * width), NARROW=narrow,
+                       NBWP=pow2(B * narrow) if narrow else 1,
+                       num_warps=num_warps, **pdl(cond))
 
 
 def chain_fused(tok: torch.Tensor, root: torch.Tensor, cond: torch.Tensor, k: int, out: torch.Tensor) -> bool:
@@ -682,13 +689,34 @@ if triton is not None:
     @triton.jit
     def _tree_kernel(cond_ptr, score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr,
                      ids_ptr, B: tl.constexpr, W: tl.constexpr, K: tl.constexpr, BP: tl.constexpr, N: tl.constexpr,
-                     NP: tl.constexpr, MP: tl.constexpr, BWP: tl.constexpr, PDL: tl.constexpr = False):
-        # the level beams (stopping early) then the selection, in one program: one launch for the tree
+                     NP: tl.constexpr, MP: tl.constexpr, BWP: tl.constexpr, NARROW: tl.constexpr,
+                     NBWP: tl.constexpr, PDL: tl.constexpr = False):
+        # the level beams (stopping early) then the selection, in one program: one launch for the tree.
+        # NARROW > 0: first with beams that narrow (each level's top-k half the work or less); that tree is
+        # the exact one when it holds fewer than NARROW nodes at every level (the beams' worst entry is
+        # then outside it, and every node the narrow beams dropped scores below that entry: launch_tree),
+        # else the program runs the full beams too
         _pdl_enter(PDL)
-        _beam_body(cond_ptr, score_ptr, cand_ptr, pslot_ptr, N, B, W, K, BP, True)
-        tl.debug_barrier()  # the beams were written by other threads of this program
-        _select_body(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, ids_ptr, B * W, W,
-                     K, N, NP, MP, BWP, B)
+        full = 1
+        if NARROW > 0:
+            _beam_body(cond_ptr, score_ptr, cand_ptr, pslot_ptr, N, B, NARROW, K, BP, True)
+            tl.debug_barrier()
+            _select_body(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, ids_ptr,
+                         B * NARROW, NARROW, K, N, NP, MP, NBWP, B)
+            tl.debug_barrier()
+            j = tl.arange(0, NP)
+            depth = tl.load(d_ptr + 1 + j, mask=j < N, other=0)  # [NP] each node's level + 1
+            lv = tl.arange(0, BP)
+            per_level = tl.sum((depth[None, :] == lv[:, None] + 1).to(tl.int32), 1)  # [BP]
+            # (the root's K children all fit a beam of NARROW >= K: nothing of level 0 was dropped)
+            suspect = (per_level >= NARROW) & ((lv > 0) | (K > NARROW))
+            full = tl.max(suspect.to(tl.int32), 0)
+            tl.debug_barrier()
+        if full > 0:
+            _beam_body(cond_ptr, score_ptr, cand_ptr, pslot_ptr, N, B, W, K, BP, True)
+            tl.debug_barrier()  # the beams were written by other threads of this program
+            _select_body(score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, t_ptr, p_ptr, d_ptr, anc_ptr, ids_ptr,
+                         B * W, W, K, N, NP, MP, BWP, B)
 
     @triton.jit
     def _chain_kernel(cond_ptr, score_ptr, cand_ptr, pslot_ptr, tok_ptr, root_ptr, out_ptr, B: tl.constexpr,
