@@ -4,7 +4,7 @@ The inputs are those of the resident loop's own draft passes (`tree`, N = 32, ov
 each call is seen): the input rows' tokens and features, the rows head_topk reads, the lattices the tree is built
 over. Each variant is timed inside a CUDA graph of back-to-back calls cycling over the recorded inputs
 (bench/gpu_timing.graph_ms: the GPU's own time, as in the draft graph) and its output checked against the default's
-(tokens and trees exactly; head_topk's log-probs to 1e-5, the block input rows exactly).
+(tokens and trees exactly; head_topk's log-probs to 1e-5, the block input rows to a bf16 rounding).
     python bench/gpu_draft_kernels.py --data-dir .data [--num-prompts 4] [--out $OUT]
 """
 from __future__ import annotations
@@ -103,7 +103,7 @@ def bench_tree(calls, rows):
 
 
 def bench_topk(calls, rows):
-    ref = [hl.launch_head_topk(r, d, nw, eps, lm, k, bv=hl.BLOCK_V) for r, d, nw, eps, lm, k in calls]
+    ref = [hl.launch_head_topk(r, d, nw, eps, lm, k, bv=hl.BLOCK_V, bitonic=False) for r, d, nw, eps, lm, k in calls]
     for bitonic in (False, True):
         for bv in (64, 128, 256):
             for warps in (4, 8):
@@ -132,10 +132,12 @@ def bench_input(calls, drafter, rows):
                 fns = [partial(bi.launch_block_input, tok, f, e, me, nw, eps, fc, n, bn=bn, bk=bk, num_warps=warps)
                        for tok, f, n in calls]
                 t = us(fns)
-                ok = all(torch.equal(bi.launch_block_input(tok, f, e, me, nw, eps, fc, n, bn=bn, bk=bk,
-                                                           num_warps=warps), w) for (tok, f, n), w in zip(calls, ref))
+                # (fc's fp32 sums in another order: equal up to a rounding of the bf16 output)
+                err = max(((bi.launch_block_input(tok, f, e, me, nw, eps, fc, n, bn=bn, bk=bk, num_warps=warps)
+                            - w).float().abs() / w.float().abs().clamp(min=1e-3)).max().item()
+                          for (tok, f, n), w in zip(calls, ref))
                 rows.append({"kernel": "block_input (input rows)", "variant": f"BN={bn} BK={bk} warps={warps}",
-                             "us": round(t, 2), "equal": ok})
+                             "us": round(t, 2), "equal": err <= 2 ** -7})
 
 
 def main():
