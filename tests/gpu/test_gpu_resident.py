@@ -165,6 +165,12 @@ def test_resident_kernels_equal_their_references(device):
         one = tuple(torch.zeros_like(o) for o in out)  # the beams and the selection in one launch
         assert kr.tree_fused(tok, root, cond, W, nodes, one)
         assert all(torch.equal(a, b) for a, b in zip(one, ref))
+        for narrow in (W // 2, W // 4):  # a narrow first pass (kept, or followed by the full beams): the same tree
+            for c in (cond, torch.log_softmax(0.05 * cond, -1)):  # peaked, and flat (wide levels: redone)
+                want = kr.select_tree_ref(tok, root, *kr.beam_levels_ref(c, W), nodes)
+                for w in (1, 4):
+                    kr.launch_tree(tok, root, c, W, nodes, one, num_warps=w, narrow=narrow)
+                    assert all(torch.equal(a, b) for a, b in zip(one, want)), (nodes, narrow, w)
         t, p, d, anc = ref
         for trial in range(8):  # target outputs that accept 0..7 levels down a random path
             am = torch.randint(0, 500, (M,), generator=g).to(device)
