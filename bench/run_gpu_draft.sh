@@ -16,7 +16,7 @@ fi
 if [ "${LANE:-1}" != 0 ]; then
   echo "== GPU lane: head_topk, the selections, the resident loop's kernels"
   within "${LT:-150}" python3 -m pytest -q -m cuda tests/gpu/test_gpu_head_level.py \
-    "tests/gpu/test_gpu_resident.py::test_resident_kernels_equal_their_references" -p no:cacheprovider > "$OUT/lane.log" 2>&1
+    "tests/gpu/test_gpu_resident.py::test_resident_kernels_equal_their_references" -k "${LANE_K:-}" -p no:cacheprovider > "$OUT/lane.log" 2>&1
   tail -2 "$OUT/lane.log"; grep -e "^FAILED" -e "^ERROR" "$OUT/lane.log" | head -20
 fi
 PHASES=${PHASES:-bench profile} bash bench/run_gpu_block.sh "$OUT"

@@ -35,7 +35,10 @@ except ImportError:  # pragma: no cover - CPU builds
 # warps of the one-program tree kernel (beams + selection): each level is a top-W of W x K keys that
 # waits on the last, so fewer warps means fewer barriers a level (bench/gpu_draft_kernels.py)
 TREE_WARPS = 4
-TREE_NARROW = 0  # the narrow first pass's beam width (launch_tree; 0: off)
+# the narrow first pass's beam: width // TREE_NARROW (launch_tree; 0: off). At the bundled block drafter's
+# lattice (16 x 16, N = 32) a width-16 pass is kept on 94% of the trees and the tree takes ~15 us against
+# ~40 (one H100, bench/gpu_draft_kernels.py, bench/NOTES.md)
+TREE_NARROW = 2
 
 # ---- the best-first tree's pieces (tandem.drafting.device_tree composes them) -----------------
 def score_keys(score: torch.Tensor) -> torch.Tensor:
@@ -238,15 +241,17 @@ def tree_fused(tok: torch.Tensor, root: torch.Tensor, cond: torch.Tensor, width:
 
 
 def launch_tree(tok, root, cond, width: int, nodes: int, out: tuple[torch.Tensor, ...],
-                num_warps: int = TREE_WARPS, narrow: int = TREE_NARROW) -> None:
-    """The one-program tree (tree_fused). narrow (a power of two below width, 0: off): the width of a
-    first pass, kept where its tree holds fewer than `narrow` nodes at every level, exactly the tree
-    of the full beams then (_tree_kernel)."""
+                num_warps: int = TREE_WARPS, narrow: int | None = None) -> None:
+    """The one-program tree (tree_fused). narrow (a power of two below width; None: width // TREE_NARROW,
+    0: off): the width of a first pass, kept where its tree holds fewer than `narrow` nodes at every
+    level, exactly the tree of the full beams then (_tree_kernel)."""
     B, K, _ = cond.shape
     cond = cond.float().contiguous()
     scores, cands, pslots = _beam_buffers(B, width, cond.device)
     ids = torch.empty(B * width, dtype=torch.long, device=cond.device)
     t, p, d, anc = out
+    if narrow is None:
+        narrow = width // TREE_NARROW if TREE_NARROW else 0
     narrow = narrow if 0 < narrow < width and narrow & (narrow - 1) == 0 and narrow * K >= 16 and B * narrow >= nodes \
         else 0
     _tree_kernel[(1,)](cond, scores, cands, pslots, tok, root, t, p, d, anc, ids, B=B, W=width, K=K, BP=pow2(B),
