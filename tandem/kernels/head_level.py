@@ -34,6 +34,9 @@ except ImportError:  # pragma: no cover - CPU builds
     triton = None
 
 BLOCK_V = 128  # vocabulary entries per program of head_topk
+# ... where K >= 16 (the block drafter's lattice: 16 rows, top 16): half the blocks, so half the merge's
+# [rows, blocks x K] keys to sweep K times; 22.0 us against 26.6 at 128 (one H100, bench/gpu_draft_kernels.py)
+BLOCK_V_WIDE_K = 256
 BLOCK_K = 128  # hidden columns per step of its product (bench/gpu_small_kernels.py: 11.8 us at 8 warps, 13.4
 #                 at 64 columns and 4 warps, one H100, the bundled head)
 TOPK_WARPS = 8
@@ -145,12 +148,13 @@ def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up):
                                          GATE_UP_WARPS if few else None)
 
 
-def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int = BLOCK_V, bk: int = BLOCK_K,
+def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int | None = None, bk: int = BLOCK_K,
                      num_warps: int = TOPK_WARPS, glue: LevelGlue | None = None, bitonic: bool = False):
     # bitonic: each block's and the merge's top K by tl.topk where K is a power of two, else K max sweeps
     # (the sweeps: at the block lattice's 16 rows, top 16, tl.topk took 47 us against 29 on an H100)
     R, H = r.shape
     V = lm_w.shape[0]
+    bv = bv or (BLOCK_V_WIDE_K if k >= 16 else BLOCK_V)
     assert r.stride(-1) == 1 and delta.stride(-1) == 1 and lm_w.is_contiguous() and k <= bv
     dev = r.device
     nb = triton.cdiv(V, bv)
