@@ -151,7 +151,7 @@ def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up):
 def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int | None = None, bk: int = BLOCK_K,
                      num_warps: int = TOPK_WARPS, glue: LevelGlue | None = None, bitonic: bool = False):
     # bitonic: each block's and the merge's top K by tl.topk where K is a power of two, else K max sweeps
-    # (the sweeps: at the block lattice's 16 rows, top 16, tl.topk took 47 us against 29 on an H100)
+    # (the sweeps: at the block lattice's 16 rows, top 16, tl.topk took 42-78 us against 22-27, one H100)
     R, H = r.shape
     V = lm_w.shape[0]
     bv = bv or (BLOCK_V_WIDE_K if k >= 16 else BLOCK_V)

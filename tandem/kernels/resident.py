@@ -32,12 +32,12 @@ try:  # Triton ships with CUDA builds of PyTorch only
 except ImportError:  # pragma: no cover - CPU builds
     triton = None
 
-# warps of the one-program tree kernel (beams + selection): each level is a top-W of W x K keys that
-# waits on the last, so fewer warps means fewer barriers a level (bench/gpu_draft_kernels.py)
+# warps of the one-program tree kernel (beams + selection), whose levels run in sequence: at the bundled block
+# drafter's lattice 4 and 8 warps take the same time, 2 half as long again (one H100, bench/gpu_draft_kernels.py)
 TREE_WARPS = 4
 # the narrow first pass's beam: width // TREE_NARROW (launch_tree; 0: off). At the bundled block drafter's
-# lattice (16 x 16, N = 32) a width-16 pass is kept on 94% of the trees and the tree takes ~15 us against
-# ~40 (one H100, bench/gpu_draft_kernels.py, bench/NOTES.md)
+# lattice (16 x 16, N = 32) a width-16 pass is kept on 94% of the trees and the tree takes 15.7 us against
+# 23.6 (in a CUDA graph, one H100, bench/gpu_draft_kernels.py, bench/NOTES.md)
 TREE_NARROW = 2
 
 # ---- the best-first tree's pieces (tandem.drafting.device_tree composes them) -----------------
