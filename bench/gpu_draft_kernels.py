@@ -5,7 +5,7 @@ each call is seen): the input rows' tokens and features, the rows head_topk read
 over. Each variant is timed inside a CUDA graph of back-to-back calls cycling over the recorded inputs
 (bench/gpu_timing.graph_ms: the GPU's own time, as in the draft graph) and its output checked against the default's
 (tokens and trees exactly; head_topk's log-probs to 1e-5, the block input rows to a bf16 rounding).
-    python bench/gpu_draft_kernels.py --data-dir .data [--num-prompts 4] [--out $OUT]   (rows also in $OUT/draft_kernels.jsonl)
+    python bench/gpu_draft_kernels.py --data-dir .data [--num-prompts 4] [--out $OUT]   (rows: $OUT/draft_kernels.jsonl)
 """
 from __future__ import annotations
 
