@@ -101,10 +101,8 @@ def bench_tree(calls, rows):
     for narrow in (16, 8):  # how often the narrow pass's tree is kept (no level holds `narrow` of its nodes)
         kept = 0
         for tok, cond, root, n in calls:
-            d = kr.select_tree_ref(tok, root, *kr.beam_levels_ref(cond.float(), narrow, n), n)[2][1:]
-            per_level = torch.bincount(d - 1, minlength=cond.shape[0])
-            per_level[0] = 0 if cond.shape[1] <= narrow else per_level[0]
-            kept += int(not bool((per_level >= narrow).any()))
+            d = kr.select_tree_ref(tok, root, *kr.beam_levels_ref(cond.float(), narrow, n), n)[2]
+            kept += int(kr.narrow_tree_kept(d, narrow, cond.shape[0], cond.shape[1]))
         rows.append({"kernel": f"tree: narrow={narrow} pass kept (share of the recorded lattices)", "variant": "",
                      "us": round(kept / len(calls), 3)})
     fns = [partial(kr.launch_beam_levels, cond, 32, n) for tok, cond, root, n in calls]

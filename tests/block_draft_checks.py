@@ -112,10 +112,8 @@ def check_beam_levels() -> None:
                 res.launch_tree(tok, root, cond, W, n, got, narrow=narrow)
                 for name, a, b in zip(("tokens", "parents", "depth", "ancestors"), got, full):
                     assert torch.equal(a, b), (cond.shape, W, n, narrow, name)
-                d = res.select_tree_ref(tok, root, *res.beam_levels_ref(cond, narrow, n), n)[2][1:]
-                per_level = torch.bincount(d - 1, minlength=cond.shape[0])
-                per_level[0] = per_level[0] if cond.shape[1] > narrow else 0
-                redone.add(bool((per_level >= narrow).any()))
+                d = res.select_tree_ref(tok, root, *res.beam_levels_ref(cond, narrow, n), n)[2]
+                redone.add(not res.narrow_tree_kept(d, narrow, cond.shape[0], cond.shape[1]))
         if W == 1:  # the chain's tokens in one launch: the greedy path of the lattice
             out = torch.zeros(cond.shape[0] + 1, dtype=torch.long)
             k = cond.shape[0] - 2

@@ -40,6 +40,33 @@ def test_device_tree_is_the_host_best_first_tree(nodes):
         assert token_paths(t, p) == token_paths(want.tokens, want.parents)
 
 
+def test_a_kept_narrow_tree_is_the_full_beams_tree():
+    """The narrow first pass's rule (kernels.resident.narrow_tree_kept, what _tree_kernel decides on): over
+    random lattices from flat to peaked, every narrow tree the rule keeps equals the full beams' tree, and
+    the rule does reject narrow trees that differ (so it is needed), as well as keeping most peaked ones."""
+    kept = differ = 0
+    for seed in range(60):
+        g = torch.Generator().manual_seed(seed)
+        B, K = (16, 16) if seed % 3 else (6, 4)
+        sharp = [0.05, 0.5, 2.0, 4.0][seed % 4]
+        cond = torch.log_softmax(sharp * torch.randn(B, K, K, generator=g), -1)
+        tok = torch.stack([torch.randperm(500, generator=g)[:K] for _ in range(B)])
+        root = torch.tensor([3])
+        for nodes in (7, 20, 32):
+            width = 1 << (nodes - 1).bit_length()
+            full = kr.select_tree_ref(tok, root, *kr.beam_levels_ref(cond, width, nodes), nodes)
+            for narrow in (width // 2, width // 4):
+                if narrow < 1 or B * narrow < nodes:
+                    continue
+                tree = kr.select_tree_ref(tok, root, *kr.beam_levels_ref(cond, narrow, nodes), nodes)
+                same = all(torch.equal(a, b) for a, b in zip(tree, full))
+                if kr.narrow_tree_kept(tree[2], narrow, B, K):
+                    kept += 1
+                    assert same, (seed, nodes, narrow)
+                differ += not same
+    assert kept >= 100 and differ >= 5, (kept, differ)
+
+
 def test_device_chain_is_the_host_greedy_chain():
     for seed in range(6):
         tok, cond, lat = _random_lattice(seed)

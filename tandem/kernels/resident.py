@@ -240,6 +240,17 @@ def tree_fused(tok: torch.Tensor, root: torch.Tensor, cond: torch.Tensor, width:
     return True
 
 
+def narrow_tree_kept(depth: torch.Tensor, narrow: int, levels: int, k: int) -> bool:
+    """Whether the tree built from beams of width `narrow` is kept (_tree_kernel's rule): no level holds
+    `narrow` of its nodes (depth [M], the root's 0 first), level 0 exempt when its k children fit the beam.
+    Then it is the full beams' tree: each level's worst narrow-beam entry is outside it, and every node
+    the narrow beams dropped scores no higher than that entry (or than an ancestor that was dropped)."""
+    per_level = torch.bincount(depth[1:] - 1, minlength=levels)
+    if k <= narrow:
+        per_level[0] = 0
+    return not bool((per_level >= narrow).any())
+
+
 def launch_tree(tok, root, cond, width: int, nodes: int, out: tuple[torch.Tensor, ...],
                 num_warps: int = TREE_WARPS, narrow: int | None = None) -> None:
     """The one-program tree (tree_fused). narrow (a power of two below width; None: width // TREE_NARROW,
