@@ -25,7 +25,7 @@ import torch
 
 from tandem.kernels import fused_layer
 from tandem.kernels.fused import embed_norms_ref, pdl, pow2, rmsnorm_ref, triton_enabled
-from tandem.kernels.resident import ancestors, key_index, level_step, score_keys, topk_logprobs
+from tandem.kernels.resident import _tree_block, ancestors, key_index, level_step, score_keys, topk_logprobs
 
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
@@ -233,7 +233,7 @@ def launch_head_select(lp, tok, par, root, width, max_depth, n, out) -> None:
     tp = pow2(total)
     ids = torch.empty(total, dtype=torch.long, device=lp.device)
     _head_select_kernel[(1,)](lp, tok, par, root, t, p, d, anc, ids, total, W=width, N=n, NP=pow2(n),
-                              MP=max(16, pow2(n + 1)), TP=tp, MAXD=max_depth, num_warps=4, **pdl(lp))
+                              MP=_tree_block(n), TP=tp, MAXD=max_depth, num_warps=4, **pdl(lp))
 
 
 # ---- Triton ---------------------------------------------------------------------------------

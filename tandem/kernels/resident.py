@@ -20,8 +20,6 @@ against them.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tandem.kernels.fused import pdl, pow2, triton_enabled
@@ -88,12 +86,15 @@ def beam_levels_ref(cond: torch.Tensor, width: int, nodes: int = 0) -> tuple[tor
     return scores, cands, pslots
 
 
-def _beams_fit(cond: torch.Tensor, width: int) -> bool:
-    """Whether the one-program beam kernels (_beam_body) take a lattice cond [B, K, K] at this width:
-    on CUDA, W and K powers of two, W * K >= 16 (TANDEM_TRITON=0: never)."""
-    K = cond.shape[1]
-    return (triton is not None and cond.is_cuda and os.environ.get("TANDEM_TRITON", "1") != "0"
-            and width & (width - 1) == 0 and K & (K - 1) == 0 and width * K >= 16)
+def _beams_fit(width: int, k: int) -> bool:
+    """Whether the one-program beam kernels (_beam_body) take beams of this width over k candidates a
+    position: both powers of two, width * k >= 16 (the dispatchers also ask triton_enabled)."""
+    return width & (width - 1) == 0 and k & (k - 1) == 0 and width * k >= 16
+
+
+def _tree_block(nodes: int) -> int:
+    """The row block of a tree of nodes + 1 rows in _finish_tree (its ancestor closure by tl.dot: >= 16)."""
+    return max(16, pow2(nodes + 1))
 
 
 def _beam_buffers(levels: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,7 +105,7 @@ def _beam_buffers(levels: int, width: int, device) -> tuple[torch.Tensor, torch.
 
 def beam_levels(cond: torch.Tensor, width: int, nodes: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """beam_levels_ref, as one Triton program on CUDA (TANDEM_TRITON=0: the reference)."""
-    if not _beams_fit(cond, width):
+    if not (triton_enabled(cond) and _beams_fit(width, cond.shape[1])):
         return beam_levels_ref(cond, width, nodes)
     return launch_beam_levels(cond, width, nodes)
 
@@ -225,7 +226,7 @@ def select_tree_fused(tok, root, scores, cands, pslots, nodes: int, out: tuple[t
     ids = torch.empty(B * W, dtype=torch.long, device=dev)
     t, p, d, anc = out
     _select_kernel[(1,)](scores, cands, pslots, tok, root, t, p, d, anc, ids, B * W, W=W,
-                         K=tok.shape[1], N=nodes, NP=pow2(nodes), MP=max(16, pow2(nodes + 1)), BWP=pow2(B * W), MAXD=B,
+                         K=tok.shape[1], N=nodes, NP=pow2(nodes), MP=_tree_block(nodes), BWP=pow2(B * W), MAXD=B,
                        **pdl(scores))
 
 
@@ -234,7 +235,7 @@ def tree_fused(tok: torch.Tensor, root: torch.Tensor, cond: torch.Tensor, width:
     """The level beams (stopping early) and the selection in one launch on CUDA, written into `out` =
     (tokens, parents, depth, ancestors); False (nothing done) where the one-program kernels do not take
     the shapes (the caller then runs beam_levels and select_tree_fused)."""
-    if not (triton_enabled(cond) and _beams_fit(cond, width)):
+    if not (triton_enabled(cond) and _beams_fit(width, cond.shape[1])):
         return False
     launch_tree(tok, root, cond, width, nodes, out)
     return True
@@ -263,10 +264,9 @@ def launch_tree(tok, root, cond, width: int, nodes: int, out: tuple[torch.Tensor
     t, p, d, anc = out
     if narrow is None:
         narrow = width // TREE_NARROW if TREE_NARROW else 0
-    narrow = narrow if 0 < narrow < width and narrow & (narrow - 1) == 0 and narrow * K >= 16 and B * narrow >= nodes \
-        else 0
+    narrow = narrow if 0 < narrow < width and _beams_fit(narrow, K) and B * narrow >= nodes else 0
     _tree_kernel[(1,)](cond, scores, cands, pslots, tok, root, t, p, d, anc, ids, B=B, W=width, K=K, BP=pow2(B),
-                       N=nodes, NP=pow2(nodes), MP=max(16, pow2(nodes + 1)), BWP=pow2(B * width), NARROW=narrow,
+                       N=nodes, NP=pow2(nodes), MP=_tree_block(nodes), BWP=pow2(B * width), NARROW=narrow,
                        NBWP=pow2(B * narrow) if narrow else 1,
                        num_warps=num_warps, **pdl(cond))
 
@@ -274,7 +274,7 @@ def launch_tree(tok, root, cond, width: int, nodes: int, out: tuple[torch.Tensor
 def chain_fused(tok: torch.Tensor, root: torch.Tensor, cond: torch.Tensor, k: int, out: torch.Tensor) -> bool:
     """The greedy path's tokens [k + 1] (root first) written into `out`, in one launch on CUDA; False
     (nothing done) where the one-program kernel does not take the shapes."""
-    if not (triton_enabled(cond) and _beams_fit(cond, 1) and tok.is_contiguous()):
+    if not (triton_enabled(cond) and _beams_fit(1, cond.shape[1]) and tok.is_contiguous()):
         return False
     c = cond[:k].float().contiguous()
     _chain_kernel[(1,)](c, *_beam_buffers(k, 1, c.device), tok, root, out, B=k, K=cond.shape[1], BP=pow2(k), **pdl(c))
