@@ -42,10 +42,12 @@ def check_norm_qkv() -> None:
                                                   caches[1][0], caches[1][1], slots)
         feats = torch.zeros(M, 3 * K)  # the residual written into a strided slice (a target-feature buffer)
         s_out = feats[:, K:2 * K] if M != 5 else None
-        for bk, cb in ((32, 16), (256, 32)):  # a loop of steps over K, one step; two programs a head, one
+        # a loop of steps over K, one step; two programs a head, one; the first weight step before or after
+        # the PDL wait
+        for bk, cb, pre in ((32, 16, True), (256, 32, False)):
             kv = caches[0].clone()
             s, q = fl.launch_norm_qkv(x.clone(), d, ln_w, 1e-5, w, b, pos, inv, n_q, n_kv, kv[0], kv[1], slots,
-                                      s_out, bk=bk, cb=cb)
+                                      s_out, bk=bk, cb=cb, pre=pre)
             _close("residual", s, s_ref)
             if s_out is not None:
                 assert s.data_ptr() == s_out.data_ptr() and not feats[:, :K].any() and not feats[:, 2 * K:].any()
@@ -80,8 +82,8 @@ def check_norm_gate_up() -> None:
         ln_w = 1 + 0.1 * torch.randn(K, generator=g)
         w = torch.randn(2 * inter, K, generator=g) / K ** 0.5
         s_ref, a_ref = fl.norm_gate_up_silu_ref(x, d, ln_w, 1e-5, w)
-        for bk in (32, 256):
-            s, a = fl.launch_norm_gate_up(x, d, ln_w, 1e-5, w, bk=bk)
+        for bk, pre in ((32, True), (256, False)):  # (pre: the first weight step before or after the PDL wait)
+            s, a = fl.launch_norm_gate_up(x, d, ln_w, 1e-5, w, bk=bk, pre=pre)
             _close("residual", s, s_ref)
             _close("silu(gate) * up", a, a_ref)
     print("norm_gate_up_silu: ok")
@@ -94,8 +96,8 @@ def check_linear() -> None:
     for M, K, N in ((1, 96, 80), (17, 160, 48), (40, 1024, 384)):
         x = torch.randn(M + 3, K, generator=g)[3:]
         w = torch.randn(N, K, generator=g) / K ** 0.5
-        for bk, bn in ((32, 16), (256, 64)):
-            _close(f"linear {M}x{K}x{N}", fl.launch_linear(x, w, bk=bk, bn=bn), F.linear(x, w))
+        for bk, bn, pre in ((32, 16, True), (256, 64, False)):
+            _close(f"linear {M}x{K}x{N}", fl.launch_linear(x, w, bk=bk, bn=bn, pre=pre), F.linear(x, w))
     print("linear: ok")
 
 

@@ -34,8 +34,8 @@ def check_head_topk() -> None:
         nw = 1 + 0.1 * torch.randn(H, generator=g)
         lm = torch.randn(V, H, generator=g) * 2 / H ** 0.5
         out_ref, lp_ref, tok_ref = hl.head_topk_ref(r, d, nw, 1e-5, lm, k)
-        for _ in range(2):
-            out, lp, tok, _ = hl.launch_head_topk(r, d, nw, 1e-5, lm, k, counter, bv=bv, bk=bk)
+        for pre in (True, False):  # (the first weight step before or after the PDL wait; twice: a replay)
+            out, lp, tok, _ = hl.launch_head_topk(r, d, nw, 1e-5, lm, k, counter, bv=bv, bk=bk, pre=pre)
             assert torch.equal(out, out_ref), (R, H, V)
             assert torch.equal(tok, tok_ref), (R, H, V, k, tok, tok_ref)
             _close(f"log-probs {R}x{H}x{V}", lp, lp_ref)

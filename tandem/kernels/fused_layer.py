@@ -111,6 +111,12 @@ GATE_UP_BK, GATE_UP_WARPS = 128, 4
 LINEAR_BK, LINEAR_BN, LINEAR_WARPS = 256, 16, 2  # best summed over o_proj and down_proj at 1-33 rows (H100)
 
 
+def preload(pre: bool | None = None) -> bool:
+    """Whether the kernels load their first weight step before the PDL wait (see `_norm_qkv_kernel`);
+    TANDEM_PRELOAD=0 turns it off (the A/B switch), `pre` overrides both."""
+    return pre if pre is not None else os.environ.get("TANDEM_PRELOAD", "1") != "0"
+
+
 def _bk(K: int, bk: int) -> int:
     return min(bk, triton.next_power_of_2(K))
 
@@ -139,15 +145,16 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return launch_linear(x, w)
 
 
-def launch_linear(x, w, bk: int | None = None, bn: int | None = None, num_warps: int | None = None):
-    """The kernel of `linear`, unconditionally; bk, bn, num_warps: the launch shape."""
+def launch_linear(x, w, bk: int | None = None, bn: int | None = None, num_warps: int | None = None,
+                  pre: bool | None = None):
+    """The kernel of `linear`, unconditionally; bk, bn, num_warps: the launch shape; pre: `preload`'s."""
     M, K = x.shape
     N = w.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     BN = bn or LINEAR_BN
     _linear_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BLOCK_M))](
         x, w, out, M, N, K, x.stride(0), BM=BLOCK_M, BK=_bk(K, bk or LINEAR_BK), BN=BN, IEEE=x.dtype == torch.float32,
-        num_warps=num_warps or LINEAR_WARPS, **pdl(x))
+        PRE=preload(pre), num_warps=num_warps or LINEAR_WARPS, **pdl(x))
     return out
 
 
@@ -160,9 +167,10 @@ def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up, bn: int | None = None, num
 
 
 def launch_norm_qkv(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots,
-                    s_out=None, bk: int | None = None, num_warps: int | None = None, cb: int | None = None):
+                    s_out=None, bk: int | None = None, num_warps: int | None = None, cb: int | None = None,
+                    pre: bool | None = None):
     """The kernel of norm_qkv_rope_store, unconditionally (the interpreter checks call it on the CPU);
-    bk, num_warps, cb: the launch shape (default QKV_BK, QKV_WARPS, QKV_CB)."""
+    bk, num_warps, cb: the launch shape (default QKV_BK, QKV_WARPS, QKV_CB); pre: `preload`'s."""
     M, K = x.shape
     heads = n_q + 2 * n_kv
     D = w_qkv.shape[0] // heads
@@ -181,13 +189,13 @@ def launch_norm_qkv(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q,
         s, q, k_cache, v_cache, M, K, eps, x.stride(0), d.stride(0), s.stride(0), cache_h, cache_s, N_Q=n_q,
         N_KV=n_kv, HALF=D // 2, HAS_DELTA=delta is not None, STORE_S=store_s, NORM=ln_w is not None,
         HAS_BIAS=b_qkv is not None, BM=BLOCK_M, BK=_bk(K, bk or QKV_BK), CB=CB, IEEE=x.dtype == torch.float32,
-        num_warps=num_warps or QKV_WARPS, **pdl(x))
+        PRE=preload(pre), num_warps=num_warps or QKV_WARPS, **pdl(x))
     return s, q
 
 
 def launch_norm_gate_up(x, delta, ln_w, eps, w_gate_up, bk: int | None = None, bn: int | None = None,
-                        num_warps: int | None = None):
-    """The kernel of norm_gate_up_silu, unconditionally; bk, bn, num_warps: the launch shape."""
+                        num_warps: int | None = None, pre: bool | None = None):
+    """The kernel of norm_gate_up_silu, unconditionally; bk, bn, num_warps: the launch shape; pre: `preload`'s."""
     M, K = x.shape
     inter = w_gate_up.shape[0] // 2
     s = torch.empty(M, K, dtype=x.dtype, device=x.device) if delta is not None else x
@@ -197,7 +205,7 @@ def launch_norm_gate_up(x, delta, ln_w, eps, w_gate_up, bk: int | None = None, b
     _norm_gate_up_kernel[(triton.cdiv(inter, BN), triton.cdiv(M, BLOCK_M))](
         x, d, ln_w, w_gate_up, s, out, M, K, inter, eps, x.stride(0), d.stride(0), s.stride(0),
         HAS_DELTA=delta is not None, BM=BLOCK_M, BK=_bk(K, bk or GATE_UP_BK), BN=BN, IEEE=x.dtype == torch.float32,
-        num_warps=num_warps or GATE_UP_WARPS, **pdl(x))
+        PRE=preload(pre), num_warps=num_warps or GATE_UP_WARPS, **pdl(x))
     return s, out
 
 
@@ -239,24 +247,38 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
+    def _w_tile(w_ptr, n, nm, k0, K, BK: tl.constexpr):
+        # [BK, n] of a weight [N, K]: columns k0 .. k0 + BK of weight rows n (nm: the rows in range)
+        kk = k0 + tl.arange(0, BK)
+        return tl.load(w_ptr + n[None, :] * K + kk[:, None], mask=(kk < K)[:, None] & nm[None, :], other=0.0)
+
+    @triton.jit
     def _norm_qkv_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, b_ptr, pos_ptr, slot_ptr, inv_ptr, s_ptr, q_ptr, k_ptr, v_ptr,
                          M, K, eps, sx, sd, ss, cache_h, cache_s, N_Q: tl.constexpr, N_KV: tl.constexpr,
                          HALF: tl.constexpr, HAS_DELTA: tl.constexpr, STORE_S: tl.constexpr, NORM: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, CB: tl.constexpr,
-                         IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                         IEEE: tl.constexpr, PRE: tl.constexpr = False, PDL: tl.constexpr = False):
         # grid (heads x HALF / CB, row blocks): program (head, cb) computes columns [cb CB, cb CB + CB)
         # of the head's two rotary halves for BM rows (each column's RoPE partner is in the same program)
-        _pdl_enter(PDL)
         pid = tl.program_id(0)
         head = pid // (HALF // CB)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
         rm = rows < M
+        i = (pid % (HALF // CB)) * CB + tl.arange(0, CB)  # columns of the first half; i + HALF their partners
+        n1 = head * 2 * HALF + i  # weight rows
+        # PRE: the loop's first weight step loads before the PDL wait. No kernel writes the weights, so
+        # their read overlaps the kernel before this one (its tail, the wait's release) instead of
+        # following it; what the wait guards (the rows, the caches) is read after it
+        if not PRE:
+            _pdl_enter(PDL)
+        w1 = _w_tile(w_ptr, n1, n1 >= 0, 0, K, BK)  # [BK, CB]
+        w2 = _w_tile(w_ptr, n1 + HALF, n1 >= 0, 0, K, BK)
+        if PRE:
+            _pdl_enter(PDL)
         if NORM:
             rstd = _rstd(x_ptr, d_ptr, rows, rm, K, eps, sx, sd, HAS_DELTA, BM, BK)
         else:
             rstd = tl.zeros([BM], tl.float32)
-        i = (pid % (HALF // CB)) * CB + tl.arange(0, CB)  # columns of the first half; i + HALF their partners
-        n1 = head * 2 * HALF + i  # weight rows
         acc1 = tl.zeros([BM, CB], tl.float32)
         acc2 = tl.zeros([BM, CB], tl.float32)
         for k0 in range(0, K, BK):
@@ -269,8 +291,9 @@ if triton is not None:
                 h = _normed(v, rstd, lw_ptr, kk, km)
             else:
                 h = v
-            w1 = tl.load(w_ptr + n1[None, :] * K + kk[:, None], mask=km[:, None], other=0.0)  # [BK, CB]
-            w2 = tl.load(w_ptr + (n1 + HALF)[None, :] * K + kk[:, None], mask=km[:, None], other=0.0)
+            if k0 > 0:  # (the first step's were loaded above)
+                w1 = _w_tile(w_ptr, n1, n1 >= 0, k0, K, BK)
+                w2 = _w_tile(w_ptr, n1 + HALF, n1 >= 0, k0, K, BK)
             acc1 = acc1 + _mm(h, w1, IEEE)
             acc2 = acc2 + _mm(h, w2, IEEE)
         if HAS_BIAS:
@@ -312,15 +335,20 @@ if triton is not None:
     @triton.jit
     def _norm_gate_up_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, s_ptr, out_ptr, M, K, I, eps, sx, sd, ss,
                              HAS_DELTA: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                             IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                             IEEE: tl.constexpr, PRE: tl.constexpr = False, PDL: tl.constexpr = False):
         # grid (column blocks, row blocks): gate columns [pn BN, pn BN + BN) and the same up columns
-        _pdl_enter(PDL)
         pn = tl.program_id(0)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
         rm = rows < M
-        rstd = _rstd(x_ptr, d_ptr, rows, rm, K, eps, sx, sd, HAS_DELTA, BM, BK)
         cols = pn * BN + tl.arange(0, BN)
         cm = cols < I
+        if not PRE:  # (PRE: as in _norm_qkv_kernel)
+            _pdl_enter(PDL)
+        wg = _w_tile(w_ptr, cols, cm, 0, K, BK)  # [BK, BN]
+        wu = _w_tile(w_ptr, I + cols, cm, 0, K, BK)
+        if PRE:
+            _pdl_enter(PDL)
+        rstd = _rstd(x_ptr, d_ptr, rows, rm, K, eps, sx, sd, HAS_DELTA, BM, BK)
         accg = tl.zeros([BM, BN], tl.float32)
         accu = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, K, BK):
@@ -330,9 +358,9 @@ if triton is not None:
             if HAS_DELTA:
                 tl.store(s_ptr + rows[:, None] * ss + kk[None, :], v, mask=rm[:, None] & km[None, :] & (pn == 0))
             h = _normed(v, rstd, lw_ptr, kk, km)
-            wm = km[:, None] & cm[None, :]
-            wg = tl.load(w_ptr + cols[None, :] * K + kk[:, None], mask=wm, other=0.0)  # [BK, BN]
-            wu = tl.load(w_ptr + (I + cols)[None, :] * K + kk[:, None], mask=wm, other=0.0)
+            if k0 > 0:  # (the first step's were loaded above)
+                wg = _w_tile(w_ptr, cols, cm, k0, K, BK)
+                wu = _w_tile(w_ptr, I + cols, cm, k0, K, BK)
             accg = accg + _mm(h, wg, IEEE)
             accu = accu + _mm(h, wu, IEEE)
         dt = x_ptr.dtype.element_ty
@@ -343,19 +371,24 @@ if triton is not None:
 
     @triton.jit
     def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sx, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                       IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                       IEEE: tl.constexpr, PRE: tl.constexpr = False, PDL: tl.constexpr = False):
         # grid (column blocks, row blocks): out[rows, cols] = x[rows] @ w[cols].T, rounded once
-        _pdl_enter(PDL)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         rm = rows < M
         cm = cols < N
+        if not PRE:  # (PRE: as in _norm_qkv_kernel)
+            _pdl_enter(PDL)
+        b = _w_tile(w_ptr, cols, cm, 0, K, BK)  # [BK, BN]
+        if PRE:
+            _pdl_enter(PDL)
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             km = kk < K
             a = tl.load(x_ptr + rows[:, None] * sx + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            b = tl.load(w_ptr + cols[None, :] * K + kk[:, None], mask=km[:, None] & cm[None, :], other=0.0)  # [BK, BN]
+            if k0 > 0:  # (the first step's were loaded above)
+                b = _w_tile(w_ptr, cols, cm, k0, K, BK)
             acc = acc + _mm(a, b, IEEE)
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(x_ptr.dtype.element_ty),
                  mask=rm[:, None] & cm[None, :])

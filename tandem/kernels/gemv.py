@@ -92,7 +92,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, launch: tuple[int, int, int] | None =
     BN, BK, warps = launch or LAUNCH["plain"]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, BN),)](x, x, x, w, x, out, N, K, 0.0, HAS_DELTA=False, NORM=False, SILU=False,
-                                        STORE=False, BN=BN, BK=_bk(K, BK), num_warps=warps, **pdl(x))
+                                        STORE=False, BN=BN, BK=_bk(K, BK), PRE=fused_layer.preload(), num_warps=warps, **pdl(x))
     return out
 
 
@@ -109,7 +109,7 @@ def norm_gemv(x, delta, ln_w, eps, w, launch: tuple[int, int, int] | None = None
     BN, BK, warps = launch or LAUNCH["plain"]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, BN),)](x, delta, ln_w, w, x, out, N, K, eps, HAS_DELTA=True, NORM=True, SILU=False,
-                                        STORE=False, BN=BN, BK=_bk(K, BK), num_warps=warps, **pdl(x))
+                                        STORE=False, BN=BN, BK=_bk(K, BK), PRE=fused_layer.preload(), num_warps=warps, **pdl(x))
     return out
 
 
@@ -124,7 +124,7 @@ def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up, launch: tuple[int, int, in
     out = torch.empty(1, inter, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(inter, BN),)](x, delta if delta is not None else x, ln_w, w_gate_up, s, out, inter, K,
                                             eps, HAS_DELTA=delta is not None, NORM=True, SILU=True,
-                                            STORE=delta is not None, BN=BN, BK=_bk(K, BK), num_warps=warps, **pdl(x))
+                                            STORE=delta is not None, BN=BN, BK=_bk(K, BK), PRE=fused_layer.preload(), num_warps=warps, **pdl(x))
     return s, out
 
 
@@ -151,7 +151,7 @@ def norm_qkv_rope_store(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, 
         x, delta if delta is not None else x, ln_w, w_qkv, b_qkv if b_qkv is not None else w_qkv, positions, slots,
         inv_freq, s, q, k_cache, v_cache, K, eps, cache_h, cache_s, N_Q=n_q, N_KV=n_kv, HALF=D // 2,
         HAS_DELTA=delta is not None, STORE_S=store_s, HAS_BIAS=b_qkv is not None, CB=CB, BK=_bk(K, BK),
-        num_warps=warps, **pdl(x))
+        PRE=fused_layer.preload(), num_warps=warps, **pdl(x))
     return s, q
 
 
@@ -176,11 +176,28 @@ if triton is not None:
         return v32, v32
 
     @triton.jit
+    def _w_chunk(w_ptr, r, m, kk):
+        # [BN, BK] of the weight: columns kk of the rows at offsets r (rows where m), read once
+        return tl.load(w_ptr + r[:, None] + kk[None, :], mask=m[:, None], other=0.0, eviction_policy="evict_first")
+
+    @triton.jit
     def _dots(x_ptr, d_ptr, lw_ptr, s_ptr, w_ptr, r1, r2, m, K, first, HAS_DELTA: tl.constexpr, NORM: tl.constexpr,
-              STORE: tl.constexpr, TWO: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+              STORE: tl.constexpr, TWO: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRE: tl.constexpr,
+              PDL: tl.constexpr):
         # the row's dot products [BN] with the weight rows at offsets r1 (and r2 where TWO; rows where m), and
         # the sum of squares of its x + delta. The accumulators [BN, BK] are reduced once after the loop, so
-        # the loop is loads and FMAs
+        # the loop is loads and FMAs. The PDL wait (_pdl_enter) is here: with PRE the first weight chunk loads
+        # before it (fused_layer's _norm_qkv_kernel says why)
+        if not PRE:
+            _pdl_enter(PDL)
+        kk = tl.arange(0, BK)
+        w1 = _w_chunk(w_ptr, r1, m, kk)
+        if TWO:
+            w2 = _w_chunk(w_ptr, r2, m, kk)
+        else:
+            w2 = w1
+        if PRE:
+            _pdl_enter(PDL)
         acc1 = tl.zeros([BN, BK], tl.float32)
         acc2 = tl.zeros([BN, BK], tl.float32)
         sq = tl.zeros([BK], tl.float32)
@@ -188,27 +205,27 @@ if triton is not None:
             kk = k0 + tl.arange(0, BK)
             h, v = _row_chunk(x_ptr, d_ptr, lw_ptr, s_ptr, kk, first, HAS_DELTA, NORM, STORE)
             sq += v * v
-            w = tl.load(w_ptr + r1[:, None] + kk[None, :], mask=m[:, None], other=0.0, eviction_policy="evict_first")
-            acc1 += w.to(tl.float32) * h[None, :]
+            if k0 > 0:  # (the first chunk's were loaded above)
+                w1 = _w_chunk(w_ptr, r1, m, kk)
+            acc1 += w1.to(tl.float32) * h[None, :]
             if TWO:
-                w = tl.load(w_ptr + r2[:, None] + kk[None, :], mask=m[:, None], other=0.0,
-                            eviction_policy="evict_first")
-                acc2 += w.to(tl.float32) * h[None, :]
+                if k0 > 0:
+                    w2 = _w_chunk(w_ptr, r2, m, kk)
+                acc2 += w2.to(tl.float32) * h[None, :]
         return tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(sq, axis=0)
 
     @triton.jit
     def _gemv_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, s_ptr, out_ptr, N, K, eps, HAS_DELTA: tl.constexpr,
                      NORM: tl.constexpr, SILU: tl.constexpr, STORE: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, PDL: tl.constexpr = False):
+                     BK: tl.constexpr, PRE: tl.constexpr = False, PDL: tl.constexpr = False):
         # grid (cdiv(N, BN),): output columns [pid BN, pid BN + BN) of one row. SILU: they are gate columns,
         # and the up columns are weight rows N + col (a gate/up weight [2 N, K])
-        _pdl_enter(PDL)
         pid = tl.program_id(0)
         cols = pid * BN + tl.arange(0, BN)
         cm = cols < N
         rows = cols.to(tl.int64) * K  # weight row offsets
         y, u, sq = _dots(x_ptr, d_ptr, lw_ptr, s_ptr, w_ptr, rows, rows + N * K, cm, K, pid == 0, HAS_DELTA, NORM,
-                         STORE, SILU, BN, BK)
+                         STORE, SILU, BN, BK, PRE, PDL)
         if NORM:  # the norm's 1 / rms is a scalar of the row: applied after the sum
             rstd = tl.rsqrt(sq / K + eps)
             y = y * rstd
@@ -223,16 +240,15 @@ if triton is not None:
     def _qkv_gemv_kernel(x_ptr, d_ptr, lw_ptr, w_ptr, b_ptr, pos_ptr, slot_ptr, inv_ptr, s_ptr, q_ptr, k_ptr, v_ptr,
                          K, eps, cache_h, cache_s, N_Q: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
                          HAS_DELTA: tl.constexpr, STORE_S: tl.constexpr, HAS_BIAS: tl.constexpr, CB: tl.constexpr,
-                         BK: tl.constexpr, PDL: tl.constexpr = False):
+                         BK: tl.constexpr, PRE: tl.constexpr = False, PDL: tl.constexpr = False):
         # grid (heads x HALF / CB,): program (head, cb) computes columns [cb CB, cb CB + CB) of the head's
         # two rotary halves (each column's RoPE partner in the same program), then rotates and stores them
-        _pdl_enter(PDL)
         pid = tl.program_id(0)
         head = pid // (HALF // CB)
         i = (pid % (HALF // CB)) * CB + tl.arange(0, CB)  # columns of the first half; i + HALF their partners
         r1 = (head * 2 * HALF + i).to(tl.int64) * K
         y1, y2, sq = _dots(x_ptr, d_ptr, lw_ptr, s_ptr, w_ptr, r1, r1 + HALF * K, i < HALF, K, pid == 0, HAS_DELTA,
-                           True, STORE_S, True, CB, BK)
+                           True, STORE_S, True, CB, BK, PRE, PDL)
         rstd = tl.rsqrt(sq / K + eps)
         a1 = (y1 * rstd)[None, :]  # [1, CB]: _qkv_store's [rows, CB] with one row
         a2 = (y2 * rstd)[None, :]

@@ -149,9 +149,11 @@ def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up):
 
 
 def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int | None = None, bk: int = BLOCK_K,
-                     num_warps: int = TOPK_WARPS, glue: LevelGlue | None = None, bitonic: bool = False):
+                     num_warps: int = TOPK_WARPS, glue: LevelGlue | None = None, bitonic: bool = False,
+                     pre: bool | None = None):
     # bitonic: each block's and the merge's top K by tl.topk where K is a power of two, else K max sweeps
-    # (the sweeps: at the block lattice's 16 rows, top 16, tl.topk took 42-78 us against 22-27, one H100)
+    # (the sweeps: at the block lattice's 16 rows, top 16, tl.topk took 42-78 us against 22-27, one H100);
+    # pre: fused_layer.preload's
     R, H = r.shape
     V = lm_w.shape[0]
     bv = bv or (BLOCK_V_WIDE_K if k >= 16 else BLOCK_V)
@@ -181,7 +183,7 @@ def launch_head_topk(r, delta, norm_w, eps, lm_w, k, counter=None, bv: int | Non
     _head_topk_kernel[(nb,)](r, delta, norm_w, lm_w, out, pkey, pstat, counter, tok, lp, R, H, V, r.stride(0),
                              delta.stride(0), eps, *g, K=k, RP=rp, BV=bv, BK=bk, NB=nb, NBKP=pow2(nb * k),
                              IEEE=r.dtype == torch.float32, KEY64=key64, TOPK=bitonic and k > 1 and k & (k - 1) == 0,
-                             GLUE=glue is not None, **gshape,
+                             GLUE=glue is not None, **gshape, PRE=fused_layer.preload(pre),
                              num_warps=num_warps, **pdl(r))
     return out, lp, tok, mask if glue is not None and glue.prep else None
 
@@ -239,7 +241,7 @@ def launch_head_select(lp, tok, par, root, width, max_depth, n, out) -> None:
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
     from tandem.kernels.fused import _pdl_enter
-    from tandem.kernels.fused_layer import _mm, _normed, _qkv_store
+    from tandem.kernels.fused_layer import _mm, _normed, _qkv_store, _w_tile
     from tandem.kernels.resident import _best_n, _finish_tree, _level_glue
 
     @triton.jit
@@ -288,9 +290,16 @@ if triton is not None:
                           NBKP: tl.constexpr, IEEE: tl.constexpr, KEY64: tl.constexpr, TOPK: tl.constexpr,
                           GLUE: tl.constexpr,
                           GP: tl.constexpr, GNP: tl.constexpr, GR: tl.constexpr, GRP: tl.constexpr,
-                          PREP: tl.constexpr, PDL: tl.constexpr = False):
-        _pdl_enter(PDL)
+                          PREP: tl.constexpr, PRE: tl.constexpr = False, PDL: tl.constexpr = False):
         pid = tl.program_id(0)
+        v = pid * BV + tl.arange(0, BV)
+        vm = v < V
+        # PRE: the head's first weight step loads before the PDL wait (fused_layer's _norm_qkv_kernel says why)
+        if not PRE:
+            _pdl_enter(PDL)
+        w = _w_tile(w_ptr, v, vm, 0, H, BK)  # [BK, BV]
+        if PRE:
+            _pdl_enter(PDL)
         dt = r_ptr.dtype.element_ty
         rows = tl.arange(0, RP)
         rm = rows < R
@@ -308,8 +317,6 @@ if triton is not None:
             ss += tl.sum(s32 * s32, 1)
         rstd = tl.rsqrt(ss / H + eps)
         # pass 2: this program's block of logits [RP, BV] = rmsnorm(out) @ W[block].T
-        v = pid * BV + tl.arange(0, BV)
-        vm = v < V
         acc = tl.zeros([RP, BV], dtype=tl.float32)
         for k0 in range(0, H, BK):
             kk = k0 + tl.arange(0, BK)
@@ -321,7 +328,8 @@ if triton is not None:
             y = (s.to(tl.float32) * rstd[:, None]).to(x.dtype)  # rmsnorm_ref: normalise in fp32, round,
             nw = tl.load(nw_ptr + kk, mask=km, other=0.0)
             y = (nw.to(tl.float32)[None, :] * y.to(tl.float32)).to(x.dtype)  # then the weight
-            w = tl.load(w_ptr + v[None, :] * H + kk[:, None], mask=vm[None, :] & km[:, None], other=0.0)  # [BK, BV]
+            if k0 > 0:  # (the first step's was loaded above)
+                w = _w_tile(w_ptr, v, vm, k0, H, BK)
             acc += _mm(y, w, IEEE)
         logit = acc.to(dt).to(tl.float32)  # rounded as the product in the model dtype is
         logit = tl.where(vm[None, :], logit, float("-inf"))

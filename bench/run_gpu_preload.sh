@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Thirteenth session: every weight-reading kernel of a pass (the fused layers' three projections, the
+# block drafter's head_topk, the large model's GEMVs) loads its first weight step before the PDL wait
+# (TANDEM_PRELOAD=1, the default) or after it (0), A/B in one call: MBPP with each drafter in DRAFTS
+# (ar, chain, tree at the default N), the draft / verify graph replays, gpt-fast's compiled AR (PEER=1),
+# and the GPU lane of the kernels changed (LANE=1).
+#   bash bench/run_gpu_preload.sh $OUT   (device tool: carry .data = copies of ../shared/datasets/{mbpp,gsm8k})
+set -uo pipefail
+OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
+DEADLINE=${DEADLINE:-560}; source bench/deadline.sh
+record_env; cat "$OUT/env.txt"
+for pre in ${PRES:-1 0}; do
+  for d in ${DRAFTS:-block}; do TANDEM_PRELOAD=$pre bench "mbpp_${d}_pre$pre" mbpp "$d" ar,chain,tree; done
+done
+if [ "${PROFILE:-1}" = 1 ]; then
+  for pre in ${PRES:-1 0}; do
+    echo "== graph replays, TANDEM_PRELOAD=$pre"
+    TANDEM_PRELOAD=$pre within 90 python3 bench/gpu_profile_resident.py --kind block --nodes 31 \
+      > "$OUT/profile_pre$pre.txt" 2>&1
+    grep -e "tok/s" -e "replay median" -e "kernels," "$OUT/profile_pre$pre.txt"
+  done
+fi
+if [ "${PEER:-1}" = 1 ]; then
+  echo "== peer: gpt-fast compiled AR at the bundled target's shape (ms/token)"
+  within 90 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
+fi
+if [ "${LANE:-1}" = 1 ]; then
+  echo "== GPU lane: the fused layers, head_topk, the GEMVs"
+  within "${LT:-150}" python3 -m pytest -q -m cuda tests/gpu/test_gpu_fused_layer.py tests/gpu/test_gpu_gemv.py \
+    tests/gpu/test_gpu_head_level.py -k "${LANE_K:-not select}" -p no:cacheprovider > "$OUT/lane.log" 2>&1
+  tail -2 "$OUT/lane.log"; grep -e "^FAILED" -e "^ERROR" "$OUT/lane.log" | head -20
+fi
