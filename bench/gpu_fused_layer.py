@@ -5,9 +5,11 @@ at 1 row (an AR step) and 33 (a tree verify of N = 32): the unfused launches a f
 replaces, then each fused launch shape (BK: the loop's column step; warps;
 BN for gate/up), and the cached attention's BLOCK_N x warps at attention widths 256 and 512; each variant's output is
 checked against its reference (relative error; the best shape is picked among those under 2e-2).
+--pre: each fused variant with its first weight step loaded before the PDL wait and after it (`_pre1` / `_pre0`
+in the variant's name; without --pre, as TANDEM_PRELOAD says), plus a whole-K step (BK 512).
 Times are per call inside a CUDA graph of back-to-back calls (bench/gpu_timing.graph_ms: the GPU's
 own time, as the runners' graphs see it), median over replays; bf16.
-    python bench/gpu_fused_layer.py [--iters 400]
+    python bench/gpu_fused_layer.py [--iters 400] [--pre]
 """
 from __future__ import annotations
 
@@ -32,7 +34,13 @@ def _r(*shape, scale=1.0, dtype=torch.bfloat16):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=400)
+    ap.add_argument("--pre", action="store_true", help="time each variant with the weights' preload on and off")
     a = ap.parse_args()
+    pres = (True, False) if a.pre else (None,)
+
+    def tag(pre):
+        return "" if pre is None else f"_pre{int(pre)}"
+
     rows_out = []
 
     def rec(**kw):
@@ -62,13 +70,16 @@ def main() -> None:
                 rec(shape=name, op=label, rows=M, variant="unfused", us=1e3 * graph_ms([unfused], a.iters))
                 want = fl.norm_qkv_rope_store_ref(xi, d if norm else None, ln if norm else None, 1e-5, w, None, pos,
                                                   inv, nq, nkv, kv[0].clone(), kv[1].clone(), slots)[1]
-                for bk, nw, cb in ((64, 4, 32), (128, 4, 32), (128, 8, 32), (128, 4, 16), (64, 4, 16), (128, 2, 16)):
-                    def f(bk=bk, nw=nw, cb=cb):
+                shapes = ((128, 4, 32), (512, 8, 32), (512, 4, 16), (128, 4, 16)) if a.pre else \
+                    ((64, 4, 32), (128, 4, 32), (128, 8, 32), (128, 4, 16), (64, 4, 16), (128, 2, 16))
+                for (bk, nw, cb), pre in itertools.product(shapes, pres):
+                    def f(bk=bk, nw=nw, cb=cb, pre=pre):
                         return fl.launch_norm_qkv(xi, d if norm else None, ln if norm else None, 1e-5, w, None, pos,
-                                                  inv, nq, nkv, kv[0], kv[1], slots, bk=bk, num_warps=nw, cb=cb)[1]
+                                                  inv, nq, nkv, kv[0], kv[1], slots, bk=bk, num_warps=nw, cb=cb,
+                                                  pre=pre)[1]
                     err = ((f().float() - want.float()).norm() / want.float().norm()).item()
-                    rec(shape=name, op=label, rows=M, variant=f"bk{bk}_w{nw}_cb{cb}", us=1e3 * graph_ms([f], a.iters),
-                        rel_err=err)
+                    rec(shape=name, op=label, rows=M, variant=f"bk{bk}_w{nw}_cb{cb}{tag(pre)}",
+                        us=1e3 * graph_ms([f], a.iters), rel_err=err)
             wgu = _r(2 * inter, K, scale=K ** -0.5)
 
             def unfused_gu():
@@ -76,12 +87,26 @@ def main() -> None:
                 fused.silu_mul(F.linear(h, wgu))
             rec(shape=name, op="gate_up", rows=M, variant="unfused", us=1e3 * graph_ms([unfused_gu], a.iters))
             want = fl.norm_gate_up_silu_ref(x, d, ln, 1e-5, wgu)[1]
-            for bk, bn, nw in itertools.product((64, 128), (16, 32, 64), (2, 4)):
-                def g(bk=bk, bn=bn, nw=nw):
-                    return fl.launch_norm_gate_up(x, d, ln, 1e-5, wgu, bk=bk, bn=bn, num_warps=nw)[1]
+            gshapes = ((128, 64, 4), (128, 32, 4), (512, 32, 8), (512, 16, 4)) if a.pre else \
+                tuple(itertools.product((64, 128), (16, 32, 64), (2, 4)))
+            for (bk, bn, nw), pre in itertools.product(gshapes, pres):
+                def g(bk=bk, bn=bn, nw=nw, pre=pre):
+                    return fl.launch_norm_gate_up(x, d, ln, 1e-5, wgu, bk=bk, bn=bn, num_warps=nw, pre=pre)[1]
                 err = ((g().float() - want.float()).norm() / want.float().norm()).item()
-                rec(shape=name, op="gate_up", rows=M, variant=f"bk{bk}_bn{bn}_w{nw}", us=1e3 * graph_ms([g], a.iters),
-                    rel_err=err)
+                rec(shape=name, op="gate_up", rows=M, variant=f"bk{bk}_bn{bn}_w{nw}{tag(pre)}",
+                    us=1e3 * graph_ms([g], a.iters), rel_err=err)
+            for N_out, K_in, op in ((K, nq * D, "o_proj"), (K, inter, "down_proj")):
+                xo, wo = _r(M, K_in), _r(N_out, K_in, scale=K_in ** -0.5)
+                want = F.linear(xo, wo)
+                for (bk, bn, nw), pre in itertools.product(((256, 16, 2), (512, 16, 4), (1024, 16, 4)) if a.pre
+                                                           else ((256, 16, 2),), pres):
+                    def li(bk=bk, bn=bn, nw=nw, pre=pre, xo=xo, wo=wo):
+                        return fl.launch_linear(xo, wo, bk=bk, bn=bn, num_warps=nw, pre=pre)
+                    err = ((li().float() - want.float()).norm() / want.float().norm()).item()
+                    rec(shape=name, op=op, rows=M, variant=f"bk{bk}_bn{bn}_w{nw}{tag(pre)}",
+                        us=1e3 * graph_ms([li], a.iters), rel_err=err)
+            if a.pre:
+                continue  # (the attention's shapes: without --pre)
             for W in (256, 512):
                 q = _r(1, M, nq, D)
                 k, v = _r(1, nkv, W, D), _r(1, nkv, W, D)

@@ -9,13 +9,30 @@ set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 DEADLINE=${DEADLINE:-560}; source bench/deadline.sh
 record_env; cat "$OUT/env.txt"
+if [ "${KERNELS:-1}" = 1 ]; then
+  echo "== the fused layer kernels, first weight step before (pre1) / after (pre0) the wait, us a call in a graph"
+  within "${KT:-120}" python3 bench/gpu_fused_layer.py --pre --iters 300 > "$OUT/fused_pre.jsonl" 2> "$OUT/fused_pre.err"
+  python3 - "$OUT/fused_pre.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+by = {}
+for r in rows:
+    if r["variant"].endswith(("_pre1", "_pre0")):
+        by.setdefault((r["shape"], r["op"], r["rows"], r["variant"][:-5]), {})[r["variant"][-1]] = r
+for (sh, op, m, v), d in by.items():
+    a, b = d.get("1"), d.get("0")
+    if a and b:
+        print(f"{sh:6s} {op:10s} rows {m:2d} {v:18s} pre1 {a['us']:6.2f}  pre0 {b['us']:6.2f}  err {a['rel_err']:.1e}")
+PY
+  tail -3 "$OUT/fused_pre.err"
+fi
 for pre in ${PRES:-1 0}; do
   for d in ${DRAFTS:-block}; do TANDEM_PRELOAD=$pre bench "mbpp_${d}_pre$pre" mbpp "$d" ar,chain,tree; done
 done
 if [ "${PROFILE:-1}" = 1 ]; then
   for pre in ${PRES:-1 0}; do
     echo "== graph replays, TANDEM_PRELOAD=$pre"
-    TANDEM_PRELOAD=$pre within 90 python3 bench/gpu_profile_resident.py --kind block --nodes 31 \
+    TANDEM_PRELOAD=$pre within "${PT:-70}" python3 bench/gpu_profile_resident.py --kind block --nodes 31 \
       > "$OUT/profile_pre$pre.txt" 2>&1
     grep -e "tok/s" -e "replay median" -e "kernels," "$OUT/profile_pre$pre.txt"
   done
