@@ -3,7 +3,7 @@
 # block drafter's head_topk, the large model's GEMVs) loads its first weight step before the PDL wait
 # (TANDEM_PRELOAD=1, the default) or after it (0), A/B in one call: MBPP with each drafter in DRAFTS
 # (ar, chain, tree at the default N), the draft / verify graph replays, gpt-fast's compiled AR (PEER=1),
-# and the GPU lane of the kernels changed (LANE=1).
+# the Llama-3-8B shape's AR (EIGHT=1), and the GPU lane of the kernels changed (LANE=1).
 #   bash bench/run_gpu_preload.sh $OUT   (device tool: carry .data = copies of ../shared/datasets/{mbpp,gsm8k})
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
@@ -35,6 +35,14 @@ if [ "${PROFILE:-1}" = 1 ]; then
     TANDEM_PRELOAD=$pre within "${PT:-70}" python3 bench/gpu_profile_resident.py --kind block --nodes 31 \
       > "$OUT/profile_pre$pre.txt" 2>&1
     grep -e "tok/s" -e "replay median" -e "kernels," "$OUT/profile_pre$pre.txt"
+  done
+fi
+if [ "${EIGHT:-0}" = 1 ]; then  # the Llama-3-8B shape (random weights): its one-row GEMVs, AR end to end
+  for pre in ${PRES:-1 0}; do
+    echo "== llama3-8b AR, TANDEM_PRELOAD=$pre"
+    TANDEM_PRELOAD=$pre within "${ET:-110}" python3 bench/gpu_core.py --preset llama3-8b --rows 1,32 --new-tokens 128 \
+      --out "$OUT/core8b_pre$pre" > "$OUT/core8b_pre$pre.txt" 2>&1
+    grep -e "floor" -e "step rows" -e "rror" "$OUT/core8b_pre$pre.txt" | cut -c1-200
   done
 fi
 if [ "${PEER:-1}" = 1 ]; then
