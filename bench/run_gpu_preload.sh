@@ -50,8 +50,9 @@ if [ "${PEER:-1}" = 1 ]; then
   within 90 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
 fi
 if [ "${LANE:-1}" = 1 ]; then
-  echo "== GPU lane: the fused layers, head_topk, the GEMVs"
-  within "${LT:-150}" python3 -m pytest -q -m cuda tests/gpu/test_gpu_fused_layer.py tests/gpu/test_gpu_gemv.py \
-    tests/gpu/test_gpu_head_level.py -k "${LANE_K:-not select}" -p no:cacheprovider > "$OUT/lane.log" 2>&1
+  echo "== GPU lane: the resident kernels (the narrow tree), PDL on / off, the fused layers, head_topk, the GEMVs"
+  within "${LT:-150}" python3 -m pytest -q -m cuda "tests/gpu/test_gpu_resident.py::test_resident_kernels_equal_their_references" \
+    "tests/gpu/test_gpu_resident.py::test_programmatic_dependent_launch_changes_no_token" tests/gpu/test_gpu_fused_layer.py \
+    tests/gpu/test_gpu_head_level.py tests/gpu/test_gpu_gemv.py -k "${LANE_K:-not select}" -p no:cacheprovider > "$OUT/lane.log" 2>&1
   tail -2 "$OUT/lane.log"; grep -e "^FAILED" -e "^ERROR" "$OUT/lane.log" | head -20
 fi
