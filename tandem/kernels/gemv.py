@@ -92,7 +92,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, launch: tuple[int, int, int] | None =
     BN, BK, warps = launch or LAUNCH["plain"]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, BN),)](x, x, x, w, x, out, N, K, 0.0, HAS_DELTA=False, NORM=False, SILU=False,
-                                        STORE=False, BN=BN, BK=_bk(K, BK), PRE=fused_layer.preload(), num_warps=warps, **pdl(x))
+                                        STORE=False, BN=BN, BK=_bk(K, BK), PRE=fused_layer.preload(), num_warps=warps,
+                                        **pdl(x))
     return out
 
 
@@ -109,7 +110,8 @@ def norm_gemv(x, delta, ln_w, eps, w, launch: tuple[int, int, int] | None = None
     BN, BK, warps = launch or LAUNCH["plain"]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, BN),)](x, delta, ln_w, w, x, out, N, K, eps, HAS_DELTA=True, NORM=True, SILU=False,
-                                        STORE=False, BN=BN, BK=_bk(K, BK), PRE=fused_layer.preload(), num_warps=warps, **pdl(x))
+                                        STORE=False, BN=BN, BK=_bk(K, BK), PRE=fused_layer.preload(), num_warps=warps,
+                                        **pdl(x))
     return out
 
 
@@ -124,7 +126,8 @@ def norm_gate_up_silu(x, delta, ln_w, eps, w_gate_up, launch: tuple[int, int, in
     out = torch.empty(1, inter, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(inter, BN),)](x, delta if delta is not None else x, ln_w, w_gate_up, s, out, inter, K,
                                             eps, HAS_DELTA=delta is not None, NORM=True, SILU=True,
-                                            STORE=delta is not None, BN=BN, BK=_bk(K, BK), PRE=fused_layer.preload(), num_warps=warps, **pdl(x))
+                                            STORE=delta is not None, BN=BN, BK=_bk(K, BK), PRE=fused_layer.preload(),
+                                            num_warps=warps, **pdl(x))
     return s, out
 
 
