@@ -112,9 +112,10 @@ LINEAR_BK, LINEAR_BN, LINEAR_WARPS = 256, 16, 2  # best summed over o_proj and d
 
 
 def preload(pre: bool | None = None) -> bool:
-    """Whether the kernels load their first weight step before the PDL wait (see `_norm_qkv_kernel`);
-    TANDEM_PRELOAD=0 turns it off (the A/B switch), `pre` overrides both."""
-    return pre if pre is not None else os.environ.get("TANDEM_PRELOAD", "1") != "0"
+    """Whether the kernels load their first weight step before the PDL wait (see `_norm_qkv_kernel`):
+    TANDEM_PRELOAD=1 turns it on, `pre` overrides. Off by default until it has run on a GPU (it is
+    checked under the interpreter only; bench/run_gpu_preload.sh is its A/B)."""
+    return pre if pre is not None else os.environ.get("TANDEM_PRELOAD", "0") == "1"
 
 
 def _bk(K: int, bk: int) -> int:
