@@ -25,3 +25,9 @@ bench() {  # bench NAME WORKLOAD DRAFT METHODS [extra flags]: one `tandem bench`
   grep -v -e "it/s" -e "req/s" "$OUT/$name.log" | grep -e "^|" -e "^- " -e "^Per" -e "Output check" -e "auto:" -e "rror" \
     | cut -c1-300
 }
+peer_gptfast() {  # peer_gptfast [SHAPE] [SECONDS]: gpt-fast's compiled AR (.data/peers/gpt-fast) in this call, its
+  # JSON lines to $OUT/gptfast.jsonl (SHAPE: tiny15m, the bundled target's, or llama3-8b)
+  echo "== peer: gpt-fast compiled AR at the ${1:-tiny15m} shape (ms/token)"
+  within "${2:-90}" python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast "${1:-tiny15m}" 2>&1 | grep '^{' \
+    | tee "$OUT/gptfast.jsonl"
+}

@@ -16,8 +16,7 @@ if [ "${KERNELS:-1}" != 0 ]; then
 fi
 PHASES=${PHASES:-bench profile} bash bench/run_gpu_block.sh "$OUT"
 if [ "${PEER:-0}" = 1 ]; then
-  echo "== peer: gpt-fast compiled AR at the bundled target's shape (ms/token)"
-  within 90 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
+  peer_gptfast tiny15m 90
 fi
 if [ "${LANE:-1}" != 0 ]; then
   echo "== GPU lane: head_topk, the selections, the resident loop's kernels"

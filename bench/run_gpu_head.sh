@@ -34,8 +34,7 @@ for f in ${FUSED:-1 0}; do
   grep -v -e "it/s" -e "req/s" "$OUT/mbpp_eagle3_fused$f.log" | grep -e "^|" -e "Output check" -e "^- " -e "rror" | cut -c1-300
 done
 if [ "${PEER:-1}" = 1 ]; then
-  echo "== peer: gpt-fast compiled AR at the bundled target's shape (ms/token)"
-  within 90 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
+  peer_gptfast tiny15m 90
 fi
 if [ "${SMALL:-0}" = 1 ]; then
   echo "== launch shapes of the head's level kernels (bench/gpu_small_kernels.py --ops ${SMALL_OPS:-head_topk,level})"

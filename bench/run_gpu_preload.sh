@@ -46,8 +46,7 @@ if [ "${EIGHT:-0}" = 1 ]; then  # the Llama-3-8B shape (random weights): its one
   done
 fi
 if [ "${PEER:-1}" = 1 ]; then
-  echo "== peer: gpt-fast compiled AR at the bundled target's shape (ms/token)"
-  within 90 python3 .data/peers/gpt-fast/ar.py .data/peers/gpt-fast tiny15m 2>&1 | grep '^{' | tee "$OUT/gptfast.jsonl"
+  peer_gptfast tiny15m 90
 fi
 if [ "${LANE:-1}" = 1 ]; then
   echo "== GPU lane: the resident kernels (the narrow tree), PDL on / off, the fused layers, head_topk, the GEMVs"
