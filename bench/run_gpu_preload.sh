@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Thirteenth session: every weight-reading kernel of a pass (the fused layers' three projections, the
 # block drafter's head_topk, the large model's GEMVs) loads its first weight step before the PDL wait
-# (TANDEM_PRELOAD=1) or after it (0, the default until this has run), A/B in one call: MBPP with each drafter
+# (TANDEM_PRELOAD=1, the default) or after it (0), A/B in one call: MBPP with each drafter
 # in DRAFTS (ar, chain, tree at the default N), the draft / verify graph replays, gpt-fast's compiled AR (PEER=1),
 # the Llama-3-8B shape's AR (EIGHT=1), and the GPU lane of the kernels changed (LANE=1).
 #   bash bench/run_gpu_preload.sh $OUT   (device tool: carry .data = copies of ../shared/datasets/{mbpp,gsm8k})

@@ -109,13 +109,26 @@ QKV_BK, QKV_WARPS = 128, 4
 QKV_CB = 64  # columns of each rotary half a program (at most the half: one program a head)
 GATE_UP_BK, GATE_UP_WARPS = 128, 4
 LINEAR_BK, LINEAR_BN, LINEAR_WARPS = 256, 16, 2  # best summed over o_proj and down_proj at 1-33 rows (H100)
+# ... until the weights' preload: then 16-bit models on Hopper take a 512-column step at 4 warps (one H100,
+# bundled target: o_proj 2.18 / 2.44 us at 1 / 33 rows, down_proj 3.06 / 3.55, against 2.24 / 2.72 and
+# 3.56 / 4.44 at 256 and 2 warps; bench/results/h100-2026-12-07-session13/call2/fused_pre.jsonl). fp32 and
+# older GPUs keep the 256-column step (twice the tile bytes, or less shared memory: not measured at 512)
+LINEAR_BK_WIDE, LINEAR_WARPS_WIDE = 512, 4
+
+
+def _linear_shape(x: torch.Tensor) -> tuple[int, int]:
+    """(BK, warps) of `launch_linear`'s default launch for rows x."""
+    if x.dtype != torch.float32 and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9:
+        return LINEAR_BK_WIDE, LINEAR_WARPS_WIDE
+    return LINEAR_BK, LINEAR_WARPS
 
 
 def preload(pre: bool | None = None) -> bool:
-    """Whether the kernels load their first weight step before the PDL wait (see `_norm_qkv_kernel`):
-    TANDEM_PRELOAD=1 turns it on, `pre` overrides. Off by default until it has run on a GPU (it is
-    checked under the interpreter only; bench/run_gpu_preload.sh is its A/B)."""
-    return pre if pre is not None else os.environ.get("TANDEM_PRELOAD", "0") == "1"
+    """Whether the kernels load their first weight step before the PDL wait (see `_norm_qkv_kernel`);
+    TANDEM_PRELOAD=0 turns it off (the A/B switch), `pre` overrides both. One H100, bundled pair, bf16,
+    MBPP: `ar` 4,536 against 4,266 tok/s, block `tree` 12,641 against 11,909, every token and accept
+    length the same (bench/results/h100-2026-12-07-session13/call2/)."""
+    return pre if pre is not None else os.environ.get("TANDEM_PRELOAD", "1") != "0"
 
 
 def _bk(K: int, bk: int) -> int:
@@ -123,8 +136,10 @@ def _bk(K: int, bk: int) -> int:
 
 
 def _gate_up_bn(inter: int) -> int:
-    """The widest block of gate columns that still spreads the weight's read over 16+ programs."""
-    return 64 if inter >= 64 * 16 else 32 if inter >= 32 * 16 else 16
+    """Gate columns a program: 32 where that still spreads the weight's read over 16+ programs. (64 was
+    slower at the bundled target's 1024: 6.24 / 6.73 us at 1 / 33 rows against 5.0 / 5.6 at 32, one
+    H100, call2/fused_pre.jsonl; wider intermediates were not measured.)"""
+    return 32 if inter >= 32 * 16 else 16
 
 
 def norm_qkv_rope_store(x, delta, ln_w, eps, w_qkv, b_qkv, positions, inv_freq, n_q, n_kv, k_cache, v_cache, slots,
@@ -153,9 +168,10 @@ def launch_linear(x, w, bk: int | None = None, bn: int | None = None, num_warps:
     N = w.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     BN = bn or LINEAR_BN
+    BK, warps = _linear_shape(x)
     _linear_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BLOCK_M))](
-        x, w, out, M, N, K, x.stride(0), BM=BLOCK_M, BK=_bk(K, bk or LINEAR_BK), BN=BN, IEEE=x.dtype == torch.float32,
-        PRE=preload(pre), num_warps=num_warps or LINEAR_WARPS, **pdl(x))
+        x, w, out, M, N, K, x.stride(0), BM=BLOCK_M, BK=_bk(K, bk or BK), BN=BN, IEEE=x.dtype == torch.float32,
+        PRE=preload(pre), num_warps=num_warps or warps, **pdl(x))
     return out
 
 
