@@ -257,9 +257,9 @@ class SpecConfig:
     method: str = "tree"  # ar | chain | tree | async
     k: int = 5
     # node budget N: draft tokens verified per pass (root excluded). 31, not 32: a pass verifies N + 1
-    # rows, and the fused kernels (and cuBLAS tiles) work in blocks of 16 rows, so 33 rows pay a third
-    # block for one node that is rarely accepted (one H100, block drafter, MBPP: tau 4.52 at both, 2.75x
-    # `ar` at 31 against 2.67x at 32; bench/results/h100-2026-12-07-session13/).
+    # rows, and the small model's fused kernels work in blocks of 16 rows, so 33 rows pay a third block
+    # for one node that is rarely accepted (one H100, block drafter, MBPP: tau 4.52 at both, 2.75x `ar`
+    # at 31 against 2.67x at 32; bench/results/h100-2026-12-07-session13/call1/).
     nodes: int = 31
     width: int = 4  # w: leaves expanded per round
     depth: int | None = None  # d: expansion rounds; default: enough to fill the budget
