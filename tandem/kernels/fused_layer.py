@@ -25,6 +25,7 @@ The `*_ref` functions are the semantics and what runs off CUDA.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -116,9 +117,14 @@ LINEAR_BK, LINEAR_BN, LINEAR_WARPS = 256, 16, 2  # best summed over o_proj and d
 LINEAR_BK_WIDE, LINEAR_WARPS_WIDE = 512, 4
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _linear_shape(x: torch.Tensor) -> tuple[int, int]:
     """(BK, warps) of `launch_linear`'s default launch for rows x."""
-    if x.dtype != torch.float32 and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9:
+    if x.dtype != torch.float32 and _hopper(x.device):
         return LINEAR_BK_WIDE, LINEAR_WARPS_WIDE
     return LINEAR_BK, LINEAR_WARPS
 
