@@ -47,6 +47,10 @@ def main() -> None:
         rows_out.append(kw)
         print(json.dumps(kw), flush=True)
 
+    def timed(fn, want, **kw):  # one variant: its relative error against want, its time in a graph
+        err = ((fn().float() - want.float()).norm() / want.float().norm()).item()
+        rec(**kw, us=1e3 * graph_ms([fn], a.iters), rel_err=err)
+
     torch.set_grad_enabled(False)
     for name, path in (("target", BUNDLED_TARGET), ("draft", BUNDLED_DRAFT)):
         c = read_config(path)
@@ -77,9 +81,7 @@ def main() -> None:
                         return fl.launch_norm_qkv(xi, d if norm else None, ln if norm else None, 1e-5, w, None, pos,
                                                   inv, nq, nkv, kv[0], kv[1], slots, bk=bk, num_warps=nw, cb=cb,
                                                   pre=pre)[1]
-                    err = ((f().float() - want.float()).norm() / want.float().norm()).item()
-                    rec(shape=name, op=label, rows=M, variant=f"bk{bk}_w{nw}_cb{cb}{tag(pre)}",
-                        us=1e3 * graph_ms([f], a.iters), rel_err=err)
+                    timed(f, want, shape=name, op=label, rows=M, variant=f"bk{bk}_w{nw}_cb{cb}{tag(pre)}")
             wgu = _r(2 * inter, K, scale=K ** -0.5)
 
             def unfused_gu():
@@ -92,9 +94,7 @@ def main() -> None:
             for (bk, bn, nw), pre in itertools.product(gshapes, pres):
                 def g(bk=bk, bn=bn, nw=nw, pre=pre):
                     return fl.launch_norm_gate_up(x, d, ln, 1e-5, wgu, bk=bk, bn=bn, num_warps=nw, pre=pre)[1]
-                err = ((g().float() - want.float()).norm() / want.float().norm()).item()
-                rec(shape=name, op="gate_up", rows=M, variant=f"bk{bk}_bn{bn}_w{nw}{tag(pre)}",
-                    us=1e3 * graph_ms([g], a.iters), rel_err=err)
+                timed(g, want, shape=name, op="gate_up", rows=M, variant=f"bk{bk}_bn{bn}_w{nw}{tag(pre)}")
             for N_out, K_in, op in ((K, nq * D, "o_proj"), (K, inter, "down_proj")):
                 xo, wo = _r(M, K_in), _r(N_out, K_in, scale=K_in ** -0.5)
                 want = F.linear(xo, wo)
@@ -102,9 +102,7 @@ def main() -> None:
                                                            else ((256, 16, 2),), pres):
                     def li(bk=bk, bn=bn, nw=nw, pre=pre, xo=xo, wo=wo):
                         return fl.launch_linear(xo, wo, bk=bk, bn=bn, num_warps=nw, pre=pre)
-                    err = ((li().float() - want.float()).norm() / want.float().norm()).item()
-                    rec(shape=name, op=op, rows=M, variant=f"bk{bk}_bn{bn}_w{nw}{tag(pre)}",
-                        us=1e3 * graph_ms([li], a.iters), rel_err=err)
+                    timed(li, want, shape=name, op=op, rows=M, variant=f"bk{bk}_bn{bn}_w{nw}{tag(pre)}")
             if a.pre:
                 continue  # (the attention's shapes: without --pre)
             for W in (256, 512):
@@ -115,9 +113,7 @@ def main() -> None:
                 for bn, nw in itertools.product((32, 64, 128, 256), (2, 4, 8)):
                     def at(bn=bn, nw=nw):
                         return attention.cached_attention(q, k, v, mask, block_n=bn, num_warps=nw)
-                    err = ((at().float() - want.float()).norm() / want.float().norm()).item()
-                    rec(shape=name, op=f"attention_w{W}", rows=M, variant=f"bn{bn}_w{nw}",
-                        us=1e3 * graph_ms([at], a.iters), rel_err=err)
+                    timed(at, want, shape=name, op=f"attention_w{W}", rows=M, variant=f"bn{bn}_w{nw}")
     # the best variant of each (shape, op, rows)
     best: dict = {}
     for r in rows_out:

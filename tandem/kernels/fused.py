@@ -24,7 +24,18 @@ def pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-_PDL_DEVICES: dict[int, bool] = {}
+_HOPPER: dict[int, bool] = {}
+
+
+def hopper(t: torch.Tensor) -> bool:
+    """Whether t lives on a CUDA GPU of compute capability 9 or later (Hopper on), cached per device."""
+    if not t.is_cuda:
+        return False
+    i = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    ok = _HOPPER.get(i)
+    if ok is None:
+        ok = _HOPPER[i] = torch.cuda.get_device_capability(i)[0] >= 9
+    return ok
 
 
 def pdl(t: torch.Tensor) -> dict:
@@ -35,14 +46,11 @@ def pdl(t: torch.Tensor) -> dict:
     decode step is tens of kernels in a row. With PDL the GPU starts the next kernel while this one
     runs; the next one waits in `_pdl_enter` (griddepcontrol.wait) until this one has finished and
     its writes are visible, so the results are the same and the gap between kernels shrinks. Each
-    kernel launched with these options calls `_pdl_enter(PDL)` before it touches global memory."""
-    if triton is None or not t.is_cuda or os.environ.get("TANDEM_PDL", "1") == "0":
+    kernel launched with these options calls `_pdl_enter(PDL)` before it touches global memory that
+    a kernel writes (only the weights, which none writes, may be read before it: fused_layer.preload)."""
+    if triton is None or os.environ.get("TANDEM_PDL", "1") == "0" or not hopper(t):
         return {}
-    i = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    ok = _PDL_DEVICES.get(i)
-    if ok is None:
-        ok = _PDL_DEVICES[i] = torch.cuda.get_device_capability(i)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if ok else {}
+    return {"PDL": True, "launch_pdl": True}
 
 
 def triton_enabled(t: torch.Tensor) -> bool:

@@ -25,14 +25,13 @@ The `*_ref` functions are the semantics and what runs off CUDA.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.fused import (add_rmsnorm_ref, pdl, rmsnorm_ref, rope_, rope_store_kv_ref, silu_mul_ref,
-                                  triton_enabled)
+from tandem.kernels.fused import (add_rmsnorm_ref, hopper, pdl, rmsnorm_ref, rope_, rope_store_kv_ref,
+                                  silu_mul_ref, triton_enabled)
 
 try:  # Triton ships with CUDA builds of PyTorch only
     import triton
@@ -117,14 +116,9 @@ LINEAR_BK, LINEAR_BN, LINEAR_WARPS = 256, 16, 2  # best summed over o_proj and d
 LINEAR_BK_WIDE, LINEAR_WARPS_WIDE = 512, 4
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def _linear_shape(x: torch.Tensor) -> tuple[int, int]:
     """(BK, warps) of `launch_linear`'s default launch for rows x."""
-    if x.dtype != torch.float32 and _hopper(x.device):
+    if x.dtype != torch.float32 and hopper(x):
         return LINEAR_BK_WIDE, LINEAR_WARPS_WIDE
     return LINEAR_BK, LINEAR_WARPS
 
@@ -294,8 +288,8 @@ if triton is not None:
         # following it; what the wait guards (the rows, the caches) is read after it
         if not PRE:
             _pdl_enter(PDL)
-        w1 = _w_tile(w_ptr, n1, n1 >= 0, 0, K, BK)  # [BK, CB]
-        w2 = _w_tile(w_ptr, n1 + HALF, n1 >= 0, 0, K, BK)
+        w1 = _w_tile(w_ptr, n1, i < HALF, 0, K, BK)  # [BK, CB]
+        w2 = _w_tile(w_ptr, n1 + HALF, i < HALF, 0, K, BK)
         if PRE:
             _pdl_enter(PDL)
         if NORM:
@@ -315,8 +309,8 @@ if triton is not None:
             else:
                 h = v
             if k0 > 0:  # (the first step's were loaded above)
-                w1 = _w_tile(w_ptr, n1, n1 >= 0, k0, K, BK)
-                w2 = _w_tile(w_ptr, n1 + HALF, n1 >= 0, k0, K, BK)
+                w1 = _w_tile(w_ptr, n1, i < HALF, k0, K, BK)
+                w2 = _w_tile(w_ptr, n1 + HALF, i < HALF, k0, K, BK)
             acc1 = acc1 + _mm(h, w1, IEEE)
             acc2 = acc2 + _mm(h, w2, IEEE)
         if HAS_BIAS:
