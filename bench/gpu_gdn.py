@@ -1,4 +1,5 @@
-"""GDN tree verification and commit per kernel: the torch walk, the WY form, the Triton path kernel.
+"""GDN tree verification and commit per kernel: the torch walk, the WY form (torch ops; the Triton WY
+kernel in launch variants), the Triton path kernel.
 
 At transformers' default Qwen3.5 GDN shape (`Qwen3_5TextConfig()`: 32 value heads of 128 x 128, 16
 key heads, 24 of its 32 layers GDN; pass a checkpoint's own values with --heads / --dim / --gdn-layers), for trees of N = 16, 32 and 64 nodes shaped as best-first trees are (each node
@@ -11,7 +12,10 @@ state snapshots would take against what the path kernel keeps (no state per node
     python bench/gpu_gdn.py --out $OUT/gdn                  # CUDA: timings and outputs checked
     TRITON_INTERPRET=1 python bench/gpu_gdn.py --device cpu --heads 4 --dim 16 --iters 3   # smoke
 
-Every kernel's outputs are checked against the walk before it is timed (exit 1 on a mismatch).
+Every kernel's outputs are checked against the walk before it is timed (exit 1 on a mismatch), and
+the Triton kernels' also in bf16 ulps of the path kernel's (the `ulps` column: SpecPilot s4.2 keeps
+its WY kernel within one). `--wy-variants` lists the WY kernel's launches to time, each
+solve/BV/pieces (default: the shipped doubling/64/3 first).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 
 from tandem.kernels.gdn import gdn_chain_chunked, gdn_replay, gdn_tree_walk, gdn_tree_wy, gdn_wy_commit
 from tandem.kernels.gdn_path import gdn_path_commit, gdn_path_tree, path_kernel_runs, root_paths
+from tandem.kernels.gdn_wy import gdn_wy_commit_, gdn_wy_tree
 from tandem.tree.draft_tree import ancestor_mask
 
 
@@ -80,9 +85,13 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--prefill", type=int, default=512, help="a prompt of this many tokens: walk vs chunked WY")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--wy-variants", default="doubling/64/3,loop/64/3,doubling/32/3,doubling/128/3,doubling/64/2",
+                    help="the Triton WY kernel's launches: solve/BV/pieces, comma-separated ('' for none)")
     args = ap.parse_args()
     dev, H, D = args.device, args.heads, args.dim
-    kernels = ["walk", "wy"] + (["path"] if path_kernel_runs(torch.device(dev)) else [])
+    triton_runs = path_kernel_runs(torch.device(dev))
+    variants = [v.split("/") for v in args.wy_variants.split(",") if v] if triton_runs else []
+    kernels = ["walk", "wy"] + (["path"] if triton_runs else []) + [f"wy_triton {'/'.join(v)}" for v in variants]
     rows, bad = [], 0
     for n in (int(x) for x in args.nodes.split(",")):
         g = torch.Generator(device=dev).manual_seed(n)
@@ -109,13 +118,34 @@ def main() -> int:
         commit = {"walk": lambda: gdn_replay(S0, k, v, decay, beta, path),
                   "wy": lambda: gdn_wy_commit(S0, k, wy["out"][1], wy["out"][2], path),
                   "path": lambda: gdn_path_commit(S_work.copy_(S0), k, v, decay, beta, *pl, path[-1])}
+        on_path = torch.zeros(n, dtype=torch.bool, device=dev)
+        on_path[path] = True
+        for name in kernels[3:]:
+            solve, bv, pieces = name.split()[1].split("/")
+            bv, pieces = int(bv), int(pieces)
+            wyt = {}
+
+            def run_wyt(solve=solve, bv=bv, pieces=pieces, wyt=wyt):
+                wyt["out"] = gdn_wy_tree(S0, q, k, v, decay, beta, anc, solve=solve, bv=bv, pieces=pieces)
+                return wyt["out"][0]
+
+            verify[name] = run_wyt
+            commit[name] = lambda bv=bv, pieces=pieces, wyt=wyt: gdn_wy_commit_(
+                S_work.copy_(S0), k, wyt["out"][1], wyt["out"][2], on_path, path[-1], bv=bv, pieces=pieces)
+        ulp_ref = None
         for name in kernels:
             out = verify[name]()
-            state = commit[name]()
+            state = commit[name]().clone()
             err = max((out - ref).abs().max().item(), (state - ref_state).abs().max().item())
             ok = err < 1e-3
             bad += not ok
-            row = {"nodes": n, "kernel": name, "max_abs_err": err, "ok": ok, "depth": max(pl[1].tolist()),
+            if name == "path":
+                ulp_ref = (out, state)
+            ulps = None
+            if ulp_ref is not None and name.startswith("wy_triton"):  # (bf16 ulps at the path kernel's values)
+                ulps = max(((a - b).abs() / torch.exp2(torch.floor(torch.log2(b.abs().clamp(min=2.0 ** -126))) - 7))
+                           .max().item() for a, b in zip((out, state), ulp_ref))
+            row = {"nodes": n, "kernel": name, "max_abs_err": err, "ulps": ulps, "ok": ok, "depth": max(pl[1].tolist()),
                    "verify_ms": timed_ms(verify[name], dev, args.iters, False),
                    "verify_graph_ms": timed_ms(verify[name], dev, args.iters, True) if name != "walk" else None,
                    "commit_ms": timed_ms(commit[name], dev, args.iters, False),
@@ -145,12 +175,13 @@ def main() -> int:
     lines = [f"GDN shape: {H} value heads, {D} x {D} state, {args.gdn_layers} GDN layers; device {dev}; "
              f"committed path {args.accepted}", "",
              "| N | kernel | verify us/layer (eager / graph) | x layers (graph) | commit us/layer (eager / graph) "
-             "| snapshots would take | max err |", "|---|---|---|---|---|---|---|"]
+             "| snapshots would take | max err | bf16 ulps of path |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         total = r["verify_graph_ms"] if r["verify_graph_ms"] is not None else r["verify_ms"]
         lines.append(f"| {r['nodes']} | {r['kernel']} | {fmt(r['verify_ms'])} / {fmt(r['verify_graph_ms'])} "
                      f"| {fmt(total * args.gdn_layers)} | {fmt(r['commit_ms'])} / {fmt(r['commit_graph_ms'])} "
-                     f"| {snap_bytes[r['nodes']] / 2**30:.2f} GiB | {r['max_abs_err']:.1e} |")
+                     f"| {snap_bytes[r['nodes']] / 2**30:.2f} GiB | {r['max_abs_err']:.1e} "
+                     f"| {'-' if r['ulps'] is None else format(r['ulps'], '.2f')} |")
     if prefill:
         lines += ["", f"Prefill of {prefill['tokens']} tokens, one layer: walk {prefill['walk_ms']:.1f} ms, chunked WY "
                   f"{prefill['chunked_wy_ms']:.1f} ms (max err {prefill['max_abs_err']:.1e})"]

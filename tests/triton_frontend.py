@@ -40,6 +40,8 @@ def main(path: str) -> int:
         variants = [rec["constexprs"]]
         if rec["constexprs"].get("PDL") is False:  # the CPU never launches with PDL; the GPU does (fused.pdl)
             variants.append({**rec["constexprs"], "PDL": True})
+        if rec["constexprs"].get("BF16_DOT") is False:  # the interpreter's stand-in for bf16 dots (gdn_wy)
+            variants.append({**rec["constexprs"], "BF16_DOT": True})
         for consts in variants:
             try:
                 frontend(fn, rec["signature"], consts)

@@ -23,9 +23,10 @@ plus a sum of rank-one terms k_j u_j^T over its path, and the pseudo-values u co
 unit lower-triangular solve whose off-diagonal entries are the ancestor pairs. It equals the
 walk up to fp32 rounding (not bitwise), so the exact loops keep the walk for tree passes and
 use the chunked WY form for prefill, where every row is committed and all methods share it
-(`gdn_chain_chunked`). A Triton path kernel (one program per node walking its root path with S
-in registers) and a Triton WY kernel (fp32 state as three bf16 pieces on tensor cores) are to
-match these and are not written yet.
+(`gdn_chain_chunked`). Two Triton kernels compute the same on the GPU: the path kernel
+(`gdn_path`: one program per node walks its root path with S in registers, bitwise the walk's
+updates) and the WY kernel (`gdn_wy`: this WY form in one launch, its fp32 products as three
+bf16 pieces on tensor cores).
 """
 from __future__ import annotations
 

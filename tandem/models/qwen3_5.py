@@ -21,8 +21,9 @@ a tree pass takes `Qwen3_5ForCausalLM.gdn_tree`: on CUDA the Triton path kernel 
 (one launch walks every node's path; exact as the walk is, decode steps included, since they
 run it too; the fastest at N <= 32 on the H100, bench/NOTES.md 2026-12-06), elsewhere the walk
 (bitwise what token-by-token decoding computes, so greedy `chain` / `tree` equal `ar` exactly),
-or as TANDEM_GDN_TREE says: walk, path, or the WY form (`wy`: every path at once, equal to the
-walk up to fp32 rounding).
+or as TANDEM_GDN_TREE says: walk, path, or the WY form (every path at once, equal to the walk up
+to fp32 rounding): `wy` in torch ops, `wy_triton` as one Triton kernel on tensor cores (fp32
+operands as three bf16 pieces, tandem.kernels.gdn_wy; on CUDA or under Triton's interpreter).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from torch import nn
 
 from tandem.config import HYBRID_ARCHITECTURES, ConfigError
 from tandem.kernels.gdn_path import gdn_path_commit, gdn_path_tree, path_kernel_runs, root_paths
+from tandem.kernels.gdn_wy import gdn_wy_commit_, gdn_wy_tree
 from tandem.kernels.gdn import (conv_commit, conv_tree, conv_windows, gdn_chain_chunked, gdn_replay, gdn_tree_walk,
                                 gdn_tree_wy, gdn_wy_commit)
 from tandem.kv.cache import KVCache
@@ -45,8 +47,11 @@ from tandem.models.layers import MLP
 from tandem.tree.draft_tree import ancestor_mask
 
 ARCHITECTURES = HYBRID_ARCHITECTURES  # ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
-# a tree pass's GDN kernel: "walk" (exact: the updates token-by-token decoding does) or "wy"
-GDN_KERNELS = ("walk", "wy", "path")
+# a tree pass's GDN kernel: "walk" (exact: the updates token-by-token decoding does), "path" (the walk's
+# updates in one Triton launch), or the WY form in torch ops ("wy") or in one Triton launch ("wy_triton")
+GDN_KERNELS = ("walk", "wy", "path", "wy_triton")
+TRITON_KERNELS = ("path", "wy_triton")  # (CUDA with Triton, or Triton's interpreter)
+WY_KERNELS = ("wy", "wy_triton")  # (they read the tree's ancestor mask and keep U, G for the commit)
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 
 
@@ -183,8 +188,8 @@ class RowInputs:
 class TreeRecord:
     parents: list[int]
     windows: torch.Tensor  # [n, K] conv windows (tandem.kernels.gdn.conv_windows)
-    kernel: str = "walk"  # "walk", "wy", "path" (GDN_KERNELS) or "chunked" (a prefill chain)
-    anc: torch.Tensor | None = None  # "wy": [n, n] bool ancestor-or-self mask, on the model's device
+    kernel: str = "walk"  # one of GDN_KERNELS, or "chunked" (a prefill chain)
+    anc: torch.Tensor | None = None  # WY_KERNELS: [n, n] bool ancestor-or-self mask, on the model's device
     paths: tuple[torch.Tensor, torch.Tensor] | None = None  # "path": root paths [n, depth], lengths [n]
     layers: list[GDNRecord] = field(default_factory=list)  # one per GDN layer, in layer order
 
@@ -337,6 +342,9 @@ class GatedDeltaNet(nn.Module):
         elif p.record.kernel == "path":
             rec.v = v = v.contiguous()  # (a slice of the conv output in fp32 models)
             o = gdn_path_tree(S0, q, k, v, g, beta, *p.record.paths)
+        elif p.record.kernel == "wy_triton":
+            rec.v = v = v.contiguous()
+            o, rec.U, rec.G = gdn_wy_tree(S0.contiguous(), q, k, v, g, beta, p.record.anc)
         else:
             o = gdn_tree_walk(S0, q, k, v, g, beta, p.record.parents)
         o = o[:, m:]
@@ -511,9 +519,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         if self.gdn_tree not in GDN_KERNELS:
             raise ConfigError(f"unknown GDN tree kernel {self.gdn_tree!r} (TANDEM_GDN_TREE); choose one of "
                               f"{', '.join(GDN_KERNELS)}")
-        if self.gdn_tree == "path" and not path_kernel_runs(self.device):
-            raise ConfigError("the GDN path kernel (TANDEM_GDN_TREE=path) runs on CUDA with Triton (or under "
-                              "TRITON_INTERPRET=1); use TANDEM_GDN_TREE=walk on this device")
+        if self.gdn_tree in TRITON_KERNELS and not path_kernel_runs(self.device):
+            raise ConfigError(f"the GDN {self.gdn_tree} kernel (TANDEM_GDN_TREE={self.gdn_tree}) runs on CUDA with "
+                              "Triton (or under TRITON_INTERPRET=1); use TANDEM_GDN_TREE=walk or wy on this device")
 
     def pass_record(self, parents: list[int], prefill: bool = False) -> TreeRecord:
         """The empty record of a tree pass over `parents` (its GDN layers fill it in): which kernel
@@ -528,7 +536,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         kernel = "chunked" if prefill else ("walk" if self.gdn_tree == "wy" and n == 1 else self.gdn_tree)
         # (the windows on the device once: each GDN layer's conv indexes with them)
         return TreeRecord(list(parents), conv_windows(parents, self.config.linear_conv_kernel_dim).to(dev), kernel,
-                          ancestor_mask(parents).to(dev) if kernel == "wy" else None,
+                          ancestor_mask(parents).to(dev) if kernel in WY_KERNELS else None,
                           tuple(t.to(dev) for t in root_paths(parents)) if kernel == "path" else None)
 
     @torch.no_grad()
@@ -568,10 +576,17 @@ class Qwen3_5ForCausalLM(nn.Module):
         if not path:
             return
         whole = path == list(range(len(record.parents)))  # a chain committed whole (a prefill)
+        on_path = None
         for li, r in enumerate(record.layers):
             S = state.delta[li]
             if r.final is not None and whole:
                 new = r.final
+            elif record.kernel == "wy_triton":  # in place, one launch
+                if on_path is None:  # (the path's nodes as a device mask, once for every layer)
+                    on_path = torch.zeros(len(record.parents), dtype=torch.uint8)
+                    on_path[path] = 1
+                    on_path = on_path.to(S.device)
+                new = gdn_wy_commit_(S.contiguous(), r.k, r.U, r.G, on_path, path[-1])
             elif r.U is not None:
                 new = gdn_wy_commit(S, r.k, r.U, r.G, path)
             elif record.kernel == "path":  # in place, the kernel's own steps: the bits the pass read

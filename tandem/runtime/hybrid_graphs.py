@@ -6,7 +6,7 @@ pass of n nodes replays the graph of the smallest bucket b >= n instead:
 
     static inputs  tokens [1, b], positions [1, b], slots [b], mask [1, 1, b, capacity + 1],
                    conv windows [b, K], and the GDN kernel's tree: root paths [b, b] + lengths
-                   (path kernel) or the ancestor mask [b, b] (WY)
+                   (path kernel) or the ancestor mask [b, b] (WY, in torch or Triton)
     static outputs logits [b, vocab], the pass's TreeRecord (its GDN inputs, what commit reads)
 
 The tree is padded to b nodes with roots that hang from the committed prefix, write their K/V
@@ -14,7 +14,7 @@ to a scratch row past the cache's capacity, see only that row, and are never com
 kernel treats nodes independently, so the real nodes' logits and records are what an eager
 pass computes. The attention layers read every column under the mask (a static width), and the
 GDN layers read the committed state in place, so the commit writes the state in place too
-(HybridTarget.commit). Only the path and WY kernels are captured: the walk's sequence of
+(HybridTarget.commit). Only the path and WY kernels (wy, wy_triton) are captured: the walk's sequence of
 updates depends on the tree's shape. Prefills stay eager (one per request).
 """
 from __future__ import annotations
@@ -33,12 +33,12 @@ from tandem.tree.draft_tree import ancestor_mask
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-GRAPH_KERNELS = ("path", "wy")
+GRAPH_KERNELS = ("path", "wy", "wy_triton")
 
 
 def graphs_apply(model) -> bool:
     """Whether a hybrid target's tree passes are captured: on CUDA, with a capturable GDN kernel
-    (path, the CUDA default, or wy), unless TANDEM_HYBRID_GRAPHS=0 or TANDEM_CUDA_GRAPHS=0. (The
+    (path, the CUDA default, wy or wy_triton), unless TANDEM_HYBRID_GRAPHS=0 or TANDEM_CUDA_GRAPHS=0. (The
     default since its GPU lane, tests/gpu/test_gpu_hybrid_graphs.py, passed on an H100, 2026-12-07;
     a random Qwen3.5-4B-shaped target's `ar` ran at 93.7 tok/s captured against 13.1 eager.)"""
     return (os.environ.get("TANDEM_HYBRID_GRAPHS", "1") != "0" and model.device.type == "cuda"
@@ -69,7 +69,7 @@ class HybridGraphs:
 
     def __init__(self, model, state, cache, emulate: bool = False):
         if model.gdn_tree not in GRAPH_KERNELS:
-            raise ValueError(f"tree passes are captured with the path or WY kernel, not {model.gdn_tree!r}")
+            raise ValueError(f"tree passes are captured with the path or a WY kernel, not {model.gdn_tree!r}")
         self.model, self.state, self.cache, self.emulate = model, state, cache, emulate
         self.scratch = cache.capacity - 1  # padding rows write (and see) this row only
         self.buckets: dict[int, _Bucket] = {}
@@ -122,7 +122,7 @@ class HybridGraphs:
         return bk.logits[:n], dataclasses.replace(bk.record, parents=padded)
 
     def _capture(self, b: int) -> _Bucket:
-        from tandem.models.qwen3_5 import TreeRecord, _Pass
+        from tandem.models.qwen3_5 import WY_KERNELS, TreeRecord, _Pass
 
         m, dev = self.model, self.model.device
         K = m.config.linear_conv_kernel_dim
@@ -134,7 +134,7 @@ class HybridGraphs:
         bk.mask[..., self.scratch] = True  # (the capture's rows: roots at the scratch row, harmless)
         bk.paths[:, 0] = torch.arange(b, dtype=torch.int32, device=dev)
         kernel = m.gdn_tree
-        rec = TreeRecord([-1] * b, bk.windows, kernel, bk.anc if kernel == "wy" else None,
+        rec = TreeRecord([-1] * b, bk.windows, kernel, bk.anc if kernel in WY_KERNELS else None,
                          (bk.paths, bk.lens) if kernel == "path" else None)
         bk.record = rec
 

@@ -1,5 +1,5 @@
 """GPU lane: a hybrid (Qwen3.5) target's tree passes captured as CUDA graphs (runtime.hybrid_graphs),
-with the path kernel and the WY form: replayed passes give the eager pass's logits and, committed,
+with the path kernel and the WY form (torch ops and the Triton kernel): replayed passes give the eager pass's logits and, committed,
 its state; greedy decoding through them equals eager `ar` (fp32, a random target of 8 layers)."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def model():
     return random_target(512, 8, "cuda", "float32")[0]
 
 
-@pytest.mark.parametrize("kernel", ["path", "wy"])
+@pytest.mark.parametrize("kernel", ["path", "wy", "wy_triton"])
 def test_replayed_passes_equal_eager_ones(model, kernel, monkeypatch):
     monkeypatch.setattr(model, "gdn_tree", kernel)
     V = model.config.vocab_size
