@@ -7,6 +7,9 @@
 3. CUDA-graph step time of the runner at 1, 2, 4, ..., 128 rows (CUDA events, median), so
    the 64-row verify pass can be read against the 1-row pass.
 4. End-to-end greedy AR decoding through Generator (host loop included): ms/token.
+
+`--w12`: one-row passes read W12 copies of every projection and the LM head (Transformer.use_w12_gemv;
+the preset's N(0, 0.02) weights, their escape rate printed), and the floor is then the W12 bytes'.
 """
 from __future__ import annotations
 
@@ -100,6 +103,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128", help="row counts of the step timings")
     ap.add_argument("--gemv-launch", help="a launch table of the one-row GEMV kernels (bench/gpu_gemv.py's)")
+    ap.add_argument("--w12", action="store_true", help="one-row passes read W12 copies of the weights")
     args = ap.parse_args()
     if args.gemv_launch:
         from tandem.kernels import gemv
@@ -118,6 +122,17 @@ def main() -> None:
     bw = copy_bandwidth(torch.device("cuda"), 2 * 1024**3, 20)
     model = random_model(args.preset, "cuda", torch.bfloat16).fuse_projections()
     wb = weight_bytes(model)
+    if args.w12:
+        t0 = time.time()
+        report["w12"] = model.use_w12_gemv()
+        layers = [m for layer in model.model.layers for m in (layer.self_attn.w12, layer.mlp.w12)]
+        w12_bytes = sum(op.nbytes for d in layers for op in d.values()) + model.head_w12.nbytes
+        # the floor's bytes as the bf16 floor counts them (every matrix, the embedding table included), with the
+        # W12 copies in place of the projections and the LM head (the bf16 ones stay, for passes of many rows)
+        emb = model.model.embed_tokens.weight
+        wb = w12_bytes + (emb.numel() * emb.element_size() if emb.data_ptr() != model.lm_head.weight.data_ptr() else 0)
+        print(f"W12 copies in {time.time() - t0:.1f} s: escape rate {report['w12']['escape_rate']:.2e}, "
+              f"{report['w12']['bits_per_weight']:.3f} bits a weight")
     report.update(copy_bw_TBps=bw / 1e12, weight_GB=wb / 1e9, floor_ms=wb / bw * 1e3)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {wb / 1e9:.2f} GB, floor {wb / bw * 1e3:.3f} ms/token")
     capacity = args.context + args.new_tokens + 160
@@ -143,7 +158,7 @@ def main() -> None:
     print(f"AR end-to-end: {report['ar_ms_per_token']:.3f} ms/token (runs {['%.3f' % x for x in runs]}), "
           f"floor {report['floor_ms']:.3f} ms -> {report['floor_ms'] / report['ar_ms_per_token'] * 100:.1f}% of floor")
     os.makedirs(args.out, exist_ok=True)
-    tag = "" if report["TANDEM_GEMV"] == "1" else "_gemv0"
+    tag = ("" if report["TANDEM_GEMV"] == "1" else "_gemv0") + ("_w12" if args.w12 else "")
     with open(os.path.join(args.out, f"gpu_core_{args.preset}{tag}.json"), "w") as f:
         json.dump(report, f, indent=1)
 

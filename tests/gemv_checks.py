@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from tandem.kernels import fused_layer
 from tandem.kernels import gemv as gv
+from tandem.kernels.fused import add_rmsnorm_ref
 
 
 def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = 2e-5) -> None:
@@ -104,6 +105,79 @@ def check_norm_qkv() -> None:
     print("norm_qkv_rope_store: ok")
 
 
+def _w12_matrix(N: int, K: int, g: torch.Generator) -> torch.Tensor:
+    """A bf16 [N, K] weight with what W12 has to escape: per-channel scales over a few decades and heavy
+    tails (the realistic part), and in rows 0-3 and N/2 + 0-3 (both halves of a gate/up or q/k/v weight)
+    zeros, a denormal, a channel mostly below one outlier's 16-binade window, and a channel of zeros."""
+    w = torch.randn(N, K, generator=g) * torch.exp(torch.randn(N, 1, generator=g)) / K ** 0.5
+    w = w * (1 + 20 * (torch.rand(N, K, generator=g) < 0.01))
+    for r in (0, N // 2):
+        w[r, :5] = 0.0
+        w[r + 1, 3] = 1e-39  # (a bf16 denormal)
+        w[r + 2] *= 1e-6
+        w[r + 2, 0] = 100.0
+        w[r + 3] = 0.0
+    return w.bfloat16()
+
+
+def check_w12() -> None:
+    """Every kernel reading a W12 matrix (its records decoded in registers, its escape lists added after)
+    gives what it gives with the decoded bf16 weight, to fp32 sums, the residuals exactly."""
+    from tandem.quant.w12 import decode_w12, encode_w12, gemv_operand
+
+    g = torch.Generator().manual_seed(4)
+
+    def w12(N: int, K: int) -> tuple[torch.Tensor, object]:
+        w = _w12_matrix(N, K, g)
+        rec, esc = encode_w12(w)
+        assert esc.index.numel() >= 8 and torch.equal(decode_w12(rec, esc), w)
+        return w.float(), gemv_operand(rec, esc)
+
+    def magnitudes(wf: torch.Tensor, op) -> torch.Tensor:
+        """[N, K]: |w|, plus at each escaped slot the z_n = 2^(B_n - 127) that the record walk reads there and
+        the escape takes away again (so a row's sum carries their cancellation too)."""
+        z = torch.where(op.b7 > 0, torch.exp2((op.b7 >> 7).float() - 127), torch.zeros(()))
+        mag = wf.abs()
+        counts = (op.esc_off[1:] - op.esc_off[:-1]).long()
+        rows = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        mag[rows, op.esc_col[:len(rows)].long()] += z[rows]
+        return mag
+
+    with _Lifted():
+        for N, K, launch in ((300, 128, (8, 64, 4)), (200, 256, (4, 128, 4)), (130, 192, (2, 128, 8))):
+            wf, op = w12(N, K)
+            x, d, ln = torch.randn(1, K, generator=g), torch.randn(1, K, generator=g), 1 + 0.1 * torch.randn(K, generator=g)
+            x[0, 0] = d[0, 0] = 0.0  # (the outlier's column: rows 2 and N/2 + 2 are then sums of escapes alone)
+            assert gv.applies(x, op)
+            # each output to fp32 rounding of its own terms: |error| <= 1e-5 x sum |w| |input|, row by row
+            mag = magnitudes(wf, op)
+            got, want, scale = gv.gemv(x, op, launch), F.linear(x, wf), F.linear(x.abs(), mag)
+            assert ((got - want).abs() <= 1e-5 * scale).all(), ((got - want).abs() / scale.clamp(min=1e-30)).max()
+            h = add_rmsnorm_ref(x, d, ln, 1e-5)[1]
+            got, want, scale = gv.norm_gemv(x, d, ln, 1e-5, op, launch), gv.norm_gemv_ref(x, d, ln, 1e-5, wf), \
+                F.linear(h.abs(), mag)
+            assert ((got - want).abs() <= 1e-5 * scale).all(), ((got - want).abs() / scale.clamp(min=1e-30)).max()
+            inter = N // 2
+            wf2, op2 = w12(2 * inter, K)
+            s_ref, y_ref = gv.norm_gate_up_silu_ref(x, d, ln, 1e-5, wf2)
+            s, y = gv.norm_gate_up_silu(x, d, ln, 1e-5, op2, launch)
+            assert torch.equal(s, s_ref)
+            _close(f"w12 gate/up {inter}x{K}", y, y_ref, 1e-5)
+        nq, nkv, D, K = 4, 2, 32, 128
+        wf, op = w12((nq + 2 * nkv) * D, K)
+        x, d, ln = torch.randn(1, K, generator=g), torch.randn(1, K, generator=g), 1 + 0.1 * torch.randn(K, generator=g)
+        pos, slot = torch.tensor([11]), torch.tensor([2])
+        inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+        caches = [[torch.zeros(1, nkv, 4, D) for _ in range(2)] for _ in range(2)]
+        want = gv.norm_qkv_rope_store_ref(x, d, ln, 1e-5, wf, None, pos, inv, nq, nkv, *caches[0], slot)
+        got = gv.norm_qkv_rope_store(x, d, ln, 1e-5, op, None, pos, inv, nq, nkv, *caches[1], slot, launch=(8, 64, 4))
+        assert torch.equal(got[0], want[0])
+        _close("w12 q", got[1], want[1], 1e-5)
+        for c_got, c_want in zip(caches[1], caches[0]):
+            _close("w12 k/v cache", c_got, c_want, 1e-5)
+    print("w12 gemv kernels: ok")
+
+
 def check_decode() -> None:
     """A tiny model decoded greedily one row at a time through a runner (its layers' fused path, and the
     final norm with the LM head in one GEMV) with the GEMV kernels on gives the tokens, logits and target
@@ -142,8 +216,45 @@ def check_decode() -> None:
     print("one-row decode: ok")
 
 
+def check_decode_w12() -> None:
+    """A tiny bf16 model decoded greedily one row at a time, its one-row passes reading W12 copies of
+    every projection and the LM head (Transformer.use_w12_gemv), gives the tokens and logits of the same
+    decode reading the bf16 weights (the same kernels; only the weights' read differs)."""
+    from models_for_tests import tiny_model
+
+    from tandem.runtime.runner import ModelRunner
+
+    model = tiny_model(seed=5, hidden=128, layers=3).to(torch.bfloat16).fuse_projections()
+    prompt = torch.randint(0, model.config.vocab_size, (6,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def decode() -> tuple[list[int], list[torch.Tensor]]:
+        runner = ModelRunner(model, capacity=48, use_graphs=False)
+        with torch.no_grad():
+            logits = runner.prefill(prompt)
+            toks, rows = [], []
+            for i in range(8):
+                toks.append(int(logits.float().argmax()))
+                logits = runner.step(toks[-1:], [len(prompt) + i], torch.ones(1, 1, dtype=torch.bool))[0]
+                runner.cache.commit([0])
+                rows.append(logits.float().clone())
+        return toks, rows
+
+    with _Lifted():
+        want = decode()
+        stats = model.use_w12_gemv()
+        assert model.head_w12 is not None and all(layer.mlp.w12 for layer in model.model.layers)
+        got = decode()
+    assert 0 <= stats["escape_rate"] < 0.01 and 12 < stats["bits_per_weight"] < 14, stats
+    assert got[0] == want[0], (got[0], want[0])
+    for i, (a, b) in enumerate(zip(got[1], want[1])):
+        _close(f"w12 logits step {i}", a, b, 1e-2)
+    print("one-row decode through W12 copies: ok")
+
+
 if __name__ == "__main__":
     check_gemv()
     check_norm_gate_up()
     check_norm_qkv()
     check_decode()
+    check_w12()
+    check_decode_w12()

@@ -16,8 +16,11 @@ from triton_interpreter import NEEDS_TRITON, run_checks
 def test_gemv_kernels_under_the_triton_interpreter():
     """The plain GEMV, the gate/up GEMV with the norm in front and SiLU * up behind, and the q/k/v GEMV with
     the norm in front and RoPE + the K/V store behind equal their references (residuals exactly), and a tiny
-    model decoded one row at a time through them gives the tokens, logits and features of the decode without."""
-    run_checks("gemv_checks.py", 4)
+    model decoded one row at a time through them gives the tokens, logits and features of the decode without;
+    each of them reading a W12 matrix (records decoded in registers, escapes added after) gives what it gives
+    with the decoded bf16 weight, and a tiny bf16 model decoded through W12 copies of its weights gives the
+    tokens of its decode through the bf16 weights."""
+    run_checks("gemv_checks.py", 6)
 
 
 def test_gemv_stays_off_the_cpu_and_off_many_rows():

@@ -75,6 +75,8 @@ class Attention(nn.Module):
         # sliding-window layer: a row attends to the `window` positions up to its own
         self.window = cfg.sliding_window if layer_idx in cfg.sliding_layers else None
         self.qkv_weight: torch.Tensor | None = None  # set by fuse()
+        # W12 copies of q/k/v and o_proj for one-row passes ({"qkv": , "o": } W12Gemv; Transformer.use_w12_gemv)
+        self.w12: dict | None = None
         self.qkv_bias: torch.Tensor | None = None
         self.tp_group = None  # a process group when sharded (tandem.parallel.tensor_parallel)
 
@@ -140,6 +142,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
         self.tp_group = None  # a process group when sharded (tandem.parallel.tensor_parallel)
+        self.w12: dict | None = None  # W12 copies of gate/up and down_proj for one-row passes ({"gate_up":, "down":})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
@@ -208,12 +211,15 @@ def fused_layer_forward(attn: Attention, mlp: MLP, ln1: RMSNorm, ln2: RMSNorm, x
     H, D = attn.n_heads, attn.head_dim
     # the small model's kernels, or one row of a large model's (the caller checked that one applies)
     ops, linear = (fused_layer, fused_layer.linear) if fusable(attn, mlp, x[0]) else (gemv, gemv.gemv)
+    w_qkv, w_o, w_gate_up, w_down = attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight, mlp.down_proj.weight
+    if ops is gemv and attn.w12 is not None and mlp.w12 is not None:  # (one row: 12 bits a weight read)
+        w_qkv, w_o, w_gate_up, w_down = attn.w12["qkv"], attn.w12["o"], mlp.w12["gate_up"], mlp.w12["down"]
     k, v = cache.layer_kv(attn.layer_idx)  # [1, Hkv, capacity, D] each
     d = None if delta is None else delta.reshape(T, hid)
-    s, q = ops.norm_qkv_rope_store(x[0], d, ln1.weight, ln1.eps, attn.qkv_weight, attn.qkv_bias, positions.reshape(T),
+    s, q = ops.norm_qkv_rope_store(x[0], d, ln1.weight, ln1.eps, w_qkv, attn.qkv_bias, positions.reshape(T),
                                    inv_freq, H, attn.n_kv, k, v, slots.reshape(T), resid_out)
     width = mask.shape[-1]
     out = cached_attention(q[None], k[:, :, :width], v[:, :, :width], mask)  # [1, T, H, D]
-    a = linear(out.reshape(T, H * D), attn.o_proj.weight)  # [T, hidden]
-    s, h = ops.norm_gate_up_silu(s, a, ln2.weight, ln2.eps, mlp.gate_up_weight)
-    return s[None], linear(h, mlp.down_proj.weight)[None]
+    a = linear(out.reshape(T, H * D), w_o)  # [T, hidden]
+    s, h = ops.norm_gate_up_silu(s, a, ln2.weight, ln2.eps, w_gate_up)
+    return s[None], linear(h, w_down)[None]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.config import ModelConfig
+from tandem.config import ConfigError, ModelConfig
 from tandem.kernels import gemv
 from tandem.kernels.fused import add_rmsnorm, triton_enabled
 from tandem.models.layers import (MLP, Attention, RMSNorm, fuse_decoder_layers, fused_layer_applies,
@@ -90,6 +90,7 @@ class Transformer(nn.Module):
         # [B, T, len(feature_layers) * hidden] by every forward. None: no features (no cost).
         self.feature_layers: tuple[int, ...] | None = None
         self.last_features: torch.Tensor | None = None
+        self.head_w12 = None  # a W12 copy of the LM head for one-row passes (use_w12_gemv)
 
     def enable_features(self, layers: tuple[int, ...] | None = None) -> tuple[int, ...]:
         """Keep target features from now on: by default a low, a middle and a high layer,
@@ -151,13 +152,43 @@ class Transformer(nn.Module):
                 and gemv.applies(x[0], head.weight)):
             # one row of a large model: the residual add, the final norm and the LM head in one streaming GEMV
             # (at the Llama-3-8B shape it read the 1 GB head in 330 us where cuBLAS took 379, one H100)
-            return gemv.norm_gemv(x[0], delta[0], norm.weight, norm.eps, head.weight)[None]  # [1, 1, vocab]
+            w = head.weight if self.head_w12 is None else self.head_w12
+            return gemv.norm_gemv(x[0], delta[0], norm.weight, norm.eps, w)[None]  # [1, 1, vocab]
         return head(add_rmsnorm(x, delta, norm.weight, norm.eps)[1])  # [B, T, vocab]
 
     def fuse_projections(self) -> "Transformer":
         """Fuse q/k/v and gate/up weights (inference only: fewer, larger matrix products)."""
         fuse_decoder_layers(self.model.layers)
         return self
+
+    def use_w12_gemv(self) -> dict:
+        """Keep a W12 copy (tandem.quant.w12: 12 bits a weight, lossless) of every projection and of the LM
+        head, which one-row passes through tandem.kernels.gemv read instead of the bf16 weights: a batch-1
+        decode step then reads 12/16 of the bytes. Passes of several rows keep the bf16 weights (so the
+        weights take 1.75x their bf16 memory in this mode). bf16 models with fused projections; every copy
+        is checked to restore its matrix bit for bit. Returns {"escape_rate", "bits_per_weight"}."""
+        from tandem.quant.w12 import encode_w12, gemv_operand, verify_w12, w12_stats
+
+        if self.dtype != torch.bfloat16:
+            raise ConfigError(f"W12 copies are of bf16 weights; this model is {self.dtype} (load it with --dtype bfloat16)")
+        self.fuse_projections()
+        weights = escapes = stored = 0
+
+        def w12(w: torch.Tensor, name: str):
+            nonlocal weights, escapes, stored
+            rec, esc = encode_w12(w.detach())
+            verify_w12(w, rec, esc, name)
+            st = w12_stats(rec, esc)
+            weights, escapes, stored = weights + st.weights, escapes + st.escapes, stored + st.stored_bytes
+            return gemv_operand(rec, esc)
+
+        for i, layer in enumerate(self.model.layers):
+            a, m = layer.self_attn, layer.mlp
+            a.w12 = {"qkv": w12(a.qkv_weight, f"layer {i} qkv"), "o": w12(a.o_proj.weight, f"layer {i} o_proj")}
+            m.w12 = {"gate_up": w12(m.gate_up_weight, f"layer {i} gate_up"),
+                     "down": w12(m.down_proj.weight, f"layer {i} down_proj")}
+        self.head_w12 = w12(self.lm_head.weight, "lm_head")
+        return {"escape_rate": escapes / max(weights, 1), "bits_per_weight": 8 * stored / max(weights, 1)}
 
     @property
     def device(self) -> torch.device:

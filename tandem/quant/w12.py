@@ -233,3 +233,16 @@ def dense_escapes(escapes: W12Escapes, n: int) -> tuple[torch.Tensor, torch.Tens
         cols[rows, slot] = escapes.index
         vals[rows, slot] = escapes.bits.view(torch.bfloat16)
     return cols, vals
+
+
+def gemv_operand(records: W12Records, escapes: W12Escapes, device: torch.device | str | None = None):
+    """The matrix as tandem.kernels.gemv's one-row kernels read it (they decode the records in registers)."""
+    from tandem.kernels.gemv import W12Gemv
+
+    check_w12(records, escapes)
+    dev = records.data.device if device is None else torch.device(device)
+    col, bits = escapes.index, escapes.bits
+    if not col.numel():  # (one unread entry: a launch needs a pointer)
+        col, bits = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int16)
+    return W12Gemv(records.data.reshape(-1).to(dev), (records.base.to(torch.int32) << 7).to(dev),
+                   escapes.offsets.to(dev), col.to(dev), bits.to(dev), records.shape)

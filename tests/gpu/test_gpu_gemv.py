@@ -95,3 +95,84 @@ def test_decode_with_and_without_the_kernels(monkeypatch):
         r = Generator(model, None).generate(prompt, "ar", gen=GenerationConfig(max_new_tokens=24, ignore_eos=True))
         outs.append(r.token_ids)
     assert outs[0] == outs[1]
+
+
+def _w12(w: torch.Tensor):
+    from tandem.quant.w12 import encode_w12, gemv_operand, verify_w12
+
+    rec, esc = encode_w12(w)
+    verify_w12(w, rec, esc)
+    return gemv_operand(rec, esc)
+
+
+@pytest.mark.parametrize("launch", LAUNCHES + [(2, 2048, 8)], ids=str)
+def test_w12_operands_equal_the_bf16_weights(launch):
+    """Each one-row kernel reading a W12 matrix (realistic weights: Student-t, per-channel scales, outlier
+    columns, a channel of zeros, one of denormals, one mostly under its window) gives the bf16 weight's
+    result, bf16 x, at the Llama-3-8B shapes."""
+    sys_path_tests_gpu()
+    from test_gpu_w12 import realistic_weights
+
+    c = PRESETS["llama3-8b"]
+    K, inter, D, nq, nkv, cap = c.hidden_size, c.intermediate_size, c.head_dim, c.num_attention_heads, \
+        c.num_key_value_heads, 64
+    x, d = _randn(1, K, dtype=torch.bfloat16, seed=0), _randn(1, K, dtype=torch.bfloat16, seed=1)
+    ln = 1 + _randn(K, dtype=torch.bfloat16, seed=2, scale=0.1)
+    h = _randn(1, inter, dtype=torch.bfloat16, seed=4)
+    w_down = realistic_weights(K, inter, seed=3)
+    op = _w12(w_down)
+    assert gv.applies(h, op)
+    assert rel_err(gv.gemv(h, op, launch), gv.gemv(h, w_down, launch)) < 1e-2
+    w_gu = realistic_weights(2 * inter, K, seed=5)
+    s_ref, y_ref = gv.norm_gate_up_silu(x, d, ln, 1e-5, w_gu, launch)
+    s, y = gv.norm_gate_up_silu(x, d, ln, 1e-5, _w12(w_gu), launch)
+    assert torch.equal(s, s_ref) and rel_err(y, y_ref) < 1e-2
+    w = realistic_weights((nq + 2 * nkv) * D, K, seed=6)
+    pos, slots = torch.tensor([21], device="cuda"), torch.tensor([7], device="cuda")
+    inv = rope_inv_freq(c).cuda()
+    kv = [torch.zeros(2, 1, nkv, cap, D, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    s_ref, q_ref = gv.norm_qkv_rope_store(x, d, ln, 1e-5, w, None, pos, inv, nq, nkv, kv[1][0], kv[1][1], slots,
+                                          launch=launch)
+    s, q = gv.norm_qkv_rope_store(x, d, ln, 1e-5, _w12(w), None, pos, inv, nq, nkv, kv[0][0], kv[0][1], slots,
+                                  launch=launch)
+    assert torch.equal(s, s_ref) and rel_err(q, q_ref) < 1e-2 and rel_err(kv[0], kv[1]) < 1e-2
+    head = realistic_weights(c.vocab_size // 8, K, seed=7)
+    assert rel_err(gv.norm_gemv(x, d, ln, 1e-5, _w12(head), launch), gv.norm_gemv(x, d, ln, 1e-5, head, launch)) < 1e-2
+
+
+def sys_path_tests_gpu() -> None:
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+
+def test_decode_through_w12_copies():
+    """bf16, 4 layers of the Llama-3-8B width (vocabulary cut to 4096), a CUDA-graph runner: one-row steps
+    through W12 copies of every projection and the LM head (Transformer.use_w12_gemv) give the logits of the
+    same steps through the bf16 weights, fed the same tokens (random weights put bf16 logits close together,
+    so greedy tokens could flip at a near-tie; the logits are what the kernels decide)."""
+    from tandem.bench.presets import random_model
+    from tandem.runtime.runner import ModelRunner
+
+    small = dataclasses.replace(PRESETS["llama3-8b"], num_hidden_layers=4, vocab_size=4096)
+    model = random_model(small, "cuda", torch.bfloat16).fuse_projections()
+    prompt = torch.randint(0, 4096, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    feed = torch.randint(0, 4096, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def steps() -> list[torch.Tensor]:
+        runner = ModelRunner(model, capacity=96)
+        runner.prefill(prompt)
+        rows = []
+        for i, t in enumerate(feed):
+            rows.append(runner.step([t], [len(prompt) + i], torch.ones(1, 1, dtype=torch.bool))[0].clone())
+            runner.cache.commit([0])
+        return rows
+
+    want = steps()
+    stats = model.use_w12_gemv()
+    assert stats["bits_per_weight"] < 12.1, stats
+    got = steps()
+    assert max(rel_err(a, b) for a, b in zip(got, want)) < 1e-2
