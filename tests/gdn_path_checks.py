@@ -111,6 +111,27 @@ def _tiny_target() -> Qwen3_5ForCausalLM:
     return model
 
 
+class Oracle:
+    """A 6-node tree each step: the ar continuation `truth` as a chain of 3, plus 3 siblings."""
+
+    def __init__(self, truth: list[int]):
+        self.truth, self.steps = truth, 0
+
+    def start(self, prompt_ids):
+        self.done, self.root = 0, prompt_ids[-1]
+
+    def propose(self):
+        truth = self.truth[self.done:self.done + 3]
+        tokens = [self.root] + truth + [(t + 1) % 96 for t in truth[:2]]
+        parents = [-1] + list(range(len(truth))) + [0, 1][:len(tokens) - 1 - len(truth)]
+        self.steps += 1
+        return DraftTree(tokens, parents, [0.0] * len(tokens))
+
+    def observe(self, result, tree):
+        self.done += len(result.tokens)
+        self.root = result.bonus
+
+
 def check_model(device: str = "cpu") -> None:
     """A tiny hybrid target with TANDEM_GDN_TREE=path: a tree pass's logits and committed state equal
     the walk's to fp32 rounding, and greedy tree decoding (an oracle tree holding the ar path)
@@ -139,24 +160,7 @@ def check_model(device: str = "cpu") -> None:
     prompt = [5, 9, 1, 77, 30]
     ar = generate_hybrid(model, prompt, "ar", gen=gen)
 
-    class Oracle:  # a 6-node tree each step: the ar continuation as a chain of 3 plus 3 siblings
-        steps = 0
-
-        def start(self, prompt_ids):
-            self.done, self.root = 0, prompt_ids[-1]
-
-        def propose(self):
-            truth = ar.token_ids[self.done:self.done + 3]
-            tokens = [self.root] + truth + [(t + 1) % 96 for t in truth[:2]]
-            parents = [-1] + list(range(len(truth))) + [0, 1][:len(tokens) - 1 - len(truth)]
-            self.steps += 1
-            return DraftTree(tokens, parents, [0.0] * len(tokens))
-
-        def observe(self, result, tree):
-            self.done += len(result.tokens)
-            self.root = result.bonus
-
-    res = generate_hybrid(model, prompt, "tree", spec=SpecConfig(nodes=6), gen=gen, drafter=Oracle())
+    res = generate_hybrid(model, prompt, "tree", spec=SpecConfig(nodes=6), gen=gen, drafter=Oracle(ar.token_ids))
     model.gdn_tree = "walk"
     assert res.token_ids == ar.token_ids, (res.token_ids, ar.token_ids)
     assert res.target_passes < ar.target_passes

@@ -16,9 +16,8 @@ from __future__ import annotations
 import random
 
 import torch
-import torch.nn.functional as F
 
-from gdn_path_checks import _forest, _inputs, _path, _tiny_target
+from gdn_path_checks import Oracle, _forest, _inputs, _path, _tiny_target
 from tandem.config import GenerationConfig, SpecConfig
 from tandem.kernels.gdn import gdn_replay, gdn_snapshots_ref
 from tandem.kernels.gdn_path import gdn_path_commit, gdn_path_tree, root_paths
@@ -137,26 +136,9 @@ def check_model(device: str = "cpu") -> None:
     model.gdn_tree = "walk"
     ar = generate_hybrid(model, prompt, "ar", gen=gen)
 
-    class Oracle:  # a 6-node tree each step: the ar continuation as a chain of 3 plus 3 siblings
-        steps = 0
-
-        def start(self, prompt_ids):
-            self.done, self.root = 0, prompt_ids[-1]
-
-        def propose(self):
-            truth = ar.token_ids[self.done:self.done + 3]
-            tokens = [self.root] + truth + [(t + 1) % 96 for t in truth[:2]]
-            parents = [-1] + list(range(len(truth))) + [0, 1][:len(tokens) - 1 - len(truth)]
-            self.steps += 1
-            return DraftTree(tokens, parents, [0.0] * len(tokens))
-
-        def observe(self, result, tree):
-            self.done += len(result.tokens)
-            self.root = result.bonus
-
     model.gdn_tree = "wy_triton"
     try:
-        res = generate_hybrid(model, prompt, "tree", spec=SpecConfig(nodes=6), gen=gen, drafter=Oracle())
+        res = generate_hybrid(model, prompt, "tree", spec=SpecConfig(nodes=6), gen=gen, drafter=Oracle(ar.token_ids))
         plain = generate_hybrid(model, prompt, "ar", gen=gen)
     finally:
         model.gdn_tree = "walk"

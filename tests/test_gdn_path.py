@@ -28,7 +28,8 @@ def test_gdn_path_kernel_under_the_triton_interpreter():
     run_checks("gdn_path_checks.py", 3)
 
 
-def test_path_kernel_off_cuda_is_a_config_error(monkeypatch):
+@pytest.mark.parametrize("kernel", ["path", "wy_triton"])
+def test_triton_kernels_off_cuda_are_a_config_error(kernel, monkeypatch):
     from tandem.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen35Config
     from tandem.runtime.hybrid import HybridTarget
     from tandem.tree.draft_tree import DraftTree
@@ -39,6 +40,6 @@ def test_path_kernel_off_cuda_is_a_config_error(monkeypatch):
                        layer_types=("linear_attention", "full_attention"), linear_key_head_dim=4,
                        linear_value_head_dim=4, linear_num_key_heads=1, linear_num_value_heads=2)
     model = Qwen3_5ForCausalLM(cfg).eval()
-    model.gdn_tree = "path"
-    with pytest.raises(ConfigError, match="GDN path kernel .* runs on CUDA"):
+    model.gdn_tree = kernel
+    with pytest.raises(ConfigError, match=f"GDN {kernel} kernel .* runs on CUDA.*TANDEM_GDN_TREE=walk or wy"):
         HybridTarget(model, capacity=8).logits(DraftTree.chain([1, 2]))

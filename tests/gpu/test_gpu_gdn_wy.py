@@ -4,38 +4,20 @@ both solves, within one bf16 ulp of the path kernel (three pieces a product; one
 carried through committed one-node passes, and a tiny hybrid target decoding through it."""
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gpu_lane import NEEDS_CUDA, no_grad
+from test_gpu_gdn_path import _inputs, _tree
 from tandem.kernels.gdn import gdn_replay, gdn_snapshots_ref
 from tandem.kernels.gdn_path import gdn_path_commit, gdn_path_tree, root_paths
 from tandem.kernels.gdn_wy import SOLVES, gdn_wy_commit_, gdn_wy_tree
 from tandem.tree.draft_tree import ancestor_mask
 
 pytestmark = [pytest.mark.cuda, NEEDS_CUDA, pytest.mark.usefixtures(no_grad.__name__)]
-
-H, DK, DV = 32, 128, 128
-
-
-def _inputs(n: int, seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
-    q, k, v = r(1, n, H, DK) * DK ** -0.5, F.normalize(r(1, n, H, DK), dim=-1), r(1, n, H, DV)
-    decay = -torch.rand(1, n, H, generator=g, device="cuda")
-    beta = torch.rand(1, n, H, generator=g, device="cuda")
-    return r(1, H, DK, DV) * 0.1, q, k, v, decay, beta
-
-
-def _tree(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [-1] + [rng.randrange(max(0, i - 4), i) for i in range(1, n)]  # deep-ish, as best-first trees are
-
 
 def _on_path(parents: list[int], node: int) -> torch.Tensor:
     on = torch.zeros(len(parents), dtype=torch.bool)
