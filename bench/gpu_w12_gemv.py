@@ -47,6 +47,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     launches = [tuple(int(v) for v in s.split("/")) for s in args.launches.split(",")]
     rows, bad = [], 0
+    torch.set_grad_enabled(False)  # (the kernels run only without autograd: tandem.kernels.fused.triton_enabled)
     for name, (n, k) in _shapes(PRESETS[args.preset]).items():
         w = realistic_weights(n, k, seed=n + k)
         rec, esc = encode_w12(w)
