@@ -88,10 +88,21 @@ if triton is not None:
         return tl.dot(x.to(tl.float32), y.to(tl.float32), acc, input_precision="ieee")
 
     @triton.jit
-    def _dot(x, y, acc, PIECES: tl.constexpr, BF16_DOT: tl.constexpr):
-        """acc + x @ y for fp32 x, y through bf16 tensor-core products of their pieces."""
+    def _dot(x, y, acc, PIECES: tl.constexpr, BF16_DOT: tl.constexpr, SEP: tl.constexpr):
+        """acc + x @ y for fp32 x, y through bf16 tensor-core products of their pieces. SEP: each piece
+        product into a zero accumulator of its own, summed after in fp32 (a tensor core's accumulator keeps
+        fewer bits than IEEE fp32, so the small products are not added into the large ones there);
+        else chained through the tensor cores' accumulator, smallest first."""
         x1, x2, x3 = _pieces(x, PIECES)
         y1, y2, y3 = _pieces(y, PIECES)
+        if SEP:
+            zero = tl.zeros_like(acc)
+            lo = zero
+            if PIECES >= 3:
+                lo = _mma(x1, y3, zero, BF16_DOT) + _mma(x3, y1, zero, BF16_DOT) + _mma(x2, y2, zero, BF16_DOT)
+            if PIECES >= 2:
+                lo = lo + (_mma(x1, y2, zero, BF16_DOT) + _mma(x2, y1, zero, BF16_DOT))
+            return acc + (lo + _mma(x1, y1, zero, BF16_DOT))
         if PIECES >= 3:  # the products of order x1 y3, smallest first
             acc = _mma(x1, y3, acc, BF16_DOT)
             acc = _mma(x3, y1, acc, BF16_DOT)
@@ -104,7 +115,8 @@ if triton is not None:
     @triton.jit
     def _wy_tree_kernel(s0_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, o_ptr, u_ptr, gg_ptr,
                         n, H, DK, DV, NP: tl.constexpr, LOG2NP: tl.constexpr, BK: tl.constexpr,
-                        BV: tl.constexpr, PIECES: tl.constexpr, SOLVE: tl.constexpr, BF16_DOT: tl.constexpr):
+                        BV: tl.constexpr, PIECES: tl.constexpr, SOLVE: tl.constexpr, BF16_DOT: tl.constexpr,
+                        SEP: tl.constexpr):
         bh, vb = tl.program_id(0), tl.program_id(1)  # (sequence b, head h), value block
         b, h = bh // H, bh % H
         r = tl.arange(0, NP)  # nodes
@@ -133,10 +145,10 @@ if triton is not None:
             sc = tl.load(s0_ptr + bh * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :],
                          other=0.0)  # [BK, BV]
             kt = tl.trans(kc)
-            kk = _dot(kc, kt, kk, PIECES, BF16_DOT)
-            qk = _dot(qc, kt, qk, PIECES, BF16_DOT)
-            ks = _dot(kc, sc, ks, PIECES, BF16_DOT)
-            qs = _dot(qc, sc, qs, PIECES, BF16_DOT)
+            kk = _dot(kc, kt, kk, PIECES, BF16_DOT, SEP)
+            qk = _dot(qc, kt, qk, PIECES, BF16_DOT, SEP)
+            ks = _dot(kc, sc, ks, PIECES, BF16_DOT, SEP)
+            qs = _dot(qc, sc, qs, PIECES, BF16_DOT, SEP)
 
         eg = tl.exp(G)
         v = tl.load(v_ptr + row[:, None] * DV + ov[None, :], mask=rm[:, None] & mv[None, :], other=0.0)  # [NP, BV]
@@ -154,10 +166,10 @@ if triton is not None:
             p = -lo
             inv = eye + p
             for _ in tl.static_range(LOG2NP - 1):
-                p = _dot(p, p, tl.zeros((NP, NP), dtype=tl.float32), PIECES, BF16_DOT)
-                inv = _dot(inv, p, inv, PIECES, BF16_DOT)
-            u = _dot(inv, rhs, tl.zeros((NP, BV), dtype=tl.float32), PIECES, BF16_DOT)
-        o = _dot(qk * decay, u, eg[:, None] * qs, PIECES, BF16_DOT)  # [NP, BV]
+                p = _dot(p, p, tl.zeros((NP, NP), dtype=tl.float32), PIECES, BF16_DOT, SEP)
+                inv = _dot(inv, p, inv, PIECES, BF16_DOT, SEP)
+            u = _dot(inv, rhs, tl.zeros((NP, BV), dtype=tl.float32), PIECES, BF16_DOT, SEP)
+        o = _dot(qk * decay, u, eg[:, None] * qs, PIECES, BF16_DOT, SEP)  # [NP, BV]
         m2 = rm[:, None] & mv[None, :]
         tl.store(o_ptr + row[:, None] * DV + ov[None, :], o, mask=m2)
         tl.store(u_ptr + (bh * n + r)[:, None] * DV + ov[None, :], u, mask=m2)
@@ -166,7 +178,8 @@ if triton is not None:
 
     @triton.jit
     def _wy_commit_kernel(s_ptr, k_ptr, u_ptr, gg_ptr, on_ptr, n, H, DK, DV, last, NP: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, PIECES: tl.constexpr, BF16_DOT: tl.constexpr):
+                          BK: tl.constexpr, BV: tl.constexpr, PIECES: tl.constexpr, BF16_DOT: tl.constexpr,
+                          SEP: tl.constexpr):
         # S <- exp(G_last) S + sum over the path of exp(G_last - G_j) k_j u_j^T, in place: each
         # program reads a chunk of its block of S before it writes that chunk
         bh, vb = tl.program_id(0), tl.program_id(1)
@@ -189,7 +202,7 @@ if triton is not None:
             s_at = s_ptr + bh * DK * DV + ok[:, None] * DV + ov[None, :]
             ms = mk[:, None] & mv[None, :]
             s = tl.load(s_at, mask=ms, other=0.0)  # [BK, BV]
-            tl.store(s_at, _dot(tl.trans(kc), wu, tl.exp(g_last) * s, PIECES, BF16_DOT), mask=ms)
+            tl.store(s_at, _dot(tl.trans(kc), wu, tl.exp(g_last) * s, PIECES, BF16_DOT, SEP), mask=ms)
 
 
 def _check(*tensors: torch.Tensor) -> None:
@@ -199,7 +212,7 @@ def _check(*tensors: torch.Tensor) -> None:
 
 def gdn_wy_tree(S0: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, anc: torch.Tensor, *, pieces: int = 3, solve: str = "doubling",
-                bv: int = BV, bk: int = BK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                bv: int = BV, bk: int = BK, sep: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-node outputs of the gated delta rule over a tree, every root path at once: what
     `gdn.gdn_tree_wy` computes (shapes and returns as there: o [B, n, H, dv], U [B, H, n, dv],
     G [B, H, n]); anc [n, n] bool or uint8 on k's device. S0 is only read. Over MAX_NODES nodes
@@ -218,12 +231,12 @@ def gdn_wy_tree(S0: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     grid = (B * H, triton.cdiv(dv, bv))
     _wy_tree_kernel[grid](S0, q, k, v, g, beta, anc.to(torch.uint8).contiguous(), o, U, G, n, H, dk, dv,
                           NP=NP, LOG2NP=NP.bit_length() - 1, BK=bk, BV=bv, PIECES=pieces, SOLVE=solve,
-                          BF16_DOT=_bf16_dot(), num_warps=4 if NP <= 32 else 8)
+                          BF16_DOT=_bf16_dot(), SEP=sep, num_warps=4 if NP <= 32 else 8)
     return o, U, G
 
 
 def gdn_wy_commit_(S: torch.Tensor, k: torch.Tensor, U: torch.Tensor, G: torch.Tensor, on_path: torch.Tensor,
-                   last: int, *, pieces: int = 3, bv: int = BV, bk: int = BK) -> torch.Tensor:
+                   last: int, *, pieces: int = 3, bv: int = BV, bk: int = BK, sep: bool = True) -> torch.Tensor:
     """The state after the root path ending at node `last` of a `gdn_wy_tree` pass, written over
     S [B, H, dk, dv] (the pass's S0) and returned. on_path: [n] bool or uint8, the path's nodes
     (on k's device). What `gdn.gdn_wy_commit` computes, as one launch."""
@@ -234,6 +247,6 @@ def gdn_wy_commit_(S: torch.Tensor, k: torch.Tensor, U: torch.Tensor, G: torch.T
     _check(S, k, U, G)
     NP = _np(n)
     _wy_commit_kernel[(B * H, triton.cdiv(dv, bv))](S, k, U, G, on_path.to(torch.uint8), n, H, dk, dv, last, NP=NP,
-                                                   BK=bk, BV=bv, PIECES=pieces, BF16_DOT=_bf16_dot(),
+                                                   BK=bk, BV=bv, PIECES=pieces, BF16_DOT=_bf16_dot(), SEP=sep,
                                                    num_warps=4 if NP <= 32 else 8)
     return S
