@@ -14,10 +14,14 @@ tensor-core work.
 Precision. Tensor cores multiply 16-bit inputs; the state is fp32 and a committed state is carried
 for the rest of the request, so a product of fp32 operands here splits each into three bf16
 pieces (x = x1 + x2 + x3: 8 + 8 + 8 significant bits, the whole fp32 mantissa, and bf16 keeps
-fp32's exponent range) and sums the six piece products whose order is at most that of x1 y3,
-accumulating in fp32 (smallest first). What is left out is below fp32's own rounding, so the
-outputs stay within one bf16 ulp of the path kernel's (tested; one piece alone does not).
-`PIECES` = 1 or 2 trades that accuracy for fewer products (the bench's A/B).
+fp32's exponent range) and sums the six piece products whose order is at most that of x1 y3.
+What is left out is below fp32's own rounding, so the outputs stay within one bf16 ulp of the path
+kernel's under Triton's interpreter (tested; two pieces miss it by 20-90x, one by thousands).
+How the piece products are added matters on the GPU: chained through the tensor cores' accumulator
+(`sep=False`) they were 48.8 bf16 ulps off at worst on an H100 (2026-12-07), that accumulator keeping
+fewer bits than IEEE fp32; so by default (`sep=True`) each product goes into a zero accumulator of its
+own and they are summed in fp32 (not yet run on a GPU). `PIECES` = 1 or 2 trades accuracy for fewer
+products (the bench's A/B).
 
 The triangular solve: `SOLVE="loop"` is forward substitution, row by row in registers (fp32
 FMAs, n dependent steps); `SOLVE="doubling"` inverts I + L as (I - L)(I + L^2)(I + L^4)...,
