@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from tandem.kernels.gdn import gdn_chain_chunked, gdn_replay, gdn_tree_walk, gdn_tree_wy, gdn_wy_commit
 from tandem.kernels.gdn_path import gdn_path_commit, gdn_path_tree, path_kernel_runs, root_paths
-from tandem.kernels.gdn_wy import gdn_wy_commit_, gdn_wy_tree
+from tandem.kernels.gdn_wy import bf16_ulps, gdn_wy_commit_, gdn_wy_tree
 from tandem.tree.draft_tree import ancestor_mask
 
 
@@ -143,8 +143,7 @@ def main() -> int:
                 ulp_ref = (out, state)
             ulps = None
             if ulp_ref is not None and name.startswith("wy_triton"):  # (bf16 ulps at the path kernel's values)
-                ulps = max(((a - b).abs() / torch.exp2(torch.floor(torch.log2(b.abs().clamp(min=2.0 ** -126))) - 7))
-                           .max().item() for a, b in zip((out, state), ulp_ref))
+                ulps = max(bf16_ulps(a, b).max().item() for a, b in zip((out, state), ulp_ref))
             row = {"nodes": n, "kernel": name, "max_abs_err": err, "ulps": ulps, "ok": ok, "depth": max(pl[1].tolist()),
                    "verify_ms": timed_ms(verify[name], dev, args.iters, False),
                    "verify_graph_ms": timed_ms(verify[name], dev, args.iters, True) if name != "walk" else None,

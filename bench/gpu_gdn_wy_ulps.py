@@ -18,12 +18,12 @@ from test_gpu_gdn_path import _inputs, _tree  # noqa: E402
 
 from tandem.kernels.gdn import gdn_tree_wy, gdn_wy_commit  # noqa: E402
 from tandem.kernels.gdn_path import gdn_path_commit, gdn_path_tree, root_paths  # noqa: E402
-from tandem.kernels.gdn_wy import gdn_wy_commit_, gdn_wy_tree  # noqa: E402
+from tandem.kernels.gdn_wy import bf16_ulps, gdn_wy_commit_, gdn_wy_tree  # noqa: E402
 from tandem.tree.draft_tree import ancestor_mask  # noqa: E402
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
-    u = (a - b).abs() / torch.exp2(torch.floor(torch.log2(b.abs().clamp(min=2.0 ** -126))) - 7)
+    u = bf16_ulps(a, b)
     i = int(u.argmax())
     return u.max().item(), b.flatten()[i].item(), b.abs().max().item()
 

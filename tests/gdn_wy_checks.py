@@ -21,7 +21,7 @@ from gdn_path_checks import Oracle, _forest, _inputs, _path, _tiny_target
 from tandem.config import GenerationConfig, SpecConfig
 from tandem.kernels.gdn import gdn_replay, gdn_snapshots_ref
 from tandem.kernels.gdn_path import gdn_path_commit, gdn_path_tree, root_paths
-from tandem.kernels.gdn_wy import SOLVES, gdn_wy_commit_, gdn_wy_tree
+from tandem.kernels.gdn_wy import SOLVES, bf16_ulps, gdn_wy_commit_, gdn_wy_tree
 from tandem.runtime.hybrid import HybridTarget, generate_hybrid
 from tandem.tree.draft_tree import DraftTree, ancestor_mask
 
@@ -58,12 +58,6 @@ def check_against_snapshots() -> None:
     print("WY kernel against per-node snapshots: ok")
 
 
-def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    """The spacing of bf16 values (8 significant bits) at |x|."""
-    e = torch.floor(torch.log2(x.abs().clamp(min=2.0 ** -126)))
-    return torch.exp2(e - 7)
-
-
 def check_one_bf16_ulp_of_the_path_kernel() -> None:
     """Every output and the committed state within one bf16 ulp of the path kernel's, at a GDN
     head width of 64 and a 32-node tree; the same products from one bf16 piece each miss that."""
@@ -78,8 +72,7 @@ def check_one_bf16_ulp_of_the_path_kernel() -> None:
     for pieces in (3, 1):
         o, U, G = gdn_wy_tree(S0, q, k, v, decay, beta, ancestor_mask(parents), pieces=pieces)
         S = gdn_wy_commit_(S0.clone(), k, U, G, _on_path(parents, n - 1), n - 1, pieces=pieces)
-        worst[pieces] = max(((o - o_path).abs() / _bf16_ulp(o_path)).max().item(),
-                            ((S - S_path).abs() / _bf16_ulp(S_path)).max().item())
+        worst[pieces] = max(bf16_ulps(o, o_path).max().item(), bf16_ulps(S, S_path).max().item())
     assert worst[3] <= 1.0, worst
     assert worst[1] > 1.0, worst  # (the split is what keeps it there)
     print("WY kernel within one bf16 ulp of the path kernel: ok")

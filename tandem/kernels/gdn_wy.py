@@ -60,6 +60,13 @@ MAX_NODES = 64  # larger trees take the torch WY form (their [n, n] tiles would 
 SOLVES = ("doubling", "loop")
 
 
+def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|got - ref| in bf16 ulps at ref's values (bf16's spacing, 8 significant bits, at |ref|): the unit of
+    SpecPilot s4.2's bar for this kernel (within one of the path kernel's outputs)."""
+    spacing = torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=2.0 ** -126))) - 7)
+    return (got - ref).abs() / spacing
+
+
 def _bf16_dot() -> bool:
     return os.environ.get("TRITON_INTERPRET") != "1"
 

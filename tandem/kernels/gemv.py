@@ -101,13 +101,12 @@ def applies(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool
     fused layer's (small models: there the launch, not the read, is the cost), K a multiple of 64.
     `k`: the input width where it is not x's (a layer's down_proj, asked about with the layer's input)."""
     K = x.shape[-1] if k is None else k
+    row = (triton_enabled(x) and x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] == K and K % 64 == 0
+           and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.stride(-1) == 1)
     if isinstance(weight, W12Gemv):  # (any row dtype: the weights decode to exact bf16 values in fp32)
-        return (triton_enabled(x) and x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] == K and K % 64 == 0
-                and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.stride(-1) == 1)
-    return (triton_enabled(x) and enabled() and x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] == K
-            and K % 64 == 0 and weight.numel() * weight.element_size() > fused_layer.MAX_WEIGHT_BYTES
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dtype == x.dtype
-            and weight.is_contiguous() and x.stride(-1) == 1)
+        return row
+    return (row and enabled() and weight.numel() * weight.element_size() > fused_layer.MAX_WEIGHT_BYTES
+            and weight.dtype == x.dtype and weight.is_contiguous())
 
 
 # ---- launches ---------------------------------------------------------------------------------
@@ -237,6 +236,13 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _w12_rows(n, K):
+        # (view, low-nibble) byte offsets of W12 channels n: their row tile's first record, then 64 view bytes a
+        # channel; the low nibbles 32 bytes a channel after the record's 8 KB view
+        r = (n // 128).to(tl.int64) * (K // 64) * 12288 + (n % 128) * 64
+        return r, r - (n % 128) * 32 + 8192
+
+    @triton.jit
     def _w12_escapes(x_ptr, d_ptr, lw_ptr, s_ptr, eo_ptr, ec_ptr, eb_ptr, n, m, b7, HAS_DELTA: tl.constexpr,
                      NORM: tl.constexpr):
         # [BN]: over each channel's escape list, (its value - z_n) times the row's (normed) input at its column:
@@ -264,11 +270,9 @@ if triton is not None:
         # squares of its x + delta. The accumulators [BN, BK] are reduced once after the loop, so the loop is
         # loads and FMAs (and, for W12, the decode). The PDL wait (_pdl_enter) is here: with PRE the first weight
         # chunk loads before it (fused_layer's _norm_qkv_kernel says why)
-        if W12:  # a channel's view bytes start at its row tile's first record plus 64 a channel
-            r1 = (n1 // 128).to(tl.int64) * (K // 64) * 12288 + (n1 % 128) * 64
-            r2 = (n2 // 128).to(tl.int64) * (K // 64) * 12288 + (n2 % 128) * 64
-            rl1 = r1 - (n1 % 128) * 32 + 8192  # its low nibbles: 32 bytes a channel after the 8 KB view
-            rl2 = r2 - (n2 % 128) * 32 + 8192
+        if W12:
+            r1, rl1 = _w12_rows(n1, K)
+            r2, rl2 = _w12_rows(n2, K)
             b1 = tl.load(b_ptr + n1, mask=m, other=0)
             b2 = tl.load(b_ptr + n2, mask=m, other=0)
         else:

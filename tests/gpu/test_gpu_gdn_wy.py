@@ -14,7 +14,7 @@ from gpu_lane import NEEDS_CUDA, no_grad
 from test_gpu_gdn_path import _inputs, _tree
 from tandem.kernels.gdn import gdn_replay, gdn_snapshots_ref
 from tandem.kernels.gdn_path import gdn_path_commit, gdn_path_tree, root_paths
-from tandem.kernels.gdn_wy import SOLVES, gdn_wy_commit_, gdn_wy_tree
+from tandem.kernels.gdn_wy import SOLVES, bf16_ulps, gdn_wy_commit_, gdn_wy_tree
 from tandem.tree.draft_tree import ancestor_mask
 
 pytestmark = [pytest.mark.cuda, NEEDS_CUDA, pytest.mark.usefixtures(no_grad.__name__)]
@@ -24,10 +24,6 @@ def _on_path(parents: list[int], node: int) -> torch.Tensor:
     while node >= 0:
         on[node], node = True, parents[node]
     return on.cuda()
-
-
-def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(torch.floor(torch.log2(x.abs().clamp(min=2.0 ** -126))) - 7)
 
 
 @pytest.mark.parametrize("solve", SOLVES)
@@ -54,8 +50,7 @@ def test_wy_kernel_within_one_bf16_ulp_of_the_path_kernel(solve):
     for pieces in (3, 1):
         o, U, G = gdn_wy_tree(S0, q, k, v, decay, beta, ancestor_mask(parents, "cuda"), pieces=pieces, solve=solve)
         S = gdn_wy_commit_(S0.clone(), k, U, G, _on_path(parents, n - 1), n - 1, pieces=pieces)
-        worst[pieces] = max(((o - o_path).abs() / _bf16_ulp(o_path)).max().item(),
-                            ((S - S_path).abs() / _bf16_ulp(S_path)).max().item())
+        worst[pieces] = max(bf16_ulps(o, o_path).max().item(), bf16_ulps(S, S_path).max().item())
     assert worst[3] <= 1.0 < worst[1], worst
 
 
